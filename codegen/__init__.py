@@ -1,0 +1,8 @@
+"""epgen.codegen: specs, arch traits, rendering, the catalogue and offline compile checks.
+
+Everything here runs without a GPU.
+"""
+
+SCHEMA_VERSION = 1
+"""Version of the generated-source schema; printed in every source header. Bump it when the
+meaning of a spec field or the kernel ABI (argument struct, arena layout) changes."""

@@ -1,0 +1,94 @@
+"""Per-target facts: the one table that says what differs between gfx950, gfx1250 and sm_90.
+
+No other module compares arch names; everything reads a row of ``ARCH_TRAITS``.
+
+Sources: wave sizes and LDS sizes from the AMD CDNA4 ISA guide (gfx950: wave64, 160 KiB LDS per
+CU) and the gfx1250 LLVM AMDGPU target notes (wave32, 320 KiB LDS per WGP); sm_90 from the CUDA
+C++ Programming Guide, compute capability 9.0 (warp 32, 227 KiB shared memory per block opt-in,
+228 KiB per SM, 64 Ki 32-bit registers per SM, at most 32 resident blocks and 64 warps per SM).
+The AMD steady counter (``s_memrealtime`` / ``__builtin_readsteadycounter``) runs at 100 MHz on
+CDNA3/CDNA4 and gfx12 parts (LLVM AMDGPU usage notes); sm_90 reads ``%globaltimer`` in ns.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class ArchTraits:
+    """Facts about one compile target.
+
+    Attributes:
+        name: target name as users spell it (``gfx950``, ``gfx1250``, ``sm_90``).
+        vendor: ``amd`` or ``nvidia``; selects the platform template.
+        wave_size: lanes per wave/warp.
+        platform_template: Jinja template with the primitive layer for this vendor.
+        suffix: file suffix of generated sources (``.hip`` or ``.cu``).
+        runtime_compiler: what CuPy uses at runtime (``hiprtc`` or ``nvrtc``).
+        offload_arch: the name the compiler takes (``--offload-arch`` / ``--gpu-architecture``).
+        vector_bytes: widest global load/store per lane, bytes.
+        shared_bytes_per_block: shared memory / LDS a block may use, bytes.
+        steady_clock_hz: frequency of the clock the bounded spin-waits read, Hz.
+        fp8_e4m3: fp8 flavour of the hardware conversions (``ocp`` = OCP e4m3fn).
+        registers_per_simd: 32-bit registers per SIMD (AMD, per lane) or per SM (NVIDIA).
+        max_threads_per_block: hardware limit on threads per block.
+    """
+
+    name: str
+    vendor: str
+    wave_size: int
+    platform_template: str
+    suffix: str
+    runtime_compiler: str
+    offload_arch: str
+    vector_bytes: int
+    shared_bytes_per_block: int
+    steady_clock_hz: int
+    fp8_e4m3: str
+    registers_per_simd: int
+    max_threads_per_block: int
+
+    @property
+    def clock_ns_per_tick(self) -> int:
+        """Nanoseconds per tick of the spin-wait clock (an integer for every row)."""
+        return 1_000_000_000 // self.steady_clock_hz
+
+
+ARCH_TRAITS: dict[str, ArchTraits] = {
+    t.name: t
+    for t in (
+        ArchTraits(
+            name="gfx950", vendor="amd", wave_size=64, platform_template="platform/amd.j2",
+            suffix=".hip", runtime_compiler="hiprtc", offload_arch="gfx950", vector_bytes=16,
+            shared_bytes_per_block=160 * 1024, steady_clock_hz=100_000_000, fp8_e4m3="ocp",
+            registers_per_simd=512, max_threads_per_block=1024,
+        ),
+        ArchTraits(
+            name="gfx1250", vendor="amd", wave_size=32, platform_template="platform/amd.j2",
+            suffix=".hip", runtime_compiler="hiprtc", offload_arch="gfx1250", vector_bytes=16,
+            shared_bytes_per_block=320 * 1024, steady_clock_hz=100_000_000, fp8_e4m3="ocp",
+            registers_per_simd=1024, max_threads_per_block=1024,
+        ),
+        ArchTraits(
+            name="sm_90", vendor="nvidia", wave_size=32, platform_template="platform/nvidia.j2",
+            suffix=".cu", runtime_compiler="nvrtc", offload_arch="sm_90", vector_bytes=16,
+            shared_bytes_per_block=227 * 1024, steady_clock_hz=1_000_000_000, fp8_e4m3="ocp",
+            registers_per_simd=65536, max_threads_per_block=1024,
+        ),
+    )
+}
+
+ARCHES: tuple[str, ...] = tuple(ARCH_TRAITS)
+
+
+def traits(arch: str) -> ArchTraits:
+    """Return the traits row of ``arch``.
+
+    Raises:
+        ValueError: ``arch`` is not a known target (the message lists the known ones).
+    """
+    try:
+        return ARCH_TRAITS[arch]
+    except KeyError:
+        raise ValueError(f"arch={arch!r}: unknown target; known: {', '.join(ARCHES)}") from None

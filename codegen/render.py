@@ -1,0 +1,66 @@
+"""Render a KernelSpec into one self-contained translation unit.
+
+The platform layer is pulled in with Jinja ``{% include %}`` (not ``#include``), so the text alone
+is the identity of the kernel: CuPy's disk cache keys on the source string and options.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+
+import attrs
+import jinja2
+
+from .spec import KernelSpec
+
+RUNTIME_OPTIONS = ("-std=c++17",)
+"""Options every runtime compile passes (CuPy RawModule); part of the cache key."""
+
+
+@attrs.frozen
+class Source:
+    """A rendered kernel.
+
+    Attributes:
+        spec: the spec it was rendered from.
+        text: the translation unit (starts with a header comment naming the spec and schema).
+        entry: the ``extern "C"`` kernel name (``spec.name``).
+        key: sha256 of text and runtime options.
+    """
+
+    spec: KernelSpec
+    text: str
+    entry: str
+    key: str
+
+    @property
+    def filename(self) -> str:
+        """``<entry><suffix>``, the name used in ``generated/<arch>/``."""
+        return self.entry + self.spec.traits.suffix
+
+
+@functools.lru_cache(maxsize=1)
+def environment() -> jinja2.Environment:
+    """The one Jinja environment: package templates, StrictUndefined, stable whitespace."""
+    root = importlib.resources.files("epgen.templates")
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(root)),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def render(spec: KernelSpec) -> Source:
+    """Render ``spec`` into a Source; the same spec always gives byte-identical text.
+
+    Raises:
+        jinja2.UndefinedError: a template names a variable ``template_vars()`` lacks.
+    """
+    template = environment().get_template(f"ops/{spec.op.value}.j2")
+    text = template.render(**spec.template_vars())
+    return Source(spec=spec, text=text, entry=spec.name, key=spec.key(text, RUNTIME_OPTIONS))

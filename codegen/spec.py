@@ -1,0 +1,278 @@
+"""KernelSpec: every compile-time field of one generated kernel, validated on construction.
+
+One spec drives both the rendered constants and the host-side launch geometry and buffer sizes
+(DESIGN.md section 1): every derived number is a property here, printed by the template as a
+``constexpr`` and read by the runtime for grids and allocations.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+
+import attrs
+
+from . import SCHEMA_VERSION
+from .arch import ARCH_TRAITS, ArchTraits, traits
+from .dtypes import DTYPES, DTypeInfo, dtype_info
+
+MAX_TOKENS_LIMIT = 1 << 20
+"""Largest max_tokens_per_rank: keeps W x max tokens receive rows inside int32 offsets."""
+
+SIGNAL_WORDS = 256
+"""32-bit words in the signal region at the start of every arena (see ArenaLayout)."""
+
+
+class Op(str, enum.Enum):
+    """Which kernel a spec renders."""
+
+    DISPATCH = "dispatch"
+    COMBINE = "combine"
+
+
+def _positive(name: str, lo: int, hi: int):
+    def check(_inst, attribute, value):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"KernelSpec.{name}={value!r}: must be an int")
+        if not lo <= value <= hi:
+            raise ValueError(f"KernelSpec.{name}={value}: must be in [{lo}, {hi}]")
+
+    return check
+
+
+def _one_of(name: str, choices):
+    def check(_inst, attribute, value):
+        if value not in choices:
+            raise ValueError(f"KernelSpec.{name}={value!r}: must be one of {', '.join(map(str, choices))}")
+
+    return check
+
+
+ALIGN = 256
+"""Alignment of every arena region, bytes."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@attrs.frozen
+class ArenaLayout:
+    """Byte offsets of the regions of one rank's symmetric arena (identical on every rank).
+
+    Regions, in order (each 256-byte aligned):
+      signals      [256] uint32  call counters, arrival counters, per-peer flags
+      send_slot    [Tmax, W] int32  for each local token and destination rank, the receive row
+                   the token took in that rank's buffer, or -1 (written by dispatch, read by
+                   combine)
+      recv_src     [cap, 2] int32  (source rank, source token) of each received row
+      recv_weights [cap, K] float32
+      recv_indices [cap, K] int32
+      recv_scales  [cap, S] uint8  (absent when S = 0)
+      combine_in   [cap, H] bf16  expert outputs that combine gathers (zero-copy target)
+      recv_x       [cap, H] dispatch dtype
+
+    ``cap`` = W x Tmax receive rows (the worst case). All sizes in bytes.
+    """
+
+    signals: int
+    send_slot: int
+    recv_src: int
+    recv_weights: int
+    recv_indices: int
+    recv_scales: int
+    combine_in: int
+    recv_x: int
+    recv_x_row_bytes: int
+    capacity_rows: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes to allocate for one arena."""
+        return _align(self.recv_x + self.capacity_rows * self.recv_x_row_bytes)
+
+    @classmethod
+    def build(cls, *, world_size, max_tokens_per_rank, hidden, topk, scale_bytes, recv_x_row_bytes):
+        cap = world_size * max_tokens_per_rank
+        off = 0
+        fields = {}
+        for name, size in (
+            ("signals", SIGNAL_WORDS * 4),
+            ("send_slot", max_tokens_per_rank * world_size * 4),
+            ("recv_src", cap * 8),
+            ("recv_weights", cap * topk * 4),
+            ("recv_indices", cap * topk * 4),
+            ("recv_scales", cap * scale_bytes),
+            ("combine_in", cap * hidden * 2),
+            ("recv_x", 0),
+        ):
+            fields[name] = off
+            off = _align(off + size)
+        return cls(**fields, recv_x_row_bytes=recv_x_row_bytes, capacity_rows=cap)
+
+
+@attrs.frozen
+class KernelSpec:
+    """All compile-time fields of one generated kernel.
+
+    Attributes:
+        op: dispatch or combine.
+        arch: target (a key of ``ARCH_TRAITS``).
+        dtype: payload dtype (dispatch: the tokens moved; combine: expert output, bf16).
+        hidden: elements per token row, H.
+        topk: experts per token, K (at most the wave size).
+        experts_per_rank: local experts per rank, L; expert e lives on rank e // L.
+        world_size: ranks, W (at most the wave size: one lane per destination rank).
+        max_tokens_per_rank: largest token count a rank may pass, Tmax.
+        scale_bytes: opaque per-token scale bytes forwarded by dispatch, S (0 = none).
+        blocks: blocks per rank in the launch grid.
+        warps_per_block: warps (AMD: waves) per block.
+        unroll: 16-byte vectors each lane keeps in flight in the row copy loop.
+
+    Raises:
+        ValueError: on construction, naming the field, its value and the rule broken.
+    """
+
+    op: Op = attrs.field(converter=Op, validator=_one_of("op", [o.value for o in Op]))
+    arch: str = attrs.field(validator=_one_of("arch", list(ARCH_TRAITS)))
+    dtype: str = attrs.field(validator=_one_of("dtype", list(DTYPES)))
+    hidden: int = attrs.field(validator=_positive("hidden", 1, 1 << 16))
+    topk: int = attrs.field(validator=_positive("topk", 1, 64))
+    experts_per_rank: int = attrs.field(validator=_positive("experts_per_rank", 1, 1 << 16))
+    world_size: int = attrs.field(validator=_positive("world_size", 1, 64))
+    max_tokens_per_rank: int = attrs.field(validator=_positive("max_tokens_per_rank", 1, MAX_TOKENS_LIMIT))
+    scale_bytes: int = attrs.field(default=0, validator=_positive("scale_bytes", 0, 4096))
+    blocks: int = attrs.field(default=32, validator=_positive("blocks", 1, 65535))
+    warps_per_block: int = attrs.field(default=16, validator=_positive("warps_per_block", 1, 32))
+    unroll: int = attrs.field(default=4, validator=_positive("unroll", 1, 16))
+
+    def __attrs_post_init__(self):
+        t = self.traits
+        row = self.row_bytes
+        if row % t.vector_bytes:
+            per = t.vector_bytes * 8 // self.dtype_info.bits
+            raise ValueError(
+                f"KernelSpec.hidden={self.hidden}: a {self.dtype} row must be a multiple of "
+                f"{t.vector_bytes} bytes (hidden a multiple of {per}); it is {row} bytes"
+            )
+        if self.topk > t.wave_size:
+            raise ValueError(f"KernelSpec.topk={self.topk}: must be at most the {self.arch} wave size {t.wave_size}")
+        if self.world_size > t.wave_size:
+            raise ValueError(
+                f"KernelSpec.world_size={self.world_size}: must be at most the {self.arch} wave size {t.wave_size}"
+            )
+        if self.threads > t.max_threads_per_block:
+            raise ValueError(
+                f"KernelSpec.warps_per_block={self.warps_per_block}: {self.threads} threads exceed the "
+                f"{self.arch} limit of {t.max_threads_per_block} per block"
+            )
+        if self.op is Op.COMBINE and self.dtype != "bf16":
+            raise ValueError(f"KernelSpec.dtype={self.dtype!r}: combine takes bf16 expert outputs")
+
+    # --- derived values (the one place each formula lives) -------------------------------------
+    @property
+    def traits(self) -> ArchTraits:
+        return traits(self.arch)
+
+    @property
+    def dtype_info(self) -> DTypeInfo:
+        return dtype_info(self.dtype)
+
+    @property
+    def num_experts(self) -> int:
+        """E = W x L."""
+        return self.world_size * self.experts_per_rank
+
+    @property
+    def threads(self) -> int:
+        """Threads per block."""
+        return self.warps_per_block * self.traits.wave_size
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one payload row."""
+        return self.dtype_info.row_bytes(self.hidden)
+
+    @property
+    def row_vectors(self) -> int:
+        """16-byte vectors per payload row."""
+        return self.row_bytes // self.traits.vector_bytes
+
+    @property
+    def capacity_rows(self) -> int:
+        """Receive rows each rank can hold: W x Tmax."""
+        return self.world_size * self.max_tokens_per_rank
+
+    @property
+    def layout(self) -> ArenaLayout:
+        """Arena layout; dispatch and combine specs of one op agree on every shared offset."""
+        return ArenaLayout.build(
+            world_size=self.world_size,
+            max_tokens_per_rank=self.max_tokens_per_rank,
+            hidden=self.hidden,
+            topk=self.topk,
+            scale_bytes=self.scale_bytes,
+            recv_x_row_bytes=self.row_bytes if self.op is Op.DISPATCH else 0,
+        )
+
+    @property
+    def name(self) -> str:
+        """Entry name: every compile-time field in declaration order, a valid C identifier."""
+        arch = self.arch.replace("_", "")
+        s = f"_s{self.scale_bytes}" if self.scale_bytes else ""
+        return (
+            f"epgen_{self.op.value}_{arch}_{self.dtype}_w{self.world_size}_h{self.hidden}_k{self.topk}"
+            f"_l{self.experts_per_rank}_t{self.max_tokens_per_rank}{s}"
+            f"_{self.blocks}x{self.warps_per_block}_u{self.unroll}"
+        )
+
+    def describe(self) -> str:
+        """One line with every field, for source headers and manifests."""
+        return " ".join(f"{f.name}={getattr(self, f.name).value if f.name == 'op' else getattr(self, f.name)}"
+                        for f in attrs.fields(type(self)))
+
+    def as_dict(self) -> dict:
+        """Fields as plain JSON-able values."""
+        d = attrs.asdict(self)
+        d["op"] = self.op.value
+        return d
+
+    def replace(self, **changes) -> "KernelSpec":
+        """A copy with ``changes`` applied (validated again)."""
+        return attrs.evolve(self, **changes)
+
+    def template_vars(self) -> dict:
+        """The one mapping handed to Jinja."""
+        t = self.traits
+        lay = self.layout
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "spec": self,
+            "spec_line": self.describe(),
+            "entry": self.name,
+            "op": self.op.value,
+            "arch": t,
+            "wave_size": t.wave_size,
+            "hidden": self.hidden,
+            "topk": self.topk,
+            "experts_per_rank": self.experts_per_rank,
+            "num_experts": self.num_experts,
+            "world_size": self.world_size,
+            "max_tokens_per_rank": self.max_tokens_per_rank,
+            "capacity_rows": self.capacity_rows,
+            "scale_bytes": self.scale_bytes,
+            "blocks": self.blocks,
+            "warps_per_block": self.warps_per_block,
+            "threads": self.threads,
+            "unroll": self.unroll,
+            "row_bytes": self.row_bytes,
+            "row_vectors": self.row_vectors,
+            "layout": lay,
+        }
+
+    def key(self, text: str, options: tuple[str, ...] = ()) -> str:
+        """sha256 over rendered text and compile options (the cache identity)."""
+        h = hashlib.sha256(text.encode())
+        for o in options:
+            h.update(b"\0" + o.encode())
+        return h.hexdigest()

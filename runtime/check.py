@@ -1,0 +1,171 @@
+"""Inputs and verification shared by the GPU tests, the demo, the benchmark and the stress run.
+
+Every check compares the op against ``epgen.reference`` on fresh random data: received rows
+bit-equal and the set of (source rank, source token) exactly the reference's; combine within
+bf16 tolerance (relative L2 error).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from . import reference
+from .config import EpConfig
+
+ROUTINGS = ("uniform", "invalid", "duplicates", "skewed")
+"""Routing kinds: uniform random distinct experts; uniform with -1 sprinkled (and some all -1
+rows); uniform with repeated expert ids inside a row; skewed (half the tokens send every slot to
+experts of one rank)."""
+
+COMBINE_TOLERANCE = 1e-2
+"""Relative L2 error allowed for combine (bf16 output of an fp32 sum)."""
+
+
+@attrs.frozen
+class RankInputs:
+    """One rank's dispatch inputs on the CPU: x [T,H], weights [T,K] f32, indices [T,K] i32,
+    scales [T,S] u8 or None."""
+
+    x: torch.Tensor
+    weights: torch.Tensor
+    indices: torch.Tensor
+    scales: torch.Tensor | None
+
+    def to(self, device) -> "RankInputs":
+        return RankInputs(*(None if t is None else t.to(device) for t in attrs.astuple(self, recurse=False)))
+
+
+def routing(num_tokens: int, cfg: EpConfig, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """Expert ids [T, K] int32 of routing ``kind`` (see ROUTINGS).
+
+    Raises:
+        ValueError: unknown kind.
+    """
+    E, K, T = cfg.num_experts, cfg.topk, num_tokens
+    if kind not in ROUTINGS:
+        raise ValueError(f"routing kind={kind!r}: must be one of {', '.join(ROUTINGS)}")
+    ids = torch.rand(T, E, generator=gen).argsort(dim=1)[:, :K].to(torch.int32)
+    if kind == "invalid" and T:
+        ids[torch.rand(T, K, generator=gen) < 0.25] = -1
+        ids[:: max(1, T // 4)] = -1  # some tokens reach no rank
+    elif kind == "duplicates" and K > 1:
+        dup = torch.rand(T, generator=gen) < 0.5
+        ids[dup, 1:] = ids[dup, :1]
+    elif kind == "skewed":
+        L = cfg.experts_per_rank
+        hot = torch.rand(T, generator=gen) < 0.5
+        ids[hot] = torch.randint(0, L, (int(hot.sum()), K), generator=gen, dtype=torch.int32)
+    return ids
+
+
+def make_inputs(cfg: EpConfig, tokens: list[int], kind: str = "uniform", seed: int = 0) -> list[RankInputs]:
+    """Fresh random inputs for every rank (same seed -> same inputs in every process)."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = cfg.kernel_specs("sm_90")[0].dtype_info.torch_dtype
+    out = []
+    for T in tokens:
+        x = torch.randn(T, cfg.hidden, generator=gen).to(dtype)
+        w = torch.rand(T, cfg.topk, generator=gen)
+        s = torch.randint(0, 256, (T, cfg.scale_bytes), generator=gen, dtype=torch.uint8) if cfg.scale_bytes else None
+        out.append(RankInputs(x, w, routing(T, cfg, kind, gen), s))
+    return out
+
+
+def reference_dispatch(cfg: EpConfig, inputs: list[RankInputs]) -> list[reference.RecvRows]:
+    """The reference's receive rows of every rank."""
+    return reference.dispatch([i.x for i in inputs], [i.weights for i in inputs], [i.indices for i in inputs],
+                              experts_per_rank=cfg.experts_per_rank,
+                              scales=[i.scales for i in inputs] if cfg.scale_bytes else None)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def check_dispatch(rank: int, out, ref: reference.RecvRows) -> torch.Tensor:
+    """Check one rank's DispatchOutput against the reference rows.
+
+    Returns:
+        perm (int64 [R]) with the op's row perm[i] holding the reference's row i.
+
+    Raises:
+        AssertionError: wrong row count, wrong (source rank, token) set, or a row not bit-equal.
+    """
+    n = int(out.num_recv.item())
+    assert n == ref.num_rows, f"rank {rank}: num_recv={n}, reference receives {ref.num_rows} rows"
+    src = out.recv_src[:n].cpu()
+    perm = reference.align_rows(ref.src, src)
+    if n == 0:
+        return perm
+    pairs = [("recv_x", out.recv_x, ref.x), ("recv_weights", out.recv_weights, ref.weights),
+             ("recv_indices", out.recv_indices, ref.indices)]
+    if ref.scales is not None:
+        pairs.append(("recv_scales", out.recv_scales, ref.scales))
+    for name, got, want in pairs:
+        g = got[:n].cpu()[perm]
+        bad = (_bits(g) != _bits(want)).reshape(n, -1).any(dim=1)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise AssertionError(f"rank {rank}: {name} row for source {tuple(ref.src[i].tolist())} differs from the "
+                                 f"source row ({int(bad.sum())} of {n} rows differ)")
+    return perm
+
+
+def expert_outputs(n: int, hidden: int, gen: torch.Generator) -> torch.Tensor:
+    """Random bf16 expert outputs [n, H] (never zeros)."""
+    return torch.randn(n, hidden, generator=gen).to(torch.bfloat16)
+
+
+def check_combine(rank: int, out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative L2 error of one rank's combine output; raises AssertionError above tolerance or
+    on NaN (poisoned rows left unwritten show up as NaN)."""
+    err = reference.relative_l2(out.float().cpu(), ref.float())
+    assert err <= COMBINE_TOLERANCE, f"rank {rank}: combine relative L2 error {err:.3g} > {COMBINE_TOLERANCE}"
+    return err
+
+
+def poison(op, rank: int) -> None:
+    """Fill a rank's receive buffers with NaN bytes (0xFF) so unwritten rows cannot pass."""
+    for t in attrs.astuple(op.recv_buffers(rank), recurse=False)[:-1]:
+        if t is not None:
+            t.view(torch.uint8).fill_(0xFF)
+
+
+def run_round(op, cfg: EpConfig, tokens: list[int], kind: str, seed: int) -> dict:
+    """One verified dispatch + combine over every rank this process drives.
+
+    ``tokens`` lists T of every rank (all W); inputs are generated for all ranks from ``seed`` so
+    every process computes the same reference. Returns {"recv": [rows per local rank],
+    "combine_err": worst relative L2 error}.
+
+    Raises:
+        AssertionError: any mismatch with the reference.
+    """
+    device = op.device
+    inputs = make_inputs(cfg, tokens, kind, seed)
+    ref = reference_dispatch(cfg, inputs)
+    local = op.local_ranks
+    for r in local:
+        poison(op, r)
+    dev_in = [inputs[r].to(device) for r in local]
+    args = [[getattr(d, f) for d in dev_in] for f in ("x", "weights", "indices", "scales")]
+    if not op.virtual:
+        args = [a[0] for a in args]
+    outs = op.dispatch(*args)
+    outs = outs if op.virtual else [outs]
+    gen = torch.Generator().manual_seed(seed + 1)
+    ys_ref = [expert_outputs(ref[d].num_rows, cfg.hidden, gen) for d in range(cfg.world_size)]
+    perms = [check_dispatch(r, o, ref[r]) for r, o in zip(local, outs)]
+    ys = []
+    for r, perm in zip(local, perms):
+        y = torch.full((op.layout.capacity_rows, cfg.hidden), float("nan"), dtype=torch.bfloat16)
+        y[perm] = ys_ref[r]  # the op's row perm[i] is the reference's row i
+        ys.append(y[: max(ref[r].num_rows, 1)].to(device))
+    poisoned = [torch.full((tokens[r], cfg.hidden), float("nan"), dtype=torch.bfloat16, device=device) for r in local]
+    combined = op.combine(ys if op.virtual else ys[0], out=poisoned if op.virtual else poisoned[0])
+    combined = combined if op.virtual else [combined]
+    ref_out = reference.combine(ys_ref, ref, tokens)
+    errs = [check_combine(r, c, ref_out[r]) for r, c in zip(local, combined)]
+    op.check()
+    return {"recv": [ref[r].num_rows for r in local], "combine_err": max(errs)}

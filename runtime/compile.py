@@ -1,0 +1,42 @@
+"""Compile rendered sources at runtime with CuPy (NVRTC on CUDA, hiprtc on ROCm).
+
+Modules are cached in memory by (device, source key); CuPy's own disk cache (keyed on the source
+text and options) makes a second process skip the compile.
+"""
+
+from __future__ import annotations
+
+from .codegen.render import RUNTIME_OPTIONS, Source
+
+_FUNCTIONS: dict[tuple[int, str], object] = {}
+
+
+def load_kernel(source: Source):
+    """Compile ``source`` for the current CuPy device (once per process) and return its entry.
+
+    Returns:
+        cupy.RawKernel-like function object, launchable with ``(grid, block, args, stream=...)``.
+
+    Raises:
+        cupy.cuda.compiler.CompileException: the runtime compiler rejected the source.
+    """
+    import cupy
+
+    device = cupy.cuda.runtime.getDevice()
+    key = (device, source.key)
+    fn = _FUNCTIONS.get(key)
+    if fn is None:
+        module = cupy.RawModule(code=source.text, options=RUNTIME_OPTIONS)
+        fn = module.get_function(source.entry)
+        _FUNCTIONS[key] = fn
+    return fn
+
+
+def device_arch(device_index: int) -> str:
+    """Target name of a torch device: ``sm_<major><minor>`` on CUDA, the gfx name on ROCm."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device_index)
+    if getattr(torch.version, "hip", None):
+        return props.gcnArchName.split(":")[0]
+    return f"sm_{props.major}{props.minor}"

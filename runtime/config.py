@@ -1,0 +1,100 @@
+"""EpConfig: what a user states about one expert-parallel layer; validated on construction."""
+
+from __future__ import annotations
+
+import attrs
+
+from .codegen.arch import ARCH_TRAITS
+from .codegen.dtypes import DTYPES
+from .codegen.models import model as _model
+from .codegen.spec import KernelSpec, Op
+
+
+def _check(cond: bool, field: str, value, rule: str):
+    if not cond:
+        raise ValueError(f"EpConfig.{field}={value!r}: {rule}")
+
+
+@attrs.frozen
+class Geometry:
+    """Launch geometry of one kernel: blocks per rank, warps (waves) per block, copy unroll."""
+
+    blocks: int = 32
+    warps_per_block: int = 16
+    unroll: int = 4
+
+
+@attrs.frozen
+class EpConfig:
+    """One expert-parallel MoE layer as its user describes it.
+
+    Attributes:
+        world_size: ranks W (processes, or virtual ranks in one process).
+        hidden: elements per token row H.
+        topk: experts per token K.
+        num_experts: routed experts E, a multiple of W (expert e lives on rank e // (E / W)).
+        max_tokens_per_rank: the most tokens any rank passes to one dispatch.
+        dtype: dispatch payload dtype.
+        scale_bytes: opaque per-token scale bytes forwarded by dispatch (0 = none).
+        dispatch_geometry, combine_geometry: launch geometry of the two kernels.
+        timeout_s: bound of every in-kernel spin-wait, seconds.
+
+    Raises:
+        ValueError: naming the field, its value and the rule, on construction; the derived
+            KernelSpecs are validated too (e.g. a row that is not a multiple of 16 bytes).
+    """
+
+    world_size: int
+    hidden: int
+    topk: int
+    num_experts: int
+    max_tokens_per_rank: int
+    dtype: str = "bf16"
+    scale_bytes: int = 0
+    dispatch_geometry: Geometry = Geometry()
+    combine_geometry: Geometry = Geometry()
+    timeout_s: float = 5.0
+
+    def __attrs_post_init__(self):
+        for f in ("world_size", "hidden", "topk", "num_experts", "max_tokens_per_rank"):
+            v = getattr(self, f)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f, v, "must be a positive int")
+        _check(self.num_experts % self.world_size == 0, "num_experts", self.num_experts,
+               f"must be a multiple of world_size={self.world_size}")
+        _check(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
+        _check(isinstance(self.scale_bytes, int) and self.scale_bytes >= 0, "scale_bytes", self.scale_bytes,
+               "must be an int >= 0")
+        _check(isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s <= 3600, "timeout_s",
+               self.timeout_s, "must be in (0, 3600] seconds")
+        # Build the specs once on a reference arch so shape rules fail here, not at first use.
+        for arch in ARCH_TRAITS:
+            self.kernel_specs(arch)
+
+    @classmethod
+    def for_model(cls, name: str, *, world_size: int, max_tokens_per_rank: int, **kw) -> "EpConfig":
+        """Config for a catalogue model (``epgen.codegen.models.MODELS``).
+
+        Raises:
+            ValueError: unknown model (with suggestions) or an invalid field.
+        """
+        m = _model(name)
+        return cls(world_size=world_size, hidden=m.hidden, topk=m.topk, num_experts=m.num_experts,
+                   max_tokens_per_rank=max_tokens_per_rank, **kw)
+
+    @property
+    def experts_per_rank(self) -> int:
+        """L = E / W."""
+        return self.num_experts // self.world_size
+
+    def kernel_specs(self, arch: str) -> tuple[KernelSpec, KernelSpec]:
+        """(dispatch spec, combine spec) for ``arch``; both share one arena layout."""
+        common = dict(arch=arch, hidden=self.hidden, topk=self.topk, experts_per_rank=self.experts_per_rank,
+                      world_size=self.world_size, max_tokens_per_rank=self.max_tokens_per_rank,
+                      scale_bytes=self.scale_bytes)
+        d, c = self.dispatch_geometry, self.combine_geometry
+        return (
+            KernelSpec(op=Op.DISPATCH, dtype=self.dtype, blocks=d.blocks, warps_per_block=d.warps_per_block,
+                       unroll=d.unroll, **common),
+            KernelSpec(op=Op.COMBINE, dtype="bf16", blocks=c.blocks, warps_per_block=c.warps_per_block,
+                       unroll=c.unroll, **common),
+        )

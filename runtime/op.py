@@ -1,0 +1,361 @@
+"""EpDispatchCombine: the generated dispatch and combine kernels as a torch-facing op.
+
+Contract: DESIGN.md section 3. All kernels are rendered and compiled at construction; dispatch()
+and combine() only check inputs and launch on torch's current stream (no host synchronization).
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import numpy as np
+import torch
+
+from .arena import Arenas, ErrorRecords
+from .codegen.arch import ARCH_TRAITS
+from .codegen.render import render
+from .codegen.spec import KernelSpec
+from .compile import device_arch, load_kernel
+from .config import EpConfig
+
+_PHASES = {1: "dispatch (waiting until the peer's receive buffers are free)",
+           2: "dispatch (waiting for the peer's rows)",
+           3: "combine (waiting for the peer's expert outputs)"}
+
+
+class EpError(RuntimeError):
+    """A kernel reported a fault (bad expert id, spin-wait timeout, receive overflow).
+
+    The op refuses further calls after it; build a new op.
+    """
+
+
+@attrs.frozen
+class DispatchOutput:
+    """What one rank receives from a dispatch. Views into the rank's arena, valid until its next
+    dispatch; rows >= num_recv are undefined and row order is unspecified.
+
+    Attributes:
+        recv_x: [W*Tmax, H] payload dtype.
+        recv_weights: [W*Tmax, K] float32, the sender's full row.
+        recv_indices: [W*Tmax, K] int32, the sender's full row.
+        recv_scales: [W*Tmax, S] uint8, or None when S = 0.
+        recv_src: [W*Tmax, 2] int32, (source rank, source token).
+        num_recv: [1] int32 device tensor, rows received.
+    """
+
+    recv_x: torch.Tensor
+    recv_weights: torch.Tensor
+    recv_indices: torch.Tensor
+    recv_scales: torch.Tensor | None
+    recv_src: torch.Tensor
+    num_recv: torch.Tensor
+
+
+def _args_dtype(world_size: int) -> np.dtype:
+    # Mirrors struct EpArgs in templates/common/_prelude.j2 (all fields 8 bytes: no padding).
+    return np.dtype([("arena", "<u8", (world_size,)), ("io", "<u8", (world_size, 6)),
+                     ("errors", "<u8"), ("rank_base", "<i8"), ("timeout_ns", "<i8")])
+
+
+def _check_tensor(t, name: str, *, dtype, shape, device):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name}.dtype={t.dtype}: must be {dtype}")
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name}.shape={list(t.shape)}: must be {want}")
+    if t.device != device:
+        raise ValueError(f"{name}.device={t.device}: must be {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous (call .contiguous() first)")
+
+
+class EpDispatchCombine:
+    """Dispatch tokens to the ranks holding their top-k experts and combine the expert outputs.
+
+    Modes:
+        * one process per GPU: ``torch.distributed`` initialized with ``world_size`` ranks (or
+          ``group``); peers' arenas are mapped through IPC handles. Inputs are tensors.
+        * virtual ranks (``virtual=True``): all W ranks live in this process on one GPU and every
+          launch runs all of them; inputs and outputs are lists with one entry per rank.
+        * W = 1: a single rank, no process group needed.
+
+    Args:
+        config: the layer (validated).
+        group: process group of the W ranks (default: the world group).
+        virtual: run all W ranks in this process on ``device``.
+        device: CUDA device index (default: torch's current device).
+        validate: synchronize after every call and raise at once on a kernel fault.
+
+    Raises:
+        RuntimeError: no GPU, or W > 1 without a process group and without ``virtual``.
+        ValueError: the process group size differs from ``config.world_size``, ranks hold
+            different configs, no kernels exist for this GPU's arch, or virtual ranks would not
+            all fit on the GPU at once.
+    """
+
+    def __init__(self, config: EpConfig, *, group=None, virtual: bool = False, device: int | None = None,
+                 validate: bool = False):
+        import cupy
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("EpDispatchCombine needs a GPU: torch.cuda.is_available() is False")
+        self.config = config
+        self.validate = validate
+        self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+        W = config.world_size
+        if virtual or W == 1:
+            group = None
+            self.local_ranks = list(range(W)) if virtual else [0]
+        else:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                raise RuntimeError(f"EpConfig.world_size={W}: needs torch.distributed initialized with one process "
+                                   "per GPU, or virtual=True to run every rank in this process")
+            group = group if group is not None else dist.group.WORLD
+            if dist.get_world_size(group) != W:
+                raise ValueError(f"EpConfig.world_size={W}: the process group has {dist.get_world_size(group)} ranks")
+            configs = [None] * W
+            dist.all_gather_object(configs, repr(config), group=group)
+            differ = [r for r, c in enumerate(configs) if c != repr(config)]
+            if differ:
+                raise ValueError(f"ranks {differ} built a different EpConfig than rank {dist.get_rank(group)}: "
+                                 f"{configs[differ[0]]} vs {config!r}")
+            self.local_ranks = [dist.get_rank(group)]
+        self.virtual = virtual
+        self.arch = device_arch(self.device.index)
+        if self.arch not in ARCH_TRAITS:
+            raise ValueError(f"GPU arch {self.arch!r}: epgen generates kernels for {', '.join(ARCH_TRAITS)}")
+        self.dispatch_spec, self.combine_spec = config.kernel_specs(self.arch)
+        self.layout = self.dispatch_spec.layout
+        with cupy.cuda.Device(self.device.index):
+            self._dispatch_fn = load_kernel(render(self.dispatch_spec))
+            self._combine_fn = load_kernel(render(self.combine_spec))
+            if virtual:
+                self._check_resident(self._dispatch_fn, self.dispatch_spec)
+                self._check_resident(self._combine_fn, self.combine_spec)
+        self.arenas = Arenas(self.layout.total_bytes, W, self.local_ranks, self.device, group)
+        self.errors = ErrorRecords(W)
+        self._args = {}
+        for op, spec in (("dispatch", self.dispatch_spec), ("combine", self.combine_spec)):
+            a = np.zeros((), dtype=_args_dtype(W))
+            a["arena"] = self.arenas.pointers
+            a["errors"] = self.errors.ptr
+            a["rank_base"] = self.local_ranks[0]
+            a["timeout_ns"] = int(config.timeout_s * 1e9)
+            self._args[op] = a
+        self._streams = {}
+        self._pending_tokens = None  # token counts of the dispatch that combine will undo
+        self._fault = None
+
+    # ---- views -------------------------------------------------------------------------------
+    def _view(self, rank: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return self.arenas.local[rank][offset:offset + n].view(dtype).view(shape)
+
+    def recv_buffers(self, rank: int | None = None) -> DispatchOutput:
+        """The receive-side views of ``rank`` (default: this process's rank)."""
+        rank = self._local(rank)
+        lay, cfg, cap = self.layout, self.config, self.layout.capacity_rows
+        return DispatchOutput(
+            recv_x=self._view(rank, lay.recv_x, (cap, cfg.hidden), self.dispatch_spec.dtype_info.torch_dtype),
+            recv_weights=self._view(rank, lay.recv_weights, (cap, cfg.topk), torch.float32),
+            recv_indices=self._view(rank, lay.recv_indices, (cap, cfg.topk), torch.int32),
+            recv_scales=(self._view(rank, lay.recv_scales, (cap, cfg.scale_bytes), torch.uint8)
+                         if cfg.scale_bytes else None),
+            recv_src=self._view(rank, lay.recv_src, (cap, 2), torch.int32),
+            num_recv=self._view(rank, lay.signals + 16, (1,), torch.int32),
+        )
+
+    def combine_input(self, rank: int | None = None) -> torch.Tensor:
+        """[W*Tmax, H] bf16 view of ``rank``'s combine input: an expert stage that writes its
+        outputs here (row i for received row i) makes combine skip its copy (zero-copy)."""
+        rank = self._local(rank)
+        return self._view(rank, self.layout.combine_in, (self.layout.capacity_rows, self.config.hidden),
+                          torch.bfloat16)
+
+    def _local(self, rank):
+        if rank is None:
+            if len(self.local_ranks) != 1:
+                raise ValueError("rank: name which virtual rank (0 <= rank < world_size)")
+            return self.local_ranks[0]
+        if rank not in self.arenas.local:
+            raise ValueError(f"rank={rank}: this process drives ranks {self.local_ranks}")
+        return rank
+
+    # ---- calls -------------------------------------------------------------------------------
+    def dispatch(self, x, weights, indices, scales=None):
+        """Send each token to every distinct rank that holds one of its top-k experts.
+
+        Args (one rank; in virtual mode each is a list with one entry per rank):
+            x: [T, H] payload dtype, T <= max_tokens_per_rank (0 allowed).
+            weights: [T, K] float32 routing weights (forwarded unchanged).
+            indices: [T, K] int32 expert ids in [0, E) or -1 (no expert).
+            scales: [T, S] uint8 opaque per-token scale bytes, required iff S > 0.
+
+        Returns:
+            DispatchOutput (a list of them in virtual mode).
+
+        Raises:
+            TypeError, ValueError: an input breaks the rules above (before any launch).
+            EpError: an earlier call faulted in a kernel.
+        """
+        self._raise_if_faulted()
+        xs, ws, ids, ss = self._per_rank(x, "x"), self._per_rank(weights, "weights"), \
+            self._per_rank(indices, "indices"), self._per_rank(scales, "scales", optional=True)
+        cfg = self.config
+        a = self._args["dispatch"]
+        tokens = []
+        for i, rank in enumerate(self.local_ranks):
+            tag = f"[rank {rank}]" if self.virtual else ""
+            _check_tensor(xs[i], f"x{tag}", dtype=self.dispatch_spec.dtype_info.torch_dtype,
+                          shape=(None, cfg.hidden), device=self.device)
+            T = xs[i].shape[0]
+            if T > cfg.max_tokens_per_rank:
+                raise ValueError(f"x{tag}.shape[0]={T}: more tokens than max_tokens_per_rank="
+                                 f"{cfg.max_tokens_per_rank}")
+            _check_tensor(ws[i], f"weights{tag}", dtype=torch.float32, shape=(T, cfg.topk), device=self.device)
+            _check_tensor(ids[i], f"indices{tag}", dtype=torch.int32, shape=(T, cfg.topk), device=self.device)
+            if cfg.scale_bytes:
+                _check_tensor(ss[i], f"scales{tag}", dtype=torch.uint8, shape=(T, cfg.scale_bytes), device=self.device)
+            elif ss[i] is not None:
+                raise ValueError(f"scales{tag}: given, but EpConfig.scale_bytes=0")
+            a["io"][i] = (xs[i].data_ptr(), ws[i].data_ptr(), ids[i].data_ptr(),
+                          ss[i].data_ptr() if cfg.scale_bytes else 0, 0, T)
+            tokens.append(T)
+        self._launch(self._dispatch_fn, self.dispatch_spec, a)
+        self._pending_tokens = tokens
+        outs = [self.recv_buffers(r) for r in self.local_ranks]
+        return outs if self.virtual else outs[0]
+
+    def combine(self, y, out=None):
+        """Sum, for each token of the last dispatch, the expert outputs of the ranks it reached.
+
+        Args:
+            y: [n, H] bf16 with n <= W*Tmax rows, row i the expert output of received row i (rows
+                >= num_recv are ignored). ``combine_input()`` itself is used without a copy. A
+                list with one entry per rank in virtual mode.
+            out: optional [T, H] bf16 contiguous output (T of the last dispatch); a new tensor
+                when None. A list in virtual mode.
+
+        Returns:
+            [T, H] bf16 per rank (a list in virtual mode), accumulated in fp32; a token that
+            reached no rank gets zeros.
+
+        Raises:
+            RuntimeError: no dispatch precedes this combine.
+            TypeError, ValueError: bad y (before any launch).
+            EpError: an earlier call faulted in a kernel.
+        """
+        self._raise_if_faulted()
+        if self._pending_tokens is None:
+            raise RuntimeError("combine: needs a dispatch first (each dispatch is combined once)")
+        ys, given = self._per_rank(y, "y"), self._per_rank(out, "out", optional=True)
+        cfg = self.config
+        a = self._args["combine"]
+        outs = []
+        for i, rank in enumerate(self.local_ranks):
+            tag = f"[rank {rank}]" if self.virtual else ""
+            _check_tensor(ys[i], f"y{tag}", dtype=torch.bfloat16, shape=(None, cfg.hidden), device=self.device)
+            if ys[i].shape[0] > self.layout.capacity_rows:
+                raise ValueError(f"y{tag}.shape[0]={ys[i].shape[0]}: more rows than the receive capacity "
+                                 f"{self.layout.capacity_rows}")
+            dst = self.combine_input(rank)
+            if ys[i].data_ptr() != dst.data_ptr():
+                dst[: ys[i].shape[0]].copy_(ys[i])
+            T = self._pending_tokens[i]
+            o = given[i]
+            if o is None:
+                o = torch.empty((T, cfg.hidden), dtype=torch.bfloat16, device=self.device)
+            else:
+                _check_tensor(o, f"out{tag}", dtype=torch.bfloat16, shape=(T, cfg.hidden), device=self.device)
+            a["io"][i] = (0, 0, 0, 0, o.data_ptr(), T)
+            outs.append(o)
+        self._launch(self._combine_fn, self.combine_spec, a)
+        self._pending_tokens = None
+        return outs if self.virtual else outs[0]
+
+    # ---- faults ------------------------------------------------------------------------------
+    def check(self):
+        """Raise EpError if a kernel of this op reported a fault (reads host memory; no sync)."""
+        self._raise_if_faulted()
+
+    def synchronize(self):
+        """Wait for this op's work on the current stream, then raise EpError on a fault."""
+        torch.cuda.current_stream(self.device).synchronize()
+        self._raise_if_faulted()
+
+    def _raise_if_faulted(self):
+        if self._fault is None:
+            for rank in self.local_ranks:
+                code, a, b, c = self.errors.read(rank)
+                if code:
+                    self._fault = self._describe(rank, code, a, b, c)
+                    raise EpError(self._fault)
+            return
+        raise EpError(f"{self._fault} [this op is unusable after that fault; build a new EpDispatchCombine]")
+
+    def _describe(self, rank, code, a, b, c) -> str:
+        cfg = self.config
+        if code == 1:
+            eid = c - (1 << 32) if c >= 1 << 31 else c
+            return (f"rank {rank}: indices[{b}, {a}]={eid}: expert ids must be -1 or in [0, {cfg.num_experts})")
+        if code == 2:
+            return (f"rank {rank}: timed out after {cfg.timeout_s} s in {_PHASES.get(a, f'phase {a}')} "
+                    f"on rank {b} (call {c})")
+        if code == 3:
+            return f"rank {rank}: receive buffer of rank {b} would need {c} rows; capacity {self.layout.capacity_rows}"
+        return f"rank {rank}: unknown kernel fault code {code} ({a}, {b}, {c})"
+
+    # ---- launch ------------------------------------------------------------------------------
+    def _per_rank(self, value, name: str, optional: bool = False) -> list:
+        n = len(self.local_ranks)
+        if self.virtual:
+            if value is None and optional:
+                return [None] * n
+            if not isinstance(value, (list, tuple)) or len(value) != n:
+                raise TypeError(f"{name}: virtual mode takes a list of {n} tensors (one per rank), got "
+                                f"{type(value).__name__}{'' if not isinstance(value, (list, tuple)) else f' of {len(value)}'}")
+            return list(value)
+        return [value]
+
+    def _stream(self):
+        import cupy
+
+        ts = torch.cuda.current_stream(self.device)
+        s = self._streams.get(ts.cuda_stream)
+        if s is None:
+            s = cupy.cuda.Stream.from_external(ts) if hasattr(ts, "__cuda_stream__") else \
+                cupy.cuda.ExternalStream(ts.cuda_stream, self.device.index)
+            self._streams[ts.cuda_stream] = s
+        return s
+
+    def _launch(self, fn, spec: KernelSpec, args: np.ndarray):
+        import cupy
+
+        with cupy.cuda.Device(self.device.index):
+            fn((spec.blocks, len(self.local_ranks), 1), (spec.threads, 1, 1),
+               (cupy.cuda.function.CPointer(args.ctypes.data),), stream=self._stream())
+        if self.validate:
+            self.synchronize()
+
+    def _check_resident(self, fn, spec: KernelSpec):
+        from cupy_backends.cuda.api import driver
+
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, spec.threads, 0)
+        sms = torch.cuda.get_device_properties(self.device.index).multi_processor_count
+        need = spec.blocks * self.config.world_size
+        if per_sm * sms < need:
+            raise ValueError(
+                f"{spec.op.value} geometry {spec.blocks}x{spec.warps_per_block}: virtual ranks need all "
+                f"{need} blocks resident at once but this GPU holds {per_sm} per SM x {sms} SMs; "
+                f"lower EpConfig.{spec.op.value}_geometry.blocks")
+
+    def close(self):
+        """Release the arenas and error records (the op is unusable afterwards)."""
+        self.arenas.close()
+        self.errors.close()

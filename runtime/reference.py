@@ -1,0 +1,409 @@
+"""Pure-torch CPU reference of MoE expert-parallel dispatch and combine, all ranks in one process.
+
+Notation: ``W`` ranks; rank ``r`` holds ``T_r`` tokens (0 allowed); hidden size ``H``; top-k ``K``;
+``L`` experts per rank, ``E = W * L`` experts; expert ``e`` lives on rank ``e // L``. Expert id -1
+means "no expert" for that top-k slot; any other id outside ``[0, E)`` is an input error.
+
+dispatch: every token goes to each DISTINCT destination rank of its valid experts exactly once (the
+first top-k slot naming a rank is the one kept; ``route`` reports which). Rank ``d`` receives, per
+row, the source token (bit-equal), the sender's full weights / indices / scales rows, and the
+``(source rank, source token)`` pair. Here rows are ordered by (source rank, source token); a
+kernel may order them differently, and ``align_rows`` maps its rows onto these.
+
+combine: ``out_r[t]`` = sum over the distinct ranks ``d`` that token ``t`` of rank ``r`` reached of
+that rank's expert-output row for ``(r, t)``, accumulated in float32 in ascending ``d`` and cast
+once to the output dtype; a token that reached no rank gets zeros.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import attrs
+import torch
+
+__all__ = ["RecvRows", "align_rows", "combine", "dispatch", "relative_l2", "route"]
+
+
+# --- validation helpers --------------------------------------------------------------------------
+
+
+def _check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name}={value!r}: must be an int")
+    if value < 1:
+        raise ValueError(f"{name}={value}: must be at least 1")
+
+
+def _check_tensor(name: str, value) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name}: must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _check_2d(name: str, value) -> torch.Tensor:
+    t = _check_tensor(name, value)
+    if t.dim() != 2:
+        raise ValueError(f"{name}: shape {tuple(t.shape)} must be 2-D")
+    return t
+
+
+def _check_expert_ids(name: str, indices: torch.Tensor, num_experts: int) -> None:
+    """Raise ValueError on the first (row-major) id that is neither -1 nor in [0, num_experts)."""
+    bad = (indices != -1) & ((indices < 0) | (indices >= num_experts))
+    if bool(bad.any()):
+        where = bad.nonzero()
+        t, k = (int(v) for v in where[0])
+        more = f" ({where.shape[0] - 1} more invalid ids)" if where.shape[0] > 1 else ""
+        raise ValueError(
+            f"{name}[token {t}, slot {k}]={int(indices[t, k])}: expert ids must be -1 or in "
+            f"[0, {num_experts}){more}"
+        )
+
+
+def _route(indices: torch.Tensor, experts_per_rank: int, world_size: int) -> torch.Tensor:
+    """route() after validation: [T, K] int32 -> [T, W] int64 first slot per rank, or -1."""
+    num_tokens, topk = indices.shape
+    if topk == 0:
+        return torch.full((num_tokens, world_size), -1, dtype=torch.int64, device=indices.device)
+    idx = indices.to(torch.int64)
+    dest = torch.where(idx >= 0, idx // experts_per_rank, -1)  # [T, K] destination rank or -1
+    ranks = torch.arange(world_size, device=indices.device)
+    hits = dest[:, None, :] == ranks[None, :, None]  # [T, W, K]
+    first = hits.to(torch.int32).argmax(dim=-1)  # argmax returns the FIRST maximal slot
+    return torch.where(hits.any(dim=-1), first.to(torch.int64), -1)
+
+
+# --- public API ----------------------------------------------------------------------------------
+
+
+def route(indices: torch.Tensor, *, experts_per_rank: int, world_size: int) -> torch.Tensor:
+    """Destination ranks of every token, deduplicated, with the top-k slot kept for each.
+
+    Args:
+        indices: [T, K] int32 expert ids; -1 = no expert; others must lie in [0, W * L).
+        experts_per_rank: L (>= 1); expert e lives on rank e // L.
+        world_size: W (>= 1).
+
+    Returns:
+        [T, W] int64: entry [t, d] is the first top-k slot of token t whose expert lives on rank
+        d, or -1 when no slot of token t names rank d.
+
+    Raises:
+        ValueError: indices not a 2-D int32 tensor, L or W not a positive int, or an expert id
+            that is neither -1 nor in [0, E) (the message names token, slot, value and rule).
+    """
+    _check_positive_int("experts_per_rank", experts_per_rank)
+    _check_positive_int("world_size", world_size)
+    indices = _check_2d("indices", indices)
+    if indices.dtype != torch.int32:
+        raise ValueError(f"indices: dtype {indices.dtype} must be torch.int32")
+    _check_expert_ids("indices", indices, world_size * experts_per_rank)
+    return _route(indices, experts_per_rank, world_size)
+
+
+@attrs.frozen
+class RecvRows:
+    """The rows one rank received from a dispatch (R rows, possibly 0).
+
+    Attributes:
+        x: [R, H] tokens, the source dtype, bit-equal to the source rows.
+        weights: [R, K] float32, the sender's full top-k weights row.
+        indices: [R, K] int32, the sender's full top-k expert ids row.
+        scales: [R, S] the sender's scales row (its dtype), or None when dispatch had no scales.
+        src: [R, 2] int32 (source rank, source token) of each row.
+
+    Raises:
+        ValueError: on construction, when a field is not 2-D or the row counts disagree.
+    """
+
+    x: torch.Tensor
+    weights: torch.Tensor
+    indices: torch.Tensor
+    scales: torch.Tensor | None
+    src: torch.Tensor
+
+    def __attrs_post_init__(self):
+        src = _check_2d("RecvRows.src", self.src)
+        if src.shape[1] != 2 or src.dtype != torch.int32:
+            raise ValueError(f"RecvRows.src: shape {tuple(src.shape)} {src.dtype} must be [R, 2] torch.int32")
+        rows = src.shape[0]
+        for name in ("x", "weights", "indices", "scales"):
+            value = getattr(self, name)
+            if value is None and name == "scales":
+                continue
+            value = _check_2d(f"RecvRows.{name}", value)
+            if value.shape[0] != rows:
+                raise ValueError(
+                    f"RecvRows.{name}: {value.shape[0]} rows must match the {rows} rows of RecvRows.src"
+                )
+
+    @property
+    def num_rows(self) -> int:
+        """R, the number of received rows."""
+        return self.src.shape[0]
+
+
+def _validate_dispatch(xs, weights, indices, scales, experts_per_rank) -> None:
+    _check_positive_int("experts_per_rank", experts_per_rank)
+    if not isinstance(xs, (list, tuple)) or len(xs) == 0:
+        raise ValueError("xs: must be a non-empty list with one [T_r, H] tensor per rank")
+    world = len(xs)
+    lists = {"weights": weights, "indices": indices}
+    if scales is not None:
+        lists["scales"] = scales
+    for name, value in lists.items():
+        if not isinstance(value, (list, tuple)) or len(value) != world:
+            got = len(value) if isinstance(value, (list, tuple)) else type(value).__name__
+            raise ValueError(f"{name}: must be a list of {world} tensors (one per rank, like xs), got {got}")
+
+    x0 = _check_2d("xs[rank 0]", xs[0])
+    w0 = _check_2d("weights[rank 0]", weights[0])
+    hidden, dtype, device, topk = x0.shape[1], x0.dtype, x0.device, w0.shape[1]
+    s0 = _check_2d("scales[rank 0]", scales[0]) if scales is not None else None
+    for r in range(world):
+        x = _check_2d(f"xs[rank {r}]", xs[r])
+        tokens = x.shape[0]
+        if x.shape[1] != hidden or x.dtype != dtype or x.device != device:
+            raise ValueError(
+                f"xs[rank {r}]: shape {tuple(x.shape)} {x.dtype} on {x.device} must be [T, {hidden}] "
+                f"{dtype} on {device} (same H, dtype and device on every rank)"
+            )
+        expect = {
+            "weights": (weights[r], (tokens, topk), torch.float32),
+            "indices": (indices[r], (tokens, topk), torch.int32),
+        }
+        if scales is not None:
+            expect["scales"] = (scales[r], (tokens, s0.shape[1]), s0.dtype)
+        for name, (value, shape, want_dtype) in expect.items():
+            t = _check_2d(f"{name}[rank {r}]", value)
+            if tuple(t.shape) != shape or t.dtype != want_dtype or t.device != device:
+                raise ValueError(
+                    f"{name}[rank {r}]: shape {tuple(t.shape)} {t.dtype} on {t.device} must be "
+                    f"{list(shape)} {want_dtype} on {device} (T of xs[rank {r}], same width and dtype "
+                    f"on every rank)"
+                )
+        _check_expert_ids(f"indices[rank {r}]", indices[r], world * experts_per_rank)
+
+
+def dispatch(
+    xs: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    *,
+    experts_per_rank: int,
+    scales: list[torch.Tensor] | None = None,
+) -> list[RecvRows]:
+    """Simulate dispatch on all ranks; W = len(xs).
+
+    Args:
+        xs: per rank r, [T_r, H] tokens (any dtype, the same on every rank; T_r may be 0).
+        weights: per rank, [T_r, K] float32 top-k weights.
+        indices: per rank, [T_r, K] int32 top-k expert ids (-1 = no expert).
+        experts_per_rank: L (>= 1).
+        scales: None, or per rank [T_r, S] (any dtype, the same S and dtype on every rank).
+
+    Returns:
+        One RecvRows per destination rank d, rows ordered by (source rank, source token): every
+        token of every rank whose valid experts include one on rank d, once (see ``route``).
+        ``scales`` is None in every RecvRows when ``scales`` was None.
+
+    Raises:
+        ValueError: list lengths differ from W; a tensor not 2-D; shapes, dtypes or devices
+            inconsistent (the message names argument, rank, value and rule); an expert id that is
+            neither -1 nor in [0, W * L) (names argument, rank, token, slot, value and rule).
+    """
+    _validate_dispatch(xs, weights, indices, scales, experts_per_rank)
+    world = len(xs)
+    slots = [_route(indices[r], experts_per_rank, world) for r in range(world)]  # per rank [T_r, W]
+    out = []
+    for d in range(world):
+        parts = {"x": [], "weights": [], "indices": [], "scales": [], "src": []}
+        for r in range(world):
+            tok = (slots[r][:, d] >= 0).nonzero().flatten()  # ascending source token
+            parts["x"].append(xs[r][tok])
+            parts["weights"].append(weights[r][tok])
+            parts["indices"].append(indices[r][tok])
+            if scales is not None:
+                parts["scales"].append(scales[r][tok])
+            src = torch.stack([torch.full_like(tok, r), tok], dim=1).to(torch.int32)
+            parts["src"].append(src)
+        out.append(
+            RecvRows(
+                x=torch.cat(parts["x"]),
+                weights=torch.cat(parts["weights"]),
+                indices=torch.cat(parts["indices"]),
+                scales=torch.cat(parts["scales"]) if scales is not None else None,
+                src=torch.cat(parts["src"]),
+            )
+        )
+    return out
+
+
+def combine(ys: list[torch.Tensor], recv: list[RecvRows], num_tokens: list[int]) -> list[torch.Tensor]:
+    """Simulate combine on all ranks after a dispatch; W = len(ys).
+
+    Args:
+        ys: per rank d, [R_d, H] expert outputs (floating dtype, the same on every rank), row i
+            belonging to the received row i of ``recv[d]``.
+        recv: per rank d, the RecvRows that rank received (gives each row's (source rank, token)).
+        num_tokens: per rank r, T_r (the token count rank r dispatched).
+
+    Returns:
+        Per rank r, [T_r, H] in the dtype of ys: out_r[t] = sum over the ranks d holding a row for
+        (r, t), in ascending d, of that row of ys[d], accumulated in float32 and cast once. A token
+        that reached no rank gets zeros.
+
+    Raises:
+        ValueError: list lengths differ; ys[d] not 2-D, not floating, not R_d rows, or H / dtype
+            differing across ranks; a recv src pair outside [0, W) x [0, T_r), or one pair received
+            twice by the same rank.
+    """
+    if not isinstance(ys, (list, tuple)) or len(ys) == 0:
+        raise ValueError("ys: must be a non-empty list with one [R_d, H] tensor per rank")
+    world = len(ys)
+    for name, value in (("recv", recv), ("num_tokens", num_tokens)):
+        if not isinstance(value, (list, tuple)) or len(value) != world:
+            got = len(value) if isinstance(value, (list, tuple)) else type(value).__name__
+            raise ValueError(f"{name}: must be a list of {world} entries (one per rank, like ys), got {got}")
+    for r, t in enumerate(num_tokens):
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"num_tokens[rank {r}]={t!r}: must be an int >= 0")
+    y0 = _check_2d("ys[rank 0]", ys[0])
+    hidden, dtype, device = y0.shape[1], y0.dtype, y0.device
+    if not dtype.is_floating_point:
+        raise ValueError(f"ys[rank 0]: dtype {dtype} must be a floating dtype")
+
+    offsets = [0]
+    for t in num_tokens:
+        offsets.append(offsets[-1] + t)
+    offsets_t = torch.tensor(offsets[:-1], dtype=torch.int64, device=device)
+    limits_t = torch.tensor(num_tokens, dtype=torch.int64, device=device)
+    acc = torch.zeros(offsets[-1], hidden, dtype=torch.float32, device=device)
+
+    for d in range(world):
+        y = _check_2d(f"ys[rank {d}]", ys[d])
+        if not isinstance(recv[d], RecvRows):
+            raise ValueError(f"recv[rank {d}]: must be a RecvRows, got {type(recv[d]).__name__}")
+        rows = recv[d].num_rows
+        if tuple(y.shape) != (rows, hidden) or y.dtype != dtype or y.device != device:
+            raise ValueError(
+                f"ys[rank {d}]: shape {tuple(y.shape)} {y.dtype} on {y.device} must be [{rows}, {hidden}] "
+                f"{dtype} on {device} (one row per received row of rank {d}; same H, dtype, device on "
+                f"every rank)"
+            )
+        src = recv[d].src.to(device=device, dtype=torch.int64)
+        src_rank, src_tok = src[:, 0], src[:, 1]
+        bad_rank = (src_rank < 0) | (src_rank >= world)
+        if bool(bad_rank.any()):
+            i = int(bad_rank.nonzero()[0])
+            raise ValueError(f"recv[rank {d}].src[{i}]={tuple(src[i].tolist())}: source rank must be in [0, {world})")
+        bad_tok = (src_tok < 0) | (src_tok >= limits_t[src_rank])
+        if bool(bad_tok.any()):
+            i = int(bad_tok.nonzero()[0])
+            r, t = src[i].tolist()
+            raise ValueError(
+                f"recv[rank {d}].src[{i}]=({r}, {t}): source token must be in [0, {num_tokens[r]}) "
+                f"(num_tokens[rank {r}])"
+            )
+        flat = offsets_t[src_rank] + src_tok
+        if flat.unique().numel() != flat.numel():
+            dup = [p for p, n in Counter(map(tuple, src.tolist())).items() if n > 1]
+            raise ValueError(
+                f"recv[rank {d}].src: (source rank, source token) pairs {dup[:5]} appear more than "
+                f"once; a rank receives each token at most once"
+            )
+        # Each target appears at most once per d, so this adds one term per token per rank d.
+        acc.index_add_(0, flat, y.to(torch.float32))
+
+    out = acc.to(dtype)
+    return [out[offsets[r] : offsets[r + 1]].clone() for r in range(world)]
+
+
+def _lex_order(src: torch.Tensor) -> torch.Tensor:
+    """Permutation sorting [R, 2] rows by (column 0, column 1)."""
+    order = torch.argsort(src[:, 1], stable=True)
+    return order[torch.argsort(src[order, 0], stable=True)]
+
+
+def _has_duplicates(sorted_src: torch.Tensor) -> bool:
+    return bool((sorted_src[1:] == sorted_src[:-1]).all(dim=1).any())
+
+
+def align_rows(ref_src: torch.Tensor, test_src: torch.Tensor) -> torch.Tensor:
+    """Map a kernel's receive rows onto the reference's (the orders may differ).
+
+    Args:
+        ref_src: [R, 2] int32 (source rank, source token) of the reference rows.
+        test_src: [R', 2] int32 (source rank, source token) of the rows under test.
+
+    Returns:
+        perm, int64 [R], with ``test_src[perm] == ref_src`` row for row.
+
+    Raises:
+        ValueError: an argument is not a [N, 2] integer tensor.
+        AssertionError: the two sets of pairs differ or either holds duplicates; the message gives
+            both row counts, up to 5 missing pairs (in ref, not in test), up to 5 extra pairs (in
+            test, not in ref) and up to 5 duplicated pairs of each side.
+    """
+    for name, value in (("ref_src", ref_src), ("test_src", test_src)):
+        t = _check_2d(name, value)
+        if t.shape[1] != 2 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"{name}: shape {tuple(t.shape)} {t.dtype} must be [R, 2] integer")
+    ref = ref_src.to(torch.int64).cpu()
+    test = test_src.to(torch.int64).cpu()
+    ref_order, test_order = _lex_order(ref), _lex_order(test)
+    ref_sorted, test_sorted = ref[ref_order], test[test_order]
+    if (
+        ref.shape == test.shape
+        and torch.equal(ref_sorted, test_sorted)
+        and not _has_duplicates(ref_sorted)
+    ):
+        perm = torch.empty(ref.shape[0], dtype=torch.int64)
+        perm[ref_order] = test_order
+        return perm.to(test_src.device)
+
+    ref_count = Counter(map(tuple, ref.tolist()))
+    test_count = Counter(map(tuple, test.tolist()))
+    missing = sorted(set(ref_count) - set(test_count))
+    extra = sorted(set(test_count) - set(ref_count))
+    dup_ref = sorted(p for p, n in ref_count.items() if n > 1)
+    dup_test = sorted(p for p, n in test_count.items() if n > 1)
+    lines = [f"receive rows differ: reference has {ref.shape[0]} rows, test has {test.shape[0]} rows"]
+    for label, pairs in (
+        ("missing from test (rank, token)", missing),
+        ("extra in test (rank, token)", extra),
+        ("duplicated in test (rank, token)", dup_test),
+        ("duplicated in reference (rank, token)", dup_ref),
+    ):
+        if pairs:
+            more = f" ... ({len(pairs)} in all)" if len(pairs) > 5 else ""
+            lines.append(f"  {label}: {pairs[:5]}{more}")
+    raise AssertionError("\n".join(lines))
+
+
+def relative_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative L2 error ||out - ref|| / ||ref||, computed in float64.
+
+    Args:
+        out: tensor under test (any real dtype).
+        ref: reference tensor, same shape.
+
+    Returns:
+        The ratio as a float; 0.0 when both are all-zero (or empty); inf when ref is all-zero and
+        out is not; inf when either holds a NaN or an infinity.
+
+    Raises:
+        ValueError: shapes differ.
+    """
+    if tuple(out.shape) != tuple(ref.shape):
+        raise ValueError(f"out: shape {tuple(out.shape)} must equal ref shape {tuple(ref.shape)}")
+    o = out.detach().to(device="cpu", dtype=torch.float64)
+    r = ref.detach().to(device="cpu", dtype=torch.float64)
+    if not (bool(torch.isfinite(o).all()) and bool(torch.isfinite(r).all())):
+        return float("inf")
+    diff = float(torch.linalg.vector_norm(o - r))
+    norm = float(torch.linalg.vector_norm(r))
+    if norm == 0.0:
+        return 0.0 if diff == 0.0 else float("inf")
+    return diff / norm

@@ -1,0 +1,1 @@
+"""Jinja templates of epgen's kernels (package data; nothing to import)."""

@@ -1,0 +1,68 @@
+"""GPU tests of dispatch and combine against the torch reference (run on the device machine).
+
+W = 1; W = 4 and 8 as virtual ranks on one GPU; W = 2 with one process per GPU.
+"""
+
+import pytest
+
+from epgen.check import run_round
+from epgen.config import EpConfig, Geometry
+
+SHAPES = ["deepseek-v3", "gpt-oss-120b"]
+TMAX = 4096
+
+
+def _op(model, world_size, virtual):
+    from epgen.op import EpDispatchCombine
+
+    geo = Geometry(blocks=16, warps_per_block=16, unroll=4)
+    cfg = EpConfig.for_model(model, world_size=world_size, max_tokens_per_rank=TMAX,
+                             dispatch_geometry=geo, combine_geometry=geo, timeout_s=10.0)
+    return cfg, EpDispatchCombine(cfg, virtual=virtual, validate=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", SHAPES)
+def test_single_rank(model):
+    cfg, op = _op(model, 1, False)
+    for seed, T in enumerate([0, 1, 128, 4096]):
+        for kind in ("uniform", "invalid", "duplicates"):
+            run_round(op, cfg, [T], kind, seed)
+    op.close()
+
+
+CASES = {
+    4: [[0, 1, 128, 4096], [4096] * 4, [0] * 4, [5, 0, 0, 0]],
+    8: [[4096] * 8, [0, 1, 128, 4096, 4096, 128, 1, 0], [0] * 8],
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", SHAPES)
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_virtual_ranks(model, world_size):
+    cfg, op = _op(model, world_size, True)
+    seed = 0
+    for tokens in CASES[world_size]:
+        for kind in ("uniform", "invalid", "duplicates"):
+            seed += 1
+            run_round(op, cfg, tokens, kind, seed)
+    op.close()
+
+
+def _two_process_body(rank, world_size, model):
+    cfg, op = _op(model, world_size, False)
+    seed = 0
+    for tokens in ([4096, 4096], [4096, 128], [0, 1], [0, 0], [1, 4096]):
+        for kind in ("uniform", "invalid", "duplicates"):
+            seed += 1
+            run_round(op, cfg, tokens, kind, seed)
+    op.close()
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("model", SHAPES)
+def test_two_processes(model):
+    from epgen.launch import run_ranks
+
+    run_ranks(2, _two_process_body, model)

@@ -1,0 +1,180 @@
+"""CPU tests of the offline compilers: resources, errors and ordering for every target."""
+
+from __future__ import annotations
+
+import pytest
+
+from epgen.codegen.arch import ARCHES, traits
+from epgen.codegen.offline import (
+    CompileError,
+    Resources,
+    ToolchainMissing,
+    compile_many,
+    compile_offline,
+    toolchain_status,
+)
+
+SHARED_FLOATS = 256  # the static shared array of the valid kernels: 256 * 4 = 1024 bytes
+LOCAL_FLOATS = 512  # the runtime-indexed local array that forces scratch: 2048 bytes
+
+_AMD_HEAD = 'extern "C" __attribute__((global)) void'
+_NV_HEAD = 'extern "C" __global__ void'
+
+
+def _valid(arch: str, entry: str = "k") -> str:
+    if traits(arch).vendor == "amd":
+        return f"""
+{_AMD_HEAD} {entry}(float* out, const float* in) {{
+  __attribute__((shared)) float buf[{SHARED_FLOATS}];
+  unsigned t = __builtin_amdgcn_workitem_id_x();
+  buf[t] = in[t];
+  __builtin_amdgcn_s_barrier();
+  out[t] = buf[(t + 1) % {SHARED_FLOATS}] * 2.0f;
+}}
+"""
+    return f"""
+{_NV_HEAD} {entry}(float* out, const float* in) {{
+  __shared__ float buf[{SHARED_FLOATS}];
+  unsigned t = threadIdx.x;
+  buf[t] = in[t];
+  __syncthreads();
+  out[t] = buf[(t + 1) % {SHARED_FLOATS}] * 2.0f;
+}}
+"""
+
+
+def _scratch(arch: str, entry: str = "k") -> str:
+    head, tid = (
+        (_AMD_HEAD, "__builtin_amdgcn_workitem_id_x()")
+        if traits(arch).vendor == "amd"
+        else (_NV_HEAD, "threadIdx.x")
+    )
+    return f"""
+{head} {entry}(float* out, const float* in, int n) {{
+  float a[{LOCAL_FLOATS}];
+  unsigned t = {tid};
+  for (int i = 0; i < {LOCAL_FLOATS}; ++i) a[i] = in[i * 64 + t];
+  out[t] = a[n % {LOCAL_FLOATS}];
+}}
+"""
+
+
+def _pressure(arch: str) -> str:
+    """A kernel capped at 16 registers (raised to the target minimum) that must spill."""
+    if traits(arch).vendor == "amd":
+        head = 'extern "C" __attribute__((global, amdgpu_num_vgpr(16))) void'
+        tid = "__builtin_amdgcn_workitem_id_x()"
+    else:
+        head, tid = 'extern "C" __global__ void __maxnreg__(16)', "threadIdx.x"
+    return f"""
+{head} k(float* out, const float* in) {{
+  unsigned t = {tid};
+  float a[32];
+  #pragma unroll
+  for (int i = 0; i < 32; ++i) a[i] = in[i * 1024 + t];
+  float s = 0.f;
+  #pragma unroll
+  for (int i = 0; i < 32; ++i)
+    #pragma unroll
+    for (int j = 0; j < 32; ++j) s += a[i] * a[j] + (float)(i ^ j);
+  #pragma unroll
+  for (int i = 0; i < 32; ++i) out[i * 1024 + t] = a[i] * s;
+}}
+"""
+
+
+def _syntax_error(arch: str, entry: str = "k") -> str:
+    return _valid(arch, entry).replace("buf[t] = in[t];", "buf[t] = in[t]")
+
+
+@pytest.fixture(params=ARCHES)
+def arch(request: pytest.FixtureRequest) -> str:
+    reason = toolchain_status(request.param)
+    if reason is not None:
+        pytest.skip(reason)
+    return request.param
+
+
+def test_valid_kernel_resources(arch: str) -> None:
+    res = compile_offline(_valid(arch), arch, "k")
+    assert res.arch == arch and res.entry == "k"
+    assert res.registers > 0
+    assert res.scratch_bytes == 0 and res.spill_bytes == 0 and res.ok
+    assert res.shared_bytes == SHARED_FLOATS * 4
+    assert res.wave_size == traits(arch).wave_size
+    if traits(arch).vendor == "amd":
+        assert res.sgprs is not None and res.sgprs > 0
+    else:
+        assert res.sgprs is None and res.agprs is None
+
+
+def test_entry_picked_among_several(arch: str) -> None:
+    text = _scratch(arch, "spilly") + _valid(arch, "plain")
+    assert compile_offline(text, arch, "plain").scratch_bytes == 0
+    assert compile_offline(text, arch, "spilly").scratch_bytes > 0
+
+
+def test_missing_entry_raises(arch: str) -> None:
+    with pytest.raises(CompileError, match=rf"arch={arch} entry=absent: entry not found.*'k'"):
+        compile_offline(_valid(arch), arch, "absent")
+
+
+def test_syntax_error_raises(arch: str) -> None:
+    with pytest.raises(CompileError) as info:
+        compile_offline(_syntax_error(arch), arch, "k")
+    err = info.value
+    assert err.arch == arch and err.entry == "k"
+    assert f"arch={arch}" in str(err) and "entry=k" in str(err)
+    assert "error" in str(err).lower() and "error" in err.log.lower()
+
+
+def test_scratch_kernel_not_ok(arch: str) -> None:
+    res = compile_offline(_scratch(arch), arch, "k")
+    assert res.scratch_bytes >= LOCAL_FLOATS * 4
+    assert not res.ok
+
+
+def test_register_pressure_spills(arch: str) -> None:
+    res = compile_offline(_pressure(arch), arch, "k")
+    assert res.spill_bytes > 0 and res.spill_bytes % 4 == 0
+    assert not res.ok
+
+
+def test_compile_many_keeps_order() -> None:
+    usable = [a for a in ARCHES if toolchain_status(a) is None]
+    if not usable:
+        pytest.skip("; ".join(str(toolchain_status(a)) for a in ARCHES))
+    jobs = []
+    for a in usable:
+        jobs += [(_scratch(a), a, "k"), (_syntax_error(a), a, "k"), (_valid(a), a, "k")]
+    results = compile_many(jobs, max_workers=2)
+    assert len(results) == len(jobs)
+    for (_, a, _), res, kind in zip(jobs, results, ["scratch", "error", "valid"] * len(usable)):
+        if kind == "error":
+            assert isinstance(res, CompileError) and res.arch == a
+        else:
+            assert isinstance(res, Resources) and res.arch == a
+            assert res.ok == (kind == "valid")
+
+
+def test_missing_toolchain_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from cuda.bindings import nvrtc
+
+    real_find_spec = importlib.util.find_spec
+
+    def no_lib() -> None:
+        raise RuntimeError("libnvrtc not found")
+
+    def find_spec(name: str, *args: object) -> object:
+        return None if name == "ziglang" else real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(nvrtc, "nvrtcVersion", no_lib)
+    for a in ARCHES:
+        package = "ziglang" if traits(a).vendor == "amd" else "nvidia-cuda-nvrtc"
+        reason = toolchain_status(a)
+        assert reason is not None and package in reason and "\n" not in reason
+        with pytest.raises(ToolchainMissing, match=package):
+            compile_offline(_valid(a), a, "k")
