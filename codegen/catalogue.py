@@ -1,0 +1,102 @@
+"""The committed catalogue: every model x arch x op, rendered into ``generated/``.
+
+``write`` updates the directory (writing only files whose bytes changed and removing files the
+catalogue no longer lists); ``check`` lists what differs, which CI turns into a failure.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .arch import ARCHES
+from .models import MODELS, model
+from .render import Source, render
+from .spec import KernelSpec, Op
+
+CATALOGUE_WORLD_SIZE = 8
+CATALOGUE_MAX_TOKENS = 4096
+MANIFEST = "manifest.json"
+
+
+def shape_specs(*, hidden: int, topk: int, num_experts: int, world_size: int = CATALOGUE_WORLD_SIZE,
+                max_tokens_per_rank: int = CATALOGUE_MAX_TOKENS, dtype: str = "bf16",
+                arches=ARCHES, **geometry) -> list[KernelSpec]:
+    """Dispatch and combine specs of one shape for each arch (default geometry unless given).
+
+    Raises:
+        ValueError: num_experts not a multiple of world_size, or any invalid spec field.
+    """
+    if num_experts % world_size:
+        raise ValueError(f"num_experts={num_experts}: must be a multiple of world_size={world_size}")
+    specs = []
+    for arch in arches:
+        for op in Op:
+            specs.append(KernelSpec(op=op, arch=arch, dtype=dtype if op is Op.DISPATCH else "bf16", hidden=hidden,
+                                    topk=topk, experts_per_rank=num_experts // world_size, world_size=world_size,
+                                    max_tokens_per_rank=max_tokens_per_rank, **geometry))
+    return specs
+
+
+def model_specs(name: str, arches=ARCHES, **kw) -> list[KernelSpec]:
+    """Specs of catalogue model ``name`` (ValueError with suggestions when unknown)."""
+    m = model(name)
+    return shape_specs(hidden=m.hidden, topk=m.topk, num_experts=m.num_experts, arches=arches, **kw)
+
+
+def catalogue_specs(models=None, arches=ARCHES) -> list[KernelSpec]:
+    """The committed catalogue (bf16, W = 8, Tmax = 4096, default geometry), in a fixed order."""
+    return [s for name in (models or MODELS) for s in model_specs(name, arches)]
+
+
+def render_files(specs: list[KernelSpec]) -> dict[str, str]:
+    """{relative path: text} for the sources of ``specs`` plus their manifest."""
+    sources = [render(s) for s in specs]
+    files = {f"{s.spec.arch}/{s.filename}": s.text for s in sources}
+    files[MANIFEST] = manifest(sources)
+    return files
+
+
+def manifest(sources: list[Source]) -> str:
+    """JSON listing, per source: file, entry, key (sha256 of text + runtime options) and spec."""
+    rows = [{"file": f"{s.spec.arch}/{s.filename}", "entry": s.entry, "key": s.key, "spec": s.spec.as_dict()}
+            for s in sources]
+    return json.dumps({"schema": 1, "sources": rows}, indent=1, sort_keys=True) + "\n"
+
+
+def write(directory: Path, files: dict[str, str], prune: bool = True) -> list[str]:
+    """Write ``files`` under ``directory`` where bytes differ; with ``prune`` remove other
+    ``.hip``/``.cu`` files and empty arch folders. Returns the paths written or removed."""
+    directory = Path(directory)
+    touched = []
+    for rel, text in files.items():
+        p = directory / rel
+        if not p.exists() or p.read_text() != text:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+            touched.append(rel)
+    if prune:
+        for p in sorted(directory.rglob("*")):
+            rel = p.relative_to(directory).as_posix()
+            if p.is_file() and p.suffix in (".hip", ".cu") and rel not in files:
+                p.unlink()
+                touched.append(rel)
+    return touched
+
+
+def check(directory: Path, files: dict[str, str]) -> list[str]:
+    """Lines describing how ``directory`` differs from ``files`` (empty when in sync)."""
+    directory = Path(directory)
+    problems = []
+    for rel, text in files.items():
+        p = directory / rel
+        if not p.exists():
+            problems.append(f"missing: {rel}")
+        elif p.read_text() != text:
+            problems.append(f"stale: {rel}")
+    if directory.exists():
+        for p in sorted(directory.rglob("*")):
+            rel = p.relative_to(directory).as_posix()
+            if p.is_file() and p.suffix in (".hip", ".cu") and rel not in files:
+                problems.append(f"extra: {rel}")
+    return problems

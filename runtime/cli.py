@@ -1,0 +1,153 @@
+"""The ``epgen`` command line: generate, check, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from .codegen.arch import ARCHES
+from .codegen.catalogue import catalogue_specs, check as check_dir, render_files, shape_specs, model_specs, write
+from .codegen.dtypes import DTYPES
+from .codegen.models import MODELS
+
+
+def _shape_args(p: argparse.ArgumentParser, *, models_default=None):
+    p.add_argument("--model", help=f"catalogue model ({', '.join(MODELS)})", default=models_default)
+    p.add_argument("--hidden", type=int, help="hidden size H (instead of --model)")
+    p.add_argument("--topk", type=int, help="experts per token K (with --hidden)")
+    p.add_argument("--num-experts", type=int, help="routed experts E (with --hidden)")
+    p.add_argument("--world-size", type=int, default=8, help="ranks W (default 8)")
+    p.add_argument("--max-tokens", type=int, default=4096, help="max tokens per rank (default 4096)")
+    p.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="dispatch payload dtype")
+    p.add_argument("--arch", action="append", choices=list(ARCHES), help="target (repeatable; default all)")
+
+
+def _specs_from(args, parser) -> list:
+    arches = tuple(args.arch or ARCHES)
+    kw = dict(world_size=args.world_size, max_tokens_per_rank=args.max_tokens, dtype=args.dtype, arches=arches)
+    try:
+        if args.hidden is not None:
+            missing = [f"--{n}" for n, v in (("topk", args.topk), ("num-experts", args.num_experts)) if v is None]
+            if missing:
+                parser.error(f"--hidden needs {' and '.join(missing)}")
+            return shape_specs(hidden=args.hidden, topk=args.topk, num_experts=args.num_experts, **kw)
+        if args.model:
+            return model_specs(args.model, **kw)
+    except ValueError as e:
+        parser.error(str(e))
+    return None
+
+
+def cmd_generate(args, parser, console) -> int:
+    specs = _specs_from(args, parser)
+    if specs is None:  # the committed catalogue
+        files = render_files(catalogue_specs(arches=tuple(args.arch or ARCHES)))
+        out = Path(args.output or "generated")
+    else:
+        if not args.output:
+            parser.error("-o/--output is required with --model or --hidden (the catalogue lives in generated/)")
+        files = render_files(specs)
+        out = Path(args.output)
+    if args.check:
+        problems = check_dir(out, files)
+        if args.json:
+            print(json.dumps({"directory": str(out), "in_sync": not problems, "problems": problems}))
+        elif problems:
+            console.print(f"{out} is stale ({len(problems)} differences); run `epgen generate`:")
+            for p in problems[:20]:
+                console.print("  " + p)
+        elif not args.quiet:
+            console.print(f"{out}: {len(files) - 1} sources in sync")
+        return 1 if problems else 0
+    touched = write(out, files, prune=specs is None)
+    if args.json:
+        print(json.dumps({"directory": str(out), "written": touched}))
+    elif not args.quiet:
+        console.print(f"{out}: {len(files) - 1} sources, {len(touched)} files written or removed")
+    return 0
+
+
+def cmd_check(args, parser, console) -> int:
+    from .codegen.offline import compile_many, toolchain_status
+    from .codegen.render import render
+    from .demo import resource_table
+
+    specs = _specs_from(args, parser) or catalogue_specs(arches=tuple(args.arch or ARCHES))
+    for arch in sorted({s.arch for s in specs}):
+        reason = toolchain_status(arch)
+        if reason:
+            console.print(f"[red]{arch}: {reason}[/red]")
+            return 2
+    sources = [render(s) for s in specs]
+    with console.status(f"compiling {len(sources)} kernels"):
+        results = compile_many([(s.text, s.spec.arch, s.entry) for s in sources], max_workers=args.jobs)
+    table, ok = resource_table(sources, results, f"offline compile check: {len(sources)} kernels")
+    if args.json:
+        print(json.dumps([{"entry": s.entry, "arch": s.spec.arch,
+                           **({"error": str(r)} if not hasattr(r, "ok") else
+                              {"registers": r.registers, "sgprs": r.sgprs, "scratch_bytes": r.scratch_bytes,
+                               "spill_bytes": r.spill_bytes, "shared_bytes": r.shared_bytes, "ok": r.ok})}
+                          for s, r in zip(sources, results)]))
+    elif not args.quiet or not ok:
+        console.print(table)
+    return 0 if ok else 1
+
+
+def cmd_demo(args, parser, console) -> int:
+    from .demo import run_demo
+
+    if args.model not in MODELS:
+        try:
+            from .codegen.models import model
+
+            model(args.model)
+        except ValueError as e:
+            parser.error(str(e))
+    return run_demo(args.model, args.world_size, args.tokens, args.iters, console)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="epgen", description="Generate, check and run MoE expert-parallel "
+                                "dispatch/combine kernels for gfx950, gfx1250 and sm_90.")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    def verb(name, help_, fn):
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.add_argument("--quiet", action="store_true", help="print only failures")
+        sp.add_argument("--json", action="store_true", help="print machine-readable JSON")
+        sp.set_defaults(fn=fn, parser=sp)
+        return sp
+
+    g = verb("generate", "render the catalogue into generated/ (or one shape into -o DIR)", cmd_generate)
+    _shape_args(g)
+    g.add_argument("-o", "--output", help="output directory (default generated/ for the catalogue)")
+    g.add_argument("--check", action="store_true", help="exit 1 when the directory differs from a fresh render")
+
+    c = verb("check", "compile kernels offline (clang 22 for gfx*, NVRTC for sm_90) and print resources; "
+             "exit 1 on a compile error, scratch or spill", cmd_check)
+    _shape_args(c)
+    c.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: CPU count)")
+
+    d = verb("demo", "render and compile-check one model for every arch; with a GPU, run, verify and time "
+             "dispatch/combine over virtual ranks", cmd_demo)
+    d.add_argument("--model", default="deepseek-v3", help="catalogue model (default deepseek-v3)")
+    d.add_argument("--world-size", type=int, default=8, help="virtual ranks on the GPU (default 8)")
+    d.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default 4096)")
+    d.add_argument("--iters", type=int, default=20, help="timed iterations (default 20)")
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    stream = sys.stderr if args.json else sys.stdout
+    console = Console(stderr=args.json, width=None if stream.isatty() else 200)
+    return args.fn(args, args.parser, console)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""``epgen demo``: render, compile-check and (with a GPU) run and time one model's kernels."""
+
+from __future__ import annotations
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from .codegen.arch import ARCHES
+from .codegen.offline import CompileError, compile_many
+from .codegen.render import render
+from .config import EpConfig
+
+
+def resource_table(sources, results, title: str) -> tuple[Table, bool]:
+    """A rich table of offline compile results; the flag is False on any error, scratch or spill."""
+    t = Table(title=title)
+    for c in ("arch", "kernel", "registers", "sgprs", "scratch B", "spill B", "shared B", "status"):
+        t.add_column(c)
+    ok = True
+    for src, res in zip(sources, results):
+        if isinstance(res, CompileError):
+            ok = False
+            t.add_row(src.spec.arch, src.entry, "-", "-", "-", "-", "-", f"[red]compile error: {res}[/red]")
+            continue
+        good = res.ok
+        ok &= good
+        t.add_row(src.spec.arch, src.entry, str(res.registers), "-" if res.sgprs is None else str(res.sgprs),
+                  str(res.scratch_bytes), str(res.spill_bytes), str(res.shared_bytes),
+                  "ok" if good else "[red]scratch/spill[/red]")
+    return t, ok
+
+
+def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Console) -> int:
+    """Returns the process exit code: 0 when every check passed."""
+    cfg = EpConfig.for_model(model, world_size=world_size, max_tokens_per_rank=tokens)
+    sources = [render(s) for arch in ARCHES for s in cfg.kernel_specs(arch)]
+    with console.status("compiling for " + ", ".join(ARCHES)):
+        results = compile_many([(s.text, s.spec.arch, s.entry) for s in sources])
+    table, ok = resource_table(sources, results, f"{model}: W={world_size}, Tmax={tokens}, bf16")
+    console.print(table)
+    if not ok:
+        console.print("[red]offline compile check failed[/red]")
+        return 1
+    if not torch.cuda.is_available():
+        console.print("no GPU here (torch.cuda.is_available() is False): rendering and compile checks only.")
+        return 0
+    return _run_gpu(cfg, model, tokens, iters, console)
+
+
+def _run_gpu(cfg: EpConfig, model: str, tokens: int, iters: int, console: Console) -> int:
+    from .check import make_inputs, run_round
+    from .op import EpDispatchCombine
+    from .timing import gbps, time_pairs
+
+    W = cfg.world_size
+    virtual = W > 1
+    op = EpDispatchCombine(cfg, virtual=virtual)
+    with console.status("verifying against the reference"):
+        stats = run_round(op, cfg, [tokens] * W, "uniform", seed=1)
+    console.print(f"verified: every received row bit-equal, combine relative L2 error {stats['combine_err']:.2e}")
+    inputs = [i.to(op.device) for i in make_inputs(cfg, [tokens] * W, "uniform", seed=2)]
+    for r in op.local_ranks:
+        op.combine_input(r).normal_()
+    pick = (lambda f: [getattr(i, f) for i in inputs]) if virtual else (lambda f: getattr(inputs[0], f))
+    ys = [op.combine_input(r) for r in op.local_ranks] if virtual else op.combine_input()
+    d_t, c_t = time_pairs(lambda: op.dispatch(pick("x"), pick("weights"), pick("indices")),
+                          lambda: op.combine(ys), iters=iters)
+    bufs = [op.recv_buffers(r) for r in op.local_ranks]
+    table = Table(title=f"{model} on {torch.cuda.get_device_name(op.device)}: "
+                        f"{'virtual ' if virtual else ''}W={W}, {tokens} tokens/rank, {cfg.dispatch_geometry.blocks} "
+                        f"blocks; median of {iters}")
+    for c in ("rank", "recv rows", "from peers", "dispatch us", "disp logical GB/s", "disp wire GB/s",
+              "combine us", "comb logical GB/s", "comb wire GB/s"):
+        table.add_column(c, justify="right")
+    row_bytes = cfg.kernel_specs(op.arch)[0].row_bytes
+    for r, b in zip(op.local_ranks, bufs):
+        n = int(b.num_recv.item())
+        peers = int((b.recv_src[:n, 0] != r).sum().item())
+        table.add_row(str(r), str(n), str(peers), f"{d_t.median_us:.1f}", f"{gbps(n * row_bytes, d_t.median_us):.1f}",
+                      f"{gbps(peers * row_bytes, d_t.median_us):.1f}", f"{c_t.median_us:.1f}",
+                      f"{gbps(n * cfg.hidden * 2, c_t.median_us):.1f}", f"{gbps(peers * cfg.hidden * 2, c_t.median_us):.1f}")
+    console.print(table)
+    if virtual:
+        console.print("virtual ranks share one GPU: these rates are local-memory rates, not link rates.")
+    op.synchronize()
+    op.close()
+    return 0
