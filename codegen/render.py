@@ -12,6 +12,8 @@ import importlib.resources
 import attrs
 import jinja2
 
+from . import SCHEMA_VERSION
+from .arch import traits
 from .spec import KernelSpec
 
 RUNTIME_OPTIONS = ("-std=c++17",)
@@ -64,3 +66,14 @@ def render(spec: KernelSpec) -> Source:
     template = environment().get_template(f"ops/{spec.op.value}.j2")
     text = template.render(**spec.template_vars())
     return Source(spec=spec, text=text, entry=spec.name, key=spec.key(text, RUNTIME_OPTIONS))
+
+
+def render_ceiling(arch: str, blocks: int, warps_per_block: int, unroll: int) -> tuple[str, str]:
+    """(text, entry) of the P2P ceiling kernel: ``entry(src, dst, num_vectors)`` copies
+    ``num_vectors`` 16-byte vectors from ``src`` to ``dst`` (typically a peer's memory)."""
+    t = traits(arch)
+    entry = f"epgen_p2p_ceiling_{arch.replace('_', '')}_{blocks}x{warps_per_block}_u{unroll}"
+    text = environment().get_template("bench/p2p_ceiling.j2").render(
+        schema_version=SCHEMA_VERSION, entry=entry, arch=t, wave_size=t.wave_size,
+        threads=warps_per_block * t.wave_size, blocks=blocks, unroll=unroll)
+    return text, entry

@@ -110,6 +110,35 @@ def cmd_demo(args, parser, console) -> int:
     return run_demo(args.model, args.world_size, args.tokens, args.iters, console)
 
 
+def _geometry(text: str):
+    """'24x16u4' -> Geometry(blocks=24, warps_per_block=16, unroll=4)."""
+    import re
+
+    from .config import Geometry
+
+    m = re.fullmatch(r"(\d+)x(\d+)(?:u(\d+))?", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"geometry {text!r}: write BLOCKSxWARPS[uUNROLL], e.g. 24x16u4")
+    b, w, u = m.groups()
+    return Geometry(blocks=int(b), warps_per_block=int(w), unroll=int(u or 4))
+
+
+def cmd_bench(args, parser, console) -> int:
+    import torch
+
+    from .bench import BenchOptions, default_output, run
+
+    if not torch.cuda.is_available():
+        console.print("epgen bench needs a GPU (torch.cuda.is_available() is False)")
+        return 2
+    opts = BenchOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens),
+                        routings=tuple(args.routing), dispatch_geometry=args.dispatch_geometry,
+                        combine_geometry=args.combine_geometry, iters=args.iters, virtual=args.virtual,
+                        output=args.output or default_output(args.world_size, args.virtual))
+    run(opts)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="epgen", description="Generate, check and run MoE expert-parallel "
                                 "dispatch/combine kernels for gfx950, gfx1250 and sm_90.")
@@ -138,6 +167,24 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--world-size", type=int, default=8, help="virtual ranks on the GPU (default 8)")
     d.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default 4096)")
     d.add_argument("--iters", type=int, default=20, help="timed iterations (default 20)")
+
+    import attrs
+
+    from .bench import SWEEP, BenchOptions
+    from .check import ROUTINGS
+
+    b = verb("bench", "time dispatch/combine against the P2P ceiling and NCCL all_to_all_single in one run; "
+             "write CSV, PNG and a table", cmd_bench)
+    b.add_argument("--model", default="deepseek-v3")
+    b.add_argument("--world-size", type=int, default=2, help="ranks; one process per GPU unless --virtual")
+    b.add_argument("--virtual", action="store_true", help="all ranks in one process on one GPU")
+    b.add_argument("--tokens", type=int, nargs="+", default=list(SWEEP), help="tokens per rank to sweep")
+    b.add_argument("--routing", nargs="+", default=["uniform", "skewed"], choices=ROUTINGS)
+    b.add_argument("--dispatch-geometry", type=_geometry, default=attrs.fields(BenchOptions).dispatch_geometry.default,
+                   help="BLOCKSxWARPS[uUNROLL] (default 24x16u4)")
+    b.add_argument("--combine-geometry", type=_geometry, default=attrs.fields(BenchOptions).combine_geometry.default)
+    b.add_argument("--iters", type=int, default=30, help="timed graph replays per point")
+    b.add_argument("-o", "--output", help="path prefix of the .csv/.png (default tools/results/bench-ep<W>-<gpu>)")
     return p
 
 

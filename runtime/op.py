@@ -16,7 +16,7 @@ from .arena import Arenas, ErrorRecords
 from .codegen.arch import ARCH_TRAITS
 from .codegen.render import render
 from .codegen.spec import KernelSpec
-from .compile import device_arch, load_kernel
+from .compile import cupy_stream, device_arch, load_kernel
 from .config import EpConfig
 
 _PHASES = {1: "dispatch (waiting until the peer's receive buffers are free)",
@@ -133,8 +133,9 @@ class EpDispatchCombine:
         self.dispatch_spec, self.combine_spec = config.kernel_specs(self.arch)
         self.layout = self.dispatch_spec.layout
         with cupy.cuda.Device(self.device.index):
-            self._dispatch_fn = load_kernel(render(self.dispatch_spec))
-            self._combine_fn = load_kernel(render(self.combine_spec))
+            d, c = render(self.dispatch_spec), render(self.combine_spec)
+            self._dispatch_fn = load_kernel(d.text, d.entry)
+            self._combine_fn = load_kernel(c.text, c.entry)
             if virtual:
                 self._check_resident(self._dispatch_fn, self.dispatch_spec)
                 self._check_resident(self._combine_fn, self.combine_spec)
@@ -148,7 +149,6 @@ class EpDispatchCombine:
             a["rank_base"] = self.local_ranks[0]
             a["timeout_ns"] = int(config.timeout_s * 1e9)
             self._args[op] = a
-        self._streams = {}
         self._pending_tokens = None  # token counts of the dispatch that combine will undo
         self._fault = None
 
@@ -323,23 +323,12 @@ class EpDispatchCombine:
             return list(value)
         return [value]
 
-    def _stream(self):
-        import cupy
-
-        ts = torch.cuda.current_stream(self.device)
-        s = self._streams.get(ts.cuda_stream)
-        if s is None:
-            s = cupy.cuda.Stream.from_external(ts) if hasattr(ts, "__cuda_stream__") else \
-                cupy.cuda.ExternalStream(ts.cuda_stream, self.device.index)
-            self._streams[ts.cuda_stream] = s
-        return s
-
     def _launch(self, fn, spec: KernelSpec, args: np.ndarray):
         import cupy
 
         with cupy.cuda.Device(self.device.index):
             fn((spec.blocks, len(self.local_ranks), 1), (spec.threads, 1, 1),
-               (cupy.cuda.function.CPointer(args.ctypes.data),), stream=self._stream())
+               (cupy.cuda.function.CPointer(args.ctypes.data),), stream=cupy_stream(self.device))
         if self.validate:
             self.synchronize()
 

@@ -1,0 +1,243 @@
+"""``epgen bench``: dispatch and combine against the P2P ceiling and NCCL, in the same run.
+
+For every (routing, tokens) point: one verified round against the reference, then dispatch and
+combine captured in CUDA graphs and timed by device events around each replay (median, mean,
+stdev, best), the P2P ceiling kernel on the same wire bytes, and NCCL ``all_to_all_single`` on
+the same bytes per peer (DESIGN.md section 4). Rank 0 writes a CSV, a PNG and prints a table.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import attrs
+import torch
+
+from .check import make_inputs, run_round
+from .codegen.render import render_ceiling
+from .compile import cupy_stream, load_kernel
+from .config import EpConfig, Geometry
+from .timing import Timing, gbps, time_pairs
+
+SWEEP = (1, 8, 32, 128, 512, 1024, 4096, 8192, 16384)
+CSV_COLUMNS = ("op", "dtype", "routing", "tokens", "rank", "world_size", "time_us", "mean_us", "stdev_us", "best_us",
+               "recv_rows", "wire_rows", "logical_gbps", "wire_gbps", "p2p_ceiling_gbps", "nccl_gbps",
+               "ratio_ceiling", "ratio_nccl", "blocks", "warps_per_block", "unroll")
+
+
+@attrs.frozen
+class BenchOptions:
+    model: str = "deepseek-v3"
+    world_size: int = 2
+    tokens: tuple[int, ...] = SWEEP
+    routings: tuple[str, ...] = ("uniform", "skewed")
+    dispatch_geometry: Geometry = Geometry(blocks=24, warps_per_block=16, unroll=4)
+    combine_geometry: Geometry = Geometry(blocks=24, warps_per_block=16, unroll=4)
+    iters: int = 30
+    virtual: bool = False
+    output: str = ""  # path prefix of the .csv/.png (rank 0 writes)
+
+
+def environment() -> dict:
+    """GPU model and count, driver, versions and commit recorded with every result."""
+    import cupy
+
+    def sh(*cmd):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return "?"
+
+    return {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
+            "driver": sh("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader").split("\n")[0],
+            "torch": torch.__version__, "cupy": cupy.__version__, "python": platform.python_version(),
+            "commit": sh("git", "rev-parse", "--short", "HEAD") + ("+dirty" if sh("git", "status", "--porcelain") else ""),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def _time(fn, iters: int, warmup: int = 3) -> Timing:
+    t, _ = time_pairs(fn, lambda: None, iters=iters, warmup=warmup)
+    return t
+
+
+class _Ceiling:
+    """The P2P ceiling kernel on this process's device, full-GPU geometry."""
+
+    def __init__(self, arch: str, device: torch.device):
+        import cupy
+
+        self.blocks = torch.cuda.get_device_properties(device).multi_processor_count
+        text, entry = render_ceiling(arch, self.blocks, 16, 4)
+        with cupy.cuda.Device(device.index):
+            self.fn = load_kernel(text, entry)
+        self.device = device
+
+    def run(self, src: int, dst: int, nbytes: int):
+        import cupy
+
+        with cupy.cuda.Device(self.device.index):
+            self.fn((self.blocks, 1, 1), (16 * 32, 1, 1), (cupy.uint64(src), cupy.uint64(dst), cupy.uint64(nbytes // 16)),
+                    stream=cupy_stream(self.device))
+
+
+def _graph(fn):
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
+    """The benchmark body of one process (every rank of a real group, or the only process)."""
+    from .op import EpDispatchCombine
+
+    dist = torch.distributed if torch.distributed.is_initialized() else None
+    cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=max(opts.tokens),
+                             dispatch_geometry=opts.dispatch_geometry, combine_geometry=opts.combine_geometry,
+                             timeout_s=20.0)
+    op = EpDispatchCombine(cfg, virtual=opts.virtual)
+    me = op.local_ranks[0]
+    ceiling = _Ceiling(op.arch, op.device)
+    peer = (me + 1) % world_size
+    src_ptr = op.arenas.pointers[me] + op.layout.recv_x
+    dst_ptr = op.arenas.pointers[peer] + op.layout.combine_in  # peer's arena (own memory when W = 1)
+    row_bytes = op.dispatch_spec.row_bytes
+    rows = []
+    seed = 100
+    for routing in opts.routings:
+        for T in opts.tokens:
+            seed += 1
+            run_round(op, cfg, [T] * world_size, routing, seed)  # verified once before it is timed
+            ins = [i.to(op.device) for i in make_inputs(cfg, [T] * world_size, routing, seed + 7)]
+            mine = ins if opts.virtual else [ins[me]]
+            pick = (lambda f: [getattr(i, f) for i in mine]) if opts.virtual else (lambda f: getattr(mine[0], f))
+            ys = [op.combine_input(r) for r in op.local_ranks]
+            outs = [torch.empty(T, cfg.hidden, dtype=torch.bfloat16, device=op.device) for _ in op.local_ranks]
+            y_arg, out_arg = (ys, outs) if opts.virtual else (ys[0], outs[0])
+            disp = lambda: op.dispatch(pick("x"), pick("weights"), pick("indices"))  # noqa: E731
+            comb = lambda: op.combine(y_arg, out=out_arg)  # noqa: E731
+            s = torch.cuda.Stream(op.device)
+            s.wait_stream(torch.cuda.current_stream(op.device))
+            with torch.cuda.stream(s):
+                disp(), comb()
+            torch.cuda.current_stream(op.device).wait_stream(s)
+            gd, gc = _graph(disp), _graph(comb)
+            if dist:
+                dist.barrier()
+            d_t, c_t = time_pairs(gd.replay, gc.replay, iters=opts.iters, warmup=5)
+            op.synchronize()
+            buf = op.recv_buffers(me)
+            n = int(buf.num_recv.item())
+            wire = int((buf.recv_src[:n, 0] != me).sum().item()) if world_size > 1 else n
+            nbytes = max(wire, 1) * row_bytes
+            if dist:
+                dist.barrier()
+            ceil_t = _time(lambda: ceiling.run(src_ptr, dst_ptr, nbytes), iters=10)
+            ceil_gbps = gbps(nbytes, ceil_t.median_us)
+            nccl_gbps = float("nan")
+            if dist and world_size > 1:
+                inp = torch.randint(0, 255, (world_size * nbytes,), dtype=torch.uint8, device=op.device)
+                out = torch.empty_like(inp)
+                dist.barrier()
+                nccl_t = _time(lambda: dist.all_to_all_single(out, inp), iters=10)
+                nccl_gbps = gbps(nbytes * (world_size - 1), nccl_t.median_us)
+            for name, t, geo, elem in (("dispatch", d_t, opts.dispatch_geometry, row_bytes),
+                                       ("combine", c_t, opts.combine_geometry, cfg.hidden * 2)):
+                w = gbps(wire * elem, t.median_us)
+                rows.append({"op": name, "dtype": cfg.dtype if name == "dispatch" else "bf16", "routing": routing,
+                             "tokens": T, "rank": me, "world_size": world_size, "time_us": round(t.median_us, 2),
+                             "mean_us": round(t.mean_us, 2), "stdev_us": round(t.stdev_us, 2),
+                             "best_us": round(t.best_us, 2), "recv_rows": n, "wire_rows": wire,
+                             "logical_gbps": round(gbps(n * elem, t.median_us), 1), "wire_gbps": round(w, 1),
+                             "p2p_ceiling_gbps": round(ceil_gbps, 1), "nccl_gbps": round(nccl_gbps, 1),
+                             "ratio_ceiling": round(w / ceil_gbps, 3), "ratio_nccl": round(w / nccl_gbps, 3),
+                             "blocks": geo.blocks, "warps_per_block": geo.warps_per_block, "unroll": geo.unroll})
+            del gd, gc
+    op.close()
+    if dist:
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, rows)
+        rows = [r for part in gathered for r in part]
+    if me == 0 and opts.output:
+        write_results(rows, opts.output)
+    return rows
+
+
+def _bench_worker(rank, world_size, opts):
+    bench_process(rank, world_size, opts)
+
+
+def run(opts: BenchOptions) -> None:
+    """Run the benchmark: one process per GPU for W > 1 (unless virtual), else in this process."""
+    if opts.world_size > 1 and not opts.virtual:
+        from .launch import run_ranks
+
+        run_ranks(opts.world_size, _bench_worker, opts)
+    else:
+        bench_process(0, opts.world_size, opts)
+
+
+def write_results(rows: list[dict], prefix: str) -> None:
+    """``<prefix>.csv`` (CSV_COLUMNS), ``<prefix>.env.txt`` and ``<prefix>.png``; prints a table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{prefix}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    Path(f"{prefix}.env.txt").write_text("".join(f"{k}: {v}\n" for k, v in environment().items()))
+    _plot(rows, f"{prefix}.png")
+    t = Table(title=f"epgen bench (rank 0): {prefix}")
+    for c in ("op", "routing", "tokens", "us", "wire GB/s", "logical GB/s", "ceiling GB/s", "NCCL GB/s",
+              "x ceiling", "x NCCL", "geometry"):
+        t.add_column(c, justify="right")
+    for r in rows:
+        if r["rank"] == 0:
+            t.add_row(r["op"], r["routing"], str(r["tokens"]), f"{r['time_us']:.1f}", f"{r['wire_gbps']:.1f}",
+                      f"{r['logical_gbps']:.1f}", f"{r['p2p_ceiling_gbps']:.1f}", f"{r['nccl_gbps']:.1f}",
+                      f"{r['ratio_ceiling']:.2f}", f"{r['ratio_nccl']:.2f}",
+                      f"{r['blocks']}x{r['warps_per_block']} u{r['unroll']}")
+    Console(width=200).print(t)
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(13, 5))
+    routings = sorted({r["routing"] for r in rows})
+    for routing in routings:
+        for op in ("dispatch", "combine"):
+            pts = sorted((r["tokens"], r["wire_gbps"], r["time_us"]) for r in rows
+                         if r["rank"] == 0 and r["op"] == op and r["routing"] == routing)
+            if pts:
+                x, bw, us = zip(*pts)
+                ax_bw.plot(x, bw, marker="o", label=f"{op} ({routing})")
+                ax_t.plot(x, us, marker="o", label=f"{op} ({routing})")
+    for key, style, label in (("p2p_ceiling_gbps", "k--", "P2P ceiling"), ("nccl_gbps", "r:", "NCCL all_to_all_single")):
+        pts = sorted((r["tokens"], r[key]) for r in rows if r["rank"] == 0 and r["op"] == "dispatch"
+                     and r["routing"] == routings[0])
+        if pts:
+            ax_bw.plot(*zip(*pts), style, label=f"{label} ({routings[0]})")
+    ax_bw.set(xscale="log", xlabel="tokens per rank", ylabel="wire GB/s (per rank)", title="bandwidth")
+    ax_t.set(xscale="log", yscale="log", xlabel="tokens per rank", ylabel="us (median of graph replays)",
+             title="time")
+    for ax in (ax_bw, ax_t):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def default_output(world_size: int, virtual: bool) -> str:
+    gpu = torch.cuda.get_device_name(0).split()[-1].lower() if torch.cuda.is_available() else "cpu"
+    return os.path.join("tools", "results", f"bench-ep{world_size}{'v' if virtual else ''}-{gpu}")
