@@ -11,6 +11,7 @@ import attrs
 import torch
 
 from . import reference
+from .codegen.dtypes import dtype_info
 from .config import EpConfig
 
 ROUTINGS = ("uniform", "invalid", "duplicates", "skewed")
@@ -62,7 +63,7 @@ def routing(num_tokens: int, cfg: EpConfig, kind: str, gen: torch.Generator) -> 
 def make_inputs(cfg: EpConfig, tokens: list[int], kind: str = "uniform", seed: int = 0) -> list[RankInputs]:
     """Fresh random inputs for every rank (same seed -> same inputs in every process)."""
     gen = torch.Generator().manual_seed(seed)
-    dtype = cfg.kernel_specs("sm_90")[0].dtype_info.torch_dtype
+    dtype = dtype_info(cfg.dtype).torch_dtype
     out = []
     for T in tokens:
         x = torch.randn(T, cfg.hidden, generator=gen).to(dtype)
