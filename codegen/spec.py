@@ -40,6 +40,13 @@ def _positive(name: str, lo: int, hi: int):
     return check
 
 
+def _to_op(value) -> "Op":
+    try:
+        return Op(value)
+    except ValueError:
+        raise ValueError(f"KernelSpec.op={value!r}: must be one of {', '.join(o.value for o in Op)}") from None
+
+
 def _one_of(name: str, choices):
     def check(_inst, attribute, value):
         if value not in choices:
@@ -119,10 +126,10 @@ class KernelSpec:
         op: dispatch or combine.
         arch: target (a key of ``ARCH_TRAITS``).
         dtype: payload dtype (dispatch: the tokens moved; combine: expert output, bf16).
+        world_size: ranks, W (at most the wave size: one lane per destination rank).
         hidden: elements per token row, H.
         topk: experts per token, K (at most the wave size).
         experts_per_rank: local experts per rank, L; expert e lives on rank e // L.
-        world_size: ranks, W (at most the wave size: one lane per destination rank).
         max_tokens_per_rank: largest token count a rank may pass, Tmax.
         scale_bytes: opaque per-token scale bytes forwarded by dispatch, S (0 = none).
         blocks: blocks per rank in the launch grid.
@@ -133,13 +140,13 @@ class KernelSpec:
         ValueError: on construction, naming the field, its value and the rule broken.
     """
 
-    op: Op = attrs.field(converter=Op, validator=_one_of("op", [o.value for o in Op]))
+    op: Op = attrs.field(converter=_to_op)
     arch: str = attrs.field(validator=_one_of("arch", list(ARCH_TRAITS)))
     dtype: str = attrs.field(validator=_one_of("dtype", list(DTYPES)))
+    world_size: int = attrs.field(validator=_positive("world_size", 1, 64))
     hidden: int = attrs.field(validator=_positive("hidden", 1, 1 << 16))
     topk: int = attrs.field(validator=_positive("topk", 1, 64))
     experts_per_rank: int = attrs.field(validator=_positive("experts_per_rank", 1, 1 << 16))
-    world_size: int = attrs.field(validator=_positive("world_size", 1, 64))
     max_tokens_per_rank: int = attrs.field(validator=_positive("max_tokens_per_rank", 1, MAX_TOKENS_LIMIT))
     scale_bytes: int = attrs.field(default=0, validator=_positive("scale_bytes", 0, 4096))
     blocks: int = attrs.field(default=32, validator=_positive("blocks", 1, 65535))

@@ -62,13 +62,20 @@ class EpConfig:
         _check(self.num_experts % self.world_size == 0, "num_experts", self.num_experts,
                f"must be a multiple of world_size={self.world_size}")
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
-        _check(isinstance(self.scale_bytes, int) and self.scale_bytes >= 0, "scale_bytes", self.scale_bytes,
-               "must be an int >= 0")
-        _check(isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s <= 3600, "timeout_s",
-               self.timeout_s, "must be in (0, 3600] seconds")
-        # Build the specs once on a reference arch so shape rules fail here, not at first use.
+        _check(isinstance(self.scale_bytes, int) and not isinstance(self.scale_bytes, bool)
+               and self.scale_bytes >= 0, "scale_bytes", self.scale_bytes, "must be an int >= 0")
+        _check(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)
+               and 0 < self.timeout_s <= 3600, "timeout_s", self.timeout_s, "must be in (0, 3600] seconds")
+        # Shape rules fail here, not at first use: the specs must build for at least one arch (the
+        # op builds them again for its GPU's arch, whose limits may be narrower, e.g. wave 32).
+        errors = []
         for arch in ARCH_TRAITS:
-            self.kernel_specs(arch)
+            try:
+                self.kernel_specs(arch)
+            except ValueError as e:
+                errors.append(e)
+        if len(errors) == len(ARCH_TRAITS):
+            raise errors[0]
 
     @classmethod
     def for_model(cls, name: str, *, world_size: int, max_tokens_per_rank: int, **kw) -> "EpConfig":
