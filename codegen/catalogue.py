@@ -12,7 +12,8 @@ from pathlib import Path
 from .arch import ARCHES
 from .models import MODELS, model
 from .render import Source, render
-from .spec import KernelSpec, Op
+from .spec import KernelSpec
+from .tuning import Geometry
 
 CATALOGUE_WORLD_SIZE = 8
 CATALOGUE_MAX_TOKENS = 4096
@@ -21,21 +22,19 @@ MANIFEST = "manifest.json"
 
 def shape_specs(*, hidden: int, topk: int, num_experts: int, world_size: int = CATALOGUE_WORLD_SIZE,
                 max_tokens_per_rank: int = CATALOGUE_MAX_TOKENS, dtype: str = "bf16",
-                arches=ARCHES, **geometry) -> list[KernelSpec]:
-    """Dispatch and combine specs of one shape for each arch (default geometry unless given).
+                arches=ARCHES, geometry: Geometry | None = None) -> list[KernelSpec]:
+    """Dispatch and combine specs of one shape for each arch: ``geometry`` for both ops, or the
+    tuning table's geometry at ``max_tokens_per_rank``.
 
     Raises:
-        ValueError: num_experts not a multiple of world_size, or any invalid spec field.
+        ValueError: naming the bad field (e.g. num_experts not a multiple of world_size).
     """
-    if num_experts % world_size:
-        raise ValueError(f"num_experts={num_experts}: must be a multiple of world_size={world_size}")
-    specs = []
-    for arch in arches:
-        for op in Op:
-            specs.append(KernelSpec(op=op, arch=arch, dtype=dtype if op is Op.DISPATCH else "bf16", hidden=hidden,
-                                    topk=topk, experts_per_rank=num_experts // world_size, world_size=world_size,
-                                    max_tokens_per_rank=max_tokens_per_rank, **geometry))
-    return specs
+    from ..config import EpConfig
+
+    cfg = EpConfig(world_size=world_size, hidden=hidden, topk=topk, num_experts=num_experts,
+                   max_tokens_per_rank=max_tokens_per_rank, dtype=dtype, dispatch_geometry=geometry,
+                   combine_geometry=geometry)
+    return [s for arch in arches for s in cfg.kernel_specs(arch)]
 
 
 def model_specs(name: str, arches=ARCHES, **kw) -> list[KernelSpec]:

@@ -131,10 +131,10 @@ class KernelSpec:
         topk: experts per token, K (at most the wave size).
         experts_per_rank: local experts per rank, L; expert e lives on rank e // L.
         max_tokens_per_rank: largest token count a rank may pass, Tmax.
-        scale_bytes: opaque per-token scale bytes forwarded by dispatch, S (0 = none).
         blocks: blocks per rank in the launch grid.
         warps_per_block: warps (AMD: waves) per block.
         unroll: 16-byte vectors each lane keeps in flight in the row copy loop.
+        scale_bytes: opaque per-token scale bytes forwarded by dispatch, S (0 = none).
 
     Raises:
         ValueError: on construction, naming the field, its value and the rule broken.
@@ -148,10 +148,10 @@ class KernelSpec:
     topk: int = attrs.field(validator=_positive("topk", 1, 64))
     experts_per_rank: int = attrs.field(validator=_positive("experts_per_rank", 1, 1 << 16))
     max_tokens_per_rank: int = attrs.field(validator=_positive("max_tokens_per_rank", 1, MAX_TOKENS_LIMIT))
+    blocks: int = attrs.field(validator=_positive("blocks", 1, 65535))
+    warps_per_block: int = attrs.field(validator=_positive("warps_per_block", 1, 32))
+    unroll: int = attrs.field(validator=_positive("unroll", 1, 16))
     scale_bytes: int = attrs.field(default=0, validator=_positive("scale_bytes", 0, 4096))
-    blocks: int = attrs.field(default=32, validator=_positive("blocks", 1, 65535))
-    warps_per_block: int = attrs.field(default=16, validator=_positive("warps_per_block", 1, 32))
-    unroll: int = attrs.field(default=4, validator=_positive("unroll", 1, 16))
 
     def __attrs_post_init__(self):
         t = self.traits
@@ -206,6 +206,22 @@ class KernelSpec:
         return self.row_bytes // self.traits.vector_bytes
 
     @property
+    def chunk_vectors(self) -> int:
+        """16-byte vectors one warp moves per copy step: unroll x wave size."""
+        return self.unroll * self.traits.wave_size
+
+    @property
+    def chunks_per_row(self) -> int:
+        """Copy steps per row; the last one is predicated when the row is not a multiple."""
+        return -(-self.row_vectors // self.chunk_vectors)
+
+    @property
+    def fan_in(self) -> int:
+        """Source ranks whose rows combine loads together before accumulating: min(W, K, 2).
+        More rows in flight per warp hide the peer read latency; 2 keeps registers below 128."""
+        return min(self.world_size, self.topk, 2)
+
+    @property
     def capacity_rows(self) -> int:
         """Receive rows each rank can hold: W x Tmax."""
         return self.world_size * self.max_tokens_per_rank
@@ -229,8 +245,8 @@ class KernelSpec:
         s = f"_s{self.scale_bytes}" if self.scale_bytes else ""
         return (
             f"epgen_{self.op.value}_{arch}_{self.dtype}_w{self.world_size}_h{self.hidden}_k{self.topk}"
-            f"_l{self.experts_per_rank}_t{self.max_tokens_per_rank}{s}"
-            f"_{self.blocks}x{self.warps_per_block}_u{self.unroll}"
+            f"_l{self.experts_per_rank}_t{self.max_tokens_per_rank}"
+            f"_{self.blocks}x{self.warps_per_block}_u{self.unroll}{s}"
         )
 
     def describe(self) -> str:
@@ -274,6 +290,9 @@ class KernelSpec:
             "unroll": self.unroll,
             "row_bytes": self.row_bytes,
             "row_vectors": self.row_vectors,
+            "chunk_vectors": self.chunk_vectors,
+            "chunks_per_row": self.chunks_per_row,
+            "fan_in": self.fan_in,
             "layout": lay,
         }
 

@@ -19,6 +19,7 @@ import attrs
 import torch
 
 from .check import make_inputs, run_round
+from .codegen.spec import Op
 from .codegen.render import render_ceiling
 from .compile import cupy_stream, load_kernel
 from .config import EpConfig, Geometry
@@ -36,8 +37,8 @@ class BenchOptions:
     world_size: int = 2
     tokens: tuple[int, ...] = SWEEP
     routings: tuple[str, ...] = ("uniform", "skewed")
-    dispatch_geometry: Geometry = Geometry(blocks=24, warps_per_block=16, unroll=4)
-    combine_geometry: Geometry = Geometry(blocks=24, warps_per_block=16, unroll=4)
+    dispatch_geometry: Geometry | None = None  # None: the tuning table per token bucket
+    combine_geometry: Geometry | None = None
     iters: int = 30
     virtual: bool = False
     output: str = ""  # path prefix of the .csv/.png (rank 0 writes)
@@ -92,6 +93,37 @@ def _graph(fn):
     return g
 
 
+def measure(op, cfg: EpConfig, tokens: int, routing: str, seed: int, iters: int) -> tuple[Timing, Timing]:
+    """Verify one round against the reference, then time dispatch and combine as CUDA-graph
+    replays (device events around each replay) on fresh inputs; every rank calls it together."""
+    run_round(op, cfg, [tokens] * cfg.world_size, routing, seed)  # checked once before it is timed
+    ins = [i.to(op.device) for i in make_inputs(cfg, [tokens] * cfg.world_size, routing, seed + 7)]
+    mine = ins if op.virtual else [ins[op.local_ranks[0]]]
+    pick = (lambda f: [getattr(i, f) for i in mine]) if op.virtual else (lambda f: getattr(mine[0], f))
+    ys = [op.combine_input(r) for r in op.local_ranks]
+    outs = [torch.empty(tokens, cfg.hidden, dtype=torch.bfloat16, device=op.device) for _ in op.local_ranks]
+    y_arg, out_arg = (ys, outs) if op.virtual else (ys[0], outs[0])
+
+    def disp():
+        op.dispatch(pick("x"), pick("weights"), pick("indices"))
+
+    def comb():
+        op.combine(y_arg, out=out_arg)
+
+    s = torch.cuda.Stream(op.device)
+    s.wait_stream(torch.cuda.current_stream(op.device))
+    with torch.cuda.stream(s):
+        disp()
+        comb()
+    torch.cuda.current_stream(op.device).wait_stream(s)
+    gd, gc = _graph(disp), _graph(comb)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    d_t, c_t = time_pairs(gd.replay, gc.replay, iters=iters, warmup=5)
+    op.synchronize()
+    return d_t, c_t
+
+
 def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
     """The benchmark body of one process (every rank of a real group, or the only process)."""
     from .op import EpDispatchCombine
@@ -112,25 +144,7 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
     for routing in opts.routings:
         for T in opts.tokens:
             seed += 1
-            run_round(op, cfg, [T] * world_size, routing, seed)  # verified once before it is timed
-            ins = [i.to(op.device) for i in make_inputs(cfg, [T] * world_size, routing, seed + 7)]
-            mine = ins if opts.virtual else [ins[me]]
-            pick = (lambda f: [getattr(i, f) for i in mine]) if opts.virtual else (lambda f: getattr(mine[0], f))
-            ys = [op.combine_input(r) for r in op.local_ranks]
-            outs = [torch.empty(T, cfg.hidden, dtype=torch.bfloat16, device=op.device) for _ in op.local_ranks]
-            y_arg, out_arg = (ys, outs) if opts.virtual else (ys[0], outs[0])
-            disp = lambda: op.dispatch(pick("x"), pick("weights"), pick("indices"))  # noqa: E731
-            comb = lambda: op.combine(y_arg, out=out_arg)  # noqa: E731
-            s = torch.cuda.Stream(op.device)
-            s.wait_stream(torch.cuda.current_stream(op.device))
-            with torch.cuda.stream(s):
-                disp(), comb()
-            torch.cuda.current_stream(op.device).wait_stream(s)
-            gd, gc = _graph(disp), _graph(comb)
-            if dist:
-                dist.barrier()
-            d_t, c_t = time_pairs(gd.replay, gc.replay, iters=opts.iters, warmup=5)
-            op.synchronize()
+            d_t, c_t = measure(op, cfg, T, routing, seed, opts.iters)
             buf = op.recv_buffers(me)
             n = int(buf.num_recv.item())
             wire = int((buf.recv_src[:n, 0] != me).sum().item()) if world_size > 1 else n
@@ -146,8 +160,8 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
                 dist.barrier()
                 nccl_t = _time(lambda: dist.all_to_all_single(out, inp), iters=10)
                 nccl_gbps = gbps(nbytes * (world_size - 1), nccl_t.median_us)
-            for name, t, geo, elem in (("dispatch", d_t, opts.dispatch_geometry, row_bytes),
-                                       ("combine", c_t, opts.combine_geometry, cfg.hidden * 2)):
+            for name, t, geo, elem in (("dispatch", d_t, op.variant(Op.DISPATCH, T), row_bytes),
+                                       ("combine", c_t, op.variant(Op.COMBINE, T), cfg.hidden * 2)):
                 w = gbps(wire * elem, t.median_us)
                 rows.append({"op": name, "dtype": cfg.dtype if name == "dispatch" else "bf16", "routing": routing,
                              "tokens": T, "rank": me, "world_size": world_size, "time_us": round(t.median_us, 2),
@@ -157,7 +171,6 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
                              "p2p_ceiling_gbps": round(ceil_gbps, 1), "nccl_gbps": round(nccl_gbps, 1),
                              "ratio_ceiling": round(w / ceil_gbps, 3), "ratio_nccl": round(w / nccl_gbps, 3),
                              "blocks": geo.blocks, "warps_per_block": geo.warps_per_block, "unroll": geo.unroll})
-            del gd, gc
     op.close()
     if dist:
         gathered = [None] * world_size

@@ -139,6 +139,19 @@ def cmd_bench(args, parser, console) -> int:
     return 0
 
 
+def cmd_tune(args, parser, console) -> int:
+    import torch
+
+    from .tune import TuneOptions, run
+
+    if not torch.cuda.is_available():
+        console.print("epgen tune needs a GPU (torch.cuda.is_available() is False)")
+        return 2
+    run(TuneOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens),
+                    geometries=tuple(args.geometry), routing=args.routing, iters=args.iters, write=not args.dry_run))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="epgen", description="Generate, check and run MoE expert-parallel "
                                 "dispatch/combine kernels for gfx950, gfx1250 and sm_90.")
@@ -185,6 +198,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--combine-geometry", type=_geometry, default=attrs.fields(BenchOptions).combine_geometry.default)
     b.add_argument("--iters", type=int, default=30, help="timed graph replays per point")
     b.add_argument("-o", "--output", help="path prefix of the .csv/.png (default tools/results/bench-ep<W>-<gpu>)")
+
+    from .tune import TuneOptions
+
+    tdef = attrs.fields(TuneOptions)
+    t = verb("tune", "sweep launch geometry on the GPU and write codegen/tuning/<arch>.json (fewest blocks "
+             "within 3%% of the best per token bucket)", cmd_tune)
+    t.add_argument("--model", default="deepseek-v3")
+    t.add_argument("--world-size", type=int, default=2, help="ranks, one process per GPU")
+    t.add_argument("--tokens", type=int, nargs="+", default=list(tdef.tokens.default), help="token buckets")
+    t.add_argument("--geometry", type=_geometry, nargs="+", default=list(tdef.geometries.default),
+                   help="candidates BLOCKSxWARPS[uUNROLL] (default 8..132 blocks x 32 warps u4)")
+    t.add_argument("--routing", default="uniform", choices=ROUTINGS)
+    t.add_argument("--iters", type=int, default=20)
+    t.add_argument("--dry-run", action="store_true", help="print the table, write nothing")
     return p
 
 

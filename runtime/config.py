@@ -5,23 +5,15 @@ from __future__ import annotations
 import attrs
 
 from .codegen.arch import ARCH_TRAITS
-from .codegen.dtypes import DTYPES
+from .codegen.dtypes import DTYPES, dtype_info
 from .codegen.models import model as _model
 from .codegen.spec import KernelSpec, Op
+from .codegen.tuning import Geometry, TuningKey, lookup
 
 
 def _check(cond: bool, field: str, value, rule: str):
     if not cond:
         raise ValueError(f"EpConfig.{field}={value!r}: {rule}")
-
-
-@attrs.frozen
-class Geometry:
-    """Launch geometry of one kernel: blocks per rank, warps (waves) per block, copy unroll."""
-
-    blocks: int = 32
-    warps_per_block: int = 16
-    unroll: int = 4
 
 
 @attrs.frozen
@@ -36,7 +28,8 @@ class EpConfig:
         max_tokens_per_rank: the most tokens any rank passes to one dispatch.
         dtype: dispatch payload dtype.
         scale_bytes: opaque per-token scale bytes forwarded by dispatch (0 = none).
-        dispatch_geometry, combine_geometry: launch geometry of the two kernels.
+        dispatch_geometry, combine_geometry: launch geometry of the two kernels; None (default)
+            takes it from the tuning table per token bucket (``epgen.codegen.tuning``).
         timeout_s: bound of every in-kernel spin-wait, seconds.
 
     Raises:
@@ -51,8 +44,8 @@ class EpConfig:
     max_tokens_per_rank: int
     dtype: str = "bf16"
     scale_bytes: int = 0
-    dispatch_geometry: Geometry = Geometry()
-    combine_geometry: Geometry = Geometry()
+    dispatch_geometry: Geometry | None = None
+    combine_geometry: Geometry | None = None
     timeout_s: float = 5.0
 
     def __attrs_post_init__(self):
@@ -93,15 +86,27 @@ class EpConfig:
         """L = E / W."""
         return self.num_experts // self.world_size
 
-    def kernel_specs(self, arch: str) -> tuple[KernelSpec, KernelSpec]:
-        """(dispatch spec, combine spec) for ``arch``; both share one arena layout."""
-        common = dict(arch=arch, hidden=self.hidden, topk=self.topk, experts_per_rank=self.experts_per_rank,
-                      world_size=self.world_size, max_tokens_per_rank=self.max_tokens_per_rank,
-                      scale_bytes=self.scale_bytes)
-        d, c = self.dispatch_geometry, self.combine_geometry
-        return (
-            KernelSpec(op=Op.DISPATCH, dtype=self.dtype, blocks=d.blocks, warps_per_block=d.warps_per_block,
-                       unroll=d.unroll, **common),
-            KernelSpec(op=Op.COMBINE, dtype="bf16", blocks=c.blocks, warps_per_block=c.warps_per_block,
-                       unroll=c.unroll, **common),
-        )
+    def tuning_key(self, arch: str, op: Op) -> TuningKey:
+        """Key of this layer's ``op`` in the tuning tables."""
+        dtype = self.dtype if op is Op.DISPATCH else "bf16"
+        return TuningKey(arch=arch, world_size=self.world_size, row_bytes=dtype_info(dtype).row_bytes(self.hidden),
+                         topk=self.topk, dtype=dtype, op=op.value)
+
+    def geometry(self, arch: str, op: Op, tokens: int) -> Geometry:
+        """Explicit geometry if given, else the tuning table's bucket for ``tokens``."""
+        explicit = self.dispatch_geometry if op is Op.DISPATCH else self.combine_geometry
+        return explicit or lookup(self.tuning_key(arch, op), tokens)
+
+    def spec(self, arch: str, op: Op, geometry: Geometry) -> KernelSpec:
+        """The KernelSpec of ``op`` on ``arch`` with ``geometry``; all of one layer's specs share
+        one arena layout."""
+        return KernelSpec(op=op, arch=arch, dtype=self.dtype if op is Op.DISPATCH else "bf16",
+                          hidden=self.hidden, topk=self.topk, experts_per_rank=self.experts_per_rank,
+                          world_size=self.world_size, max_tokens_per_rank=self.max_tokens_per_rank,
+                          scale_bytes=self.scale_bytes, blocks=geometry.blocks,
+                          warps_per_block=geometry.warps_per_block, unroll=geometry.unroll)
+
+    def kernel_specs(self, arch: str, tokens: int | None = None) -> tuple[KernelSpec, KernelSpec]:
+        """(dispatch spec, combine spec) for ``arch`` at ``tokens`` (default max_tokens_per_rank)."""
+        t = self.max_tokens_per_rank if tokens is None else tokens
+        return tuple(self.spec(arch, op, self.geometry(arch, op, t)) for op in (Op.DISPATCH, Op.COMBINE))

@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .codegen.arch import ARCHES
-from .codegen.offline import CompileError, compile_many
+from .codegen.offline import CompileError, compile_many, toolchain_status
 from .codegen.render import render
 from .config import EpConfig
 
@@ -34,7 +34,11 @@ def resource_table(sources, results, title: str) -> tuple[Table, bool]:
 def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Console) -> int:
     """Returns the process exit code: 0 when every check passed."""
     cfg = EpConfig.for_model(model, world_size=world_size, max_tokens_per_rank=tokens)
-    sources = [render(s) for arch in ARCHES for s in cfg.kernel_specs(arch)]
+    missing = {arch: toolchain_status(arch) for arch in ARCHES}
+    for arch, reason in missing.items():
+        if reason:
+            console.print(f"{arch}: offline compile check skipped: {reason}")
+    sources = [render(s) for arch in ARCHES if not missing[arch] for s in cfg.kernel_specs(arch)]
     with console.status("compiling for " + ", ".join(ARCHES)):
         results = compile_many([(s.text, s.spec.arch, s.entry) for s in sources])
     table, ok = resource_table(sources, results, f"{model}: W={world_size}, Tmax={tokens}, bf16")

@@ -15,7 +15,8 @@ import torch
 from .arena import Arenas, ErrorRecords
 from .codegen.arch import ARCH_TRAITS
 from .codegen.render import render
-from .codegen.spec import KernelSpec
+from .codegen.spec import KernelSpec, Op
+from .codegen.tuning import buckets
 from .compile import cupy_stream, device_arch, load_kernel
 from .config import EpConfig
 
@@ -99,8 +100,10 @@ class EpDispatchCombine:
 
     def __init__(self, config: EpConfig, *, group=None, virtual: bool = False, device: int | None = None,
                  validate: bool = False):
-        import cupy
-
+        try:
+            import cupy  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError(f"EpDispatchCombine needs CuPy ({e}): pip install -e '.[cuda]' (or '.[rocm]')") from e
         if not torch.cuda.is_available():
             raise RuntimeError("EpDispatchCombine needs a GPU: torch.cuda.is_available() is False")
         self.config = config
@@ -130,19 +133,14 @@ class EpDispatchCombine:
         self.arch = device_arch(self.device.index)
         if self.arch not in ARCH_TRAITS:
             raise ValueError(f"GPU arch {self.arch!r}: epgen generates kernels for {', '.join(ARCH_TRAITS)}")
-        self.dispatch_spec, self.combine_spec = config.kernel_specs(self.arch)
+        # Every variant the op can pick is compiled here: dispatch() and combine() never compile.
+        self._variants = {op: self._build_variants(op) for op in (Op.DISPATCH, Op.COMBINE)}
+        self.dispatch_spec = self._variants[Op.DISPATCH][-1][1]
         self.layout = self.dispatch_spec.layout
-        with cupy.cuda.Device(self.device.index):
-            d, c = render(self.dispatch_spec), render(self.combine_spec)
-            self._dispatch_fn = load_kernel(d.text, d.entry)
-            self._combine_fn = load_kernel(c.text, c.entry)
-            if virtual:
-                self._check_resident(self._dispatch_fn, self.dispatch_spec)
-                self._check_resident(self._combine_fn, self.combine_spec)
         self.arenas = Arenas(self.layout.total_bytes, W, self.local_ranks, self.device, group)
         self.errors = ErrorRecords(W)
         self._args = {}
-        for op, spec in (("dispatch", self.dispatch_spec), ("combine", self.combine_spec)):
+        for op in (Op.DISPATCH, Op.COMBINE):
             a = np.zeros((), dtype=_args_dtype(W))
             a["arena"] = self.arenas.pointers
             a["errors"] = self.errors.ptr
@@ -208,7 +206,7 @@ class EpDispatchCombine:
         xs, ws, ids, ss = self._per_rank(x, "x"), self._per_rank(weights, "weights"), \
             self._per_rank(indices, "indices"), self._per_rank(scales, "scales", optional=True)
         cfg = self.config
-        a = self._args["dispatch"]
+        a = self._args[Op.DISPATCH]
         tokens = []
         for i, rank in enumerate(self.local_ranks):
             tag = f"[rank {rank}]" if self.virtual else ""
@@ -227,7 +225,7 @@ class EpDispatchCombine:
             a["io"][i] = (xs[i].data_ptr(), ws[i].data_ptr(), ids[i].data_ptr(),
                           ss[i].data_ptr() if cfg.scale_bytes else 0, 0, T)
             tokens.append(T)
-        self._launch(self._dispatch_fn, self.dispatch_spec, a)
+        self._launch(Op.DISPATCH, max(tokens), a)
         self._pending_tokens = tokens
         outs = [self.recv_buffers(r) for r in self.local_ranks]
         return outs if self.virtual else outs[0]
@@ -256,7 +254,7 @@ class EpDispatchCombine:
             raise RuntimeError("combine: needs a dispatch first (each dispatch is combined once)")
         ys, given = self._per_rank(y, "y"), self._per_rank(out, "out", optional=True)
         cfg = self.config
-        a = self._args["combine"]
+        a = self._args[Op.COMBINE]
         outs = []
         for i, rank in enumerate(self.local_ranks):
             tag = f"[rank {rank}]" if self.virtual else ""
@@ -275,7 +273,7 @@ class EpDispatchCombine:
                 _check_tensor(o, f"out{tag}", dtype=torch.bfloat16, shape=(T, cfg.hidden), device=self.device)
             a["io"][i] = (0, 0, 0, 0, o.data_ptr(), T)
             outs.append(o)
-        self._launch(self._combine_fn, self.combine_spec, a)
+        self._launch(Op.COMBINE, max(self._pending_tokens), a)
         self._pending_tokens = None
         return outs if self.virtual else outs[0]
 
@@ -323,26 +321,63 @@ class EpDispatchCombine:
             return list(value)
         return [value]
 
-    def _launch(self, fn, spec: KernelSpec, args: np.ndarray):
+    def variant(self, op: Op, tokens: int) -> KernelSpec:
+        """The spec ``op`` launches for ``tokens`` (the largest token count of the ranks this
+        process drives): the smallest bucket not below it, else the largest."""
+        return self._pick(op, tokens)[0]
+
+    def _pick(self, op: Op, tokens: int):
+        for max_tokens, spec, fn in self._variants[op]:
+            if tokens <= max_tokens:
+                return spec, fn
+        return self._variants[op][-1][1:]
+
+    def _build_variants(self, op: Op) -> list[tuple[int, KernelSpec, object]]:
+        cfg = self.config
+        explicit = cfg.dispatch_geometry if op is Op.DISPATCH else cfg.combine_geometry
+        table = [(cfg.max_tokens_per_rank, explicit)] if explicit else buckets(cfg.tuning_key(self.arch, op))
+        variants = []
+        for max_tokens, geo in table:
+            spec = cfg.spec(self.arch, op, geo)
+            fn = self._compile(spec)
+            if self.virtual:
+                fits = self._resident_blocks(fn, spec) // cfg.world_size
+                if fits < spec.blocks:
+                    if explicit or fits < 1:
+                        raise ValueError(
+                            f"{op.value} geometry {geo}: virtual ranks need all {spec.blocks * cfg.world_size} "
+                            f"blocks resident at once but this GPU holds {self._resident_blocks(fn, spec)}; "
+                            f"lower EpConfig.{op.value}_geometry blocks to {max(fits, 1)} or fewer warps")
+                    spec = spec.replace(blocks=fits)  # table geometry, clamped so every rank fits
+                    fn = self._compile(spec)
+            variants.append((max_tokens, spec, fn))
+            if max_tokens >= cfg.max_tokens_per_rank:
+                break
+        return variants
+
+    def _compile(self, spec: KernelSpec):
         import cupy
 
+        src = render(spec)
+        with cupy.cuda.Device(self.device.index):
+            return load_kernel(src.text, src.entry)
+
+    def _launch(self, op: Op, tokens: int, args: np.ndarray):
+        import cupy
+
+        spec, fn = self._pick(op, tokens)
         with cupy.cuda.Device(self.device.index):
             fn((spec.blocks, len(self.local_ranks), 1), (spec.threads, 1, 1),
                (cupy.cuda.function.CPointer(args.ctypes.data),), stream=cupy_stream(self.device))
         if self.validate:
             self.synchronize()
 
-    def _check_resident(self, fn, spec: KernelSpec):
+    def _resident_blocks(self, fn, spec: KernelSpec) -> int:
+        """Blocks of ``fn`` the whole GPU holds at once."""
         from cupy_backends.cuda.api import driver
 
         per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, spec.threads, 0)
-        sms = torch.cuda.get_device_properties(self.device.index).multi_processor_count
-        need = spec.blocks * self.config.world_size
-        if per_sm * sms < need:
-            raise ValueError(
-                f"{spec.op.value} geometry {spec.blocks}x{spec.warps_per_block}: virtual ranks need all "
-                f"{need} blocks resident at once but this GPU holds {per_sm} per SM x {sms} SMs; "
-                f"lower EpConfig.{spec.op.value}_geometry.blocks")
+        return per_sm * torch.cuda.get_device_properties(self.device.index).multi_processor_count
 
     def close(self):
         """Release the arenas and error records (the op is unusable afterwards)."""

@@ -12,10 +12,9 @@ SHAPES = ["deepseek-v3", "gpt-oss-120b"]
 TMAX = 4096
 
 
-def _op(model, world_size, virtual):
+def _op(model, world_size, virtual, geo=Geometry(blocks=16, warps_per_block=16, unroll=4)):
     from epgen.op import EpDispatchCombine
 
-    geo = Geometry(blocks=16, warps_per_block=16, unroll=4)
     cfg = EpConfig.for_model(model, world_size=world_size, max_tokens_per_rank=TMAX,
                              dispatch_geometry=geo, combine_geometry=geo, timeout_s=10.0)
     return cfg, EpDispatchCombine(cfg, virtual=virtual, validate=True)
@@ -24,7 +23,7 @@ def _op(model, world_size, virtual):
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", SHAPES)
 def test_single_rank(model):
-    cfg, op = _op(model, 1, False)
+    cfg, op = _op(model, 1, False, geo=None)  # geometry from the tuning table
     for seed, T in enumerate([0, 1, 128, 4096]):
         for kind in ("uniform", "invalid", "duplicates"):
             run_round(op, cfg, [T], kind, seed)
@@ -43,7 +42,7 @@ CASES = {
 def test_virtual_ranks(model, world_size):
     cfg, op = _op(model, world_size, True)
     seed = 0
-    for tokens in CASES[world_size]:
+    for tokens in CASES[world_size]:  # explicit geometry: W x 16 blocks resident at once
         for kind in ("uniform", "invalid", "duplicates"):
             seed += 1
             run_round(op, cfg, tokens, kind, seed)

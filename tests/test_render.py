@@ -18,7 +18,7 @@ from epgen.codegen.spec import SIGNAL_WORDS, KernelSpec
 
 BASE = dict(
     op="dispatch", arch="gfx950", dtype="bf16", hidden=7168, topk=8, experts_per_rank=32, world_size=8,
-    max_tokens_per_rank=4096,
+    max_tokens_per_rank=4096, blocks=32, warps_per_block=16, unroll=4,
 )
 OPS = ("dispatch", "combine")
 

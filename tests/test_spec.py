@@ -24,7 +24,7 @@ FIELDS = [f.name for f in attrs.fields(KernelSpec)]
 
 BASE = dict(
     op="dispatch", arch="gfx950", dtype="bf16", hidden=7168, topk=8, experts_per_rank=32, world_size=8,
-    max_tokens_per_rank=4096,
+    max_tokens_per_rank=4096, blocks=32, warps_per_block=16, unroll=4,
 )
 
 
@@ -306,10 +306,10 @@ VARIANTS = {
     "topk": [8, 1],
     "experts_per_rank": [32, 1],
     "max_tokens_per_rank": [4096, 128],
-    "scale_bytes": [0, 16],
     "blocks": [32, 64],
     "warps_per_block": [16, 8],
     "unroll": [4, 2],
+    "scale_bytes": [0, 16],
 }
 
 

@@ -1,26 +1,33 @@
 #!/usr/bin/env bash
-# One call on the device machine: install, then the steps named in $STEPS (default: all):
-#   tests  GPU tests (pytest -m "gpu or multigpu"; $K narrows with -k)
-#   demo   epgen demo (deepseek-v3, 8 virtual ranks)
-#   bench  epgen bench W=2 (two GPUs), full sweep, CSV/PNG under tools/results and $OUT
-#   sweep  geometry exploration at 128/4096/8192 tokens ($GEOS: "DISPATCHxW..:COMBINE..." pairs)
+# One call on the device machine: install, then the steps named in $STEPS, in order:
+#   demo    epgen demo (deepseek-v3, 8 virtual ranks)
+#   tune    epgen tune W=2 (two GPUs): writes codegen/tuning/sm_90.json
+#   bench   epgen bench W=2 with the tuning table -> tools/results/bench-ep2-h200.{csv,png,env.txt}
+#   bench24 the same at 24 blocks x 32 warps (at most 24 SMs) -> tools/results/bench-ep2-h200-24sm.*
+#   sweep   geometry exploration at 128/4096/8192 tokens ($GEOS: "DISPATCH:COMBINE" pairs)
+#   tests   GPU tests (pytest -m "gpu or multigpu"; $K narrows with -k)
+# Everything it prints goes to $OUT/run.log; results and tables come back in $OUT/results.tgz.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STEPS=${STEPS:-tests demo bench}
-python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,memory.used,utilization.gpu --format=csv | tee "$OUT/env.txt"
-python -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/env.txt"
-for step in $STEPS; do
-  echo "=== $step"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" tools/results
+exec > >(tee "$OUT/run.log") 2>&1
+python -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,memory.used,utilization.gpu --format=csv
+python -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__, 'gpus', torch.cuda.device_count())"
+for step in ${STEPS:-demo tune bench bench24 tests}; do
+  echo "=== $step $(date -u +%T)"
   case $step in
-    tests) python -m pytest tests -m "gpu or multigpu" -q -x ${K:+-k "$K"} 2>&1 | tee "$OUT/pytest-gpu.log" ;;
-    demo) python -m epgen demo 2>&1 | tee "$OUT/demo.log" ;;
-    bench) python -m epgen bench --world-size 2 -o tools/results/bench-ep2-h200 2>&1 | tee "$OUT/bench.log"
-           cp tools/results/bench-ep2-h200.* "$OUT/" ;;
-    sweep) for g in ${GEOS:-24x16u4:24x16u4}; do
+    demo) python -m epgen demo ;;
+    tune) python -m epgen tune --world-size 2 ;;
+    bench) python -m epgen bench --world-size 2 -o tools/results/bench-ep2-h200 ;;
+    bench24) python -m epgen bench --world-size 2 --dispatch-geometry 24x32u4 --combine-geometry 24x32u4 \
+               -o tools/results/bench-ep2-h200-24sm ;;
+    sweep) for g in ${GEOS:-24x32u4:24x32u4}; do
              python -m epgen bench --world-size 2 --tokens 128 4096 8192 --routing uniform \
-               --dispatch-geometry "${g%%:*}" --combine-geometry "${g##*:}" -o "/tmp/sweep-$g" 2>&1 | grep -E "dispatch|combine" | tee -a "$OUT/sweep.log"
+               --dispatch-geometry "${g%%:*}" --combine-geometry "${g##*:}" -o "/tmp/sweep-$g" | grep -E "dispatch|combine"
            done ;;
+    tests) python -m pytest tests -m "gpu or multigpu" -q -x ${K:+-k "$K"} ;;
   esac
 done
+tar czf "$OUT/results.tgz" tools/results codegen/tuning 2>/dev/null
+echo "=== done $(date -u +%T)"

@@ -1,0 +1,105 @@
+"""Launch-geometry tables: (arch, world size, row bytes, top-k, dtype, op) -> token buckets.
+
+A table entry lists buckets ``(max_tokens, blocks, warps_per_block, unroll)``; ``lookup`` takes the
+smallest bucket whose ``max_tokens`` is not below the token count and clamps above the largest.
+Explicit geometry in ``EpConfig`` overrides the table. A shape with no entry gets
+``default_geometry``: 24 blocks of 1024 threads, unroll 4, the best geometry at 24 blocks that
+``epgen tune`` measured for deepseek-v3 on 2 x H200 (tools/NOTES.md, 2026-11-29); on AMD it is
+a starting point, not a measurement.
+
+Tables live in ``codegen/tuning/<arch>.json``; every entry records where its numbers came from
+(``provenance``), and ``epgen tune`` writes the measured ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import attrs
+
+from .arch import traits
+
+TABLE_DIR = Path(__file__).parent / "tuning"
+DEFAULT_BLOCKS = 24
+DEFAULT_THREADS = 1024
+DEFAULT_UNROLL = 4
+
+
+@attrs.frozen
+class Geometry:
+    """Launch geometry of one kernel: blocks per rank, warps (waves) per block, copy unroll."""
+
+    blocks: int = DEFAULT_BLOCKS
+    warps_per_block: int = 32
+    unroll: int = DEFAULT_UNROLL
+
+    def __str__(self) -> str:
+        return f"{self.blocks}x{self.warps_per_block}u{self.unroll}"
+
+
+@attrs.frozen
+class TuningKey:
+    """What a table entry is keyed by (the shape's bytes, not its name)."""
+
+    arch: str
+    world_size: int
+    row_bytes: int
+    topk: int
+    dtype: str
+    op: str
+
+
+def default_geometry(arch: str) -> Geometry:
+    """The documented default for shapes without a table entry (see module docstring)."""
+    return Geometry(blocks=DEFAULT_BLOCKS, warps_per_block=DEFAULT_THREADS // traits(arch).wave_size,
+                    unroll=DEFAULT_UNROLL)
+
+
+@functools.lru_cache(maxsize=None)
+def _table(arch: str) -> dict[TuningKey, tuple[tuple[int, Geometry], ...]]:
+    path = TABLE_DIR / f"{arch}.json"
+    if not path.exists():
+        return {}
+    table = {}
+    for e in json.loads(path.read_text())["entries"]:
+        key = TuningKey(**{f.name: e[f.name] for f in attrs.fields(TuningKey)})
+        table[key] = tuple(sorted((b["max_tokens"], Geometry(b["blocks"], b["warps_per_block"], b["unroll"]))
+                                  for b in e["buckets"]))
+    return table
+
+
+def buckets(key: TuningKey) -> tuple[tuple[int, Geometry], ...]:
+    """Buckets ``(max_tokens, geometry)`` of ``key``, ascending; the default alone when absent."""
+    return _table(key.arch).get(key) or ((1 << 30, default_geometry(key.arch)),)
+
+
+def lookup(key: TuningKey, tokens: int) -> Geometry:
+    """Geometry for ``tokens``: the smallest bucket not below it, clamped to the largest."""
+    table = buckets(key)
+    for max_tokens, geo in table:
+        if tokens <= max_tokens:
+            return geo
+    return table[-1][1]
+
+
+def write_entry(key: TuningKey, rows: list[tuple[int, Geometry]], provenance: str, measured: dict) -> Path:
+    """Replace (or add) the entry of ``key`` in its arch's table file and return the path."""
+    path = TABLE_DIR / f"{key.arch}.json"
+    doc = json.loads(path.read_text()) if path.exists() else {"entries": []}
+    entries = [e for e in doc["entries"] if TuningKey(**{f.name: e[f.name] for f in attrs.fields(TuningKey)}) != key]
+    entries.append({**attrs.asdict(key), "provenance": provenance, "measured_us": measured,
+                    "buckets": [{"max_tokens": t, **attrs.asdict(g)} for t, g in rows]})
+    entries.sort(key=lambda e: (e["op"], e["world_size"], e["row_bytes"], e["topk"], e["dtype"]))
+    path.write_text(json.dumps({"entries": entries}, indent=1) + "\n")
+    _table.cache_clear()
+    return path
+
+
+def pick_fewest_blocks(times_us: dict[Geometry, float], tolerance: float = 0.03) -> Geometry:
+    """The geometry with the fewest blocks whose time is within ``tolerance`` of the best (ties:
+    fewer warps, then faster); leaves SMs to the compute that runs beside the kernel."""
+    best = min(times_us.values())
+    ok = [g for g, t in times_us.items() if t <= best * (1 + tolerance)]
+    return min(ok, key=lambda g: (g.blocks, g.warps_per_block, times_us[g]))

@@ -1,0 +1,102 @@
+"""``epgen tune``: sweep launch geometry on the GPU and write the tuning table.
+
+For every geometry (the same one for dispatch and combine; each op is timed on its own) and token
+count: one verified round, then the median of CUDA-graph replays (``bench.measure``); the time of a
+point is the slowest rank's median. Per op and token bucket the table takes the fewest blocks
+within 3% of the best (``tuning.pick_fewest_blocks``), which leaves SMs to the compute beside it.
+"""
+
+from __future__ import annotations
+
+
+import attrs
+import torch
+
+from .bench import environment, measure
+from .codegen.spec import Op
+from .codegen.tuning import Geometry, pick_fewest_blocks, write_entry
+from .config import EpConfig
+
+
+@attrs.frozen
+class TuneOptions:
+    model: str = "deepseek-v3"
+    world_size: int = 2
+    tokens: tuple[int, ...] = (128, 1024, 4096, 8192)
+    geometries: tuple[Geometry, ...] = tuple(Geometry(b, 32, 4) for b in (8, 16, 24, 32, 48, 64, 132))
+    routing: str = "uniform"
+    iters: int = 20
+    write: bool = True
+
+
+def tune_process(rank: int, world_size: int, opts: TuneOptions) -> dict:
+    """Returns {(op, tokens): {geometry: us}} on every rank."""
+    from .op import EpDispatchCombine
+
+    dist = torch.distributed if torch.distributed.is_initialized() else None
+    times: dict = {}
+    seed = 500
+    for geo in opts.geometries:
+        cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=max(opts.tokens),
+                                 dispatch_geometry=geo, combine_geometry=geo, timeout_s=20.0)
+        op = EpDispatchCombine(cfg)
+        for T in opts.tokens:
+            seed += 1
+            d_t, c_t = measure(op, cfg, T, opts.routing, seed, opts.iters)
+            mine = [d_t.median_us, c_t.median_us]
+            if dist:
+                every = [None] * world_size
+                dist.all_gather_object(every, mine)
+                mine = [max(v[i] for v in every) for i in range(2)]
+            times.setdefault((Op.DISPATCH, T), {})[geo] = mine[0]
+            times.setdefault((Op.COMBINE, T), {})[geo] = mine[1]
+        arch, key_cfg = op.arch, cfg
+        op.close()
+    if rank == 0:
+        _report(times, opts, arch, key_cfg)
+    return times
+
+
+def _report(times, opts: TuneOptions, arch: str, cfg: EpConfig):
+    from rich.console import Console
+    from rich.table import Table
+
+    env = environment()
+    console = Console(width=200)
+    for op in (Op.DISPATCH, Op.COMBINE):
+        t = Table(title=f"epgen tune {op.value}: {opts.model}, W={cfg.world_size}, {arch}, us (slowest rank's median)")
+        t.add_column("tokens", justify="right")
+        for g in opts.geometries:
+            t.add_column(str(g), justify="right")
+        t.add_column("pick", justify="right")
+        rows = []
+        for T in opts.tokens:
+            per = times[(op, T)]
+            pick = pick_fewest_blocks(per)
+            rows.append((T, pick))
+            t.add_row(str(T), *[f"{per[g]:.1f}" for g in opts.geometries], str(pick))
+        console.print(t)
+        if opts.write:
+            provenance = (f"measured {env['date']} on {env['gpus']}x {env['gpu']} (driver {env['driver']}, torch "
+                          f"{env['torch']}, cupy {env['cupy']}, commit {env['commit']}) by epgen tune --model "
+                          f"{opts.model} --world-size {cfg.world_size}, routing {opts.routing}; fewest blocks within 3%")
+            measured = {str(T): {str(g): round(times[(op, T)][g], 1) for g in opts.geometries} for T in opts.tokens}
+            path = write_entry(cfg.tuning_key(arch, op), rows, provenance, measured)
+            console.print(f"wrote {path}")
+
+
+def _tune_worker(rank, world_size, opts):
+    tune_process(rank, world_size, opts)
+
+
+def run(opts: TuneOptions) -> None:
+    """One process per GPU for W > 1, else in this process."""
+    if opts.world_size > 1:
+        from .launch import run_ranks
+
+        run_ranks(opts.world_size, _tune_worker, opts)
+    else:
+        tune_process(0, 1, opts)
+
+
+__all__ = ["TuneOptions", "run", "tune_process"]
