@@ -9,6 +9,7 @@ from rich.table import Table
 from .codegen.arch import ARCHES
 from .codegen.offline import CompileError, compile_many, toolchain_status
 from .codegen.render import render
+from .codegen.spec import Op
 from .config import EpConfig
 
 
@@ -71,13 +72,15 @@ def _run_gpu(cfg: EpConfig, model: str, tokens: int, iters: int, console: Consol
     d_t, c_t = time_pairs(lambda: op.dispatch(pick("x"), pick("weights"), pick("indices")),
                           lambda: op.combine(ys), iters=iters)
     bufs = [op.recv_buffers(r) for r in op.local_ranks]
+    dgeo, cgeo = op.variant(Op.DISPATCH, tokens), op.variant(Op.COMBINE, tokens)
     table = Table(title=f"{model} on {torch.cuda.get_device_name(op.device)}: "
-                        f"{'virtual ' if virtual else ''}W={W}, {tokens} tokens/rank, {cfg.dispatch_geometry.blocks} "
-                        f"blocks; median of {iters}")
+                        f"{'virtual ' if virtual else ''}W={W}, {tokens} tokens/rank; dispatch {dgeo.blocks}x"
+                        f"{dgeo.warps_per_block} u{dgeo.unroll}, combine {cgeo.blocks}x{cgeo.warps_per_block} "
+                        f"u{cgeo.unroll}; median of {iters}")
     for c in ("rank", "recv rows", "from peers", "dispatch us", "disp logical GB/s", "disp wire GB/s",
               "combine us", "comb logical GB/s", "comb wire GB/s"):
         table.add_column(c, justify="right")
-    row_bytes = cfg.kernel_specs(op.arch)[0].row_bytes
+    row_bytes = dgeo.row_bytes
     for r, b in zip(op.local_ranks, bufs):
         n = int(b.num_recv.item())
         peers = int((b.recv_src[:n, 0] != r).sum().item())
