@@ -92,6 +92,7 @@ def write_entry(key: TuningKey, rows: list[tuple[int, Geometry]], provenance: st
     entries.append({**attrs.asdict(key), "provenance": provenance, "measured_us": measured,
                     "buckets": [{"max_tokens": t, **attrs.asdict(g)} for t, g in rows]})
     entries.sort(key=lambda e: (e["op"], e["world_size"], e["row_bytes"], e["topk"], e["dtype"]))
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"entries": entries}, indent=1) + "\n")
     _table.cache_clear()
     return path

@@ -88,7 +88,8 @@ class _Ceiling:
 
 def _graph(fn):
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    # thread_local: CUDA calls of NCCL's and gloo's own threads must not invalidate the capture
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):
         fn()
     return g
 
@@ -160,10 +161,11 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
                 dist.barrier()
                 nccl_t = _time(lambda: dist.all_to_all_single(out, inp), iters=10)
                 nccl_gbps = gbps(nbytes * (world_size - 1), nccl_t.median_us)
+            point = []
             for name, t, geo, elem in (("dispatch", d_t, op.variant(Op.DISPATCH, T), row_bytes),
                                        ("combine", c_t, op.variant(Op.COMBINE, T), cfg.hidden * 2)):
                 w = gbps(wire * elem, t.median_us)
-                rows.append({"op": name, "dtype": cfg.dtype if name == "dispatch" else "bf16", "routing": routing,
+                point.append({"op": name, "dtype": cfg.dtype if name == "dispatch" else "bf16", "routing": routing,
                              "tokens": T, "rank": me, "world_size": world_size, "time_us": round(t.median_us, 2),
                              "mean_us": round(t.mean_us, 2), "stdev_us": round(t.stdev_us, 2),
                              "best_us": round(t.best_us, 2), "recv_rows": n, "wire_rows": wire,
@@ -171,11 +173,18 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
                              "p2p_ceiling_gbps": round(ceil_gbps, 1), "nccl_gbps": round(nccl_gbps, 1),
                              "ratio_ceiling": round(w / ceil_gbps, 3), "ratio_nccl": round(w / nccl_gbps, 3),
                              "blocks": geo.blocks, "warps_per_block": geo.warps_per_block, "unroll": geo.unroll})
+            if dist:
+                gathered = [None] * world_size
+                dist.all_gather_object(gathered, point)
+                point = [r for part in gathered for r in part]
+            rows.extend(point)
+            if me == 0:
+                print(f"bench {routing} {T} tokens: " + ", ".join(
+                    f"{r['op']} {r['time_us']} us {r['wire_gbps']} GB/s" for r in point if r["rank"] == 0)
+                    + f"; ceiling {round(ceil_gbps, 1)} GB/s, NCCL {round(nccl_gbps, 1)} GB/s", flush=True)
+                if opts.output:
+                    write_results(rows, opts.output, quiet=True)  # partial results survive an abort
     op.close()
-    if dist:
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, rows)
-        rows = [r for part in gathered for r in part]
     if me == 0 and opts.output:
         write_results(rows, opts.output)
     return rows
@@ -195,8 +204,9 @@ def run(opts: BenchOptions) -> None:
         bench_process(0, opts.world_size, opts)
 
 
-def write_results(rows: list[dict], prefix: str) -> None:
-    """``<prefix>.csv`` (CSV_COLUMNS), ``<prefix>.env.txt`` and ``<prefix>.png``; prints a table."""
+def write_results(rows: list[dict], prefix: str, quiet: bool = False) -> None:
+    """``<prefix>.csv`` (CSV_COLUMNS), ``<prefix>.env.txt`` and ``<prefix>.png``; prints a table
+    unless ``quiet``."""
     from rich.console import Console
     from rich.table import Table
 
@@ -207,6 +217,8 @@ def write_results(rows: list[dict], prefix: str) -> None:
         w.writerows(rows)
     Path(f"{prefix}.env.txt").write_text("".join(f"{k}: {v}\n" for k, v in environment().items()))
     _plot(rows, f"{prefix}.png")
+    if quiet:
+        return
     t = Table(title=f"epgen bench (rank 0): {prefix}")
     for c in ("op", "routing", "tokens", "us", "wire GB/s", "logical GB/s", "ceiling GB/s", "NCCL GB/s",
               "x ceiling", "x NCCL", "geometry"):

@@ -3,7 +3,7 @@
 #   demo    epgen demo (deepseek-v3, 8 virtual ranks)
 #   tune    epgen tune W=2 (two GPUs): writes codegen/tuning/sm_90.json
 #   bench   epgen bench W=2 with the tuning table -> tools/results/bench-ep2-h200.{csv,png,env.txt}
-#   bench24 the same at 24 blocks x 32 warps (at most 24 SMs) -> tools/results/bench-ep2-h200-24sm.*
+#   bench24 the same at 24 blocks x 32 warps (at most 24 SMs), 20 replays a point
 #   sweep   geometry exploration at 128/4096/8192 tokens ($GEOS: "DISPATCH:COMBINE" pairs)
 #   tests   GPU tests (pytest -m "gpu or multigpu"; $K narrows with -k)
 # Everything it prints goes to $OUT/run.log; results and tables come back in $OUT/results.tgz.
@@ -20,13 +20,13 @@ for step in ${STEPS:-demo tune bench bench24 tests}; do
     demo) python -m epgen demo ;;
     tune) python -m epgen tune --world-size 2 ;;
     bench) python -m epgen bench --world-size 2 -o tools/results/bench-ep2-h200 ;;
-    bench24) python -m epgen bench --world-size 2 --dispatch-geometry 24x32u4 --combine-geometry 24x32u4 \
-               -o tools/results/bench-ep2-h200-24sm ;;
+    bench24) timeout ${BENCH_TIMEOUT:-400} python -m epgen bench --world-size 2 --iters 20 \
+               --dispatch-geometry 24x32u4 --combine-geometry 24x32u4 -o tools/results/bench-ep2-h200 ;;
     sweep) for g in ${GEOS:-24x32u4:24x32u4}; do
              python -m epgen bench --world-size 2 --tokens 128 4096 8192 --routing uniform \
                --dispatch-geometry "${g%%:*}" --combine-geometry "${g##*:}" -o "/tmp/sweep-$g" | grep -E "dispatch|combine"
            done ;;
-    tests) python -m pytest tests -m "gpu or multigpu" -q -x ${K:+-k "$K"} ;;
+    tests) timeout ${TEST_TIMEOUT:-400} python -m pytest tests -m "gpu or multigpu" -q -x ${K:+-k "$K"} ;;
   esac
 done
 tar czf "$OUT/results.tgz" tools/results codegen/tuning 2>/dev/null
