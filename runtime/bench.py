@@ -57,7 +57,8 @@ def environment() -> dict:
     return {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
             "driver": sh("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader").split("\n")[0],
             "torch": torch.__version__, "cupy": cupy.__version__, "python": platform.python_version(),
-            "commit": sh("git", "rev-parse", "--short", "HEAD") + ("+dirty" if sh("git", "status", "--porcelain") else ""),
+            "commit": (sh("git", "rev-parse", "--short", "HEAD") or "unknown (no .git)")
+            + ("+dirty" if sh("git", "status", "--porcelain") else ""),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -248,11 +249,12 @@ def _plot(rows: list[dict], path: str) -> None:
                 x, bw, us = zip(*pts)
                 ax_bw.plot(x, bw, marker="o", label=f"{op} ({routing})")
                 ax_t.plot(x, us, marker="o", label=f"{op} ({routing})")
+    main = max(routings, key=lambda rt: sum(r["routing"] == rt for r in rows))  # the routing with most points
     for key, style, label in (("p2p_ceiling_gbps", "k--", "P2P ceiling"), ("nccl_gbps", "r:", "NCCL all_to_all_single")):
         pts = sorted((r["tokens"], r[key]) for r in rows if r["rank"] == 0 and r["op"] == "dispatch"
-                     and r["routing"] == routings[0])
+                     and r["routing"] == main)
         if pts:
-            ax_bw.plot(*zip(*pts), style, label=f"{label} ({routings[0]})")
+            ax_bw.plot(*zip(*pts), style, label=f"{label} ({main}, same bytes)")
     ax_bw.set(xscale="log", xlabel="tokens per rank", ylabel="wire GB/s (per rank)", title="bandwidth")
     ax_t.set(xscale="log", yscale="log", xlabel="tokens per rank", ylabel="us (median of graph replays)",
              title="time")
@@ -261,6 +263,13 @@ def _plot(rows: list[dict], path: str) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def read_csv(path: str) -> list[dict]:
+    """Rows of a bench CSV with numbers parsed (to re-plot or compare runs)."""
+    with open(path, newline="") as f:
+        return [{k: (v if k in ("op", "dtype", "routing") else float(v) if "." in v or "n" in v else int(v))
+                 for k, v in row.items()} for row in csv.DictReader(f)]
 
 
 def default_output(world_size: int, virtual: bool) -> str:
