@@ -1,0 +1,74 @@
+"""Tuning tables: lookup rules, the 3% pick rule, the shipped tables."""
+
+import json
+
+import pytest
+
+from epgen.codegen import tuning
+from epgen.codegen.arch import ARCHES
+from epgen.codegen.spec import KernelSpec, Op
+from epgen.codegen.tuning import Geometry, TuningKey, default_geometry, lookup, pick_fewest_blocks
+from epgen.config import EpConfig
+
+KEY = TuningKey(arch="sm_90", world_size=2, row_bytes=14336, topk=8, dtype="bf16", op="dispatch")
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuning, "TABLE_DIR", tmp_path)
+    tuning._table.cache_clear()
+    yield tmp_path
+    tuning._table.cache_clear()
+
+
+def test_lookup_takes_smallest_bucket_not_below_and_clamps(table_dir):
+    rows = [(128, Geometry(8, 32, 4)), (4096, Geometry(64, 32, 4)), (1024, Geometry(48, 32, 2))]
+    tuning.write_entry(KEY, rows, "test", {})
+    assert lookup(KEY, 1) == Geometry(8, 32, 4)
+    assert lookup(KEY, 128) == Geometry(8, 32, 4)
+    assert lookup(KEY, 129) == Geometry(48, 32, 2)
+    assert lookup(KEY, 4096) == Geometry(64, 32, 4)
+    assert lookup(KEY, 100_000) == Geometry(64, 32, 4)  # clamped to the largest bucket
+
+
+def test_unknown_shape_gets_documented_default(table_dir):
+    other = TuningKey(arch="gfx950", world_size=3, row_bytes=1024, topk=2, dtype="bf16", op="combine")
+    assert lookup(other, 7) == default_geometry("gfx950") == Geometry(24, 16, 4)  # 1024 threads of wave64
+    assert default_geometry("sm_90") == Geometry(24, 32, 4)
+
+
+def test_write_entry_replaces_and_records_provenance(table_dir):
+    tuning.write_entry(KEY, [(128, Geometry(8, 32, 4))], "first", {})
+    tuning.write_entry(KEY, [(128, Geometry(16, 32, 4))], "second", {"128": {"16x32u4": 1.0}})
+    doc = json.loads((table_dir / "sm_90.json").read_text())
+    assert len(doc["entries"]) == 1 and doc["entries"][0]["provenance"] == "second"
+    assert lookup(KEY, 5) == Geometry(16, 32, 4)
+
+
+def test_explicit_geometry_overrides_table():
+    geo = Geometry(7, 4, 2)
+    cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096, dispatch_geometry=geo)
+    d, c = cfg.kernel_specs("sm_90", tokens=4096)
+    assert (d.blocks, d.warps_per_block, d.unroll) == (7, 4, 2)
+    assert (c.blocks, c.warps_per_block, c.unroll) != (7, 4, 2)
+
+
+def test_pick_fewest_blocks_within_three_percent():
+    times = {Geometry(24, 32, 4): 103.0, Geometry(64, 32, 4): 100.0, Geometry(132, 32, 4): 99.0,
+             Geometry(16, 32, 4): 110.0}
+    assert pick_fewest_blocks(times) == Geometry(24, 32, 4)  # 103 <= 99 * 1.03
+    assert pick_fewest_blocks(times, tolerance=0.0) == Geometry(132, 32, 4)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_shipped_tables_are_valid(arch):
+    for key, rows in tuning._table(arch).items():
+        assert rows, key
+        for max_tokens, geo in rows:
+            assert max_tokens >= 1
+            KernelSpec(op=Op(key.op), arch=arch, dtype=key.dtype, world_size=key.world_size,
+                       hidden=key.row_bytes // 2, topk=key.topk, experts_per_rank=1, max_tokens_per_rank=max_tokens,
+                       blocks=geo.blocks, warps_per_block=geo.warps_per_block, unroll=geo.unroll)
+    path = tuning.TABLE_DIR / f"{arch}.json"
+    if path.exists():
+        assert all(e["provenance"] for e in json.loads(path.read_text())["entries"])
