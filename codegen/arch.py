@@ -5,7 +5,11 @@ No other module compares arch names; everything reads a row of ``ARCH_TRAITS``.
 Sources: wave sizes and LDS sizes from the AMD CDNA4 ISA guide (gfx950: wave64, 160 KiB LDS per
 CU) and the gfx1250 LLVM AMDGPU target notes (wave32, 320 KiB LDS per WGP); sm_90 from the CUDA
 C++ Programming Guide, compute capability 9.0 (warp 32, 227 KiB shared memory per block opt-in,
-228 KiB per SM, 64 Ki 32-bit registers per SM, at most 32 resident blocks and 64 warps per SM).
+228 KiB per SM, 64 Ki 32-bit registers per SM allocated per warp in units of 256, at most 32
+resident blocks and 64 warps per SM, 1 KiB of shared memory reserved per block). AMD occupancy
+limits (waves per SIMD: 8 on gfx950, 16 on gfx1250; VGPRs allocated in units of 8; 4 SIMDs per
+CU) follow LLVM's AMDGPU subtarget descriptions; gfx1250 figures are from pre-release LLVM and
+are leads, not measurements.
 The AMD steady counter (``s_memrealtime`` / ``__builtin_readsteadycounter``) runs at 100 MHz on
 CDNA3/CDNA4 and gfx12 parts (LLVM AMDGPU usage notes); sm_90 reads ``%globaltimer`` in ns.
 """
@@ -33,6 +37,14 @@ class ArchTraits:
         fp8_e4m3: fp8 flavour of the hardware conversions (``ocp`` = OCP e4m3fn).
         registers_per_simd: 32-bit registers per SIMD (AMD, per lane) or per SM (NVIDIA).
         max_threads_per_block: hardware limit on threads per block.
+        register_granule: allocation unit of registers (AMD: VGPRs per lane; NVIDIA: registers
+            per warp).
+        max_waves_per_simd: resident waves per SIMD (AMD) / warps per SM (NVIDIA).
+        simds_per_cu: SIMDs per CU (AMD; a block's waves spread over them); 1 on NVIDIA, where
+            occupancy is counted per SM.
+        shared_bytes_per_cu: LDS per CU (AMD) / shared memory per SM (NVIDIA), bytes.
+        shared_reserved_per_block: shared memory the runtime reserves per resident block, bytes.
+        max_blocks_per_cu: resident blocks per CU/SM.
     """
 
     name: str
@@ -48,6 +60,12 @@ class ArchTraits:
     fp8_e4m3: str
     registers_per_simd: int
     max_threads_per_block: int
+    register_granule: int
+    max_waves_per_simd: int
+    simds_per_cu: int
+    shared_bytes_per_cu: int
+    shared_reserved_per_block: int
+    max_blocks_per_cu: int
 
     @property
     def clock_ns_per_tick(self) -> int:
@@ -62,19 +80,22 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
             name="gfx950", vendor="amd", wave_size=64, platform_template="platform/amd.j2",
             suffix=".hip", runtime_compiler="hiprtc", offload_arch="gfx950", vector_bytes=16,
             shared_bytes_per_block=160 * 1024, steady_clock_hz=100_000_000, fp8_e4m3="ocp",
-            registers_per_simd=512, max_threads_per_block=1024,
+            registers_per_simd=512, max_threads_per_block=1024, register_granule=8, max_waves_per_simd=8,
+            simds_per_cu=4, shared_bytes_per_cu=160 * 1024, shared_reserved_per_block=0, max_blocks_per_cu=32,
         ),
         ArchTraits(
             name="gfx1250", vendor="amd", wave_size=32, platform_template="platform/amd.j2",
             suffix=".hip", runtime_compiler="hiprtc", offload_arch="gfx1250", vector_bytes=16,
             shared_bytes_per_block=320 * 1024, steady_clock_hz=100_000_000, fp8_e4m3="ocp",
-            registers_per_simd=1024, max_threads_per_block=1024,
+            registers_per_simd=1024, max_threads_per_block=1024, register_granule=8, max_waves_per_simd=16,
+            simds_per_cu=4, shared_bytes_per_cu=320 * 1024, shared_reserved_per_block=0, max_blocks_per_cu=32,
         ),
         ArchTraits(
             name="sm_90", vendor="nvidia", wave_size=32, platform_template="platform/nvidia.j2",
             suffix=".cu", runtime_compiler="nvrtc", offload_arch="sm_90", vector_bytes=16,
             shared_bytes_per_block=227 * 1024, steady_clock_hz=1_000_000_000, fp8_e4m3="ocp",
-            registers_per_simd=65536, max_threads_per_block=1024,
+            registers_per_simd=65536, max_threads_per_block=1024, register_granule=256, max_waves_per_simd=64,
+            simds_per_cu=1, shared_bytes_per_cu=228 * 1024, shared_reserved_per_block=1024, max_blocks_per_cu=32,
         ),
     )
 }

@@ -10,7 +10,9 @@ import json
 from pathlib import Path
 
 from .arch import ARCHES
+from . import report
 from .models import MODELS, model
+from .offline import ToolchainMissing, compile_many, toolchain_status
 from .render import Source, render
 from .spec import KernelSpec
 from .tuning import Geometry
@@ -48,12 +50,37 @@ def catalogue_specs(models=None, arches=ARCHES) -> list[KernelSpec]:
     return [s for name in (models or MODELS) for s in model_specs(name, arches)]
 
 
-def render_files(specs: list[KernelSpec]) -> dict[str, str]:
-    """{relative path: text} for the sources of ``specs`` plus their manifest."""
+REPORT_MD = "REPORT.md"
+REPORT_CSV = "report.csv"
+
+
+def render_files(specs: list[KernelSpec], with_report: bool = True, title: str = "epgen catalogue") -> dict[str, str]:
+    """{relative path: text} for the sources of ``specs``, their manifest and, with
+    ``with_report``, the resource report (REPORT.md, report.csv) from the offline compilers, so a
+    template change shows its register/LDS/occupancy change in review.
+
+    Raises:
+        epgen.codegen.offline.ToolchainMissing: ``with_report`` and an offline compiler is absent.
+    """
     sources = [render(s) for s in specs]
     files = {f"{s.spec.arch}/{s.filename}": s.text for s in sources}
     files[MANIFEST] = manifest(sources)
+    if with_report:
+        rows = report_rows(specs)
+        files[REPORT_MD] = report.to_markdown(rows, f"{title}: resources per variant (clang 22 for gfx*, NVRTC for sm_90)")
+        files[REPORT_CSV] = report.to_csv(rows)
     return files
+
+
+def report_rows(specs: list[KernelSpec], max_workers: int | None = None) -> list[dict]:
+    """Compile ``specs`` offline and return the report rows (``codegen.report``)."""
+    for arch in sorted({s.arch for s in specs}):
+        reason = toolchain_status(arch)
+        if reason:
+            raise ToolchainMissing(f"{arch}: {reason}")
+    sources = [render(s) for s in specs]
+    results = compile_many([(src.text, s.arch, src.entry) for s, src in zip(specs, sources)], max_workers=max_workers)
+    return report.rows(specs, results)
 
 
 def manifest(sources: list[Source]) -> str:

@@ -1,4 +1,4 @@
-"""The ``epgen`` command line: generate, check, demo."""
+"""The ``epgen`` command line: generate, check, report, diff, demo, bench, tune."""
 
 from __future__ import annotations
 
@@ -42,16 +42,30 @@ def _specs_from(args, parser) -> list:
     return None
 
 
+def _report_possible(specs, console, quiet) -> bool:
+    from .codegen.offline import toolchain_status
+
+    reasons = {a: toolchain_status(a) for a in sorted({s.arch for s in specs})}
+    missing = {a: r for a, r in reasons.items() if r}
+    if missing and not quiet:
+        console.print("resource report skipped: " + "; ".join(f"{a}: {r}" for a, r in missing.items()))
+    return not missing
+
+
 def cmd_generate(args, parser, console) -> int:
+    if args.list_models:
+        for m in MODELS.values():
+            print(f"{m.name:18} hidden {m.hidden:5}  experts {m.num_experts:4}  top-{m.topk}")
+        return 0
     specs = _specs_from(args, parser)
-    if specs is None:  # the committed catalogue
-        files = render_files(catalogue_specs(arches=tuple(args.arch or ARCHES)))
-        out = Path(args.output or "generated")
-    else:
-        if not args.output:
-            parser.error("-o/--output is required with --model or --hidden (the catalogue lives in generated/)")
-        files = render_files(specs)
-        out = Path(args.output)
+    catalogue = specs is None
+    if catalogue:
+        specs = catalogue_specs(arches=tuple(args.arch or ARCHES))
+    elif not args.output:
+        parser.error("-o/--output is required with --model or --hidden (the catalogue lives in generated/)")
+    out = Path(args.output or "generated")
+    with console.status("rendering and compiling the resource report"):
+        files = render_files(specs, with_report=_report_possible(specs, console, args.quiet or args.json))
     if args.check:
         problems = check_dir(out, files)
         if args.json:
@@ -61,14 +75,105 @@ def cmd_generate(args, parser, console) -> int:
             for p in problems[:20]:
                 console.print("  " + p)
         elif not args.quiet:
-            console.print(f"{out}: {len(files) - 1} sources in sync")
+            console.print(f"{out}: {len(specs)} sources and their manifest/report in sync")
         return 1 if problems else 0
-    touched = write(out, files, prune=specs is None)
+    touched = write(out, files, prune=catalogue)
     if args.json:
         print(json.dumps({"directory": str(out), "written": touched}))
     elif not args.quiet:
-        console.print(f"{out}: {len(files) - 1} sources, {len(touched)} files written or removed")
+        console.print(f"{out}: {len(specs)} sources, {len(touched)} files written or removed")
     return 0
+
+
+def cmd_report(args, parser, console) -> int:
+    from rich.table import Table
+
+    from .codegen import report
+    from .codegen.catalogue import report_rows
+    from .codegen.offline import ToolchainMissing
+
+    specs = _specs_from(args, parser) or catalogue_specs(arches=tuple(args.arch or ARCHES))
+    try:
+        with console.status(f"compiling {len(specs)} kernels"):
+            rows = report_rows(specs, max_workers=args.jobs)
+    except ToolchainMissing as e:
+        console.print(f"[red]{e}[/red]")
+        return 2
+    if args.markdown:
+        Path(args.markdown).write_text(report.to_markdown(rows, "epgen resource report"))
+    if args.csv:
+        Path(args.csv).write_text(report.to_csv(rows))
+    if args.json:
+        print(json.dumps(rows))
+    elif not args.quiet:
+        t = Table(title=f"epgen report: {len(rows)} kernels")
+        for c in ("arch", "op", "entry", "VGPRs/regs", "AGPRs", "SGPRs", "scratch B", "spill B", "LDS/shared B",
+                  "occupancy", "status"):
+            t.add_column(c)
+        for r in rows:
+            t.add_row(*(str(r[k]) for k in ("arch", "op", "entry", "registers", "agprs", "sgprs", "scratch_bytes",
+                                            "spill_bytes", "shared_bytes")),
+                      f"{r['occupancy']} {r['occupancy_unit']}".strip(), r["status"])
+        console.print(t)
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+def _field_changes(items, parser, flag) -> dict:
+    import attrs as _attrs
+
+    from .codegen.spec import KernelSpec
+
+    names = {f.name for f in _attrs.fields(KernelSpec)} - {"op"}
+    changes = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        key = key.replace("-", "_")
+        if not sep or key not in names:
+            parser.error(f"{flag} {item!r}: write FIELD=VALUE with FIELD one of {', '.join(sorted(names))}")
+        changes[key] = int(value) if value.lstrip("-").isdigit() else value
+    return changes
+
+
+def cmd_diff(args, parser, console) -> int:
+    import difflib
+
+    from .codegen.render import render
+
+    chunks = []
+    if args.a or args.b:
+        specs = _specs_from(args, parser)
+        if specs is None:
+            parser.error("--a/--b compare two specs of one shape: give --model or --hidden/--topk/--num-experts")
+        a_changes, b_changes = _field_changes(args.a, parser, "--a"), _field_changes(args.b, parser, "--b")
+        for base in specs:
+            try:
+                sa, sb = base.replace(**a_changes), base.replace(**b_changes)
+            except ValueError as e:
+                parser.error(str(e))
+            ta, tb = render(sa), render(sb)
+            if ta.text != tb.text:
+                chunks.append((f"{base.op.value} {base.arch}", ta.entry, tb.entry, ta.text, tb.text))
+    else:
+        out = Path(args.output or "generated")
+        files = render_files(catalogue_specs(), with_report=_report_possible(catalogue_specs(), console, True))
+        for rel, text in files.items():
+            p = out / rel
+            old = p.read_text() if p.exists() else ""
+            if old != text:
+                chunks.append((rel, f"{out}/{rel} (committed)", f"{rel} (templates now)", old, text))
+        for p in sorted(out.rglob("*")) if out.exists() else []:
+            rel = p.relative_to(out).as_posix()
+            if p.is_file() and p.suffix in (".hip", ".cu") and rel not in files:
+                chunks.append((rel, f"{out}/{rel} (committed)", "(not rendered any more)", p.read_text(), ""))
+    for variant, a_name, b_name, a_text, b_text in chunks:
+        if args.quiet:
+            continue
+        print(f"=== {variant}")
+        sys.stdout.writelines(difflib.unified_diff(a_text.splitlines(True), b_text.splitlines(True), a_name, b_name,
+                                                   n=args.context))
+    if not chunks and not args.quiet:
+        console.print("no differences")
+    return 1 if chunks else 0
 
 
 def cmd_check(args, parser, console) -> int:
@@ -168,11 +273,27 @@ def build_parser() -> argparse.ArgumentParser:
     _shape_args(g)
     g.add_argument("-o", "--output", help="output directory (default generated/ for the catalogue)")
     g.add_argument("--check", action="store_true", help="exit 1 when the directory differs from a fresh render")
+    g.add_argument("--list-models", action="store_true", help="list the catalogue models and exit")
 
     c = verb("check", "compile kernels offline (clang 22 for gfx*, NVRTC for sm_90) and print resources; "
              "exit 1 on a compile error, scratch or spill", cmd_check)
     _shape_args(c)
     c.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: CPU count)")
+
+    r = verb("report", "registers, SGPRs, scratch/spill, LDS/shared memory and occupancy per variant and arch "
+             "(offline compilers); exit 1 on scratch or spill", cmd_report)
+    _shape_args(r)
+    r.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: CPU count)")
+    r.add_argument("--markdown", help="also write the table as Markdown to this file")
+    r.add_argument("--csv", help="also write the table as CSV to this file")
+
+    df = verb("diff", "unified diff of generated sources, grouped by variant: the committed generated/ against "
+              "the current templates, or (--a/--b) two specs of one shape; exit 1 when they differ", cmd_diff)
+    _shape_args(df)
+    df.add_argument("--a", nargs="+", metavar="FIELD=VALUE", help="changes of the first spec, e.g. unroll=2")
+    df.add_argument("--b", nargs="+", metavar="FIELD=VALUE", help="changes of the second spec, e.g. unroll=8")
+    df.add_argument("-o", "--output", help="committed catalogue directory (default generated/)")
+    df.add_argument("-U", "--context", type=int, default=3, help="lines of context (default 3)")
 
     d = verb("demo", "render and compile-check one model for every arch; with a GPU, run, verify and time "
              "dispatch/combine over virtual ranks", cmd_demo)
@@ -220,7 +341,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     stream = sys.stderr if args.json else sys.stdout
     console = Console(stderr=args.json, width=None if stream.isatty() else 200)
-    return args.fn(args, args.parser, console)
+    try:
+        return args.fn(args, args.parser, console)
+    except BrokenPipeError:  # output piped into head & co.
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

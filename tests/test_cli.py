@@ -13,7 +13,7 @@ def run(*argv):
     return subprocess.run([sys.executable, "-m", "epgen", *argv], capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("verb", ["generate", "check", "demo"])
+@pytest.mark.parametrize("verb", ["generate", "check", "report", "diff", "demo", "bench", "tune"])
 def test_help_on_every_verb(verb):
     r = run(verb, "--help")
     assert r.returncode == 0 and "usage: epgen " + verb in r.stdout
@@ -66,3 +66,55 @@ def test_demo_without_gpu_says_so():
     r = run("demo", "--model", "mixtral-8x7b")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "no GPU here" in r.stdout and "epgen_dispatch_sm90" in r.stdout.replace("\n", "")
+
+
+def test_list_models():
+    r = run("generate", "--list-models")
+    assert r.returncode == 0 and "deepseek-v3" in r.stdout and "llama4-maverick" in r.stdout
+
+
+def test_report_json_has_occupancy_per_arch():
+    r = run("report", "--model", "deepseek-v3", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert {(x["arch"], x["op"]) for x in rows} == {(a, o) for a in ("gfx950", "gfx1250", "sm_90")
+                                                   for o in ("dispatch", "combine")}
+    assert all(x["status"] == "ok" and x["occupancy"] >= 1 for x in rows)
+    units = {x["arch"]: x["occupancy_unit"] for x in rows}
+    assert units == {"gfx950": "waves/SIMD", "gfx1250": "waves/SIMD", "sm_90": "blocks/SM"}
+
+
+def test_report_writes_markdown_and_csv(tmp_path):
+    md, csv_path = tmp_path / "r.md", tmp_path / "r.csv"
+    assert main(["report", "--model", "mixtral-8x7b", "--arch", "sm_90", "--markdown", str(md), "--csv",
+                 str(csv_path), "--quiet"]) == 0
+    assert "epgen_dispatch_sm90" in md.read_text() and csv_path.read_text().startswith("arch,op,entry")
+
+
+def test_diff_two_specs_exits_1_and_groups_by_variant():
+    r = run("diff", "--model", "deepseek-v3", "--arch", "sm_90", "--a", "unroll=2", "--b", "unroll=8")
+    assert r.returncode == 1
+    assert "=== dispatch sm_90" in r.stdout and "=== combine sm_90" in r.stdout
+    assert "-constexpr int kUnroll = 2;" in r.stdout and "+constexpr int kUnroll = 8;" in r.stdout
+
+
+def test_diff_identical_specs_exits_0():
+    r = run("diff", "--model", "deepseek-v3", "--arch", "gfx950", "--a", "unroll=4", "--b", "unroll=4")
+    assert r.returncode == 0 and "no differences" in r.stdout
+
+
+def test_diff_arch_against_arch():
+    r = run("diff", "--model", "gpt-oss-120b", "--arch", "gfx950", "--a", "arch=gfx950", "--b", "arch=gfx1250")
+    assert r.returncode == 1 and "ballot_w64" in r.stdout and "ballot_w32" in r.stdout
+
+
+def test_diff_bad_field_names_the_rule():
+    r = run("diff", "--model", "deepseek-v3", "--a", "unrol=2", "--b", "unroll=8")
+    assert r.returncode == 2 and "FIELD=VALUE" in r.stderr
+    r = run("diff", "--model", "deepseek-v3", "--a", "unroll=0", "--b", "unroll=8")
+    assert r.returncode == 2 and "KernelSpec.unroll=0" in r.stderr
+
+
+def test_diff_committed_catalogue_is_clean():
+    r = run("diff")
+    assert r.returncode == 0, r.stdout[-2000:]

@@ -1,0 +1,37 @@
+"""Occupancy arithmetic of the resource report, hand-worked."""
+
+from epgen.codegen.offline import Resources
+from epgen.codegen.report import occupancy
+from epgen.codegen.spec import KernelSpec
+
+
+def spec(arch, warps, **kw):
+    return KernelSpec(op="combine", arch=arch, dtype="bf16", world_size=8, hidden=7168, topk=8, experts_per_rank=32,
+                      max_tokens_per_rank=4096, blocks=24, warps_per_block=warps, unroll=4, **kw)
+
+
+def res(arch, regs, shared, agprs=None, wave=32):
+    return Resources(arch=arch, entry="k", registers=regs, agprs=agprs, sgprs=None, scratch_bytes=0, spill_bytes=0,
+                     shared_bytes=shared, wave_size=wave)
+
+
+def test_sm90_blocks_per_sm():
+    # 64 regs x 32 lanes = 2048 per warp -> 32 warps -> 2 blocks of 16 warps; threads allow 4; smem 202
+    assert occupancy(spec("sm_90", 16), res("sm_90", 64, 40)) == (2, "blocks/SM")
+    # 60 regs -> 1920 rounded to 2048 per warp -> 32 warps -> 1 block of 32 warps
+    assert occupancy(spec("sm_90", 32), res("sm_90", 60, 40)) == (1, "blocks/SM")
+    # shared memory limits: 100 KiB + 1 KiB reserved per block -> 2 blocks in 228 KiB
+    assert occupancy(spec("sm_90", 4), res("sm_90", 32, 100 * 1024)) == (2, "blocks/SM")
+
+
+def test_gfx950_waves_per_simd():
+    # 66 VGPRs -> 72 -> 512 // 72 = 7 waves per SIMD; a 16-wave block puts 4 on each SIMD -> 1 block
+    assert occupancy(spec("gfx950", 16), res("gfx950", 66, 104, agprs=0, wave=64)) == (4, "waves/SIMD")
+    # AGPRs count against the unified file: 40 + 40 = 80 -> 6 waves; 4-wave blocks (1 per SIMD) -> 6
+    assert occupancy(spec("gfx950", 4), res("gfx950", 40, 0, agprs=40, wave=64)) == (6, "waves/SIMD")
+
+
+def test_gfx1250_lds_limit():
+    # 32 VGPRs -> 1024 // 32 = 32, capped at 16 waves; 8-wave blocks put 2 per SIMD -> 8 blocks by VGPRs;
+    # LDS 100 KiB -> 3 blocks per CU -> 6 waves per SIMD
+    assert occupancy(spec("gfx1250", 8), res("gfx1250", 32, 100 * 1024)) == (6, "waves/SIMD")
