@@ -14,6 +14,7 @@ import torch
 
 from .arena import Arenas, ErrorRecords
 from .codegen.arch import ARCH_TRAITS
+from .codegen.dtypes import dtype_info
 from .codegen.render import render
 from .codegen.spec import KernelSpec, Op
 from .codegen.tuning import buckets
@@ -74,6 +75,45 @@ def _check_tensor(t, name: str, *, dtype, shape, device):
         raise ValueError(f"{name}: must be contiguous (call .contiguous() first)")
 
 
+def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x, weights, indices, scales, tag: str = "") -> int:
+    """Check one rank's dispatch inputs against ``cfg`` before any launch; returns T.
+
+    Rules: x [T, H] of the payload dtype with T <= max_tokens_per_rank; weights [T, K] float32;
+    indices [T, K] int32; scales [T, S] uint8 iff S > 0; all on ``device`` and contiguous.
+
+    Raises:
+        TypeError: an argument is not a tensor.
+        ValueError: naming the argument (with ``tag``, e.g. "[rank 3]"), its value and the rule.
+    """
+    _check_tensor(x, f"x{tag}", dtype=dtype_info(cfg.dtype).torch_dtype, shape=(None, cfg.hidden), device=device)
+    T = x.shape[0]
+    if T > cfg.max_tokens_per_rank:
+        raise ValueError(f"x{tag}.shape[0]={T}: more tokens than max_tokens_per_rank={cfg.max_tokens_per_rank}")
+    _check_tensor(weights, f"weights{tag}", dtype=torch.float32, shape=(T, cfg.topk), device=device)
+    _check_tensor(indices, f"indices{tag}", dtype=torch.int32, shape=(T, cfg.topk), device=device)
+    if cfg.scale_bytes:
+        _check_tensor(scales, f"scales{tag}", dtype=torch.uint8, shape=(T, cfg.scale_bytes), device=device)
+    elif scales is not None:
+        raise ValueError(f"scales{tag}: given, but EpConfig.scale_bytes=0")
+    return T
+
+
+def check_combine_inputs(cfg: EpConfig, device: torch.device, y, out, tokens: int, tag: str = "") -> None:
+    """Check one rank's combine inputs: y [n, H] bf16 with n <= W * Tmax; out None or [T, H] bf16
+    (T of the dispatch being combined); contiguous, on ``device``.
+
+    Raises:
+        TypeError, ValueError: as ``check_dispatch_inputs``.
+    """
+    _check_tensor(y, f"y{tag}", dtype=torch.bfloat16, shape=(None, cfg.hidden), device=device)
+    capacity = cfg.world_size * cfg.max_tokens_per_rank
+    if y.shape[0] > capacity:
+        raise ValueError(f"y{tag}.shape[0]={y.shape[0]}: more rows than the receive capacity {capacity} "
+                         f"(world_size x max_tokens_per_rank)")
+    if out is not None:
+        _check_tensor(out, f"out{tag}", dtype=torch.bfloat16, shape=(tokens, cfg.hidden), device=device)
+
+
 class EpDispatchCombine:
     """Dispatch tokens to the ranks holding their top-k experts and combine the expert outputs.
 
@@ -101,7 +141,7 @@ class EpDispatchCombine:
     def __init__(self, config: EpConfig, *, group=None, virtual: bool = False, device: int | None = None,
                  validate: bool = False):
         try:
-            import cupy  # noqa: F401
+            import cupy  # noqa: F401  (fail here, with the install hint, not at the first launch)
         except ImportError as e:
             raise RuntimeError(f"EpDispatchCombine needs CuPy ({e}): pip install -e '.[cuda]' (or '.[rocm]')") from e
         if not torch.cuda.is_available():
@@ -209,19 +249,8 @@ class EpDispatchCombine:
         a = self._args[Op.DISPATCH]
         tokens = []
         for i, rank in enumerate(self.local_ranks):
-            tag = f"[rank {rank}]" if self.virtual else ""
-            _check_tensor(xs[i], f"x{tag}", dtype=self.dispatch_spec.dtype_info.torch_dtype,
-                          shape=(None, cfg.hidden), device=self.device)
-            T = xs[i].shape[0]
-            if T > cfg.max_tokens_per_rank:
-                raise ValueError(f"x{tag}.shape[0]={T}: more tokens than max_tokens_per_rank="
-                                 f"{cfg.max_tokens_per_rank}")
-            _check_tensor(ws[i], f"weights{tag}", dtype=torch.float32, shape=(T, cfg.topk), device=self.device)
-            _check_tensor(ids[i], f"indices{tag}", dtype=torch.int32, shape=(T, cfg.topk), device=self.device)
-            if cfg.scale_bytes:
-                _check_tensor(ss[i], f"scales{tag}", dtype=torch.uint8, shape=(T, cfg.scale_bytes), device=self.device)
-            elif ss[i] is not None:
-                raise ValueError(f"scales{tag}: given, but EpConfig.scale_bytes=0")
+            T = check_dispatch_inputs(cfg, self.device, xs[i], ws[i], ids[i], ss[i],
+                                      f"[rank {rank}]" if self.virtual else "")
             a["io"][i] = (xs[i].data_ptr(), ws[i].data_ptr(), ids[i].data_ptr(),
                           ss[i].data_ptr() if cfg.scale_bytes else 0, 0, T)
             tokens.append(T)
@@ -255,22 +284,17 @@ class EpDispatchCombine:
         ys, given = self._per_rank(y, "y"), self._per_rank(out, "out", optional=True)
         cfg = self.config
         a = self._args[Op.COMBINE]
+        for i, rank in enumerate(self.local_ranks):  # every rank's inputs before any copy or launch
+            check_combine_inputs(cfg, self.device, ys[i], given[i], self._pending_tokens[i],
+                                 f"[rank {rank}]" if self.virtual else "")
         outs = []
         for i, rank in enumerate(self.local_ranks):
-            tag = f"[rank {rank}]" if self.virtual else ""
-            _check_tensor(ys[i], f"y{tag}", dtype=torch.bfloat16, shape=(None, cfg.hidden), device=self.device)
-            if ys[i].shape[0] > self.layout.capacity_rows:
-                raise ValueError(f"y{tag}.shape[0]={ys[i].shape[0]}: more rows than the receive capacity "
-                                 f"{self.layout.capacity_rows}")
+            T = self._pending_tokens[i]
             dst = self.combine_input(rank)
             if ys[i].data_ptr() != dst.data_ptr():
                 dst[: ys[i].shape[0]].copy_(ys[i])
-            T = self._pending_tokens[i]
-            o = given[i]
-            if o is None:
-                o = torch.empty((T, cfg.hidden), dtype=torch.bfloat16, device=self.device)
-            else:
-                _check_tensor(o, f"out{tag}", dtype=torch.bfloat16, shape=(T, cfg.hidden), device=self.device)
+            o = given[i] if given[i] is not None else torch.empty((T, cfg.hidden), dtype=torch.bfloat16,
+                                                                  device=self.device)
             a["io"][i] = (0, 0, 0, 0, o.data_ptr(), T)
             outs.append(o)
         self._launch(Op.COMBINE, max(self._pending_tokens), a)
