@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .arch import ARCHES
+from .arch import ARCHES, traits
 from . import report
 from .models import MODELS, model
 from .offline import ToolchainMissing, compile_many, toolchain_status
@@ -90,39 +90,49 @@ def manifest(sources: list[Source]) -> str:
     return json.dumps({"schema": 1, "sources": rows}, indent=1, sort_keys=True) + "\n"
 
 
-def write(directory: Path, files: dict[str, str], prune: bool = True) -> list[str]:
-    """Write ``files`` under ``directory`` where bytes differ; with ``prune`` remove other
-    ``.hip``/``.cu`` files and empty arch folders. Returns the paths written or removed."""
+def owned_sources(directory: Path) -> list[str]:
+    """Generated sources under ``directory``: ``<arch>/epgen_*`` files with the arch's suffix.
+    Nothing else there is ever removed or reported."""
+    found = []
+    for arch in ARCHES:
+        folder = directory / arch
+        if folder.is_dir():
+            found += [f"{arch}/{p.name}" for p in sorted(folder.glob(f"epgen_*{traits(arch).suffix}")) if p.is_file()]
+    return found
+
+
+def _differs(path: Path, text: str) -> bool:
+    return not path.is_file() or path.read_bytes() != text.encode()
+
+
+def write(directory: Path, files: dict[str, str]) -> list[str]:
+    """Write ``files`` under ``directory`` where bytes differ and remove generated sources
+    (``_owned``) that ``files`` no longer lists. Returns the paths written or removed.
+
+    Raises:
+        OSError: the directory or a file cannot be written.
+    """
     directory = Path(directory)
     touched = []
     for rel, text in files.items():
         p = directory / rel
-        if not p.exists() or p.read_text() != text:
+        if _differs(p, text):
             p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(text)
+            p.write_bytes(text.encode())
             touched.append(rel)
-    if prune:
-        for p in sorted(directory.rglob("*")):
-            rel = p.relative_to(directory).as_posix()
-            if p.is_file() and p.suffix in (".hip", ".cu") and rel not in files:
-                p.unlink()
-                touched.append(rel)
+    for rel in owned_sources(directory):
+        if rel not in files:
+            (directory / rel).unlink()
+            touched.append(rel)
     return touched
 
 
 def check(directory: Path, files: dict[str, str]) -> list[str]:
     """Lines describing how ``directory`` differs from ``files`` (empty when in sync)."""
     directory = Path(directory)
-    problems = []
-    for rel, text in files.items():
-        p = directory / rel
-        if not p.exists():
-            problems.append(f"missing: {rel}")
-        elif p.read_text() != text:
-            problems.append(f"stale: {rel}")
-    if directory.exists():
-        for p in sorted(directory.rglob("*")):
-            rel = p.relative_to(directory).as_posix()
-            if p.is_file() and p.suffix in (".hip", ".cu") and rel not in files:
-                problems.append(f"extra: {rel}")
+    if not directory.is_dir():
+        return [f"missing directory: {directory}"]
+    problems = [f"{'missing' if not (directory / rel).exists() else 'stale'}: {rel}"
+                for rel, text in files.items() if _differs(directory / rel, text)]
+    problems += [f"extra: {rel}" for rel in owned_sources(directory) if rel not in files]
     return problems

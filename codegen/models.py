@@ -43,6 +43,8 @@ def model(name: str) -> ModelShape:
     Raises:
         ValueError: unknown name; the message suggests the closest catalogue names.
     """
+    if not isinstance(name, str):
+        raise ValueError(f"model={name!r}: must be a model name (str); known: {', '.join(MODELS)}")
     try:
         return MODELS[name]
     except KeyError:

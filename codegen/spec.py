@@ -1,8 +1,8 @@
 """KernelSpec: every compile-time field of one generated kernel, validated on construction.
 
-One spec drives both the rendered constants and the host-side launch geometry and buffer sizes
-(DESIGN.md section 1): every derived number is a property here, printed by the template as a
-``constexpr`` and read by the runtime for grids and allocations.
+One spec drives both the rendered constants and the host-side launch geometry and buffer sizes:
+every derived number is a property here, printed by the template as a ``constexpr`` and read by
+the runtime for grids and allocations.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class KernelSpec:
         dtype: payload dtype (dispatch: the tokens moved; combine: expert output, bf16).
         world_size: ranks, W (at most the wave size: one lane per destination rank).
         hidden: elements per token row, H.
-        topk: experts per token, K (at most the wave size).
+        topk: experts per token, K, 1 to 16 (the dispatch kernels stay free of spills there).
         experts_per_rank: local experts per rank, L; expert e lives on rank e // L.
         max_tokens_per_rank: largest token count a rank may pass, Tmax.
         blocks: blocks per rank in the launch grid.
@@ -145,7 +145,7 @@ class KernelSpec:
     dtype: str = attrs.field(validator=_one_of("dtype", list(DTYPES)))
     world_size: int = attrs.field(validator=_positive("world_size", 1, 64))
     hidden: int = attrs.field(validator=_positive("hidden", 1, 1 << 16))
-    topk: int = attrs.field(validator=_positive("topk", 1, 64))
+    topk: int = attrs.field(validator=_positive("topk", 1, 16))
     experts_per_rank: int = attrs.field(validator=_positive("experts_per_rank", 1, 1 << 16))
     max_tokens_per_rank: int = attrs.field(validator=_positive("max_tokens_per_rank", 1, MAX_TOKENS_LIMIT))
     blocks: int = attrs.field(validator=_positive("blocks", 1, 65535))

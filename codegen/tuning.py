@@ -27,13 +27,23 @@ DEFAULT_THREADS = 1024
 DEFAULT_UNROLL = 4
 
 
+def _positive_int(_inst, attribute, value):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"Geometry.{attribute.name}={value!r}: must be a positive int")
+
+
 @attrs.frozen
 class Geometry:
-    """Launch geometry of one kernel: blocks per rank, warps (waves) per block, copy unroll."""
+    """Launch geometry of one kernel: blocks per rank, warps (waves) per block, copy unroll.
 
-    blocks: int = DEFAULT_BLOCKS
-    warps_per_block: int = 32
-    unroll: int = DEFAULT_UNROLL
+    Raises:
+        ValueError: a field that is not a positive int (the spec built from it checks the
+            per-arch limits).
+    """
+
+    blocks: int = attrs.field(default=DEFAULT_BLOCKS, validator=_positive_int)
+    warps_per_block: int = attrs.field(default=32, validator=_positive_int)
+    unroll: int = attrs.field(default=DEFAULT_UNROLL, validator=_positive_int)
 
     def __str__(self) -> str:
         return f"{self.blocks}x{self.warps_per_block}u{self.unroll}"

@@ -3,7 +3,7 @@
 For every (routing, tokens) point: one verified round against the reference, then dispatch and
 combine captured in CUDA graphs and timed by device events around each replay (median, mean,
 stdev, best), the P2P ceiling kernel on the same wire bytes, and NCCL ``all_to_all_single`` on
-the same bytes per peer (DESIGN.md section 4). Rank 0 writes a CSV, a PNG and prints a table.
+the same bytes per peer (README.md, "Measuring"). Rank 0 writes a CSV, a PNG and prints a table.
 """
 
 from __future__ import annotations

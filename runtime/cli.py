@@ -10,18 +10,29 @@ from pathlib import Path
 from rich.console import Console
 
 from .codegen.arch import ARCHES
-from .codegen.catalogue import catalogue_specs, check as check_dir, render_files, shape_specs, model_specs, write
+from .codegen.catalogue import (catalogue_specs, check as check_dir, model_specs, owned_sources, render_files,
+                                shape_specs, write)
 from .codegen.dtypes import DTYPES
 from .codegen.models import MODELS
 
 
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v}: must be at least 1")
+    return v
+
+
 def _shape_args(p: argparse.ArgumentParser, *, models_default=None):
     p.add_argument("--model", help=f"catalogue model ({', '.join(MODELS)})", default=models_default)
-    p.add_argument("--hidden", type=int, help="hidden size H (instead of --model)")
-    p.add_argument("--topk", type=int, help="experts per token K (with --hidden)")
-    p.add_argument("--num-experts", type=int, help="routed experts E (with --hidden)")
-    p.add_argument("--world-size", type=int, default=8, help="ranks W (default 8)")
-    p.add_argument("--max-tokens", type=int, default=4096, help="max tokens per rank (default 4096)")
+    p.add_argument("--hidden", type=_positive, help="hidden size H (instead of --model)")
+    p.add_argument("--topk", type=_positive, help="experts per token K (with --hidden)")
+    p.add_argument("--num-experts", type=_positive, help="routed experts E (with --hidden)")
+    p.add_argument("--world-size", type=_positive, default=8, help="ranks W (default 8)")
+    p.add_argument("--max-tokens", type=_positive, default=4096, help="max tokens per rank (default 4096)")
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="dispatch payload dtype")
     p.add_argument("--arch", action="append", choices=list(ARCHES), help="target (repeatable; default all)")
 
@@ -29,17 +40,38 @@ def _shape_args(p: argparse.ArgumentParser, *, models_default=None):
 def _specs_from(args, parser) -> list:
     arches = tuple(args.arch or ARCHES)
     kw = dict(world_size=args.world_size, max_tokens_per_rank=args.max_tokens, dtype=args.dtype, arches=arches)
+    shape = [f for f, v in (("--hidden", args.hidden), ("--topk", args.topk), ("--num-experts", args.num_experts))
+             if v is not None]
+    if args.model and shape:
+        parser.error(f"--model {args.model} fixes the shape: drop {' '.join(shape)} (or drop --model)")
     try:
         if args.hidden is not None:
             missing = [f"--{n}" for n, v in (("topk", args.topk), ("num-experts", args.num_experts)) if v is None]
             if missing:
                 parser.error(f"--hidden needs {' and '.join(missing)}")
             return shape_specs(hidden=args.hidden, topk=args.topk, num_experts=args.num_experts, **kw)
+        if shape:
+            parser.error(f"{' '.join(shape)} need --hidden (or name a --model)")
         if args.model:
             return model_specs(args.model, **kw)
-    except ValueError as e:
-        parser.error(str(e))
+    except ValueError as e:  # the spec's own message, plus the flag it came from
+        parser.error(f"{e} ({_FLAGS.get(str(e).split('=')[0].split('.')[-1], 'from the shape flags')})")
     return None
+
+
+_FLAGS = {"hidden": "--hidden", "topk": "--topk", "num_experts": "--num-experts", "world_size": "--world-size",
+          "max_tokens_per_rank": "--max-tokens", "dtype": "--dtype", "model": "--model"}
+
+
+def _catalogue_dir(args, parser) -> Path:
+    """-o, or ./generated inside an epgen checkout (never a stray folder elsewhere)."""
+    if args.output:
+        return Path(args.output)
+    pyproject = Path("pyproject.toml")
+    if not (pyproject.is_file() and 'name = "epgen"' in pyproject.read_text(errors="replace")):
+        parser.error("the catalogue lives in generated/ of an epgen checkout: run from the checkout's root or "
+                     "give -o DIR")
+    return Path("generated")
 
 
 def _report_possible(specs, console, quiet) -> bool:
@@ -58,26 +90,40 @@ def cmd_generate(args, parser, console) -> int:
             print(f"{m.name:18} hidden {m.hidden:5}  experts {m.num_experts:4}  top-{m.topk}")
         return 0
     specs = _specs_from(args, parser)
-    catalogue = specs is None
-    if catalogue:
-        specs = catalogue_specs(arches=tuple(args.arch or ARCHES))
+    if specs is None:  # the committed catalogue: every model, every arch
+        if args.arch:
+            parser.error("--arch selects arches of one shape (--model/--hidden); the catalogue covers every arch")
+        specs = catalogue_specs()
+        out = _catalogue_dir(args, parser)
     elif not args.output:
         parser.error("-o/--output is required with --model or --hidden (the catalogue lives in generated/)")
-    out = Path(args.output or "generated")
+    else:
+        out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        parser.error(f"-o {out}: exists and is not a directory")
     with console.status("rendering and compiling the resource report"):
         files = render_files(specs, with_report=_report_possible(specs, console, args.quiet or args.json))
+    try:
+        if args.check:
+            problems = check_dir(out, files)
+        else:
+            touched = write(out, files)
+    except OSError as e:
+        console.print(f"[red]{out}: {e.strerror or e} ({e.filename})[/red]")
+        return 2
     if args.check:
-        problems = check_dir(out, files)
         if args.json:
             print(json.dumps({"directory": str(out), "in_sync": not problems, "problems": problems}))
         elif problems:
-            console.print(f"{out} is stale ({len(problems)} differences); run `epgen generate`:")
+            console.print(f"{out} differs from a fresh render ({len(problems)} files); run the same command without "
+                          "--check to update it:")
             for p in problems[:20]:
                 console.print("  " + p)
+            if len(problems) > 20:
+                console.print(f"  ... {len(problems) - 20} more")
         elif not args.quiet:
             console.print(f"{out}: {len(specs)} sources and their manifest/report in sync")
         return 1 if problems else 0
-    touched = write(out, files, prune=catalogue)
     if args.json:
         print(json.dumps({"directory": str(out), "written": touched}))
     elif not args.quiet:
@@ -154,17 +200,17 @@ def cmd_diff(args, parser, console) -> int:
             if ta.text != tb.text:
                 chunks.append((f"{base.op.value} {base.arch}", ta.entry, tb.entry, ta.text, tb.text))
     else:
-        out = Path(args.output or "generated")
+        out = _catalogue_dir(args, parser)
         files = render_files(catalogue_specs(), with_report=_report_possible(catalogue_specs(), console, True))
         for rel, text in files.items():
             p = out / rel
-            old = p.read_text() if p.exists() else ""
+            old = p.read_text(errors="replace") if p.is_file() else ""
             if old != text:
                 chunks.append((rel, f"{out}/{rel} (committed)", f"{rel} (templates now)", old, text))
-        for p in sorted(out.rglob("*")) if out.exists() else []:
-            rel = p.relative_to(out).as_posix()
-            if p.is_file() and p.suffix in (".hip", ".cu") and rel not in files:
-                chunks.append((rel, f"{out}/{rel} (committed)", "(not rendered any more)", p.read_text(), ""))
+        for rel in owned_sources(out):
+            if rel not in files:
+                chunks.append((rel, f"{out}/{rel} (committed)", "(not rendered any more)",
+                               (out / rel).read_text(errors="replace"), ""))
     for variant, a_name, b_name, a_text, b_text in chunks:
         if args.quiet:
             continue
@@ -182,11 +228,10 @@ def cmd_check(args, parser, console) -> int:
     from .demo import resource_table
 
     specs = _specs_from(args, parser) or catalogue_specs(arches=tuple(args.arch or ARCHES))
-    for arch in sorted({s.arch for s in specs}):
-        reason = toolchain_status(arch)
-        if reason:
-            console.print(f"[red]{arch}: {reason}[/red]")
-            return 2
+    missing = [f"{arch}: {toolchain_status(arch)}" for arch in sorted({s.arch for s in specs}) if toolchain_status(arch)]
+    if missing:
+        console.print("[red]offline compilers missing (pip install -e '.[dev]'):\n  " + "\n  ".join(missing) + "[/red]")
+        return 2
     sources = [render(s) for s in specs]
     with console.status(f"compiling {len(sources)} kernels"):
         results = compile_many([(s.text, s.spec.arch, s.entry) for s in sources], max_workers=args.jobs)
@@ -205,14 +250,13 @@ def cmd_check(args, parser, console) -> int:
 def cmd_demo(args, parser, console) -> int:
     from .demo import run_demo
 
-    if args.model not in MODELS:
-        try:
-            from .codegen.models import model
+    from .config import EpConfig
 
-            model(args.model)
-        except ValueError as e:
-            parser.error(str(e))
-    return run_demo(args.model, args.world_size, args.tokens, args.iters, console)
+    try:
+        EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=args.tokens)
+    except ValueError as e:
+        parser.error(f"{e} (--model, --world-size, --tokens)")
+    return run_demo(args.model, args.world_size, args.tokens, args.iters, console, quiet=args.quiet, as_json=args.json)
 
 
 def _geometry(text: str):
@@ -260,10 +304,13 @@ def cmd_tune(args, parser, console) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="epgen", description="Generate, check and run MoE expert-parallel "
                                 "dispatch/combine kernels for gfx950, gfx1250 and sm_90.")
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"epgen {__version__}")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     def verb(name, help_, fn):
-        sp = sub.add_parser(name, help=help_, description=help_)
+        sp = sub.add_parser(name, help=help_, description=help_.replace("%%", "%"))
         sp.add_argument("--quiet", action="store_true", help="print only failures")
         sp.add_argument("--json", action="store_true", help="print machine-readable JSON")
         sp.set_defaults(fn=fn, parser=sp)
@@ -278,12 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = verb("check", "compile kernels offline (clang 22 for gfx*, NVRTC for sm_90) and print resources; "
              "exit 1 on a compile error, scratch or spill", cmd_check)
     _shape_args(c)
-    c.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: CPU count)")
+    c.add_argument("--jobs", type=_positive, default=None, help="parallel compiles (default: CPU count)")
 
     r = verb("report", "registers, SGPRs, scratch/spill, LDS/shared memory and occupancy per variant and arch "
              "(offline compilers); exit 1 on scratch or spill", cmd_report)
     _shape_args(r)
-    r.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: CPU count)")
+    r.add_argument("--jobs", type=_positive, default=None, help="parallel compiles (default: CPU count)")
     r.add_argument("--markdown", help="also write the table as Markdown to this file")
     r.add_argument("--csv", help="also write the table as CSV to this file")
 
@@ -298,26 +345,30 @@ def build_parser() -> argparse.ArgumentParser:
     d = verb("demo", "render and compile-check one model for every arch; with a GPU, run, verify and time "
              "dispatch/combine over virtual ranks", cmd_demo)
     d.add_argument("--model", default="deepseek-v3", help="catalogue model (default deepseek-v3)")
-    d.add_argument("--world-size", type=int, default=8, help="virtual ranks on the GPU (default 8)")
-    d.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default 4096)")
-    d.add_argument("--iters", type=int, default=20, help="timed iterations (default 20)")
+    d.add_argument("--world-size", type=_positive, default=8, help="virtual ranks on the GPU (default 8)")
+    d.add_argument("--tokens", type=_positive, default=4096, help="tokens per rank (default 4096)")
+    d.add_argument("--iters", type=_positive, default=20, help="timed iterations (default 20)")
 
     import attrs
 
-    from .bench import SWEEP, BenchOptions
+    from .bench import SWEEP
     from .check import ROUTINGS
 
     b = verb("bench", "time dispatch/combine against the P2P ceiling and NCCL all_to_all_single in one run; "
              "write CSV, PNG and a table", cmd_bench)
-    b.add_argument("--model", default="deepseek-v3")
-    b.add_argument("--world-size", type=int, default=2, help="ranks; one process per GPU unless --virtual")
+    b.add_argument("--model", default="deepseek-v3", help="catalogue model (default deepseek-v3)")
+    b.add_argument("--world-size", type=_positive, default=2, help="ranks; one process per GPU unless --virtual "
+                   "(default 2)")
     b.add_argument("--virtual", action="store_true", help="all ranks in one process on one GPU")
-    b.add_argument("--tokens", type=int, nargs="+", default=list(SWEEP), help="tokens per rank to sweep")
-    b.add_argument("--routing", nargs="+", default=["uniform", "skewed"], choices=ROUTINGS)
-    b.add_argument("--dispatch-geometry", type=_geometry, default=attrs.fields(BenchOptions).dispatch_geometry.default,
-                   help="BLOCKSxWARPS[uUNROLL] (default 24x16u4)")
-    b.add_argument("--combine-geometry", type=_geometry, default=attrs.fields(BenchOptions).combine_geometry.default)
-    b.add_argument("--iters", type=int, default=30, help="timed graph replays per point")
+    b.add_argument("--tokens", type=_positive, nargs="+", default=list(SWEEP), help="tokens per rank to sweep "
+                   f"(default {' '.join(map(str, SWEEP))})")
+    b.add_argument("--routing", nargs="+", default=["uniform", "skewed"], choices=ROUTINGS,
+                   help="routing kinds (default uniform skewed)")
+    b.add_argument("--dispatch-geometry", type=_geometry, default=None,
+                   help="BLOCKSxWARPS[uUNROLL] (default: the tuning table per token bucket)")
+    b.add_argument("--combine-geometry", type=_geometry, default=None,
+                   help="BLOCKSxWARPS[uUNROLL] (default: the tuning table per token bucket)")
+    b.add_argument("--iters", type=_positive, default=30, help="timed graph replays per point (default 30)")
     b.add_argument("-o", "--output", help="path prefix of the .csv/.png (default tools/results/bench-ep<W>-<gpu>)")
 
     from .tune import TuneOptions
@@ -325,13 +376,14 @@ def build_parser() -> argparse.ArgumentParser:
     tdef = attrs.fields(TuneOptions)
     t = verb("tune", "sweep launch geometry on the GPU and write codegen/tuning/<arch>.json (fewest blocks "
              "within 3%% of the best per token bucket)", cmd_tune)
-    t.add_argument("--model", default="deepseek-v3")
-    t.add_argument("--world-size", type=int, default=2, help="ranks, one process per GPU")
-    t.add_argument("--tokens", type=int, nargs="+", default=list(tdef.tokens.default), help="token buckets")
+    t.add_argument("--model", default="deepseek-v3", help="catalogue model (default deepseek-v3)")
+    t.add_argument("--world-size", type=_positive, default=2, help="ranks, one process per GPU (default 2)")
+    t.add_argument("--tokens", type=_positive, nargs="+", default=list(tdef.tokens.default),
+                   help=f"token buckets (default {' '.join(map(str, tdef.tokens.default))})")
     t.add_argument("--geometry", type=_geometry, nargs="+", default=list(tdef.geometries.default),
                    help="candidates BLOCKSxWARPS[uUNROLL] (default 8..132 blocks x 32 warps u4)")
-    t.add_argument("--routing", default="uniform", choices=ROUTINGS)
-    t.add_argument("--iters", type=int, default=20)
+    t.add_argument("--routing", default="uniform", choices=ROUTINGS, help="routing kind (default uniform)")
+    t.add_argument("--iters", type=_positive, default=20, help="graph replays per point (default 20)")
     t.add_argument("--dry-run", action="store_true", help="print the table, write nothing")
     return p
 

@@ -54,7 +54,13 @@ class EpConfig:
             _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f, v, "must be a positive int")
         _check(self.num_experts % self.world_size == 0, "num_experts", self.num_experts,
                f"must be a multiple of world_size={self.world_size}")
-        _check(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
+        _check(isinstance(self.dtype, str) and self.dtype in DTYPES, "dtype", self.dtype,
+               f"must be one of {', '.join(DTYPES)}")
+        _check(self.topk <= self.num_experts, "topk", self.topk, f"must be at most num_experts={self.num_experts}")
+        for f in ("dispatch_geometry", "combine_geometry"):
+            g = getattr(self, f)
+            _check(g is None or isinstance(g, Geometry), f, g, "must be None (tuning table) or an "
+                   "epgen.codegen.tuning.Geometry(blocks, warps_per_block, unroll)")
         _check(isinstance(self.scale_bytes, int) and not isinstance(self.scale_bytes, bool)
                and self.scale_bytes >= 0, "scale_bytes", self.scale_bytes, "must be an int >= 0")
         _check(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)
@@ -78,6 +84,10 @@ class EpConfig:
             ValueError: unknown model (with suggestions) or an invalid field.
         """
         m = _model(name)
+        shape = {"hidden", "topk", "num_experts"} & set(kw)
+        if shape:
+            raise ValueError(f"EpConfig.for_model({name!r}): {', '.join(sorted(shape))} come from the model; "
+                             "build EpConfig(...) directly for another shape")
         return cls(world_size=world_size, hidden=m.hidden, topk=m.topk, num_experts=m.num_experts,
                    max_tokens_per_rank=max_tokens_per_rank, **kw)
 

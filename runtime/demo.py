@@ -32,9 +32,14 @@ def resource_table(sources, results, title: str) -> tuple[Table, bool]:
     return t, ok
 
 
-def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Console) -> int:
-    """Returns the process exit code: 0 when every check passed."""
+def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Console, quiet: bool = False,
+             as_json: bool = False) -> int:
+    """Returns the process exit code: 0 when every check passed. ``quiet`` prints only failures;
+    ``as_json`` also prints a JSON summary (resources and, with a GPU, per-rank results) on stdout."""
+    import json
+
     cfg = EpConfig.for_model(model, world_size=world_size, max_tokens_per_rank=tokens)
+    summary = {"model": model, "world_size": world_size, "tokens": tokens, "resources": [], "gpu": None}
     missing = {arch: toolchain_status(arch) for arch in ARCHES}
     for arch, reason in missing.items():
         if reason:
@@ -43,17 +48,29 @@ def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Cons
     with console.status("compiling for " + ", ".join(ARCHES)):
         results = compile_many([(s.text, s.spec.arch, s.entry) for s in sources])
     table, ok = resource_table(sources, results, f"{model}: W={world_size}, Tmax={tokens}, bf16")
-    console.print(table)
+    summary["resources"] = [{"arch": src.spec.arch, "entry": src.entry, "ok": not isinstance(r, CompileError) and r.ok,
+                             **({} if isinstance(r, CompileError) else
+                                {"registers": r.registers, "scratch_bytes": r.scratch_bytes,
+                                 "spill_bytes": r.spill_bytes, "shared_bytes": r.shared_bytes})}
+                            for src, r in zip(sources, results)]
+    if not quiet or not ok:
+        console.print(table)
+    rc = 0
     if not ok:
         console.print("[red]offline compile check failed[/red]")
-        return 1
-    if not torch.cuda.is_available():
-        console.print("no GPU here (torch.cuda.is_available() is False): rendering and compile checks only.")
-        return 0
-    return _run_gpu(cfg, model, tokens, iters, console)
+        rc = 1
+    elif not torch.cuda.is_available():
+        if not quiet:
+            console.print("no GPU here (torch.cuda.is_available() is False): rendering and compile checks only.")
+    else:
+        summary["gpu"] = _run_gpu(cfg, model, tokens, iters, console, quiet)
+    if as_json:
+        print(json.dumps(summary))
+    return rc
 
 
-def _run_gpu(cfg: EpConfig, model: str, tokens: int, iters: int, console: Console) -> int:
+def _run_gpu(cfg: EpConfig, model: str, tokens: int, iters: int, console: Console, quiet: bool) -> dict:
+    """Verify, time and print; returns the per-rank results (raises on a mismatch)."""
     from .check import make_inputs, run_round
     from .op import EpDispatchCombine
     from .timing import gbps, time_pairs
@@ -63,7 +80,8 @@ def _run_gpu(cfg: EpConfig, model: str, tokens: int, iters: int, console: Consol
     op = EpDispatchCombine(cfg, virtual=virtual)
     with console.status("verifying against the reference"):
         stats = run_round(op, cfg, [tokens] * W, "uniform", seed=1)
-    console.print(f"verified: every received row bit-equal, combine relative L2 error {stats['combine_err']:.2e}")
+    if not quiet:
+        console.print(f"verified: every received row bit-equal, combine relative L2 error {stats['combine_err']:.2e}")
     inputs = [i.to(op.device) for i in make_inputs(cfg, [tokens] * W, "uniform", seed=2)]
     for r in op.local_ranks:
         op.combine_input(r).normal_()
@@ -81,15 +99,20 @@ def _run_gpu(cfg: EpConfig, model: str, tokens: int, iters: int, console: Consol
               "combine us", "comb logical GB/s", "comb wire GB/s"):
         table.add_column(c, justify="right")
     row_bytes = dgeo.row_bytes
+    ranks = []
     for r, b in zip(op.local_ranks, bufs):
         n = int(b.num_recv.item())
         peers = int((b.recv_src[:n, 0] != r).sum().item())
+        ranks.append({"rank": r, "recv_rows": n, "from_peers": peers, "dispatch_us": d_t.median_us,
+                      "combine_us": c_t.median_us})
         table.add_row(str(r), str(n), str(peers), f"{d_t.median_us:.1f}", f"{gbps(n * row_bytes, d_t.median_us):.1f}",
                       f"{gbps(peers * row_bytes, d_t.median_us):.1f}", f"{c_t.median_us:.1f}",
                       f"{gbps(n * cfg.hidden * 2, c_t.median_us):.1f}", f"{gbps(peers * cfg.hidden * 2, c_t.median_us):.1f}")
-    console.print(table)
-    if virtual:
-        console.print("virtual ranks share one GPU: these rates are local-memory rates, not link rates.")
+    if not quiet:
+        console.print(table)
+        if virtual:
+            console.print("virtual ranks share one GPU: these rates are local-memory rates, not link rates.")
     op.synchronize()
     op.close()
-    return 0
+    return {"combine_rel_l2": stats["combine_err"], "dispatch": str(dgeo.name), "combine": str(cgeo.name),
+            "ranks": ranks}

@@ -1,11 +1,12 @@
 """EpDispatchCombine: the generated dispatch and combine kernels as a torch-facing op.
 
-Contract: DESIGN.md section 3. All kernels are rendered and compiled at construction; dispatch()
+Contract: README.md, "Contract". All kernels are rendered and compiled at construction; dispatch()
 and combine() only check inputs and launch on torch's current stream (no host synchronization).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import attrs
@@ -140,10 +141,10 @@ class EpDispatchCombine:
 
     def __init__(self, config: EpConfig, *, group=None, virtual: bool = False, device: int | None = None,
                  validate: bool = False):
-        try:
-            import cupy  # noqa: F401  (fail here, with the install hint, not at the first launch)
-        except ImportError as e:
-            raise RuntimeError(f"EpDispatchCombine needs CuPy ({e}): pip install -e '.[cuda]' (or '.[rocm]')") from e
+        if not isinstance(config, EpConfig):
+            raise TypeError(f"config: expected an EpConfig, got {type(config).__name__}")
+        if importlib.util.find_spec("cupy") is None:  # fail here, with the install hint, not at a launch
+            raise RuntimeError("EpDispatchCombine needs CuPy: pip install -e '.[cuda]' (or '.[rocm]')")
         if not torch.cuda.is_available():
             raise RuntimeError("EpDispatchCombine needs a GPU: torch.cuda.is_available() is False")
         self.config = config
@@ -177,6 +178,13 @@ class EpDispatchCombine:
         self._variants = {op: self._build_variants(op) for op in (Op.DISPATCH, Op.COMBINE)}
         self.dispatch_spec = self._variants[Op.DISPATCH][-1][1]
         self.layout = self.dispatch_spec.layout
+        free, _ = torch.cuda.mem_get_info(self.device)
+        need = self.layout.total_bytes * len(self.local_ranks)
+        if need > free:
+            raise ValueError(f"EpConfig.max_tokens_per_rank={config.max_tokens_per_rank}: the arenas need "
+                             f"{need / 2**30:.1f} GiB ({len(self.local_ranks)} x {self.layout.total_bytes / 2**30:.2f} GiB:"
+                             f" W x Tmax receive rows of payload and combine input) but {self.device} has "
+                             f"{free / 2**30:.1f} GiB free; lower max_tokens_per_rank")
         self.arenas = Arenas(self.layout.total_bytes, W, self.local_ranks, self.device, group)
         self.errors = ErrorRecords(W)
         self._args = {}

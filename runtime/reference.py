@@ -17,6 +17,7 @@ once to the output dtype; a token that reached no rank gets zeros.
 
 from __future__ import annotations
 
+import numbers
 from collections import Counter
 
 import attrs
@@ -159,7 +160,11 @@ def _validate_dispatch(xs, weights, indices, scales, experts_per_rank) -> None:
 
     x0 = _check_2d("xs[rank 0]", xs[0])
     w0 = _check_2d("weights[rank 0]", weights[0])
+    i0 = _check_2d("indices[rank 0]", indices[0])
     hidden, dtype, device, topk = x0.shape[1], x0.dtype, x0.device, w0.shape[1]
+    if i0.shape[1] != topk:
+        raise ValueError(f"weights[rank 0] has {topk} columns, indices[rank 0] has {i0.shape[1]}: both must be "
+                         "[T, K] with the same top-k K")
     s0 = _check_2d("scales[rank 0]", scales[0]) if scales is not None else None
     for r in range(world):
         x = _check_2d(f"xs[rank {r}]", xs[r])
@@ -266,9 +271,11 @@ def combine(ys: list[torch.Tensor], recv: list[RecvRows], num_tokens: list[int])
         if not isinstance(value, (list, tuple)) or len(value) != world:
             got = len(value) if isinstance(value, (list, tuple)) else type(value).__name__
             raise ValueError(f"{name}: must be a list of {world} entries (one per rank, like ys), got {got}")
+    num_tokens = list(num_tokens)
     for r, t in enumerate(num_tokens):
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0:
             raise ValueError(f"num_tokens[rank {r}]={t!r}: must be an int >= 0")
+        num_tokens[r] = int(t)
     y0 = _check_2d("ys[rank 0]", ys[0])
     hidden, dtype, device = y0.shape[1], y0.dtype, y0.device
     if not dtype.is_floating_point:

@@ -1,4 +1,4 @@
-"""Device-event timing shared by the demo and the benchmark (DESIGN.md section 4)."""
+"""Device-event timing shared by the demo and the benchmark (README.md, "Measuring")."""
 
 from __future__ import annotations
 

@@ -18,18 +18,31 @@ def test_generated_is_fresh():
     assert not problems, f"generated/ is stale, run `epgen generate`: {problems[:5]}"
 
 
-def test_write_is_idempotent_and_prunes(tmp_path):
-    files = render_files(catalogue_specs(["mixtral-8x7b"]))
+def test_write_is_idempotent_and_prunes_only_its_own_files(tmp_path):
+    files = render_files(catalogue_specs(["mixtral-8x7b"]), with_report=False)
     assert write(tmp_path, files)
     assert write(tmp_path, files) == []
-    (tmp_path / "sm_90" / "stray.cu").write_text("// old")
-    assert check(tmp_path, files) == ["extra: sm_90/stray.cu"]
-    assert write(tmp_path, files) == ["sm_90/stray.cu"]
+    (tmp_path / "sm_90" / "epgen_old.cu").write_text("// a variant the catalogue dropped")
+    (tmp_path / "sm_90" / "mine.cu").write_text("// the user's own file")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "epgen_x.cu").write_text("// not in an arch folder")
+    assert check(tmp_path, files) == ["extra: sm_90/epgen_old.cu"]
+    assert write(tmp_path, files) == ["sm_90/epgen_old.cu"]
     assert check(tmp_path, files) == []
+    assert (tmp_path / "sm_90" / "mine.cu").exists() and (tmp_path / "notes" / "epgen_x.cu").exists()
+
+
+def test_check_survives_binary_files_and_missing_dir(tmp_path):
+    files = render_files(catalogue_specs(["mixtral-8x7b"]), with_report=False)
+    assert check(tmp_path / "nope", files) == [f"missing directory: {tmp_path / 'nope'}"]
+    write(tmp_path, files)
+    victim = next(tmp_path.rglob("*.cu"))
+    victim.write_bytes(b"\xff\xfe not utf-8")
+    assert check(tmp_path, files) == [f"stale: {victim.relative_to(tmp_path).as_posix()}"]
 
 
 def test_stale_file_detected(tmp_path):
-    files = render_files(catalogue_specs(["mixtral-8x7b"]))
+    files = render_files(catalogue_specs(["mixtral-8x7b"]), with_report=False)
     write(tmp_path, files)
     victim = next(tmp_path.rglob("*.hip"))
     victim.write_text(victim.read_text() + "// edited\n")

@@ -118,3 +118,33 @@ def test_diff_bad_field_names_the_rule():
 def test_diff_committed_catalogue_is_clean():
     r = run("diff")
     assert r.returncode == 0, r.stdout[-2000:]
+
+
+def test_conflicting_shape_flags_are_errors():
+    r = run("generate", "--model", "mixtral-8x7b", "--hidden", "2048", "--topk", "4", "--num-experts", "16", "-o", "/tmp/x")
+    assert r.returncode == 2 and "--model mixtral-8x7b fixes the shape" in r.stderr
+    r = run("generate", "--topk", "8", "--num-experts", "64", "-o", "/tmp/x")
+    assert r.returncode == 2 and "need --hidden" in r.stderr
+
+
+def test_catalogue_refuses_arch_subset_and_output_into_a_file(tmp_path):
+    r = run("generate", "--arch", "sm_90")
+    assert r.returncode == 2 and "catalogue covers every arch" in r.stderr
+    f = tmp_path / "file"
+    f.write_text("x")
+    r = run("generate", "--model", "mixtral-8x7b", "-o", str(f))
+    assert r.returncode == 2 and "is not a directory" in r.stderr
+
+
+def test_catalogue_needs_a_checkout_or_output(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "epgen", "generate", "--check"], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=300)
+    assert r.returncode == 2 and "give -o DIR" in r.stderr
+    assert not (tmp_path / "generated").exists()
+
+
+def test_bad_numbers_are_rejected_by_the_parser():
+    r = run("check", "--jobs", "-3")
+    assert r.returncode == 2 and "must be at least 1" in r.stderr
+    r = run("demo", "--world-size", "3")
+    assert r.returncode == 2 and "multiple of world_size=3" in r.stderr

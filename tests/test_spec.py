@@ -58,10 +58,9 @@ BAD_FIELDS = [
     (dict(hidden="7168"), ["KernelSpec.hidden='7168'", "must be an int"]),
     (dict(hidden=None), ["KernelSpec.hidden=None", "must be an int"]),
     # topk: range and wave size
-    (dict(topk=0), ["KernelSpec.topk=0", "[1, 64]"]),
-    (dict(topk=65), ["KernelSpec.topk=65", "[1, 64]"]),
-    (dict(topk=33, arch="gfx1250"), ["KernelSpec.topk=33", "wave size 32", "gfx1250"]),
-    (dict(topk=33, arch="sm_90"), ["KernelSpec.topk=33", "wave size 32", "sm_90"]),
+    (dict(topk=0), ["KernelSpec.topk=0", "[1, 16]"]),
+    (dict(topk=17), ["KernelSpec.topk=17", "[1, 16]"]),
+    (dict(topk=65), ["KernelSpec.topk=65", "[1, 16]"]),
     (dict(topk=8.0), ["KernelSpec.topk=8.0", "must be an int"]),
     (dict(topk=False), ["KernelSpec.topk=False", "must be an int"]),
     # world_size: range and wave size
@@ -129,8 +128,8 @@ def test_replace_revalidates():
         s.replace(hidden=7)
     with pytest.raises(ValueError, match=r"KernelSpec\.warps_per_block=17"):
         s.replace(warps_per_block=17)
-    with pytest.raises(ValueError, match=r"KernelSpec\.topk=33"):
-        spec(topk=33).replace(arch="sm_90")  # valid on wave64 gfx950, not on warp32 sm_90
+    with pytest.raises(ValueError, match=r"KernelSpec\.world_size=33"):
+        spec(world_size=33).replace(arch="sm_90")  # valid on wave64 gfx950, not on warp32 sm_90
 
 
 def test_frozen_hashable_and_equal():
@@ -160,7 +159,7 @@ def _extreme_specs(arch):
     yield spec(arch=arch, op="combine")
     yield spec(arch=arch, hidden=8, topk=1, experts_per_rank=1, world_size=1, max_tokens_per_rank=1,
                blocks=1, warps_per_block=1, unroll=1)
-    yield spec(arch=arch, hidden=1 << 16, topk=t.wave_size, world_size=t.wave_size,
+    yield spec(arch=arch, hidden=1 << 16, topk=16, world_size=t.wave_size,
                max_tokens_per_rank=MAX_TOKENS_LIMIT, experts_per_rank=1 << 16, scale_bytes=4096,
                blocks=65535, warps_per_block=t.max_threads_per_block // t.wave_size, unroll=16)
 
@@ -198,7 +197,7 @@ SHAPES = [
     dict(hidden=2880, topk=4, experts_per_rank=16, world_size=8, max_tokens_per_rank=4096),
     dict(hidden=4096, topk=3, experts_per_rank=5, world_size=3, max_tokens_per_rank=77, scale_bytes=56),
     dict(hidden=2048, topk=8, experts_per_rank=1, world_size=32, max_tokens_per_rank=1000, scale_bytes=1),
-    dict(hidden=1 << 16, topk=64, experts_per_rank=4, world_size=64, max_tokens_per_rank=MAX_TOKENS_LIMIT,
+    dict(hidden=1 << 16, topk=16, experts_per_rank=4, world_size=64, max_tokens_per_rank=MAX_TOKENS_LIMIT,
          scale_bytes=4096),
 ]
 
@@ -496,8 +495,14 @@ def test_config_derived_spec_errors_name_the_spec_field():
     # Documented: the derived KernelSpecs are validated on construction too.
     with pytest.raises(ValueError, match=r"KernelSpec\.hidden=7172.*multiple of 16 bytes"):
         cfg(hidden=7172)
-    with pytest.raises(ValueError, match=r"KernelSpec\.blocks=0"):
+    with pytest.raises(ValueError, match=r"Geometry\.blocks=0: must be a positive int"):
         cfg(dispatch_geometry=Geometry(blocks=0))
+    with pytest.raises(ValueError, match=r"KernelSpec\.blocks=70000"):
+        cfg(dispatch_geometry=Geometry(blocks=70000))
+    with pytest.raises(ValueError, match=r"EpConfig\.combine_geometry='24x16u4': must be None"):
+        cfg(combine_geometry="24x16u4")
+    with pytest.raises(ValueError, match=r"EpConfig\.topk=9: must be at most num_experts=8"):
+        cfg(topk=9, num_experts=8)
 
 
 @pytest.mark.parametrize("name,suggest", [
