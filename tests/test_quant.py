@@ -1,0 +1,660 @@
+"""CPU tests of epgen.quant: decode tables, RNE ties, saturation, round trips, block quantizers' bounds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from epgen.quant import (
+    FP4_E2M1_MAX,
+    FP8_E4M3_MAX,
+    MODES,
+    dequantize_fp4_blockwise,
+    dequantize_fp4_mx,
+    dequantize_fp8_blockwise,
+    dequantize_fp8_direct,
+    e8m0_decode,
+    e8m0_encode,
+    fp4_e2m1_decode,
+    fp4_e2m1_encode,
+    fp8_direct_cast,
+    fp8_e4m3_decode,
+    fp8_e4m3_encode,
+    pack_fp4,
+    quantize_fp4_blockwise,
+    quantize_fp4_mx,
+    quantize_fp8_blockwise,
+    scale_bytes,
+    unpack_fp4,
+)
+
+U8 = torch.uint8
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small tensors: intra-op threads only add contention on a shared 2-core box (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+ALL_CODES = torch.arange(256, dtype=U8)
+FP4_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def f32(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def torch_fp8(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float8_e4m3fn).view(U8)
+
+
+def finite_fp8_values() -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, values) of the 254 non-NaN e4m3fn codes."""
+    codes = ALL_CODES[(ALL_CODES & 0x7F) != 0x7F]
+    return codes, fp8_e4m3_decode(codes)
+
+
+def fp8_midpoints() -> torch.Tensor:
+    """Exact midpoints of adjacent non-negative e4m3 values (every one is a float32), ascending."""
+    vals = fp8_e4m3_decode(torch.arange(0x7F, dtype=U8)).double()
+    return ((vals[1:] + vals[:-1]) / 2).float()
+
+
+def next_up(x: torch.Tensor, steps: int) -> torch.Tensor:
+    """x moved by `steps` float32 ulps (positive finite x only)."""
+    return (bits(x) + steps).view(torch.float32)
+
+
+def fp4_reference(x: torch.Tensor) -> torch.Tensor:
+    """Brute force e2m1 encode: nearest grid value in float64, ties to the even code, saturating."""
+    a = x.double().abs().clamp(max=6.0)
+    grid = torch.tensor(FP4_GRID, dtype=torch.float64)
+    dist = (a[:, None] - grid[None, :]).abs()
+    cand = dist == dist.min(dim=1, keepdim=True).values
+    score = cand.to(torch.int64) * (2 - torch.arange(8) % 2)  # prefer the even code among the two
+    mag = score.argmax(dim=1)
+    return (mag | torch.signbit(x).to(torch.int64) << 3).to(U8)
+
+
+# --- fp8 e4m3 ------------------------------------------------------------------------------------
+
+
+def test_fp8_decode_all_256_codes_match_torch():
+    ours = fp8_e4m3_decode(ALL_CODES)
+    ref = ALL_CODES.view(torch.float8_e4m3fn).float()
+    assert ours.dtype == torch.float32 and ours.shape == (256,)
+    assert torch.equal(ours.isnan(), ref.isnan())
+    assert ours.isnan().nonzero().flatten().tolist() == [0x7F, 0xFF]
+    fin = ~ref.isnan()
+    assert torch.equal(bits(ours[fin]), bits(ref[fin]))  # bit-equal: -0.0 included
+    assert ours[0x7E].item() == 448.0 and ours[0xFE].item() == -448.0
+    assert ours[0x01].item() == 2.0**-9 and ours[0x08].item() == 2.0**-6 and ours[0x38].item() == 1.0
+
+
+def test_fp8_encode_round_trips_every_finite_value():
+    codes, vals = finite_fp8_values()
+    assert torch.equal(fp8_e4m3_encode(vals), codes)  # 0x80 <- -0.0 included
+    assert torch.equal(fp8_e4m3_encode(vals.to(torch.bfloat16)), codes)  # every e4m3 value is a bf16
+    assert torch.equal(fp8_e4m3_encode(vals.half()), codes)
+
+
+def test_fp8_encode_matches_torch_on_dense_sweep():
+    # Every 127th float32 in [0, 448] by bit pattern (~8.9M values, all binades alike), both signs.
+    top = bits(f32([FP8_E4M3_MAX])).item()
+    pos = torch.arange(0, top + 1, 127, dtype=torch.int32).view(torch.float32)
+    x = torch.cat([pos, -pos, f32([FP8_E4M3_MAX, -FP8_E4M3_MAX, 0.0, -0.0])])
+    assert torch.equal(fp8_e4m3_encode(x), torch_fp8(x))
+
+
+def test_fp8_encode_ties_go_to_even_code():
+    mids = fp8_midpoints()  # 126 ties, between codes i and i+1
+    lo = torch.arange(126, dtype=U8)
+    even = torch.where(lo % 2 == 0, lo, lo + 1)
+    got = fp8_e4m3_encode(mids)
+    assert torch.equal(got, even)
+    assert torch.equal(fp8_e4m3_encode(-mids), even | 0x80)
+    assert torch.equal(got, torch_fp8(mids))
+    # Hand-picked ties: subnormal/normal boundary, 1 + 1/16, top binade.
+    assert fp8_e4m3_encode(f32([15 * 2.0**-10, 2.0**-10, 3 * 2.0**-10, 1.0625, 1.1875, 432.0])).tolist() == [
+        0x08, 0x00, 0x02, 0x38, 0x3A, 0x7E,
+    ]
+    # One float32 ulp either side of each tie rounds to the nearer value.
+    m, i = mids, lo
+    assert torch.equal(fp8_e4m3_encode(next_up(m, -1)), i)
+    assert torch.equal(fp8_e4m3_encode(next_up(m, 1)), i + 1)
+    assert torch.equal(fp8_e4m3_encode(next_up(m, 1)), torch_fp8(next_up(m, 1)))
+    assert torch.equal(fp8_e4m3_encode(next_up(m, -1)), torch_fp8(next_up(m, -1)))
+
+
+def test_fp8_encode_saturates_and_maps_nan():
+    big = f32([448.0001, 449.0, 463.9, 464.0, 464.5, 480.0, 1e6, 3.4e38, math.inf])
+    assert fp8_e4m3_encode(big).tolist() == [0x7E] * len(big)
+    assert fp8_e4m3_encode(-big).tolist() == [0xFE] * len(big)
+    nan = f32([math.nan])
+    assert fp8_e4m3_encode(nan).item() == 0x7F
+    assert fp8_e4m3_encode(-nan).item() == 0xFF  # the sign bit of NaN is kept
+    assert fp8_e4m3_encode(f32([-0.0, -1e-30, 2.0**-11, -(2.0**-11)])).tolist() == [0x80, 0x80, 0x00, 0x80]
+    assert fp8_e4m3_encode(torch.empty(0)).shape == (0,)
+    x = f32([[1.0, -2.0], [0.3, 500.0]])
+    assert fp8_e4m3_encode(x).shape == (2, 2)
+
+
+def test_fp8_element_error_bound():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(200_000, generator=g) * 10 ** (torch.rand(200_000, generator=g) * 6 - 4)
+    x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    err = (fp8_e4m3_decode(fp8_e4m3_encode(x)).double() - x.double()).abs()
+    a = x.double().abs()
+    assert bool((err <= torch.maximum(a * 2**-4, torch.full_like(a, 2**-10))).all())
+    normal = a >= 2**-6
+    assert float((err[normal] / a[normal]).max()) <= 1 / 17  # the sharp relative constant
+
+
+# --- fp4 e2m1 ------------------------------------------------------------------------------------
+
+
+def test_fp4_decode_table_by_hand():
+    table = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    got = fp4_e2m1_decode(torch.arange(16, dtype=U8))
+    assert got.dtype == torch.float32 and got.tolist() == table
+    assert torch.signbit(got[8]) and not torch.signbit(got[0])
+
+
+def test_fp4_encode_round_trips_every_value():
+    codes = torch.arange(16, dtype=U8)
+    assert torch.equal(fp4_e2m1_encode(fp4_e2m1_decode(codes)), codes)
+
+
+def test_fp4_encode_ties_and_neighbours():
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    want = [0, 2, 2, 4, 4, 6, 6]  # 0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0
+    assert fp4_e2m1_encode(f32(ties)).tolist() == want
+    assert fp4_e2m1_encode(-f32(ties)).tolist() == [w | 8 for w in want]
+    t = f32(ties)
+    assert fp4_e2m1_encode(next_up(t, -1)).tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert fp4_e2m1_encode(next_up(t, 1)).tolist() == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_fp4_encode_matches_brute_force_sweep():
+    g = torch.Generator().manual_seed(3)
+    grid = torch.tensor(FP4_GRID)
+    mids = (grid[1:] + grid[:-1]) / 2
+    special = torch.cat([grid, mids, next_up(mids, 1), next_up(mids, -1), f32([6.5, 7.0, 8.0, 1e30])])
+    sweep = torch.cat([torch.linspace(-9, 9, 100_001), torch.rand(50_000, generator=g) * 16 - 8])
+    x = torch.cat([sweep, special, -special])
+    assert torch.equal(fp4_e2m1_encode(x), fp4_reference(x))
+
+
+def test_fp4_encode_saturation_signed_zero_and_nan():
+    assert fp4_e2m1_encode(f32([6.0001, 7.0, 100.0, math.inf])).tolist() == [7] * 4
+    assert fp4_e2m1_encode(f32([-6.0001, -7.0, -100.0, -math.inf])).tolist() == [15] * 4
+    assert fp4_e2m1_encode(f32([-0.0, -0.1, -0.25, 0.1])).tolist() == [8, 8, 8, 0]
+    assert fp4_e2m1_encode(f32([1.0]).to(torch.bfloat16)).tolist() == [2]
+    with pytest.raises(ValueError, match=r"x\[1, 0\]=nan.*no NaN"):
+        fp4_e2m1_encode(f32([[1.0, 2.0], [math.nan, 0.0]]))
+
+
+def test_fp4_element_error_bound():
+    g = torch.Generator().manual_seed(11)
+    x = (torch.rand(200_000, generator=g) * 12 - 6)
+    err = (fp4_e2m1_decode(fp4_e2m1_encode(x)).double() - x.double()).abs()
+    a = x.double().abs()
+    assert bool((err <= torch.clamp(a, min=1.0) * 2**-2).all())
+    assert float((err[a >= 1] / a[a >= 1]).max()) <= 1 / 5
+
+
+def test_pack_order_and_round_trip():
+    assert pack_fp4(torch.tensor([1, 2], dtype=U8)).tolist() == [0x21]
+    assert pack_fp4(torch.tensor([[0xF, 0x0, 0x3, 0xC]], dtype=U8)).tolist() == [[0x0F, 0xC3]]
+    assert unpack_fp4(torch.tensor([0x21, 0xF0], dtype=U8)).tolist() == [1, 2, 0, 15]
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (3, 5, 64), generator=g, dtype=U8)
+    packed = pack_fp4(codes)
+    assert packed.shape == (3, 5, 32) and packed.dtype == U8
+    assert torch.equal(unpack_fp4(packed), codes)
+    allbytes = torch.arange(256, dtype=U8)
+    assert torch.equal(pack_fp4(unpack_fp4(allbytes)), allbytes)
+    assert pack_fp4(torch.empty(4, 0, dtype=U8)).shape == (4, 0)
+
+
+@pytest.mark.parametrize(
+    "fn,arg,pattern",
+    [
+        (pack_fp4, torch.tensor([1, 2, 3], dtype=U8), r"codes: shape \(3,\).*even"),
+        (pack_fp4, torch.tensor([1, 16], dtype=U8), r"codes\[1\]=16.*\[0, 15\]"),
+        (pack_fp4, torch.tensor(3, dtype=U8), r"codes: shape \(\).*even"),
+        (pack_fp4, torch.tensor([1, 2], dtype=torch.int32), r"codes: dtype torch.int32 must be torch.uint8"),
+        (unpack_fp4, torch.tensor(3, dtype=U8), r"packed: shape \(\).*1-D"),
+        (unpack_fp4, [1, 2], r"packed: must be a torch.Tensor, got list"),
+        (fp4_e2m1_decode, torch.tensor([[0, 15], [16, 200]], dtype=U8),
+         r"codes\[1, 0\]=16 \(1 more\).*\[0, 15\]"),
+        (fp8_e4m3_decode, torch.tensor([1.0]), r"codes: dtype torch.float32 must be torch.uint8"),
+        (fp8_e4m3_encode, torch.tensor([1.0], dtype=torch.float64),
+         r"x: dtype torch.float64 must be torch.float32 or"),
+        (fp8_e4m3_encode, torch.tensor([1], dtype=torch.int32), r"x: dtype torch.int32 must be"),
+        (fp4_e2m1_encode, 1.5, r"x: must be a torch.Tensor, got float"),
+    ],
+)
+def test_element_codec_bad_inputs(fn, arg, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        fn(arg)
+
+
+# --- e8m0 ----------------------------------------------------------------------------------------
+
+
+def test_e8m0_decode_selected_codes_and_torch():
+    codes = torch.tensor([0, 1, 2, 100, 126, 127, 128, 200, 254, 255], dtype=U8)
+    got = e8m0_decode(codes)
+    want = [2.0**-127, 2.0**-126, 2.0**-125, 2.0**-27, 0.5, 1.0, 2.0, 2.0**73, 2.0**127]
+    assert got[:-1].tolist() == want and math.isnan(got[-1].item())
+    ref = ALL_CODES.view(torch.float8_e8m0fnu).float()
+    ours = e8m0_decode(ALL_CODES)
+    assert torch.equal(ours.isnan(), ref.isnan()) and torch.equal(bits(ours[:255]), bits(ref[:255]))
+
+
+def test_e8m0_encode_exact_floor_ceil():
+    codes = torch.arange(255, dtype=U8)
+    assert torch.equal(e8m0_encode(e8m0_decode(codes)), codes)  # every finite code round trips
+    x = f32([3.0, 0.75, 1.0, 2.0**-127 * 1.5, 2.0**126 * 1.9])
+    assert e8m0_encode(x, rounding="floor").tolist() == [128, 126, 127, 0, 253]
+    assert e8m0_encode(x, rounding="ceil").tolist() == [129, 127, 127, 1, 254]
+    assert e8m0_encode(f32([[1.0, 4.0]]).to(torch.bfloat16)).tolist() == [[127, 129]]
+
+
+@pytest.mark.parametrize(
+    "scale,rounding,pattern",
+    [
+        (f32([1.0, 0.0]), "exact", r"scale\[1\]=0.0: e8m0 scales must be finite and > 0"),
+        (f32([-2.0]), "floor", r"scale\[0\]=-2.0: .*> 0"),
+        (f32([math.nan]), "floor", r"scale\[0\]=nan"),
+        (f32([math.inf]), "ceil", r"scale\[0\]=inf"),
+        (f32([1.0, 3.0]), "exact", r"scale\[1\]=3.0: must be a power of two"),
+        (f32([2.0**-130]), "floor", r"scale\[0\]=.*\[-127, 127\]"),
+        (f32([3e38]), "ceil", r"\[-127, 127\]"),
+        (f32([1.0]), "nearest", r"rounding='nearest': must be 'exact', 'floor' or 'ceil'"),
+        (torch.tensor([1.0], dtype=torch.float64), "exact", r"scale: dtype torch.float64"),
+    ],
+)
+def test_e8m0_encode_bad_inputs(scale, rounding, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        e8m0_encode(scale, rounding=rounding)
+
+
+# --- block quantizers: data ----------------------------------------------------------------------
+
+SEEDS = [0, 1, 2, 3]
+DISTS = ["normal", "heavy", "row_scaled", "outliers"]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def make_x(dist: str, seed: int, dtype: torch.dtype, tokens: int = 48, hidden: int = 1024) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    if dist == "heavy":  # randn * 10**U(-3, 3), element-wise
+        x = x * 10 ** (torch.rand(tokens, hidden, generator=g) * 6 - 3)
+    elif dist == "row_scaled":  # token magnitudes spread over 10 decades
+        x = x * 10 ** (torch.rand(tokens, 1, generator=g) * 10 - 5)
+    elif dist == "outliers":
+        mask = torch.rand(tokens, hidden, generator=g) < 0.002
+        x = torch.where(mask, x * 1000, x)
+    return x.to(dtype)
+
+
+def per_element(scales: torch.Tensor, block: int) -> torch.Tensor:
+    return scales.double().repeat_interleave(block, dim=1)
+
+
+# --- fp8 blockwise -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dist", DISTS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_fp8_blockwise_scales_codes_and_bound(seed, dist, dtype):
+    x = make_x(dist, seed, dtype)
+    codes, scales = quantize_fp8_blockwise(x)
+    assert codes.dtype == U8 and codes.shape == x.shape
+    assert scales.dtype == torch.float32 and scales.shape == (x.shape[0], x.shape[1] // 128)
+    x64 = x.double()
+    amax = x64.abs().reshape(x.shape[0], -1, 128).amax(dim=-1)
+    assert torch.equal(scales, (amax / 448).float())  # correctly rounded float32 quotient
+    # Codes: torch's own e4m3 cast of the correctly rounded quotient x / s.
+    y = (x64 / per_element(scales, 128)).float()
+    assert float(y.abs().max()) < 464
+    assert torch.equal(codes, torch_fp8(y))
+    dq = dequantize_fp8_blockwise(codes, scales)
+    assert dq.dtype == torch.float32 and dq.shape == x.shape
+    assert torch.equal(dq, (fp8_e4m3_decode(codes).double() * per_element(scales, 128)).float())
+    err = (x64 - dq.double()).abs()
+    bound = 2**-4 * x64.abs() + 2**-10 * per_element(scales, 128)
+    assert bool((err <= bound).all())
+    assert float((err / bound).max()) > 0.75  # the bound is not vacuous
+
+
+def test_fp8_blockwise_subnormal_ties_need_the_sum_form():
+    # Elements placed so x / s lands on subnormal ties (odd multiples of 2^-10), s not a power of 2.
+    g = torch.Generator().manual_seed(5)
+    n = 20_000
+    amax = (448 * (1 + 3 * torch.rand(n, generator=g, dtype=torch.float64))).float()
+    s = (amax.double() / 448).float().double()
+    t = (2 * torch.randint(0, 8, (n,), generator=g) + 1).double() * 2**-10
+    x = torch.zeros(n, 128)
+    x[:, 0], x[:, 1] = amax, (t * s).float()
+    codes, scales = quantize_fp8_blockwise(x)
+    assert torch.equal(scales.double()[:, 0], s)
+    err = (x[:, 1].double() - dequantize_fp8_blockwise(codes, scales)[:, 1].double()).abs()
+    a = x[:, 1].double().abs()
+    assert bool((err <= 2**-4 * a + 2**-10 * s).all())
+    # The max form is exceeded by float32 rounding at these ties, as the docstring says.
+    assert bool((err > torch.maximum(2**-4 * a, 2**-10 * s)).any())
+
+
+def test_fp8_blockwise_exact_round_trip_of_representable_blocks():
+    g = torch.Generator().manual_seed(1)
+    fin_codes, _ = finite_fp8_values()
+    codes = fin_codes[torch.randint(0, len(fin_codes), (16, 512), generator=g)]
+    cols = torch.randint(0, 128, (16, 4), generator=g) + torch.arange(0, 512, 128)
+    top = torch.where(torch.rand(16, 4, generator=g) < 0.5, 0x7E, 0xFE).to(U8)
+    codes.scatter_(1, cols, top)  # a +-448 in every block
+    k = torch.randint(-20, 20, (16, 4), generator=g)
+    x = fp8_e4m3_decode(codes) * torch.exp2(k.float()).repeat_interleave(128, dim=1)
+    got_codes, scales = quantize_fp8_blockwise(x)
+    assert torch.equal(scales, torch.exp2(k.float()))
+    assert torch.equal(got_codes, codes)
+    assert torch.equal(bits(dequantize_fp8_blockwise(got_codes, scales)), bits(x))
+
+
+def test_fp8_blockwise_zero_and_tiny_blocks():
+    x = torch.zeros(3, 256)
+    x[0, 128:] = torch.linspace(-2, 2, 128)
+    x[1, :128] = -0.0
+    x[2, :128] = 1e-45  # smallest subnormal: amax / 448 underflows to 0 -> scale 1.0
+    x[2, 128:] = 1e-40  # subnormal amax: a subnormal scale, no bound claimed, but finite
+    codes, scales = quantize_fp8_blockwise(x)
+    assert scales[0, 0].item() == 1.0 and scales[1, 1].item() == 1.0 and scales[2, 0].item() == 1.0
+    assert scales[0, 1].item() == (torch.tensor(2.0, dtype=torch.float64) / 448).float().item()
+    assert bool((codes[0, :128] == 0).all()) and bool((codes[1, :128] == 0x80).all())
+    assert bool((codes[2, :128] == 0).all())
+    assert 0 < scales[2, 1].item() < 2.0**-126
+    dq = dequantize_fp8_blockwise(codes, scales)
+    assert bool(torch.isfinite(dq).all())
+    assert bool((dq[0, :128] == 0).all()) and bool(torch.signbit(dq[1, :128]).all())
+    empty_codes, empty_scales = quantize_fp8_blockwise(torch.empty(0, 256, dtype=torch.bfloat16))
+    assert empty_codes.shape == (0, 256) and empty_scales.shape == (0, 2)
+
+
+def test_fp8_blockwise_custom_block():
+    x = make_x("heavy", 9, torch.float32, tokens=8, hidden=96)
+    codes, scales = quantize_fp8_blockwise(x, block=32)
+    assert scales.shape == (8, 3)
+    dq = dequantize_fp8_blockwise(codes, scales, block=32)
+    err = (x.double() - dq.double()).abs()
+    assert bool((err <= 2**-4 * x.double().abs() + 2**-10 * per_element(scales, 32)).all())
+
+
+# --- fp8 direct ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_direct_cast_bound_and_saturation(dtype):
+    for seed in SEEDS:
+        x = (make_x("heavy", seed, torch.float32) * 0.5).to(dtype)  # spans 1e-4 .. 1e4: some saturate
+        codes = fp8_direct_cast(x)
+        assert codes.dtype == U8 and codes.shape == x.shape
+        assert torch.equal(codes, fp8_e4m3_encode(x.float()))
+        dq = dequantize_fp8_direct(codes)
+        a = x.double().abs()
+        err = (x.double() - dq.double()).abs()
+        inside = a <= FP8_E4M3_MAX
+        assert bool((~inside).any())
+        ai = a[inside]
+        assert bool((err[inside] <= torch.maximum(2**-4 * ai, torch.full_like(ai, 2**-10))).all())
+        assert torch.equal(err[~inside], a[~inside] - FP8_E4M3_MAX)
+        assert torch.equal(codes[inside], torch_fp8(x.float()[inside]))
+    odd = f32([[math.nan, -math.inf, math.inf, -0.0]])
+    assert fp8_direct_cast(odd).tolist() == [[0x7F, 0xFE, 0x7E, 0x80]]
+
+
+# --- fp4 MX --------------------------------------------------------------------------------------
+
+
+def mx_reference(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e8m0 codes, element codes) by float64 log2 and the brute-force e2m1 encoder."""
+    t, h = x.shape
+    amax = x.double().abs().reshape(t, -1, block).amax(dim=-1)
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    e = torch.where(amax > 0, torch.floor(torch.log2(safe)) - 2, torch.full_like(amax, -127)).clamp(-127, 127)
+    y = x.double() / torch.exp2(e).repeat_interleave(block, dim=1)
+    return (e + 127).to(U8), fp4_reference(y.float().flatten()).reshape(t, h)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dist", DISTS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_fp4_mx_scales_codes_and_bound(seed, dist, dtype):
+    x = make_x(dist, seed, dtype)
+    packed, scales = quantize_fp4_mx(x)
+    assert packed.dtype == U8 and packed.shape == (x.shape[0], x.shape[1] // 2)
+    assert scales.dtype == U8 and scales.shape == (x.shape[0], x.shape[1] // 32)
+    ref_scales, ref_codes = mx_reference(x)
+    assert torch.equal(scales, ref_scales)
+    assert torch.equal(unpack_fp4(packed), ref_codes)
+    dq = dequantize_fp4_mx(packed, scales)
+    assert dq.dtype == torch.float32 and dq.shape == x.shape
+    s = e8m0_decode(scales).double().repeat_interleave(32, dim=1)
+    a, err = x.double().abs(), (x.double() - dq.double()).abs()
+    assert torch.equal(dq.double(), fp4_e2m1_decode(unpack_fp4(packed)).double() * s)  # exact product
+    assert bool((err <= 2**-2 * torch.maximum(a, s)).all())
+    unclipped = a <= 6 * s
+    assert bool((err[unclipped] <= torch.maximum(a[unclipped] / 5, s[unclipped] / 4)).all())
+    clipped = ~unclipped
+    assert bool(clipped.any())  # the MX rule does clip on random data
+    assert torch.equal(dq.double().abs()[clipped], 6 * s[clipped])
+
+
+def test_fp4_mx_extreme_magnitudes_and_zero_blocks():
+    x = torch.zeros(4, 64)
+    x[0, :32] = torch.linspace(-1, 1, 32) * 3e38  # floor(log2 3e38) = 127 -> e = 125, clips to 6 * 2^125
+    x[0, 32:] = torch.linspace(-1, 1, 32) * 1e-39  # subnormal amax: e clamped to -127 (code 0)
+    x[1, 32:] = -0.0
+    x[2, :32] = 2.0**-125  # floor(log2) - 2 = -127: not clamped, code 0, y = 4
+    x[3, :] = torch.linspace(-1, 1, 64) * 2.0**-140
+    packed, scales = quantize_fp4_mx(x)
+    assert scales.tolist() == [[252, 0], [0, 0], [0, 0], [0, 0]]
+    codes = unpack_fp4(packed)
+    assert bool((codes[1, :32] == 0).all()) and bool((codes[1, 32:] == 8).all())
+    assert bool((codes[2, :32] == 6).all())  # 4.0
+    dq = dequantize_fp4_mx(packed, scales)
+    assert bool(torch.isfinite(dq).all())
+    assert dq[0, 31].item() == 6 * 2.0**125
+    s = e8m0_decode(scales).double().repeat_interleave(32, dim=1)
+    a, err = x.double().abs(), (x.double() - dq.double()).abs()
+    assert bool((err <= 2**-2 * torch.maximum(a, s)).all())
+    assert dq[2, 0].item() == 2.0**-125
+
+
+def test_fp4_mx_exact_round_trip_of_representable_blocks():
+    g = torch.Generator().manual_seed(2)
+    codes = torch.randint(0, 16, (16, 256), generator=g, dtype=U8)
+    cols = torch.randint(0, 32, (16, 8), generator=g) + torch.arange(0, 256, 32)
+    top = torch.where(torch.rand(16, 8, generator=g) < 0.5, 7, 15).to(U8)
+    codes.scatter_(1, cols, top)  # a +-6 in every block
+    k = torch.randint(-120, 120, (16, 8), generator=g)
+    x = fp4_e2m1_decode(codes) * torch.exp2(k.float()).repeat_interleave(32, dim=1)
+    packed, scales = quantize_fp4_mx(x)
+    assert torch.equal(scales, (k + 127).to(U8))
+    assert torch.equal(unpack_fp4(packed), codes)
+    assert torch.equal(bits(dequantize_fp4_mx(packed, scales)), bits(x))
+
+
+def test_fp4_mx_nan_scale_propagates():
+    packed = torch.full((1, 16), 0x22, dtype=U8)
+    dq = dequantize_fp4_mx(packed, torch.tensor([[255]], dtype=U8))
+    assert bool(dq.isnan().all())
+
+
+# --- fp4 blockwise -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dist", DISTS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_fp4_blockwise_scales_codes_and_bound(seed, dist, dtype):
+    x = make_x(dist, seed, dtype)
+    packed, scales = quantize_fp4_blockwise(x)
+    assert packed.dtype == U8 and packed.shape == (x.shape[0], x.shape[1] // 2)
+    assert scales.dtype == torch.float32 and scales.shape == (x.shape[0], x.shape[1] // 32)
+    x64 = x.double()
+    amax = x64.abs().reshape(x.shape[0], -1, 32).amax(dim=-1)
+    assert torch.equal(scales, (amax / 6).float())
+    s = per_element(scales, 32)
+    y = (x64 / s).float()
+    assert torch.equal(unpack_fp4(packed), fp4_reference(y.flatten()).reshape(x.shape))
+    dq = dequantize_fp4_blockwise(packed, scales)
+    assert dq.dtype == torch.float32
+    assert torch.equal(dq, (fp4_e2m1_decode(unpack_fp4(packed)).double() * s).float())
+    err = (x64 - dq.double()).abs()
+    bound = 2**-2 * x64.abs() + 2**-2 * s
+    assert bool((err <= bound).all())
+    big = y.double().abs() >= 1
+    assert float((err[big] / x64.abs()[big]).max()) <= 1 / 5 + 2**-20  # the sharp constant
+
+
+def test_fp4_blockwise_exact_round_trip_and_zero_blocks():
+    g = torch.Generator().manual_seed(4)
+    codes = torch.randint(0, 16, (8, 128), generator=g, dtype=U8)
+    codes[:, ::32] = 7  # a 6 per block
+    k = torch.randint(-30, 30, (8, 4), generator=g)
+    x = fp4_e2m1_decode(codes) * torch.exp2(k.float()).repeat_interleave(32, dim=1)
+    packed, scales = quantize_fp4_blockwise(x)
+    assert torch.equal(scales, torch.exp2(k.float()))
+    assert torch.equal(unpack_fp4(packed), codes)
+    assert torch.equal(bits(dequantize_fp4_blockwise(packed, scales)), bits(x))
+    z = torch.zeros(2, 64, dtype=torch.bfloat16)
+    z[0, 32:] = 3.0
+    packed, scales = quantize_fp4_blockwise(z)
+    assert scales.tolist() == [[1.0, 0.5], [1.0, 1.0]]
+    assert unpack_fp4(packed)[0, 32:].tolist() == [7] * 32 and bool((unpack_fp4(packed)[1] == 0).all())
+
+
+# --- validation ----------------------------------------------------------------------------------
+
+QUANTIZERS = [quantize_fp8_blockwise, quantize_fp4_mx, quantize_fp4_blockwise]
+
+
+@pytest.mark.parametrize("quantize", QUANTIZERS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "x,kwargs,pattern",
+    [
+        ([[1.0]], {}, r"x: must be a torch.Tensor, got list"),
+        (torch.zeros(128), {}, r"x: shape \(128,\) must be 2-D"),
+        (torch.zeros(2, 2, 128), {}, r"x: shape \(2, 2, 128\) must be 2-D"),
+        (torch.zeros(2, 128, dtype=torch.float64), {},
+         r"x: dtype torch.float64 must be torch.float32 or torch.bfloat16"),
+        (torch.zeros(2, 128, dtype=torch.float16), {}, r"x: dtype torch.float16 must be"),
+        (torch.zeros(2, 128, dtype=torch.int32), {}, r"x: dtype torch.int32 must be"),
+        (torch.zeros(2, 100), {}, r"x: hidden size H=100 must be a multiple of block="),
+        (torch.zeros(2, 128), {"block": 0}, r"block=0: must be a positive"),
+        (torch.zeros(2, 128), {"block": True}, r"block=True: must be an int"),
+        (torch.zeros(2, 128), {"block": 32.0}, r"block=32.0: must be an int"),
+    ],
+)
+def test_quantizer_bad_inputs(quantize, x, kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        quantize(x, **kwargs)
+
+
+@pytest.mark.parametrize("quantize", QUANTIZERS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_quantizer_rejects_non_finite(quantize, bad):
+    x = torch.zeros(3, 128)
+    x[2, 70] = bad
+    with pytest.raises(ValueError, match=rf"x\[2, 70\]={bad!r}: must be finite"):
+        quantize(x)
+
+
+@pytest.mark.parametrize("quantize", [quantize_fp4_mx, quantize_fp4_blockwise], ids=lambda f: f.__name__)
+def test_fp4_quantizers_need_even_block(quantize):
+    with pytest.raises(ValueError, match=r"block=3: must be a positive even int"):
+        quantize(torch.zeros(1, 6), block=3)
+
+
+@pytest.mark.parametrize(
+    "fn,args,pattern",
+    [
+        (dequantize_fp8_blockwise, (torch.zeros(2, 256, dtype=U8), torch.ones(2, 2, dtype=torch.float64)),
+         r"scales: dtype torch.float64 must be torch.float32"),
+        (dequantize_fp8_blockwise, (torch.zeros(2, 256, dtype=U8), torch.ones(2, 3)),
+         r"scales: shape \(2, 3\) must be \[2, 2\]"),
+        (dequantize_fp8_blockwise, (torch.zeros(2, 200, dtype=U8), torch.ones(2, 2)),
+         r"codes: shape \(2, 200\) holds H=200 .* multiple of block=128"),
+        (dequantize_fp8_blockwise, (torch.zeros(256, dtype=U8), torch.ones(2, 2)),
+         r"codes: shape \(256,\) must be 2-D"),
+        (dequantize_fp8_blockwise, (torch.zeros(2, 256), torch.ones(2, 2)),
+         r"codes: dtype torch.float32 must be torch.uint8"),
+        (dequantize_fp4_mx, (torch.zeros(2, 64, dtype=U8), torch.ones(2, 4)),
+         r"scales: dtype torch.float32 must be torch.uint8"),
+        (dequantize_fp4_mx, (torch.zeros(2, 64, dtype=U8), torch.ones(2, 2, dtype=U8)),
+         r"scales: shape \(2, 2\) must be \[2, 4\]"),
+        (dequantize_fp4_mx, (torch.zeros(2, 24, dtype=U8), torch.ones(2, 1, dtype=U8)),
+         r"packed: .*H=48 .*block=32"),
+        (dequantize_fp4_blockwise, (torch.zeros(2, 64, dtype=U8), torch.ones(2, 4, dtype=U8)),
+         r"scales: dtype torch.uint8 must be torch.float32"),
+        (dequantize_fp4_blockwise, (torch.zeros(3, 64, dtype=U8), torch.ones(2, 4)),
+         r"scales: shape \(2, 4\) must be \[3, 4\]"),
+        (dequantize_fp8_direct, (torch.zeros(4, dtype=U8),), r"codes: shape \(4,\) must be 2-D"),
+        (fp8_direct_cast, (torch.zeros(4),), r"x: shape \(4,\) must be 2-D"),
+        (fp8_direct_cast, (torch.zeros(1, 4, dtype=torch.float64),), r"x: dtype torch.float64"),
+    ],
+)
+def test_dequantizer_bad_inputs(fn, args, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        fn(*args)
+
+
+# --- scale_bytes ---------------------------------------------------------------------------------
+
+
+def test_scale_bytes_values_and_consistency():
+    assert scale_bytes("fp8_blockwise", 7168) == 224
+    assert scale_bytes("fp4_mx", 7168) == 224
+    assert scale_bytes("fp4_blockwise", 7168) == 896
+    assert scale_bytes("fp8_direct", 7168) == 0
+    assert scale_bytes("fp8_blockwise", 4096, block=64) == 256
+    assert set(MODES) == {"fp8_blockwise", "fp8_direct", "fp4_mx", "fp4_blockwise"}
+    x = make_x("normal", 0, torch.bfloat16, tokens=3, hidden=2048)
+    for mode, quantize in (("fp8_blockwise", quantize_fp8_blockwise), ("fp4_mx", quantize_fp4_mx),
+                           ("fp4_blockwise", quantize_fp4_blockwise)):
+        _, scales = quantize(x)
+        assert scales.shape[1] * scales.element_size() == scale_bytes(mode, 2048)
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,pattern",
+    [
+        (("fp16", 128), {}, r"mode='fp16': must be one of 'fp8_blockwise'"),
+        (("fp8_blockwise", 100), {}, r"hidden=100: must be a multiple of block=128"),
+        (("fp4_mx", 0), {}, r"hidden=0: must be a positive int"),
+        (("fp4_mx", 64.0), {}, r"hidden=64.0: must be a positive int"),
+        (("fp4_mx", 66), {"block": 33}, r"block=33: must be a positive even int"),
+        (("fp8_direct", 128), {"block": 128}, r"block=128: must be None for mode 'fp8_direct'"),
+    ],
+)
+def test_scale_bytes_bad_inputs(args, kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        scale_bytes(*args, **kwargs)
+
+
+def test_constants():
+    assert FP8_E4M3_MAX == fp8_e4m3_decode(torch.tensor([0x7E], dtype=U8)).item()
+    assert FP4_E2M1_MAX == fp4_e2m1_decode(torch.tensor([7], dtype=U8)).item()
