@@ -45,9 +45,14 @@ def model_specs(name: str, arches=ARCHES, **kw) -> list[KernelSpec]:
     return shape_specs(hidden=m.hidden, topk=m.topk, num_experts=m.num_experts, arches=arches, **kw)
 
 
-def catalogue_specs(models=None, arches=ARCHES) -> list[KernelSpec]:
-    """The committed catalogue (bf16, W = 8, Tmax = 4096, default geometry), in a fixed order."""
-    return [s for name in (models or MODELS) for s in model_specs(name, arches)]
+CATALOGUE_DTYPES = ("bf16", "fp8", "fp4")
+
+
+def catalogue_specs(models=None, arches=ARCHES, dtypes=CATALOGUE_DTYPES) -> list[KernelSpec]:
+    """The committed catalogue (W = 8, Tmax = 4096, table geometry): for every model and arch,
+    dispatch of every payload dtype and the (bf16) combine, in a fixed order without repeats."""
+    specs = [s for name in (models or MODELS) for d in dtypes for s in model_specs(name, arches, dtype=d)]
+    return list(dict.fromkeys(specs))
 
 
 REPORT_MD = "REPORT.md"

@@ -61,12 +61,17 @@ def routing(num_tokens: int, cfg: EpConfig, kind: str, gen: torch.Generator) -> 
 
 
 def make_inputs(cfg: EpConfig, tokens: list[int], kind: str = "uniform", seed: int = 0) -> list[RankInputs]:
-    """Fresh random inputs for every rank (same seed -> same inputs in every process)."""
+    """Fresh random inputs for every rank (same seed -> same inputs in every process). bf16 tokens
+    are normal samples; fp8 and fp4 tokens are uniform random bytes (the kernels move bytes)."""
     gen = torch.Generator().manual_seed(seed)
-    dtype = dtype_info(cfg.dtype).torch_dtype
+    info = dtype_info(cfg.dtype)
     out = []
     for T in tokens:
-        x = torch.randn(T, cfg.hidden, generator=gen).to(dtype)
+        if info.bits == 16:
+            x = torch.randn(T, cfg.hidden, generator=gen).to(info.torch_dtype)
+        else:  # fp8 / fp4 payloads: every byte pattern the wire carries, NaN codes included
+            x = torch.randint(0, 256, (T, info.row_bytes(cfg.hidden)), generator=gen, dtype=torch.uint8)
+            x = x.view(info.torch_dtype)
         w = torch.rand(T, cfg.topk, generator=gen)
         s = torch.randint(0, 256, (T, cfg.scale_bytes), generator=gen, dtype=torch.uint8) if cfg.scale_bytes else None
         out.append(RankInputs(x, w, routing(T, cfg, kind, gen), s))

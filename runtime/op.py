@@ -40,7 +40,7 @@ class DispatchOutput:
     dispatch; rows >= num_recv are undefined and row order is unspecified.
 
     Attributes:
-        recv_x: [W*Tmax, H] payload dtype.
+        recv_x: [W*Tmax, H] payload dtype ([W*Tmax, H/2] uint8 for fp4).
         recv_weights: [W*Tmax, K] float32, the sender's full row.
         recv_indices: [W*Tmax, K] int32, the sender's full row.
         recv_scales: [W*Tmax, S] uint8, or None when S = 0.
@@ -79,14 +79,16 @@ def _check_tensor(t, name: str, *, dtype, shape, device):
 def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x, weights, indices, scales, tag: str = "") -> int:
     """Check one rank's dispatch inputs against ``cfg`` before any launch; returns T.
 
-    Rules: x [T, H] of the payload dtype with T <= max_tokens_per_rank; weights [T, K] float32;
+    Rules: x [T, H] of the payload dtype ([T, H / 2] uint8 for fp4) with T <= max_tokens_per_rank;
+    weights [T, K] float32;
     indices [T, K] int32; scales [T, S] uint8 iff S > 0; all on ``device`` and contiguous.
 
     Raises:
         TypeError: an argument is not a tensor.
         ValueError: naming the argument (with ``tag``, e.g. "[rank 3]"), its value and the rule.
     """
-    _check_tensor(x, f"x{tag}", dtype=dtype_info(cfg.dtype).torch_dtype, shape=(None, cfg.hidden), device=device)
+    info = dtype_info(cfg.dtype)
+    _check_tensor(x, f"x{tag}", dtype=info.torch_dtype, shape=(None, info.columns(cfg.hidden)), device=device)
     T = x.shape[0]
     if T > cfg.max_tokens_per_rank:
         raise ValueError(f"x{tag}.shape[0]={T}: more tokens than max_tokens_per_rank={cfg.max_tokens_per_rank}")
@@ -208,7 +210,8 @@ class EpDispatchCombine:
         rank = self._local(rank)
         lay, cfg, cap = self.layout, self.config, self.layout.capacity_rows
         return DispatchOutput(
-            recv_x=self._view(rank, lay.recv_x, (cap, cfg.hidden), self.dispatch_spec.dtype_info.torch_dtype),
+            recv_x=self._view(rank, lay.recv_x, (cap, self.dispatch_spec.dtype_info.columns(cfg.hidden)),
+                              self.dispatch_spec.dtype_info.torch_dtype),
             recv_weights=self._view(rank, lay.recv_weights, (cap, cfg.topk), torch.float32),
             recv_indices=self._view(rank, lay.recv_indices, (cap, cfg.topk), torch.int32),
             recv_scales=(self._view(rank, lay.recv_scales, (cap, cfg.scale_bytes), torch.uint8)
@@ -238,7 +241,8 @@ class EpDispatchCombine:
         """Send each token to every distinct rank that holds one of its top-k experts.
 
         Args (one rank; in virtual mode each is a list with one entry per rank):
-            x: [T, H] payload dtype, T <= max_tokens_per_rank (0 allowed).
+            x: [T, H] payload dtype (fp4: [T, H/2] uint8, two codes a byte), T <= max_tokens_per_rank
+                (0 allowed). Payload bytes move unchanged.
             weights: [T, K] float32 routing weights (forwarded unchanged).
             indices: [T, K] int32 expert ids in [0, E) or -1 (no expert).
             scales: [T, S] uint8 opaque per-token scale bytes, required iff S > 0.

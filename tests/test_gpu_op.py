@@ -65,3 +65,34 @@ def test_two_processes(model):
     from epgen.launch import run_ranks
 
     run_ranks(2, _two_process_body, model)
+
+
+def _quantized_body(rank, world_size, dtype, virtual):
+    from epgen.op import EpDispatchCombine
+    from epgen.quant import scale_bytes
+
+    mode = {"fp8": "fp8_blockwise", "fp4": "fp4_mx"}[dtype]
+    cfg = EpConfig.for_model("deepseek-v3", world_size=world_size, max_tokens_per_rank=TMAX, dtype=dtype,
+                             scale_bytes=scale_bytes(mode, 7168), timeout_s=10.0,
+                             dispatch_geometry=Geometry(16, 16, 4), combine_geometry=Geometry(16, 16, 4))
+    op = EpDispatchCombine(cfg, virtual=virtual, validate=True)
+    seed = 40
+    for tokens in ([4096] * world_size, [0, 1, 128, 4096, 4096, 128, 1, 0][:world_size], [0] * world_size):
+        for kind in ("uniform", "invalid", "duplicates"):
+            seed += 1
+            run_round(op, cfg, tokens, kind, seed)  # payload and scale rows bit-equal; bf16 combine
+    op.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp8", "fp4"])
+def test_quantized_dispatch_virtual_8(dtype):
+    _quantized_body(0, 8, dtype, True)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("dtype", ["fp8", "fp4"])
+def test_quantized_dispatch_two_processes(dtype):
+    from epgen.launch import run_ranks
+
+    run_ranks(2, _quantized_body, dtype, False)

@@ -92,7 +92,7 @@ BAD_FIELDS = [
     (dict(arch="gfx942"), ["KernelSpec.arch='gfx942'", *ARCHES]),
     (dict(arch="sm90"), ["KernelSpec.arch='sm90'", *ARCHES]),
     (dict(arch="GFX950"), ["KernelSpec.arch='GFX950'"]),
-    (dict(dtype="fp8"), ["KernelSpec.dtype='fp8'", *DTYPES]),
+    (dict(dtype="fp16"), ["KernelSpec.dtype='fp16'", *DTYPES]),
     (dict(dtype="bfloat16"), ["KernelSpec.dtype='bfloat16'"]),
 ]
 
@@ -465,7 +465,7 @@ BAD_CONFIGS = [
     (dict(max_tokens_per_rank=None), ["EpConfig.max_tokens_per_rank=None", "positive int"]),
     (dict(num_experts=250), ["EpConfig.num_experts=250", "multiple of world_size=8"]),
     (dict(world_size=3), ["EpConfig.num_experts=256", "multiple of world_size=3"]),
-    (dict(dtype="fp8"), ["EpConfig.dtype='fp8'", *DTYPES]),
+    (dict(dtype="fp16"), ["EpConfig.dtype='fp16'", *DTYPES]),
     (dict(scale_bytes=-1), ["EpConfig.scale_bytes=-1", ">= 0"]),
     (dict(scale_bytes=1.0), ["EpConfig.scale_bytes=1.0", "int"]),
     (dict(timeout_s=0), ["EpConfig.timeout_s=0", "(0, 3600]"]),

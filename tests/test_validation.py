@@ -89,3 +89,23 @@ def test_combine_inputs():
         check_combine_inputs(CFG, CPU, big, None, 5)
     with pytest.raises(ValueError, match=r"out\.shape=\[4, 2880\]: must be \[5, 2880\]"):
         check_combine_inputs(CFG, CPU, y, torch.empty(4, CFG.hidden, dtype=torch.bfloat16), 5)
+
+
+@pytest.mark.parametrize("dtype,columns,torch_dtype", [("fp8", 2880, torch.float8_e4m3fn), ("fp4", 1440, torch.uint8)])
+def test_quantized_payload_shapes(dtype, columns, torch_dtype):
+    from epgen.check import make_inputs, reference_dispatch
+    from epgen.quant import scale_bytes
+
+    # 2880 is not a multiple of fp8's 128-element block: the caller defines 23 fp32 scales (92 bytes)
+    sbytes = 92 if dtype == "fp8" else scale_bytes("fp4_mx", 2880)
+    cfg = EpConfig.for_model("gpt-oss-120b", world_size=2, max_tokens_per_rank=64, dtype=dtype, scale_bytes=sbytes)
+    ins = make_inputs(cfg, [5, 3], "uniform", seed=1)
+    assert ins[0].x.shape == (5, columns) and ins[0].x.dtype == torch_dtype
+    assert ins[0].scales.shape == (5, cfg.scale_bytes)
+    assert check_dispatch_inputs(cfg, CPU, ins[0].x, ins[0].weights, ins[0].indices, ins[0].scales) == 5
+    with pytest.raises(ValueError, match=rf"x\.shape=\[5, 2880\]: must be \[\*, {columns}\]" if dtype == "fp4"
+                       else r"x\.dtype=torch\.bfloat16"):
+        bad = torch.zeros(5, 2880, dtype=torch.uint8 if dtype == "fp4" else torch.bfloat16)
+        check_dispatch_inputs(cfg, CPU, bad, ins[0].weights, ins[0].indices, ins[0].scales)
+    recv = reference_dispatch(cfg, ins)
+    assert sum(r.num_rows for r in recv) >= 8 and recv[0].x.dtype == torch_dtype
