@@ -37,6 +37,7 @@ class BenchOptions:
     world_size: int = 2
     tokens: tuple[int, ...] = SWEEP
     routings: tuple[str, ...] = ("uniform", "skewed")
+    dtype: str = "bf16"
     dispatch_geometry: Geometry | None = None  # None: the tuning table per token bucket
     combine_geometry: Geometry | None = None
     iters: int = 30
@@ -132,7 +133,7 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
 
     dist = torch.distributed if torch.distributed.is_initialized() else None
     cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=max(opts.tokens),
-                             dispatch_geometry=opts.dispatch_geometry, combine_geometry=opts.combine_geometry,
+                             dtype=opts.dtype, dispatch_geometry=opts.dispatch_geometry, combine_geometry=opts.combine_geometry,
                              timeout_s=20.0)
     op = EpDispatchCombine(cfg, virtual=opts.virtual)
     me = op.local_ranks[0]

@@ -280,7 +280,7 @@ def cmd_bench(args, parser, console) -> int:
     if not torch.cuda.is_available():
         console.print("epgen bench needs a GPU (torch.cuda.is_available() is False)")
         return 2
-    opts = BenchOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens),
+    opts = BenchOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens), dtype=args.dtype,
                         routings=tuple(args.routing), dispatch_geometry=args.dispatch_geometry,
                         combine_geometry=args.combine_geometry, iters=args.iters, virtual=args.virtual,
                         output=args.output or default_output(args.world_size, args.virtual))
@@ -296,8 +296,9 @@ def cmd_tune(args, parser, console) -> int:
     if not torch.cuda.is_available():
         console.print("epgen tune needs a GPU (torch.cuda.is_available() is False)")
         return 2
-    run(TuneOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens),
-                    geometries=tuple(args.geometry), routing=args.routing, iters=args.iters, write=not args.dry_run))
+    run(TuneOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens), dtype=args.dtype,
+                    geometries=tuple(args.geometry) if args.geometry else None, routing=args.routing,
+                    iters=args.iters, write=not args.dry_run))
     return 0
 
 
@@ -369,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--combine-geometry", type=_geometry, default=None,
                    help="BLOCKSxWARPS[uUNROLL] (default: the tuning table per token bucket)")
     b.add_argument("--iters", type=_positive, default=30, help="timed graph replays per point (default 30)")
+    b.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="dispatch payload dtype (default bf16)")
     b.add_argument("-o", "--output", help="path prefix of the .csv/.png (default tools/results/bench-ep<W>-<gpu>)")
 
     from .tune import TuneOptions
@@ -380,8 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--world-size", type=_positive, default=2, help="ranks, one process per GPU (default 2)")
     t.add_argument("--tokens", type=_positive, nargs="+", default=list(tdef.tokens.default),
                    help=f"token buckets (default {' '.join(map(str, tdef.tokens.default))})")
-    t.add_argument("--geometry", type=_geometry, nargs="+", default=list(tdef.geometries.default),
-                   help="candidates BLOCKSxWARPS[uUNROLL] (default 8..132 blocks x 32 warps u4)")
+    t.add_argument("--geometry", type=_geometry, nargs="+", default=None,
+                   help="candidates BLOCKSxWARPS[uUNROLL] (default 8..132 blocks of 1024 threads, unroll 4)")
+    t.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="dispatch payload dtype (default bf16)")
     t.add_argument("--routing", default="uniform", choices=ROUTINGS, help="routing kind (default uniform)")
     t.add_argument("--iters", type=_positive, default=20, help="graph replays per point (default 20)")
     t.add_argument("--dry-run", action="store_true", help="print the table, write nothing")

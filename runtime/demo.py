@@ -39,7 +39,8 @@ def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Cons
     import json
 
     cfg = EpConfig.for_model(model, world_size=world_size, max_tokens_per_rank=tokens)
-    summary = {"model": model, "world_size": world_size, "tokens": tokens, "resources": [], "gpu": None}
+    summary = {"model": model, "world_size": world_size, "tokens": tokens, "dtype": cfg.dtype, "resources": [],
+               "gpu": None, "gpu_skipped": None}
     missing = {arch: toolchain_status(arch) for arch in ARCHES}
     for arch, reason in missing.items():
         if reason:
@@ -50,7 +51,7 @@ def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Cons
     table, ok = resource_table(sources, results, f"{model}: W={world_size}, Tmax={tokens}, bf16")
     summary["resources"] = [{"arch": src.spec.arch, "entry": src.entry, "ok": not isinstance(r, CompileError) and r.ok,
                              **({} if isinstance(r, CompileError) else
-                                {"registers": r.registers, "scratch_bytes": r.scratch_bytes,
+                                {"registers": r.registers, "sgprs": r.sgprs, "scratch_bytes": r.scratch_bytes,
                                  "spill_bytes": r.spill_bytes, "shared_bytes": r.shared_bytes})}
                             for src, r in zip(sources, results)]
     if not quiet or not ok:
@@ -60,8 +61,9 @@ def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Cons
         console.print("[red]offline compile check failed[/red]")
         rc = 1
     elif not torch.cuda.is_available():
+        summary["gpu_skipped"] = "no GPU here (torch.cuda.is_available() is False): rendering and compile checks only"
         if not quiet:
-            console.print("no GPU here (torch.cuda.is_available() is False): rendering and compile checks only.")
+            console.print(summary["gpu_skipped"] + ".")
     else:
         summary["gpu"] = _run_gpu(cfg, model, tokens, iters, console, quiet)
     if as_json:

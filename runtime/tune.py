@@ -14,8 +14,18 @@ import torch
 
 from .bench import environment, measure
 from .codegen.spec import Op
-from .codegen.tuning import Geometry, pick_fewest_blocks, write_entry
+from .codegen.tuning import Geometry, default_geometry, pick_fewest_blocks, write_entry
+from .compile import device_arch
 from .config import EpConfig
+
+
+CANDIDATE_BLOCKS = (8, 16, 24, 32, 48, 64, 132)
+
+
+def default_candidates(arch: str) -> tuple[Geometry, ...]:
+    """CANDIDATE_BLOCKS blocks of 1024 threads (the arch's wave size decides the warps), unroll 4."""
+    warps = default_geometry(arch).warps_per_block
+    return tuple(Geometry(b, warps, 4) for b in CANDIDATE_BLOCKS)
 
 
 @attrs.frozen
@@ -23,8 +33,9 @@ class TuneOptions:
     model: str = "deepseek-v3"
     world_size: int = 2
     tokens: tuple[int, ...] = (128, 1024, 4096, 8192)
-    geometries: tuple[Geometry, ...] = tuple(Geometry(b, 32, 4) for b in (8, 16, 24, 32, 48, 64, 132))
+    geometries: tuple[Geometry, ...] | None = None  # None: CANDIDATE_BLOCKS x 1024 threads x unroll 4
     routing: str = "uniform"
+    dtype: str = "bf16"
     iters: int = 20
     write: bool = True
 
@@ -34,11 +45,13 @@ def tune_process(rank: int, world_size: int, opts: TuneOptions) -> dict:
     from .op import EpDispatchCombine
 
     dist = torch.distributed if torch.distributed.is_initialized() else None
+    geometries = opts.geometries or default_candidates(device_arch(torch.cuda.current_device()))
+    opts = attrs.evolve(opts, geometries=geometries)
     times: dict = {}
     seed = 500
-    for geo in opts.geometries:
+    for geo in geometries:
         cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=max(opts.tokens),
-                                 dispatch_geometry=geo, combine_geometry=geo, timeout_s=20.0)
+                                 dtype=opts.dtype, dispatch_geometry=geo, combine_geometry=geo, timeout_s=20.0)
         op = EpDispatchCombine(cfg)
         for T in opts.tokens:
             seed += 1

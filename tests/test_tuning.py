@@ -72,3 +72,13 @@ def test_shipped_tables_are_valid(arch):
     path = tuning.TABLE_DIR / f"{arch}.json"
     if path.exists():
         assert all(e["provenance"] for e in json.loads(path.read_text())["entries"])
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_tune_default_candidates_build_on_every_arch(arch):
+    from epgen.tune import default_candidates
+
+    cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096)
+    for geo in default_candidates(arch):
+        d, c = cfg.spec(arch, Op.DISPATCH, geo), cfg.spec(arch, Op.COMBINE, geo)
+        assert d.threads == c.threads == 1024
