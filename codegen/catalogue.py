@@ -59,10 +59,12 @@ REPORT_MD = "REPORT.md"
 REPORT_CSV = "report.csv"
 
 
-def render_files(specs: list[KernelSpec], with_report: bool = True, title: str = "epgen catalogue") -> dict[str, str]:
+def render_files(specs: list[KernelSpec], with_report: bool = True, title: str = "epgen catalogue",
+                 on_done=None) -> dict[str, str]:
     """{relative path: text} for the sources of ``specs``, their manifest and, with
     ``with_report``, the resource report (REPORT.md, report.csv) from the offline compilers, so a
-    template change shows its register/LDS/occupancy change in review.
+    template change shows its register/LDS/occupancy change in review; ``on_done`` is called
+    after each compile.
 
     Raises:
         epgen.codegen.offline.ToolchainMissing: ``with_report`` and an offline compiler is absent.
@@ -71,20 +73,22 @@ def render_files(specs: list[KernelSpec], with_report: bool = True, title: str =
     files = {f"{s.spec.arch}/{s.filename}": s.text for s in sources}
     files[MANIFEST] = manifest(sources)
     if with_report:
-        rows = report_rows(specs)
+        rows = report_rows(specs, on_done=on_done)
         files[REPORT_MD] = report.to_markdown(rows, f"{title}: resources per variant (clang 22 for gfx*, NVRTC for sm_90)")
         files[REPORT_CSV] = report.to_csv(rows)
     return files
 
 
-def report_rows(specs: list[KernelSpec], max_workers: int | None = None) -> list[dict]:
-    """Compile ``specs`` offline and return the report rows (``codegen.report``)."""
+def report_rows(specs: list[KernelSpec], max_workers: int | None = None, on_done=None) -> list[dict]:
+    """Compile ``specs`` offline and return the report rows (``codegen.report``); ``on_done``
+    is called after each compile."""
     for arch in sorted({s.arch for s in specs}):
         reason = toolchain_status(arch)
         if reason:
             raise ToolchainMissing(f"{arch}: {reason}")
     sources = [render(s) for s in specs]
-    results = compile_many([(src.text, s.arch, src.entry) for s, src in zip(specs, sources)], max_workers=max_workers)
+    results = compile_many([(src.text, s.arch, src.entry) for s, src in zip(specs, sources)], max_workers=max_workers,
+                           on_done=on_done)
     return report.rows(specs, results)
 
 

@@ -153,13 +153,14 @@ def compile_offline(text: str, arch: str, entry: str) -> Resources:
 
 
 def compile_many(
-    jobs: list[tuple[str, str, str]], max_workers: int | None = None
+    jobs: list[tuple[str, str, str]], max_workers: int | None = None, on_done=None
 ) -> list[Resources | CompileError]:
     """Compile ``(text, arch, entry)`` jobs in parallel threads.
 
     Args:
         jobs: ``(text, arch, entry)`` triples as taken by ``compile_offline``.
         max_workers: thread count; None means ``os.cpu_count()``.
+        on_done: called with no arguments after each job finishes (e.g. to advance a progress bar).
 
     Returns:
         One item per job, in input order: its ``Resources``, or the ``CompileError`` it raised.
@@ -174,6 +175,9 @@ def compile_many(
             return compile_offline(*job)
         except CompileError as exc:
             return exc
+        finally:
+            if on_done is not None:
+                on_done()
 
     with ThreadPoolExecutor(max_workers=max_workers or os.cpu_count()) as pool:
         return list(pool.map(run, jobs))

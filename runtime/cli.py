@@ -74,6 +74,30 @@ def _catalogue_dir(args, parser) -> Path:
     return Path("generated")
 
 
+class _Progress:
+    """A rich progress bar over ``total`` compiles on stderr (nothing when quiet)."""
+
+    def __init__(self, total: int, label: str, quiet: bool):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = None if quiet else Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(),
+                                                TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+        self._task = self._bar.add_task(label, total=total) if self._bar else None
+
+    def __enter__(self):
+        if self._bar:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._bar:
+            self._bar.stop()
+
+    def advance(self):
+        if self._bar:
+            self._bar.advance(self._task)
+
+
 def _report_possible(specs, console, quiet) -> bool:
     from .codegen.offline import toolchain_status
 
@@ -101,8 +125,10 @@ def cmd_generate(args, parser, console) -> int:
         out = Path(args.output)
     if out.exists() and not out.is_dir():
         parser.error(f"-o {out}: exists and is not a directory")
-    with console.status("rendering and compiling the resource report"):
-        files = render_files(specs, with_report=_report_possible(specs, console, args.quiet or args.json))
+    quiet = args.quiet or args.json
+    report = _report_possible(specs, console, quiet)
+    with _Progress(len(specs) if report else 0, "compiling the resource report", quiet or not report) as bar:
+        files = render_files(specs, with_report=report, on_done=bar.advance)
     try:
         if args.check:
             problems = check_dir(out, files)
@@ -140,8 +166,8 @@ def cmd_report(args, parser, console) -> int:
 
     specs = _specs_from(args, parser) or catalogue_specs(arches=tuple(args.arch or ARCHES))
     try:
-        with console.status(f"compiling {len(specs)} kernels"):
-            rows = report_rows(specs, max_workers=args.jobs)
+        with _Progress(len(specs), f"compiling {len(specs)} kernels", args.quiet or args.json) as bar:
+            rows = report_rows(specs, max_workers=args.jobs, on_done=bar.advance)
     except ToolchainMissing as e:
         console.print(f"[red]{e}[/red]")
         return 2
@@ -233,8 +259,9 @@ def cmd_check(args, parser, console) -> int:
         console.print("[red]offline compilers missing (pip install -e '.[dev]'):\n  " + "\n  ".join(missing) + "[/red]")
         return 2
     sources = [render(s) for s in specs]
-    with console.status(f"compiling {len(sources)} kernels"):
-        results = compile_many([(s.text, s.spec.arch, s.entry) for s in sources], max_workers=args.jobs)
+    with _Progress(len(sources), f"compiling {len(sources)} kernels", args.quiet or args.json) as bar:
+        results = compile_many([(s.text, s.spec.arch, s.entry) for s in sources], max_workers=args.jobs,
+                               on_done=bar.advance)
     table, ok = resource_table(sources, results, f"offline compile check: {len(sources)} kernels")
     if args.json:
         print(json.dumps([{"entry": s.entry, "arch": s.spec.arch,
