@@ -100,7 +100,7 @@ def measure(op, cfg: EpConfig, tokens: int, routing: str, seed: int, iters: int)
     """Verify one round against the reference, then time dispatch and combine as CUDA-graph
     replays (device events around each replay) on fresh inputs; every rank calls it together."""
     run_round(op, cfg, [tokens] * cfg.world_size, routing, seed)  # checked once before it is timed
-    ins = [i.to(op.device) for i in make_inputs(cfg, [tokens] * cfg.world_size, routing, seed + 7)]
+    ins = make_inputs(cfg, [tokens] * cfg.world_size, routing, seed + 7, device=op.device)
     mine = ins if op.virtual else [ins[op.local_ranks[0]]]
     pick = (lambda f: [getattr(i, f) for i in mine]) if op.virtual else (lambda f: getattr(mine[0], f))
     ys = [op.combine_input(r) for r in op.local_ranks]

@@ -38,42 +38,47 @@ class RankInputs:
 
 
 def routing(num_tokens: int, cfg: EpConfig, kind: str, gen: torch.Generator) -> torch.Tensor:
-    """Expert ids [T, K] int32 of routing ``kind`` (see ROUTINGS).
+    """Expert ids [T, K] int32 of routing ``kind`` (see ROUTINGS), on ``gen``'s device.
 
     Raises:
         ValueError: unknown kind.
     """
-    E, K, T = cfg.num_experts, cfg.topk, num_tokens
+    E, K, T, dev = cfg.num_experts, cfg.topk, num_tokens, gen.device
     if kind not in ROUTINGS:
         raise ValueError(f"routing kind={kind!r}: must be one of {', '.join(ROUTINGS)}")
-    ids = torch.rand(T, E, generator=gen).argsort(dim=1)[:, :K].to(torch.int32)
+    ids = torch.rand(T, E, generator=gen, device=dev).argsort(dim=1)[:, :K].to(torch.int32)
     if kind == "invalid" and T:
-        ids[torch.rand(T, K, generator=gen) < 0.25] = -1
+        ids[torch.rand(T, K, generator=gen, device=dev) < 0.25] = -1
         ids[:: max(1, T // 4)] = -1  # some tokens reach no rank
     elif kind == "duplicates" and K > 1:
-        dup = torch.rand(T, generator=gen) < 0.5
+        dup = torch.rand(T, generator=gen, device=dev) < 0.5
         ids[dup, 1:] = ids[dup, :1]
     elif kind == "skewed":
         L = cfg.experts_per_rank
-        hot = torch.rand(T, generator=gen) < 0.5
-        ids[hot] = torch.randint(0, L, (int(hot.sum()), K), generator=gen, dtype=torch.int32)
+        hot = torch.rand(T, generator=gen, device=dev) < 0.5
+        ids[hot] = torch.randint(0, L, (int(hot.sum()), K), generator=gen, dtype=torch.int32, device=dev)
     return ids
 
 
-def make_inputs(cfg: EpConfig, tokens: list[int], kind: str = "uniform", seed: int = 0) -> list[RankInputs]:
-    """Fresh random inputs for every rank (same seed -> same inputs in every process). bf16 tokens
-    are normal samples; fp8 and fp4 tokens are uniform random bytes (the kernels move bytes)."""
-    gen = torch.Generator().manual_seed(seed)
+def make_inputs(cfg: EpConfig, tokens: list[int], kind: str = "uniform", seed: int = 0,
+                device=None) -> list[RankInputs]:
+    """Fresh random inputs for every rank, generated on ``device`` (default CPU; a GPU is far
+    faster for large T) with a generator seeded by ``seed``: the same seed and device type give
+    the same inputs in every process. bf16 tokens are normal samples; fp8 and fp4 tokens are
+    uniform random bytes (the kernels move bytes)."""
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(seed)
     info = dtype_info(cfg.dtype)
     out = []
     for T in tokens:
         if info.bits == 16:
-            x = torch.randn(T, cfg.hidden, generator=gen).to(info.torch_dtype)
+            x = torch.randn(T, cfg.hidden, generator=gen, device=dev).to(info.torch_dtype)
         else:  # fp8 / fp4 payloads: every byte pattern the wire carries, NaN codes included
-            x = torch.randint(0, 256, (T, info.row_bytes(cfg.hidden)), generator=gen, dtype=torch.uint8)
+            x = torch.randint(0, 256, (T, info.row_bytes(cfg.hidden)), generator=gen, dtype=torch.uint8, device=dev)
             x = x.view(info.torch_dtype)
-        w = torch.rand(T, cfg.topk, generator=gen)
-        s = torch.randint(0, 256, (T, cfg.scale_bytes), generator=gen, dtype=torch.uint8) if cfg.scale_bytes else None
+        w = torch.rand(T, cfg.topk, generator=gen, device=dev)
+        s = (torch.randint(0, 256, (T, cfg.scale_bytes), generator=gen, dtype=torch.uint8, device=dev)
+             if cfg.scale_bytes else None)
         out.append(RankInputs(x, w, routing(T, cfg, kind, gen), s))
     return out
 
@@ -119,8 +124,8 @@ def check_dispatch(rank: int, out, ref: reference.RecvRows) -> torch.Tensor:
 
 
 def expert_outputs(n: int, hidden: int, gen: torch.Generator) -> torch.Tensor:
-    """Random bf16 expert outputs [n, H] (never zeros)."""
-    return torch.randn(n, hidden, generator=gen).to(torch.bfloat16)
+    """Random bf16 expert outputs [n, H] (never zeros) on ``gen``'s device."""
+    return torch.randn(n, hidden, generator=gen, device=gen.device).to(torch.bfloat16)
 
 
 def check_combine(rank: int, out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -149,25 +154,26 @@ def run_round(op, cfg: EpConfig, tokens: list[int], kind: str, seed: int) -> dic
         AssertionError: any mismatch with the reference.
     """
     device = op.device
-    inputs = make_inputs(cfg, tokens, kind, seed)
-    ref = reference_dispatch(cfg, inputs)
+    inputs = make_inputs(cfg, tokens, kind, seed, device=device)  # generated on the GPU: fast
+    ref = reference_dispatch(cfg, [i.to("cpu") for i in inputs])
     local = op.local_ranks
     for r in local:
         poison(op, r)
-    dev_in = [inputs[r].to(device) for r in local]
+    dev_in = [inputs[r] for r in local]
     args = [[getattr(d, f) for d in dev_in] for f in ("x", "weights", "indices", "scales")]
     if not op.virtual:
         args = [a[0] for a in args]
     outs = op.dispatch(*args)
     outs = outs if op.virtual else [outs]
-    gen = torch.Generator().manual_seed(seed + 1)
-    ys_ref = [expert_outputs(ref[d].num_rows, cfg.hidden, gen) for d in range(cfg.world_size)]
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    ys_dev = [expert_outputs(ref[d].num_rows, cfg.hidden, gen) for d in range(cfg.world_size)]
+    ys_ref = [y.cpu() for y in ys_dev]
     perms = [check_dispatch(r, o, ref[r]) for r, o in zip(local, outs)]
     ys = []
     for r, perm in zip(local, perms):
-        y = torch.full((op.layout.capacity_rows, cfg.hidden), float("nan"), dtype=torch.bfloat16)
-        y[perm] = ys_ref[r]  # the op's row perm[i] is the reference's row i
-        ys.append(y[: max(ref[r].num_rows, 1)].to(device))
+        y = torch.full((max(ref[r].num_rows, 1), cfg.hidden), float("nan"), dtype=torch.bfloat16, device=device)
+        y[perm.to(device)] = ys_dev[r]  # the op's row perm[i] is the reference's row i
+        ys.append(y)
     poisoned = [torch.full((tokens[r], cfg.hidden), float("nan"), dtype=torch.bfloat16, device=device) for r in local]
     combined = op.combine(ys if op.virtual else ys[0], out=poisoned if op.virtual else poisoned[0])
     combined = combined if op.virtual else [combined]

@@ -84,7 +84,7 @@ def _run_gpu(cfg: EpConfig, model: str, tokens: int, iters: int, console: Consol
         stats = run_round(op, cfg, [tokens] * W, "uniform", seed=1)
     if not quiet:
         console.print(f"verified: every received row bit-equal, combine relative L2 error {stats['combine_err']:.2e}")
-    inputs = [i.to(op.device) for i in make_inputs(cfg, [tokens] * W, "uniform", seed=2)]
+    inputs = make_inputs(cfg, [tokens] * W, "uniform", seed=2, device=op.device)
     for r in op.local_ranks:
         op.combine_input(r).normal_()
     pick = (lambda f: [getattr(i, f) for i in inputs]) if virtual else (lambda f: getattr(inputs[0], f))

@@ -1,0 +1,76 @@
+"""The GPU test harness (``epgen.check.run_round``) on the CPU, against a stand-in op that follows
+the contract with a scrambled row order; and a broken stand-in that the harness must catch."""
+
+import types
+
+import pytest
+import torch
+
+from epgen import reference
+from epgen.check import run_round
+from epgen.config import EpConfig
+from epgen.op import DispatchOutput
+
+
+class ContractOp:
+    """Virtual-rank op on the CPU: the reference's rows in a random order in capacity-sized buffers."""
+
+    virtual = True
+
+    def __init__(self, cfg: EpConfig, break_rows: bool = False):
+        self.cfg, self.break_rows = cfg, break_rows
+        self.device = torch.device("cpu")
+        self.local_ranks = list(range(cfg.world_size))
+        cap = cfg.world_size * cfg.max_tokens_per_rank
+        self.layout = types.SimpleNamespace(capacity_rows=cap)
+        self._bufs = {r: DispatchOutput(
+            recv_x=torch.empty(cap, cfg.hidden, dtype=torch.bfloat16), recv_weights=torch.empty(cap, cfg.topk),
+            recv_indices=torch.empty(cap, cfg.topk, dtype=torch.int32), recv_scales=None,
+            recv_src=torch.empty(cap, 2, dtype=torch.int32), num_recv=torch.zeros(1, dtype=torch.int32))
+            for r in self.local_ranks}
+        self._perm = {}
+
+    def recv_buffers(self, rank):
+        return self._bufs[rank]
+
+    def dispatch(self, xs, ws, ids, ss):
+        ref = reference.dispatch(xs, ws, ids, experts_per_rank=self.cfg.experts_per_rank)
+        for r, rows in enumerate(ref):
+            n, b = rows.num_rows, self._bufs[r]
+            p = torch.randperm(n)
+            self._perm[r] = p
+            for got, want in ((b.recv_x, rows.x), (b.recv_weights, rows.weights), (b.recv_indices, rows.indices),
+                              (b.recv_src, rows.src)):
+                got[:n] = want[p]
+            if self.break_rows and n:
+                b.recv_x[0, 0] += 1
+            b.num_recv[0] = n
+        self._ref = ref
+        return [self._bufs[r] for r in self.local_ranks]
+
+    def combine(self, ys, out):
+        inverse = [torch.argsort(self._perm[r]) for r in self.local_ranks]
+        ys_ref = [y[: len(inv)][inv] for y, inv in zip(ys, inverse)]
+        tokens = [o.shape[0] for o in out]
+        for o, r in zip(out, reference.combine(ys_ref, self._ref, tokens)):
+            o.copy_(r)
+        return out
+
+    def check(self):
+        pass
+
+
+CFG = EpConfig.for_model("mixtral-8x7b", world_size=4, max_tokens_per_rank=32)
+
+
+@pytest.mark.parametrize("tokens,kind", [([32, 0, 5, 1], "uniform"), ([0, 0, 0, 0], "uniform"),
+                                         ([7, 7, 7, 7], "invalid"), ([32, 32, 1, 0], "duplicates"),
+                                         ([16, 3, 0, 9], "skewed")])
+def test_harness_accepts_an_op_that_keeps_the_contract(tokens, kind):
+    stats = run_round(ContractOp(CFG), CFG, tokens, kind, seed=3)
+    assert stats["combine_err"] == 0.0 and len(stats["recv"]) == 4
+
+
+def test_harness_catches_a_changed_row():
+    with pytest.raises(AssertionError, match="recv_x row for source"):
+        run_round(ContractOp(CFG, break_rows=True), CFG, [8, 8, 8, 8], "uniform", seed=4)
