@@ -142,6 +142,7 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
     src_ptr = op.arenas.pointers[me] + op.layout.recv_x
     dst_ptr = op.arenas.pointers[peer] + op.layout.combine_in  # peer's arena (own memory when W = 1)
     row_bytes = op.dispatch_spec.row_bytes
+    env = environment() if me == 0 else None  # read once: nvidia-smi and git are slow per point
     rows = []
     seed = 100
     for routing in opts.routings:
@@ -185,10 +186,10 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
                     f"{r['op']} {r['time_us']} us {r['wire_gbps']} GB/s" for r in point if r["rank"] == 0)
                     + f"; ceiling {round(ceil_gbps, 1)} GB/s, NCCL {round(nccl_gbps, 1)} GB/s", flush=True)
                 if opts.output:
-                    write_results(rows, opts.output, quiet=True)  # partial results survive an abort
+                    write_results(rows, opts.output, quiet=True, env=env)  # partial results survive an abort
     op.close()
     if me == 0 and opts.output:
-        write_results(rows, opts.output)
+        write_results(rows, opts.output, env=env)
     return rows
 
 
@@ -206,9 +207,9 @@ def run(opts: BenchOptions) -> None:
         bench_process(0, opts.world_size, opts)
 
 
-def write_results(rows: list[dict], prefix: str, quiet: bool = False) -> None:
-    """``<prefix>.csv`` (CSV_COLUMNS), ``<prefix>.env.txt`` and ``<prefix>.png``; prints a table
-    unless ``quiet``."""
+def write_results(rows: list[dict], prefix: str, quiet: bool = False, env: dict | None = None) -> None:
+    """``<prefix>.csv`` (CSV_COLUMNS), ``<prefix>.env.txt`` (``env``, default ``environment()``)
+    and ``<prefix>.png``; prints a table unless ``quiet``."""
     from rich.console import Console
     from rich.table import Table
 
@@ -217,7 +218,7 @@ def write_results(rows: list[dict], prefix: str, quiet: bool = False) -> None:
         w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         w.writeheader()
         w.writerows(rows)
-    Path(f"{prefix}.env.txt").write_text("".join(f"{k}: {v}\n" for k, v in environment().items()))
+    Path(f"{prefix}.env.txt").write_text("".join(f"{k}: {v}\n" for k, v in (env or environment()).items()))
     _plot(rows, f"{prefix}.png")
     if quiet:
         return

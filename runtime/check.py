@@ -14,10 +14,10 @@ from . import reference
 from .codegen.dtypes import dtype_info
 from .config import EpConfig
 
-ROUTINGS = ("uniform", "invalid", "duplicates", "skewed")
+ROUTINGS = ("uniform", "invalid", "duplicates", "skewed", "one_rank")
 """Routing kinds: uniform random distinct experts; uniform with -1 sprinkled (and some all -1
 rows); uniform with repeated expert ids inside a row; skewed (half the tokens send every slot to
-experts of one rank)."""
+experts of one rank); one_rank (every token sends every slot to experts of rank 0)."""
 
 COMBINE_TOLERANCE = 1e-2
 """Relative L2 error allowed for combine (bf16 output of an fp32 sum)."""
@@ -53,9 +53,9 @@ def routing(num_tokens: int, cfg: EpConfig, kind: str, gen: torch.Generator) -> 
     elif kind == "duplicates" and K > 1:
         dup = torch.rand(T, generator=gen, device=dev) < 0.5
         ids[dup, 1:] = ids[dup, :1]
-    elif kind == "skewed":
+    elif kind in ("skewed", "one_rank"):
         L = cfg.experts_per_rank
-        hot = torch.rand(T, generator=gen, device=dev) < 0.5
+        hot = torch.rand(T, generator=gen, device=dev) < (0.5 if kind == "skewed" else 1.0)
         ids[hot] = torch.randint(0, L, (int(hot.sum()), K), generator=gen, dtype=torch.int32, device=dev)
     return ids
 

@@ -1,4 +1,4 @@
-"""The ``epgen`` command line: generate, check, report, diff, demo, bench, tune."""
+"""The ``epgen`` command line: generate, check, report, diff, demo, bench, tune, stress."""
 
 from __future__ import annotations
 
@@ -329,6 +329,19 @@ def cmd_tune(args, parser, console) -> int:
     return 0
 
 
+def cmd_stress(args, parser, console) -> int:
+    import torch
+
+    from .stress import StressOptions, run
+
+    if not torch.cuda.is_available():
+        console.print("epgen stress needs a GPU (torch.cuda.is_available() is False)")
+        return 2
+    run(StressOptions(model=args.model, world_size=args.world_size, max_tokens=args.max_tokens, rounds=args.rounds,
+                      seed=args.seed, virtual=args.virtual, dtype=args.dtype))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="epgen", description="Generate, check and run MoE expert-parallel "
                                 "dispatch/combine kernels for gfx950, gfx1250 and sm_90.")
@@ -415,6 +428,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--routing", default="uniform", choices=ROUTINGS, help="routing kind (default uniform)")
     t.add_argument("--iters", type=_positive, default=20, help="graph replays per point (default 20)")
     t.add_argument("--dry-run", action="store_true", help="print the table, write nothing")
+
+    st = verb("stress", "many verified rounds with random token counts (0..max) and routing kinds; prints "
+              "rounds, failures and the worst combine error; exit status non-zero on a failure", cmd_stress)
+    st.add_argument("--model", default="deepseek-v3", help="catalogue model (default deepseek-v3)")
+    st.add_argument("--world-size", type=_positive, default=2, help="ranks; one process per GPU unless --virtual")
+    st.add_argument("--virtual", action="store_true", help="all ranks in one process on one GPU")
+    st.add_argument("--max-tokens", type=_positive, default=4096, help="max tokens per rank (default 4096)")
+    st.add_argument("--rounds", type=_positive, default=200, help="rounds (default 200)")
+    st.add_argument("--seed", type=int, default=0, help="seed of the rounds (default 0)")
+    st.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="dispatch payload dtype (default bf16)")
     return p
 
 

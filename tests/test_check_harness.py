@@ -65,7 +65,7 @@ CFG = EpConfig.for_model("mixtral-8x7b", world_size=4, max_tokens_per_rank=32)
 
 @pytest.mark.parametrize("tokens,kind", [([32, 0, 5, 1], "uniform"), ([0, 0, 0, 0], "uniform"),
                                          ([7, 7, 7, 7], "invalid"), ([32, 32, 1, 0], "duplicates"),
-                                         ([16, 3, 0, 9], "skewed")])
+                                         ([16, 3, 0, 9], "skewed"), ([9, 0, 32, 4], "one_rank")])
 def test_harness_accepts_an_op_that_keeps_the_contract(tokens, kind):
     stats = run_round(ContractOp(CFG), CFG, tokens, kind, seed=3)
     assert stats["combine_err"] == 0.0 and len(stats["recv"]) == 4
@@ -74,3 +74,13 @@ def test_harness_accepts_an_op_that_keeps_the_contract(tokens, kind):
 def test_harness_catches_a_changed_row():
     with pytest.raises(AssertionError, match="recv_x row for source"):
         run_round(ContractOp(CFG, break_rows=True), CFG, [8, 8, 8, 8], "uniform", seed=4)
+
+
+def test_stress_counts_rounds_and_failures():
+    from epgen.stress import stress
+
+    lines = []
+    ok = stress(ContractOp(CFG), CFG, rounds=12, seed=1, report=lines.append)
+    assert ok.rounds == 12 and ok.failures == () and ok.worst_error == 0.0 and len(lines) == 12
+    bad = stress(ContractOp(CFG, break_rows=True), CFG, rounds=5, seed=1, report=lines.append)
+    assert bad.rounds == 5 and 1 <= len(bad.failures) <= 5  # virtual: counts and goes on

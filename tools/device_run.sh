@@ -6,6 +6,7 @@
 #   bench24 the same at 24 blocks x 32 warps (at most 24 SMs), 20 replays a point
 #   sweep   geometry exploration at 128/4096/8192 tokens ($GEOS: "DISPATCH:COMBINE" pairs)
 #   tests   GPU tests (pytest -m "gpu or multigpu"; $K narrows with -k)
+#   stress  epgen stress: 200 rounds with W=2 on two GPUs, then 200 with 8 virtual ranks
 # Everything it prints goes to $OUT/run.log; results and tables come back in $OUT/results.tgz.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -26,6 +27,8 @@ for step in ${STEPS:-demo tune bench bench24 tests}; do
              python -m epgen bench --world-size 2 --tokens 128 4096 8192 --routing uniform \
                --dispatch-geometry "${g%%:*}" --combine-geometry "${g##*:}" -o "/tmp/sweep-$g" | grep -E "dispatch|combine"
            done ;;
+    stress) python -m epgen stress --world-size 2 --rounds 200 | tail -3
+            python -m epgen stress --world-size 8 --virtual --rounds 200 | tail -3 ;;
     tests) timeout ${TEST_TIMEOUT:-400} python -m pytest tests -m "gpu or multigpu" -q -x ${K:+-k "$K"} ;;
   esac
 done

@@ -1,0 +1,90 @@
+"""``epgen stress``: many verified dispatch/combine rounds with random token counts and routing.
+
+Each round draws T per rank in [0, max_tokens_per_rank] and a routing kind (``check.ROUTINGS``:
+uniform, -1 sprinkled, duplicates, skewed, all to one rank) from one seeded generator, so every
+process draws the same round; ``check.run_round`` verifies it against the reference. With one
+process per GPU the first failure ends the run (the peers cannot continue a half-done round);
+with virtual ranks the run goes on and counts failures.
+"""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+
+from .check import ROUTINGS, run_round
+from .config import EpConfig
+
+
+@attrs.frozen
+class StressResult:
+    """rounds run, failures as (round, tokens, routing, message), worst combine relative L2 error."""
+
+    rounds: int
+    failures: tuple
+    worst_error: float
+
+
+@attrs.frozen
+class StressOptions:
+    model: str = "deepseek-v3"
+    world_size: int = 2
+    max_tokens: int = 4096
+    rounds: int = 200
+    seed: int = 0
+    virtual: bool = False
+    dtype: str = "bf16"
+
+
+def stress(op, cfg: EpConfig, rounds: int, seed: int, report=print) -> StressResult:
+    """Run ``rounds`` verified rounds on ``op``; ``report`` receives one line per round."""
+    rng = random.Random(seed)
+    failures, worst = [], 0.0
+    for i in range(rounds):
+        tokens = [rng.randint(0, cfg.max_tokens_per_rank) for _ in range(cfg.world_size)]
+        kind = rng.choice(ROUTINGS)
+        try:
+            worst = max(worst, run_round(op, cfg, tokens, kind, seed=seed * 100_003 + i)["combine_err"])
+            report(f"round {i + 1}/{rounds}: tokens {tokens} {kind}: ok")
+        except AssertionError as e:
+            failures.append((i, tokens, kind, str(e)))
+            report(f"round {i + 1}/{rounds}: tokens {tokens} {kind}: FAILED: {e}")
+            if not op.virtual:
+                return StressResult(i + 1, tuple(failures), worst)
+    return StressResult(rounds, tuple(failures), worst)
+
+
+def stress_process(rank: int, world_size: int, opts: StressOptions) -> StressResult:
+    from .op import EpDispatchCombine
+
+    cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=opts.max_tokens, dtype=opts.dtype)
+    op = EpDispatchCombine(cfg, virtual=opts.virtual)
+    speak = rank == 0
+    result = stress(op, cfg, opts.rounds, opts.seed, report=print if speak else (lambda _line: None))
+    op.close()
+    if speak:
+        print(f"stress: {result.rounds} rounds, {len(result.failures)} failures, worst combine relative L2 error "
+              f"{result.worst_error:.3g} ({'virtual ' if opts.virtual else ''}W={world_size}, {opts.model}, "
+              f"{opts.dtype}, max tokens {opts.max_tokens})")
+    if result.failures:
+        raise AssertionError(f"rank {rank}: {len(result.failures)} of {result.rounds} rounds failed; first: "
+                             f"{result.failures[0]}")
+    return result
+
+
+def _stress_worker(rank, world_size, opts):
+    stress_process(rank, world_size, opts)
+
+
+def run(opts: StressOptions) -> None:
+    """One process per GPU for W > 1 unless virtual, else in this process."""
+    if opts.world_size > 1 and not opts.virtual:
+        from .launch import run_ranks
+
+        run_ranks(opts.world_size, _stress_worker, opts)
+    else:
+        stress_process(0, opts.world_size, opts)
+
+
+__all__ = ["StressOptions", "StressResult", "run", "stress"]
