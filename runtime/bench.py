@@ -193,18 +193,11 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
     return rows
 
 
-def _bench_worker(rank, world_size, opts):
-    bench_process(rank, world_size, opts)
-
-
 def run(opts: BenchOptions) -> None:
     """Run the benchmark: one process per GPU for W > 1 (unless virtual), else in this process."""
-    if opts.world_size > 1 and not opts.virtual:
-        from .launch import run_ranks
+    from .launch import run_ranks_or_here
 
-        run_ranks(opts.world_size, _bench_worker, opts)
-    else:
-        bench_process(0, opts.world_size, opts)
+    run_ranks_or_here(opts.world_size, opts.virtual, bench_process, opts)
 
 
 def write_results(rows: list[dict], prefix: str, quiet: bool = False, env: dict | None = None) -> None:

@@ -42,3 +42,13 @@ def run_ranks(world_size: int, fn, *args) -> None:
         raise RuntimeError(f"world_size={world_size}: needs {world_size} GPUs, this machine has "
                            f"{torch.cuda.device_count()}")
     torch.multiprocessing.spawn(_worker, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)
+
+
+def run_ranks_or_here(world_size: int, virtual: bool, fn, *args) -> None:
+    """``fn(rank, world_size, *args)``: in ``world_size`` processes (one per GPU) when
+    ``world_size > 1`` and not ``virtual``, else once in this process as rank 0 (which then drives
+    every virtual rank, or the only one)."""
+    if world_size > 1 and not virtual:
+        run_ranks(world_size, fn, *args)
+    else:
+        fn(0, world_size, *args)

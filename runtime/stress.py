@@ -73,18 +73,11 @@ def stress_process(rank: int, world_size: int, opts: StressOptions) -> StressRes
     return result
 
 
-def _stress_worker(rank, world_size, opts):
-    stress_process(rank, world_size, opts)
-
-
 def run(opts: StressOptions) -> None:
     """One process per GPU for W > 1 unless virtual, else in this process."""
-    if opts.world_size > 1 and not opts.virtual:
-        from .launch import run_ranks
+    from .launch import run_ranks_or_here
 
-        run_ranks(opts.world_size, _stress_worker, opts)
-    else:
-        stress_process(0, opts.world_size, opts)
+    run_ranks_or_here(opts.world_size, opts.virtual, stress_process, opts)
 
 
 __all__ = ["StressOptions", "StressResult", "run", "stress"]

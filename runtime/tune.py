@@ -98,18 +98,11 @@ def _report(times, opts: TuneOptions, arch: str, cfg: EpConfig):
             console.print(f"wrote {path}")
 
 
-def _tune_worker(rank, world_size, opts):
-    tune_process(rank, world_size, opts)
-
-
 def run(opts: TuneOptions) -> None:
     """One process per GPU for W > 1, else in this process."""
-    if opts.world_size > 1:
-        from .launch import run_ranks
+    from .launch import run_ranks_or_here
 
-        run_ranks(opts.world_size, _tune_worker, opts)
-    else:
-        tune_process(0, 1, opts)
+    run_ranks_or_here(opts.world_size, False, tune_process, opts)
 
 
 __all__ = ["TuneOptions", "run", "tune_process"]
