@@ -47,12 +47,12 @@ def occupancy(spec: KernelSpec, res: Resources) -> tuple[int, str]:
 
 
 def rows(specs: list[KernelSpec], results: list) -> list[dict]:
-    """One row per (spec, compile result); a CompileError becomes a row with status 'error'."""
+    """One row per (spec, compile result); status is 'ok', 'scratch/spill' or 'compile error: ...'."""
     out = []
     for spec, res in zip(specs, results):
         row = {"arch": spec.arch, "op": spec.op.value, "entry": spec.name}
         if isinstance(res, CompileError):
-            out.append({**row, **{c: "" for c in COLUMNS[3:-1]}, "status": "error"})
+            out.append({**row, **{c: "" for c in COLUMNS[3:-1]}, "status": f"compile error: {res}"})
             continue
         occ, unit = occupancy(spec, res)
         out.append({**row, "registers": res.registers, "agprs": "" if res.agprs is None else res.agprs,

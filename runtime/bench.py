@@ -18,8 +18,9 @@ from pathlib import Path
 import attrs
 import torch
 
-from .check import make_inputs, run_round
+from .check import make_inputs, op_arg, op_inputs, run_round
 from .codegen.spec import Op
+from .codegen.arch import traits
 from .codegen.render import render_ceiling
 from .compile import cupy_stream, load_kernel
 from .config import EpConfig, Geometry
@@ -75,6 +76,7 @@ class _Ceiling:
         import cupy
 
         self.blocks = torch.cuda.get_device_properties(device).multi_processor_count
+        self.threads = 16 * traits(arch).wave_size
         text, entry = render_ceiling(arch, self.blocks, 16, 4)
         with cupy.cuda.Device(device.index):
             self.fn = load_kernel(text, entry)
@@ -84,7 +86,7 @@ class _Ceiling:
         import cupy
 
         with cupy.cuda.Device(self.device.index):
-            self.fn((self.blocks, 1, 1), (16 * 32, 1, 1), (cupy.uint64(src), cupy.uint64(dst), cupy.uint64(nbytes // 16)),
+            self.fn((self.blocks, 1, 1), (self.threads, 1, 1), (cupy.uint64(src), cupy.uint64(dst), cupy.uint64(nbytes // 16)),
                     stream=cupy_stream(self.device))
 
 
@@ -100,15 +102,13 @@ def measure(op, cfg: EpConfig, tokens: int, routing: str, seed: int, iters: int)
     """Verify one round against the reference, then time dispatch and combine as CUDA-graph
     replays (device events around each replay) on fresh inputs; every rank calls it together."""
     run_round(op, cfg, [tokens] * cfg.world_size, routing, seed)  # checked once before it is timed
-    ins = make_inputs(cfg, [tokens] * cfg.world_size, routing, seed + 7, device=op.device)
-    mine = ins if op.virtual else [ins[op.local_ranks[0]]]
-    pick = (lambda f: [getattr(i, f) for i in mine]) if op.virtual else (lambda f: getattr(mine[0], f))
-    ys = [op.combine_input(r) for r in op.local_ranks]
-    outs = [torch.empty(tokens, cfg.hidden, dtype=torch.bfloat16, device=op.device) for _ in op.local_ranks]
-    y_arg, out_arg = (ys, outs) if op.virtual else (ys[0], outs[0])
+    args = op_inputs(op, make_inputs(cfg, [tokens] * cfg.world_size, routing, seed + 7, device=op.device))
+    y_arg = op_arg(op, [op.combine_input(r) for r in op.local_ranks])
+    out_arg = op_arg(op, [torch.empty(tokens, cfg.hidden, dtype=torch.bfloat16, device=op.device)
+                          for _ in op.local_ranks])
 
     def disp():
-        op.dispatch(pick("x"), pick("weights"), pick("indices"))
+        op.dispatch(*args)
 
     def comb():
         op.combine(y_arg, out=out_arg)

@@ -37,6 +37,18 @@ class RankInputs:
         return RankInputs(*(None if t is None else t.to(device) for t in attrs.astuple(self, recurse=False)))
 
 
+def op_arg(op, per_rank: list):
+    """``per_rank`` (one entry per rank ``op`` drives) in the op's calling convention: the list
+    itself with virtual ranks, its only entry otherwise."""
+    return list(per_rank) if op.virtual else per_rank[0]
+
+
+def op_inputs(op, inputs: list[RankInputs]) -> tuple:
+    """(x, weights, indices, scales) of the ranks ``op`` drives, ready for ``op.dispatch``."""
+    mine = [inputs[r] for r in op.local_ranks]
+    return tuple(op_arg(op, [getattr(i, f) for i in mine]) for f in ("x", "weights", "indices", "scales"))
+
+
 def routing(num_tokens: int, cfg: EpConfig, kind: str, gen: torch.Generator) -> torch.Tensor:
     """Expert ids [T, K] int32 of routing ``kind`` (see ROUTINGS), on ``gen``'s device.
 
@@ -159,11 +171,7 @@ def run_round(op, cfg: EpConfig, tokens: list[int], kind: str, seed: int) -> dic
     local = op.local_ranks
     for r in local:
         poison(op, r)
-    dev_in = [inputs[r] for r in local]
-    args = [[getattr(d, f) for d in dev_in] for f in ("x", "weights", "indices", "scales")]
-    if not op.virtual:
-        args = [a[0] for a in args]
-    outs = op.dispatch(*args)
+    outs = op.dispatch(*op_inputs(op, inputs))
     outs = outs if op.virtual else [outs]
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     ys_dev = [expert_outputs(ref[d].num_rows, cfg.hidden, gen) for d in range(cfg.world_size)]
@@ -175,7 +183,7 @@ def run_round(op, cfg: EpConfig, tokens: list[int], kind: str, seed: int) -> dic
         y[perm.to(device)] = ys_dev[r]  # the op's row perm[i] is the reference's row i
         ys.append(y)
     poisoned = [torch.full((tokens[r], cfg.hidden), float("nan"), dtype=torch.bfloat16, device=device) for r in local]
-    combined = op.combine(ys if op.virtual else ys[0], out=poisoned if op.virtual else poisoned[0])
+    combined = op.combine(op_arg(op, ys), out=op_arg(op, poisoned))
     combined = combined if op.virtual else [combined]
     ref_out = reference.combine(ys_ref, ref, tokens)
     errs = [check_combine(r, c, ref_out[r]) for r, c in zip(local, combined)]

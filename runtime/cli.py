@@ -158,36 +158,30 @@ def cmd_generate(args, parser, console) -> int:
 
 
 def cmd_report(args, parser, console) -> int:
-    from rich.table import Table
-
+    """``epgen check`` and ``epgen report``: compile offline, print the resources; exit 1 on a
+    compile error, scratch or spill, 2 when an offline compiler is missing."""
     from .codegen import report
     from .codegen.catalogue import report_rows
-    from .codegen.offline import ToolchainMissing
+    from .codegen.offline import toolchain_status
+    from .demo import resource_table
 
     specs = _specs_from(args, parser) or catalogue_specs(arches=tuple(args.arch or ARCHES))
-    try:
-        with _Progress(len(specs), f"compiling {len(specs)} kernels", args.quiet or args.json) as bar:
-            rows = report_rows(specs, max_workers=args.jobs, on_done=bar.advance)
-    except ToolchainMissing as e:
-        console.print(f"[red]{e}[/red]")
+    missing = [f"{arch}: {toolchain_status(arch)}" for arch in sorted({s.arch for s in specs}) if toolchain_status(arch)]
+    if missing:
+        console.print("[red]offline compilers missing (pip install -e '.[dev]'):\n  " + "\n  ".join(missing) + "[/red]")
         return 2
-    if args.markdown:
+    with _Progress(len(specs), f"compiling {len(specs)} kernels", args.quiet or args.json) as bar:
+        rows = report_rows(specs, max_workers=args.jobs, on_done=bar.advance)
+    ok = all(r["status"] == "ok" for r in rows)
+    if getattr(args, "markdown", None):
         Path(args.markdown).write_text(report.to_markdown(rows, "epgen resource report"))
-    if args.csv:
+    if getattr(args, "csv", None):
         Path(args.csv).write_text(report.to_csv(rows))
     if args.json:
         print(json.dumps(rows))
-    elif not args.quiet:
-        t = Table(title=f"epgen report: {len(rows)} kernels")
-        for c in ("arch", "op", "entry", "VGPRs/regs", "AGPRs", "SGPRs", "scratch B", "spill B", "LDS/shared B",
-                  "occupancy", "status"):
-            t.add_column(c)
-        for r in rows:
-            t.add_row(*(str(r[k]) for k in ("arch", "op", "entry", "registers", "agprs", "sgprs", "scratch_bytes",
-                                            "spill_bytes", "shared_bytes")),
-                      f"{r['occupancy']} {r['occupancy_unit']}".strip(), r["status"])
-        console.print(t)
-    return 0 if all(r["status"] == "ok" for r in rows) else 1
+    elif not args.quiet or not ok:
+        console.print(resource_table(rows, f"epgen {args.verb}: {len(rows)} kernels"))
+    return 0 if ok else 1
 
 
 def _field_changes(items, parser, flag) -> dict:
@@ -246,32 +240,6 @@ def cmd_diff(args, parser, console) -> int:
     if not chunks and not args.quiet:
         console.print("no differences")
     return 1 if chunks else 0
-
-
-def cmd_check(args, parser, console) -> int:
-    from .codegen.offline import compile_many, toolchain_status
-    from .codegen.render import render
-    from .demo import resource_table
-
-    specs = _specs_from(args, parser) or catalogue_specs(arches=tuple(args.arch or ARCHES))
-    missing = [f"{arch}: {toolchain_status(arch)}" for arch in sorted({s.arch for s in specs}) if toolchain_status(arch)]
-    if missing:
-        console.print("[red]offline compilers missing (pip install -e '.[dev]'):\n  " + "\n  ".join(missing) + "[/red]")
-        return 2
-    sources = [render(s) for s in specs]
-    with _Progress(len(sources), f"compiling {len(sources)} kernels", args.quiet or args.json) as bar:
-        results = compile_many([(s.text, s.spec.arch, s.entry) for s in sources], max_workers=args.jobs,
-                               on_done=bar.advance)
-    table, ok = resource_table(sources, results, f"offline compile check: {len(sources)} kernels")
-    if args.json:
-        print(json.dumps([{"entry": s.entry, "arch": s.spec.arch,
-                           **({"error": str(r)} if not hasattr(r, "ok") else
-                              {"registers": r.registers, "sgprs": r.sgprs, "scratch_bytes": r.scratch_bytes,
-                               "spill_bytes": r.spill_bytes, "shared_bytes": r.shared_bytes, "ok": r.ok})}
-                          for s, r in zip(sources, results)]))
-    elif not args.quiet or not ok:
-        console.print(table)
-    return 0 if ok else 1
 
 
 def cmd_demo(args, parser, console) -> int:
@@ -364,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--list-models", action="store_true", help="list the catalogue models and exit")
 
     c = verb("check", "compile kernels offline (clang 22 for gfx*, NVRTC for sm_90) and print resources; "
-             "exit 1 on a compile error, scratch or spill", cmd_check)
+             "exit 1 on a compile error, scratch or spill", cmd_report)
     _shape_args(c)
     c.add_argument("--jobs", type=_positive, default=None, help="parallel compiles (default: CPU count)")
 

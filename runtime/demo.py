@@ -7,29 +7,24 @@ from rich.console import Console
 from rich.table import Table
 
 from .codegen.arch import ARCHES
-from .codegen.offline import CompileError, compile_many, toolchain_status
-from .codegen.render import render
+from .codegen.catalogue import report_rows
+from .codegen.offline import toolchain_status
 from .codegen.spec import Op
 from .config import EpConfig
 
 
-def resource_table(sources, results, title: str) -> tuple[Table, bool]:
-    """A rich table of offline compile results; the flag is False on any error, scratch or spill."""
+def resource_table(rows: list[dict], title: str) -> Table:
+    """A rich table of ``codegen.report`` rows (registers, scratch, spill, LDS, occupancy)."""
     t = Table(title=title)
-    for c in ("arch", "kernel", "registers", "sgprs", "scratch B", "spill B", "shared B", "status"):
+    for c in ("arch", "op", "entry", "VGPRs/regs", "AGPRs", "SGPRs", "scratch B", "spill B", "LDS/shared B",
+              "occupancy", "status"):
         t.add_column(c)
-    ok = True
-    for src, res in zip(sources, results):
-        if isinstance(res, CompileError):
-            ok = False
-            t.add_row(src.spec.arch, src.entry, "-", "-", "-", "-", "-", f"[red]compile error: {res}[/red]")
-            continue
-        good = res.ok
-        ok &= good
-        t.add_row(src.spec.arch, src.entry, str(res.registers), "-" if res.sgprs is None else str(res.sgprs),
-                  str(res.scratch_bytes), str(res.spill_bytes), str(res.shared_bytes),
-                  "ok" if good else "[red]scratch/spill[/red]")
-    return t, ok
+    for r in rows:
+        status = r["status"] if r["status"] == "ok" else f"[red]{r['status']}[/red]"
+        t.add_row(*(str(r[k]) for k in ("arch", "op", "entry", "registers", "agprs", "sgprs", "scratch_bytes",
+                                        "spill_bytes", "shared_bytes")),
+                  f"{r['occupancy']} {r['occupancy_unit']}".strip(), status)
+    return t
 
 
 def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Console, quiet: bool = False,
@@ -45,17 +40,13 @@ def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Cons
     for arch, reason in missing.items():
         if reason:
             console.print(f"{arch}: offline compile check skipped: {reason}")
-    sources = [render(s) for arch in ARCHES if not missing[arch] for s in cfg.kernel_specs(arch)]
-    with console.status("compiling for " + ", ".join(ARCHES)):
-        results = compile_many([(s.text, s.spec.arch, s.entry) for s in sources])
-    table, ok = resource_table(sources, results, f"{model}: W={world_size}, Tmax={tokens}, bf16")
-    summary["resources"] = [{"arch": src.spec.arch, "entry": src.entry, "ok": not isinstance(r, CompileError) and r.ok,
-                             **({} if isinstance(r, CompileError) else
-                                {"registers": r.registers, "sgprs": r.sgprs, "scratch_bytes": r.scratch_bytes,
-                                 "spill_bytes": r.spill_bytes, "shared_bytes": r.shared_bytes})}
-                            for src, r in zip(sources, results)]
+    specs = [s for arch in ARCHES if not missing[arch] for s in cfg.kernel_specs(arch)]
+    with console.status("compiling for " + ", ".join(a for a in ARCHES if not missing[a])):
+        rows = report_rows(specs)
+    ok = all(r["status"] == "ok" for r in rows)
+    summary["resources"] = rows
     if not quiet or not ok:
-        console.print(table)
+        console.print(resource_table(rows, f"{model}: W={world_size}, Tmax={tokens}, {cfg.dtype}"))
     rc = 0
     if not ok:
         console.print("[red]offline compile check failed[/red]")
@@ -73,7 +64,7 @@ def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Cons
 
 def _run_gpu(cfg: EpConfig, model: str, tokens: int, iters: int, console: Console, quiet: bool) -> dict:
     """Verify, time and print; returns the per-rank results (raises on a mismatch)."""
-    from .check import make_inputs, run_round
+    from .check import make_inputs, op_arg, op_inputs, run_round
     from .op import EpDispatchCombine
     from .timing import gbps, time_pairs
 
@@ -84,13 +75,11 @@ def _run_gpu(cfg: EpConfig, model: str, tokens: int, iters: int, console: Consol
         stats = run_round(op, cfg, [tokens] * W, "uniform", seed=1)
     if not quiet:
         console.print(f"verified: every received row bit-equal, combine relative L2 error {stats['combine_err']:.2e}")
-    inputs = make_inputs(cfg, [tokens] * W, "uniform", seed=2, device=op.device)
+    args = op_inputs(op, make_inputs(cfg, [tokens] * W, "uniform", seed=2, device=op.device))
     for r in op.local_ranks:
         op.combine_input(r).normal_()
-    pick = (lambda f: [getattr(i, f) for i in inputs]) if virtual else (lambda f: getattr(inputs[0], f))
-    ys = [op.combine_input(r) for r in op.local_ranks] if virtual else op.combine_input()
-    d_t, c_t = time_pairs(lambda: op.dispatch(pick("x"), pick("weights"), pick("indices")),
-                          lambda: op.combine(ys), iters=iters)
+    ys = op_arg(op, [op.combine_input(r) for r in op.local_ranks])
+    d_t, c_t = time_pairs(lambda: op.dispatch(*args), lambda: op.combine(ys), iters=iters)
     bufs = [op.recv_buffers(r) for r in op.local_ranks]
     dgeo, cgeo = op.variant(Op.DISPATCH, tokens), op.variant(Op.COMBINE, tokens)
     table = Table(title=f"{model} on {torch.cuda.get_device_name(op.device)}: "

@@ -55,7 +55,7 @@ def test_check_one_model_json():
     r = run("check", "--model", "mixtral-8x7b", "--json")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
-    assert len(rows) == 6 and all(row["ok"] for row in rows)
+    assert len(rows) == 6 and all(row["status"] == "ok" for row in rows)
 
 
 def test_demo_without_gpu_says_so():
