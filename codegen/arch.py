@@ -35,6 +35,12 @@ class ArchTraits:
         shared_bytes_per_block: shared memory / LDS a block may use, bytes.
         steady_clock_hz: frequency of the clock the bounded spin-waits read, Hz.
         fp8_e4m3: fp8 flavour of the hardware conversions (``ocp`` = OCP e4m3fn).
+        hw_fp8_encode: the combine wire encodes fp8 e4m3 with the platform's ``ep_e4m3x2_hw``
+            (sm_90: ``cvt.rn.satfinite.e4m3x2.f32``); otherwise with the bit-exact
+            round-to-nearest-even encoder of common/_combine_wire.j2. gfx950 and gfx1250
+            have converts too, but their rounding and saturation were not verified on hardware
+            here, so they take the software path. fp4 is software everywhere (sm_90 has no
+            e2m1 convert).
         registers_per_simd: 32-bit registers per SIMD (AMD, per lane) or per SM (NVIDIA).
         max_threads_per_block: hardware limit on threads per block.
         register_granule: allocation unit of registers (AMD: VGPRs per lane; NVIDIA: registers
@@ -58,6 +64,7 @@ class ArchTraits:
     shared_bytes_per_block: int
     steady_clock_hz: int
     fp8_e4m3: str
+    hw_fp8_encode: bool
     registers_per_simd: int
     max_threads_per_block: int
     register_granule: int
@@ -80,21 +87,21 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
             name="gfx950", vendor="amd", wave_size=64, platform_template="platform/amd.j2",
             suffix=".hip", runtime_compiler="hiprtc", offload_arch="gfx950", vector_bytes=16,
             shared_bytes_per_block=160 * 1024, steady_clock_hz=100_000_000, fp8_e4m3="ocp",
-            registers_per_simd=512, max_threads_per_block=1024, register_granule=8, max_waves_per_simd=8,
+            hw_fp8_encode=False, registers_per_simd=512, max_threads_per_block=1024, register_granule=8, max_waves_per_simd=8,
             simds_per_cu=4, shared_bytes_per_cu=160 * 1024, shared_reserved_per_block=0, max_blocks_per_cu=32,
         ),
         ArchTraits(
             name="gfx1250", vendor="amd", wave_size=32, platform_template="platform/amd.j2",
             suffix=".hip", runtime_compiler="hiprtc", offload_arch="gfx1250", vector_bytes=16,
             shared_bytes_per_block=320 * 1024, steady_clock_hz=100_000_000, fp8_e4m3="ocp",
-            registers_per_simd=1024, max_threads_per_block=1024, register_granule=8, max_waves_per_simd=16,
+            hw_fp8_encode=False, registers_per_simd=1024, max_threads_per_block=1024, register_granule=8, max_waves_per_simd=16,
             simds_per_cu=4, shared_bytes_per_cu=320 * 1024, shared_reserved_per_block=0, max_blocks_per_cu=32,
         ),
         ArchTraits(
             name="sm_90", vendor="nvidia", wave_size=32, platform_template="platform/nvidia.j2",
             suffix=".cu", runtime_compiler="nvrtc", offload_arch="sm_90", vector_bytes=16,
             shared_bytes_per_block=227 * 1024, steady_clock_hz=1_000_000_000, fp8_e4m3="ocp",
-            registers_per_simd=65536, max_threads_per_block=1024, register_granule=256, max_waves_per_simd=64,
+            hw_fp8_encode=True, registers_per_simd=65536, max_threads_per_block=1024, register_granule=256, max_waves_per_simd=64,
             simds_per_cu=1, shared_bytes_per_cu=228 * 1024, shared_reserved_per_block=1024, max_blocks_per_cu=32,
         ),
     )

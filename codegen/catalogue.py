@@ -14,7 +14,8 @@ from . import report
 from .models import MODELS, model
 from .offline import ToolchainMissing, compile_many, toolchain_status
 from .render import Source, render
-from .spec import KernelSpec
+from .dtypes import COMBINE_QUANTS
+from .spec import KernelSpec, Op
 from .tuning import Geometry
 
 CATALOGUE_WORLD_SIZE = 8
@@ -23,10 +24,10 @@ MANIFEST = "manifest.json"
 
 
 def shape_specs(*, hidden: int, topk: int, num_experts: int, world_size: int = CATALOGUE_WORLD_SIZE,
-                max_tokens_per_rank: int = CATALOGUE_MAX_TOKENS, dtype: str = "bf16",
+                max_tokens_per_rank: int = CATALOGUE_MAX_TOKENS, dtype: str = "bf16", combine_quant: str = "none",
                 arches=ARCHES, geometry: Geometry | None = None) -> list[KernelSpec]:
     """Dispatch and combine specs of one shape for each arch: ``geometry`` for both ops, or the
-    tuning table's geometry at ``max_tokens_per_rank``.
+    tuning table's geometry at ``max_tokens_per_rank``; ``combine_quant`` is the combine wire.
 
     Raises:
         ValueError: naming the bad field (e.g. num_experts not a multiple of world_size).
@@ -34,15 +35,17 @@ def shape_specs(*, hidden: int, topk: int, num_experts: int, world_size: int = C
     from ..config import EpConfig
 
     cfg = EpConfig(world_size=world_size, hidden=hidden, topk=topk, num_experts=num_experts,
-                   max_tokens_per_rank=max_tokens_per_rank, dtype=dtype, dispatch_geometry=geometry,
+                   max_tokens_per_rank=max_tokens_per_rank, dtype=dtype, combine_quant=combine_quant,
+                   dispatch_geometry=geometry,
                    combine_geometry=geometry)
     return [s for arch in arches for s in cfg.kernel_specs(arch)]
 
 
-def model_specs(name: str, arches=ARCHES, **kw) -> list[KernelSpec]:
-    """Specs of catalogue model ``name`` (ValueError with suggestions when unknown)."""
+def model_specs(name: str, arches=ARCHES, topk: int | None = None, **kw) -> list[KernelSpec]:
+    """Specs of catalogue model ``name``, at its own top-k or ``topk`` (ValueError with suggestions
+    when the name is unknown)."""
     m = model(name)
-    return shape_specs(hidden=m.hidden, topk=m.topk, num_experts=m.num_experts, arches=arches, **kw)
+    return shape_specs(hidden=m.hidden, topk=topk or m.topk, num_experts=m.num_experts, arches=arches, **kw)
 
 
 CATALOGUE_DTYPES = ("bf16", "fp8", "fp4")
@@ -50,8 +53,13 @@ CATALOGUE_DTYPES = ("bf16", "fp8", "fp4")
 
 def catalogue_specs(models=None, arches=ARCHES, dtypes=CATALOGUE_DTYPES) -> list[KernelSpec]:
     """The committed catalogue (W = 8, Tmax = 4096, table geometry): for every model and arch,
-    dispatch of every payload dtype and the (bf16) combine, in a fixed order without repeats."""
-    specs = [s for name in (models or MODELS) for d in dtypes for s in model_specs(name, arches, dtype=d)]
+    dispatch of every payload dtype, the bf16-wire combine and the combine of every quantized wire
+    (``COMBINE_QUANTS``), in a fixed order without repeats."""
+    specs = []
+    for name in models or MODELS:
+        specs += [s for d in dtypes for s in model_specs(name, arches, dtype=d)]
+        specs += [s for q in COMBINE_QUANTS if q != "none"
+                  for s in model_specs(name, arches, combine_quant=q) if s.op is Op.COMBINE]
     return list(dict.fromkeys(specs))
 
 

@@ -62,3 +62,75 @@ def dtype_info(name: str) -> DTypeInfo:
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"dtype={name!r}: unknown dtype; known: {', '.join(DTYPES)}") from None
+
+
+def _align16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+@attrs.frozen
+class CombineQuant:
+    """One wire format of the combine leg: how expert outputs (bf16) travel to the token's rank.
+
+    Each rank quantizes its received rows into a wire row in its own arena; the token's rank
+    reads the wire rows of every peer the token reached, dequantizes, sums in fp32 and rounds to
+    bf16 once. Reference and error bounds: ``epgen.quant`` (``combine_roundtrip``,
+    ``combine_error_bound``).
+
+    Attributes:
+        name: the mode as users spell it (``EpConfig.combine_quant``, ``--quant``).
+        element: wire element dtype (a key of ``DTYPES``).
+        block: elements per float32 scale (scale = block amax / element max); None: no scales.
+        tag: entry-name suffix ('' for the unquantized wire).
+    """
+
+    name: str
+    element: str
+    block: int | None
+    tag: str
+
+    @property
+    def quantized(self) -> bool:
+        return self.name != "none"
+
+    def code_bytes(self, hidden: int) -> int:
+        """Bytes of one row's element codes."""
+        return dtype_info(self.element).row_bytes(hidden)
+
+    def scale_count(self, hidden: int) -> int:
+        """float32 scales per row: ceil(H / block) (the last block may be partial), 0 unscaled."""
+        return -(-hidden // self.block) if self.block else 0
+
+    def scale_offset(self, hidden: int) -> int:
+        """Byte offset of the scales inside a wire row (16-byte aligned)."""
+        return _align16(self.code_bytes(hidden))
+
+    def wire_row_bytes(self, hidden: int) -> int:
+        """Bytes of one wire row: codes, then scales, each padded to 16 bytes."""
+        return self.scale_offset(hidden) + _align16(4 * self.scale_count(hidden))
+
+
+COMBINE_QUANTS: dict[str, CombineQuant] = {
+    q.name: q
+    for q in (
+        CombineQuant(name="none", element="bf16", block=None, tag=""),
+        CombineQuant(name="fp8_direct_cast", element="fp8", block=None, tag="qfp8d"),
+        CombineQuant(name="fp8_blockwise", element="fp8", block=128, tag="qfp8b"),
+        CombineQuant(name="fp4_blockwise", element="fp4", block=32, tag="qfp4b"),
+    )
+}
+"""Combine wire formats: none (bf16 rows), fp8_direct_cast (saturating cast, no scales),
+fp8_blockwise (128-element blocks, float32 scale = amax / 448), fp4_blockwise (32-element
+blocks, float32 scale = amax / 6)."""
+
+
+def combine_quant(name: str) -> CombineQuant:
+    """Return the combine wire format ``name``.
+
+    Raises:
+        ValueError: unknown mode (the message lists the known ones).
+    """
+    try:
+        return COMBINE_QUANTS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"combine_quant={name!r}: must be one of {', '.join(COMBINE_QUANTS)}") from None

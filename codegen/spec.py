@@ -14,7 +14,7 @@ import attrs
 
 from . import SCHEMA_VERSION
 from .arch import ARCH_TRAITS, ArchTraits, traits
-from .dtypes import DTYPES, DTypeInfo, dtype_info
+from .dtypes import COMBINE_QUANTS, DTYPES, CombineQuant, DTypeInfo, combine_quant, dtype_info
 
 MAX_TOKENS_LIMIT = 1 << 20
 """Largest max_tokens_per_rank: keeps W x max tokens receive rows inside int32 offsets."""
@@ -77,6 +77,8 @@ class ArenaLayout:
       recv_indices [cap, K] int32
       recv_scales  [cap, S] uint8  (absent when S = 0)
       combine_in   [cap, H] bf16  expert outputs that combine gathers (zero-copy target)
+      combine_wire [cap, wire row] the quantized combine rows peers read (absent when the
+                   combine wire is bf16: peers then read combine_in)
       recv_x       [cap, H] dispatch dtype
 
     ``cap`` = W x Tmax receive rows (the worst case). All sizes in bytes.
@@ -89,6 +91,7 @@ class ArenaLayout:
     recv_indices: int
     recv_scales: int
     combine_in: int
+    combine_wire: int
     recv_x: int
     recv_x_row_bytes: int
     capacity_rows: int
@@ -99,7 +102,7 @@ class ArenaLayout:
         return _align(self.recv_x + self.capacity_rows * self.recv_x_row_bytes)
 
     @classmethod
-    def build(cls, *, world_size, max_tokens_per_rank, hidden, topk, scale_bytes, recv_x_row_bytes):
+    def build(cls, *, world_size, max_tokens_per_rank, hidden, topk, scale_bytes, wire_row_bytes, recv_x_row_bytes):
         cap = world_size * max_tokens_per_rank
         off = 0
         fields = {}
@@ -111,6 +114,7 @@ class ArenaLayout:
             ("recv_indices", cap * topk * 4),
             ("recv_scales", cap * scale_bytes),
             ("combine_in", cap * hidden * 2),
+            ("combine_wire", cap * wire_row_bytes),
             ("recv_x", 0),
         ):
             fields[name] = off
@@ -135,6 +139,8 @@ class KernelSpec:
         warps_per_block: warps (AMD: waves) per block.
         unroll: 16-byte vectors each lane keeps in flight in the row copy loop.
         scale_bytes: opaque per-token scale bytes forwarded by dispatch, S (0 = none).
+        combine_quant: wire format of the combine leg (a key of ``COMBINE_QUANTS``); dispatch
+            specs carry it too because it sizes the shared arena.
 
     Raises:
         ValueError: on construction, naming the field, its value and the rule broken.
@@ -152,6 +158,7 @@ class KernelSpec:
     warps_per_block: int = attrs.field(validator=_positive("warps_per_block", 1, 32))
     unroll: int = attrs.field(validator=_positive("unroll", 1, 16))
     scale_bytes: int = attrs.field(default=0, validator=_positive("scale_bytes", 0, 4096))
+    combine_quant: str = attrs.field(default="none", validator=_one_of("combine_quant", list(COMBINE_QUANTS)))
 
     def __attrs_post_init__(self):
         t = self.traits
@@ -186,6 +193,11 @@ class KernelSpec:
         return dtype_info(self.dtype)
 
     @property
+    def quant(self) -> CombineQuant:
+        """The combine wire format (the row of ``combine_quant``)."""
+        return combine_quant(self.combine_quant)
+
+    @property
     def num_experts(self) -> int:
         """E = W x L."""
         return self.world_size * self.experts_per_rank
@@ -217,9 +229,11 @@ class KernelSpec:
 
     @property
     def fan_in(self) -> int:
-        """Source ranks whose rows combine loads together before accumulating: min(W, K, 2).
-        More rows in flight per warp hide the peer read latency; 2 keeps registers below 128."""
-        return min(self.world_size, self.topk, 2)
+        """Source ranks whose rows combine loads together before accumulating: min(W, K, 2), 1
+        for a scaled combine wire. More rows in flight per warp hide the peer read latency; 2 keeps
+        registers below 128 (64 for 1024-thread blocks on sm_90), which the per-vector scales of
+        the blockwise wires would exceed."""
+        return min(self.world_size, self.topk, 1 if self.quant.block else 2)
 
     @property
     def capacity_rows(self) -> int:
@@ -235,6 +249,7 @@ class KernelSpec:
             hidden=self.hidden,
             topk=self.topk,
             scale_bytes=self.scale_bytes,
+            wire_row_bytes=self.quant.wire_row_bytes(self.hidden) if self.quant.quantized else 0,
             recv_x_row_bytes=self.row_bytes if self.op is Op.DISPATCH else 0,
         )
 
@@ -243,6 +258,7 @@ class KernelSpec:
         """Entry name: every compile-time field in declaration order, a valid C identifier."""
         arch = self.arch.replace("_", "")
         s = f"_s{self.scale_bytes}" if self.scale_bytes else ""
+        s += f"_{self.quant.tag}" if self.quant.quantized else ""
         return (
             f"epgen_{self.op.value}_{arch}_{self.dtype}_w{self.world_size}_h{self.hidden}_k{self.topk}"
             f"_l{self.experts_per_rank}_t{self.max_tokens_per_rank}"
@@ -293,6 +309,9 @@ class KernelSpec:
             "chunk_vectors": self.chunk_vectors,
             "chunks_per_row": self.chunks_per_row,
             "fan_in": self.fan_in,
+            "quant": self.quant,
+            "wire_row_bytes": self.quant.wire_row_bytes(self.hidden),
+            "wire_scale_offset": self.quant.scale_offset(self.hidden),
             "layout": lay,
         }
 

@@ -39,6 +39,7 @@ class BenchOptions:
     tokens: tuple[int, ...] = SWEEP
     routings: tuple[str, ...] = ("uniform", "skewed")
     dtype: str = "bf16"
+    combine_quant: str = "none"  # combine wire format
     dispatch_geometry: Geometry | None = None  # None: the tuning table per token bucket
     combine_geometry: Geometry | None = None
     iters: int = 30
@@ -133,7 +134,8 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
 
     dist = torch.distributed if torch.distributed.is_initialized() else None
     cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=max(opts.tokens),
-                             dtype=opts.dtype, dispatch_geometry=opts.dispatch_geometry, combine_geometry=opts.combine_geometry,
+                             dtype=opts.dtype, combine_quant=opts.combine_quant, dispatch_geometry=opts.dispatch_geometry,
+                             combine_geometry=opts.combine_geometry,
                              timeout_s=20.0)
     op = EpDispatchCombine(cfg, virtual=opts.virtual)
     me = op.local_ranks[0]
@@ -142,6 +144,8 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
     src_ptr = op.arenas.pointers[me] + op.layout.recv_x
     dst_ptr = op.arenas.pointers[peer] + op.layout.combine_in  # peer's arena (own memory when W = 1)
     row_bytes = op.dispatch_spec.row_bytes
+    combine_wire = cfg.spec(op.arch, Op.COMBINE, op.variant(Op.COMBINE, 1)).quant  # bf16 rows unless quantized
+    combine_dtype = combine_wire.name if combine_wire.quantized else "bf16"
     env = environment() if me == 0 else None  # read once: nvidia-smi and git are slow per point
     rows = []
     seed = 100
@@ -165,10 +169,12 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
                 nccl_t = _time(lambda: dist.all_to_all_single(out, inp), iters=10)
                 nccl_gbps = gbps(nbytes * (world_size - 1), nccl_t.median_us)
             point = []
-            for name, t, geo, elem in (("dispatch", d_t, op.variant(Op.DISPATCH, T), row_bytes),
-                                       ("combine", c_t, op.variant(Op.COMBINE, T), cfg.hidden * 2)):
-                w = gbps(wire * elem, t.median_us)
-                point.append({"op": name, "dtype": cfg.dtype if name == "dispatch" else "bf16", "routing": routing,
+            for name, t, geo, elem, wire_elem, dtype in (
+                    ("dispatch", d_t, op.variant(Op.DISPATCH, T), row_bytes, row_bytes, cfg.dtype),
+                    ("combine", c_t, op.variant(Op.COMBINE, T), cfg.hidden * 2, combine_wire.wire_row_bytes(cfg.hidden),
+                     combine_dtype)):
+                w = gbps(wire * wire_elem, t.median_us)
+                point.append({"op": name, "dtype": dtype, "routing": routing,
                              "tokens": T, "rank": me, "world_size": world_size, "time_us": round(t.median_us, 2),
                              "mean_us": round(t.mean_us, 2), "stdev_us": round(t.stdev_us, 2),
                              "best_us": round(t.best_us, 2), "recv_rows": n, "wire_rows": wire,

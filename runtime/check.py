@@ -1,8 +1,8 @@
 """Inputs and verification shared by the GPU tests, the demo, the benchmark and the stress run.
 
 Every check compares the op against ``epgen.reference`` on fresh random data: received rows
-bit-equal and the set of (source rank, source token) exactly the reference's; combine within
-bf16 tolerance (relative L2 error).
+bit-equal and the set of (source rank, source token) exactly the reference's; every combined
+element within its error bound (``combine_reference``) of the exact sum of the expert outputs.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from . import reference
+from . import quant, reference
 from .codegen.dtypes import dtype_info
 from .config import EpConfig
 
@@ -18,10 +18,6 @@ ROUTINGS = ("uniform", "invalid", "duplicates", "skewed", "one_rank")
 """Routing kinds: uniform random distinct experts; uniform with -1 sprinkled (and some all -1
 rows); uniform with repeated expert ids inside a row; skewed (half the tokens send every slot to
 experts of one rank); one_rank (every token sends every slot to experts of rank 0)."""
-
-COMBINE_TOLERANCE = 1e-2
-"""Relative L2 error allowed for combine (bf16 output of an fp32 sum)."""
-
 
 @attrs.frozen
 class RankInputs:
@@ -140,12 +136,67 @@ def expert_outputs(n: int, hidden: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(n, hidden, generator=gen, device=gen.device).to(torch.bfloat16)
 
 
-def check_combine(rank: int, out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative L2 error of one rank's combine output; raises AssertionError above tolerance or
-    on NaN (poisoned rows left unwritten show up as NaN)."""
-    err = reference.relative_l2(out.float().cpu(), ref.float())
-    assert err <= COMBINE_TOLERANCE, f"rank {rank}: combine relative L2 error {err:.3g} > {COMBINE_TOLERANCE}"
-    return err
+@attrs.frozen
+class CombineReference:
+    """What one rank's combine must produce, on the device of the expert outputs.
+
+    Attributes:
+        wire: [T, H] bf16, the wire's values summed in float32 in ascending rank and rounded once:
+            what a kernel that quantizes exactly like ``epgen.quant`` returns bit for bit.
+        exact: [T, H] float32, the float32 sum of the unquantized expert outputs.
+        bound: [T, H] float32, the allowed |out - exact| per element: the sum of the wire's
+            element bounds (``quant.combine_error_bound``, 0 for "none") of the rows summed, plus
+            the bf16 rounding of the output (2^-8 of the sum) and the float32 sum's error
+            (W x 2^-24 of the sum of magnitudes).
+    """
+
+    wire: torch.Tensor
+    exact: torch.Tensor
+    bound: torch.Tensor
+
+
+def combine_reference(mode: str, ys: list[torch.Tensor], recv: list[reference.RecvRows],
+                      tokens: list[int]) -> list[CombineReference]:
+    """Per rank, the CombineReference of combine wire ``mode`` for expert outputs ``ys`` (one [R_d, H]
+    tensor per rank, on any one device)."""
+    world = len(ys)
+
+    def summed(per_rank):
+        return reference.combine(per_rank, recv, tokens)
+
+    wire = [quant.combine_roundtrip(mode, y) for y in ys]
+    sums = summed(wire)
+    exact = summed([y.float() for y in ys])
+    bounds = summed([quant.combine_error_bound(mode, y) for y in ys])
+    mags = summed([w.abs() for w in wire])
+    return [CombineReference(s.to(torch.bfloat16), e, b + 2.0**-8 * s.abs() + world * 2.0**-24 * m)
+            for s, e, b, m in zip(sums, exact, bounds, mags)]
+
+
+def check_combine(rank: int, out: torch.Tensor, ref: CombineReference) -> dict:
+    """Check one rank's combine output against its reference, element by element.
+
+    Returns:
+        {"max_err": max |out - exact|, "bound_ratio": max |out - exact| / bound (<= 1),
+        "wire_mismatches": elements whose bf16 bits differ from ``ref.wire``}.
+
+    Raises:
+        AssertionError: an element outside its bound, or NaN (poisoned rows left unwritten show
+            up as NaN).
+    """
+    got = out.to(ref.exact.device).float()
+    err = (got - ref.exact).abs()
+    bad = ~(err <= ref.bound)  # NaN counts as bad
+    if bool(bad.any()):
+        t, h = (int(i) for i in bad.nonzero()[0])
+        raise AssertionError(f"rank {rank}: combine out[{t}, {h}]={float(got[t, h])!r}, exact sum "
+                             f"{float(ref.exact[t, h])!r}: error {float(err[t, h]):.3g} above its bound "
+                             f"{float(ref.bound[t, h]):.3g} ({int(bad.sum())} elements)")
+    ratio = torch.where(ref.bound > 0, err / ref.bound, torch.zeros_like(err))
+    mismatches = out.to(ref.wire.device).view(torch.int16) != ref.wire.view(torch.int16)
+    return {"max_err": float(err.max()) if err.numel() else 0.0,
+            "bound_ratio": float(ratio.max()) if ratio.numel() else 0.0,
+            "wire_mismatches": int(mismatches.sum())}
 
 
 def poison(op, rank: int) -> None:
@@ -160,7 +211,8 @@ def run_round(op, cfg: EpConfig, tokens: list[int], kind: str, seed: int) -> dic
 
     ``tokens`` lists T of every rank (all W); inputs are generated for all ranks from ``seed`` so
     every process computes the same reference. Returns {"recv": [rows per local rank],
-    "combine_err": worst relative L2 error}.
+    "combine_err": worst |out - exact|, "bound_ratio": worst error / bound, "wire_mismatches":
+    combined elements whose bits differ from the wire reference}.
 
     Raises:
         AssertionError: any mismatch with the reference.
@@ -175,7 +227,6 @@ def run_round(op, cfg: EpConfig, tokens: list[int], kind: str, seed: int) -> dic
     outs = outs if op.virtual else [outs]
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     ys_dev = [expert_outputs(ref[d].num_rows, cfg.hidden, gen) for d in range(cfg.world_size)]
-    ys_ref = [y.cpu() for y in ys_dev]
     perms = [check_dispatch(r, o, ref[r]) for r, o in zip(local, outs)]
     ys = []
     for r, perm in zip(local, perms):
@@ -185,7 +236,9 @@ def run_round(op, cfg: EpConfig, tokens: list[int], kind: str, seed: int) -> dic
     poisoned = [torch.full((tokens[r], cfg.hidden), float("nan"), dtype=torch.bfloat16, device=device) for r in local]
     combined = op.combine(op_arg(op, ys), out=op_arg(op, poisoned))
     combined = combined if op.virtual else [combined]
-    ref_out = reference.combine(ys_ref, ref, tokens)
-    errs = [check_combine(r, c, ref_out[r]) for r, c in zip(local, combined)]
+    ref_out = combine_reference(cfg.combine_quant, ys_dev, ref, tokens)  # on the GPU, like the inputs
+    stats = [check_combine(r, c, ref_out[r]) for r, c in zip(local, combined)]
     op.check()
-    return {"recv": [ref[r].num_rows for r in local], "combine_err": max(errs)}
+    return {"recv": [ref[r].num_rows for r in local], "combine_err": max(s["max_err"] for s in stats),
+            "bound_ratio": max(s["bound_ratio"] for s in stats),
+            "wire_mismatches": sum(s["wire_mismatches"] for s in stats)}

@@ -12,7 +12,8 @@ from rich.console import Console
 from .codegen.arch import ARCHES
 from .codegen.catalogue import (catalogue_specs, check as check_dir, model_specs, owned_sources, render_files,
                                 shape_specs, write)
-from .codegen.dtypes import DTYPES
+from .codegen.dtypes import COMBINE_QUANTS, DTYPES
+from .codegen.spec import Op
 from .codegen.models import MODELS
 
 
@@ -29,17 +30,26 @@ def _positive(text: str) -> int:
 def _shape_args(p: argparse.ArgumentParser, *, models_default=None):
     p.add_argument("--model", help=f"catalogue model ({', '.join(MODELS)})", default=models_default)
     p.add_argument("--hidden", type=_positive, help="hidden size H (instead of --model)")
-    p.add_argument("--topk", type=_positive, help="experts per token K (with --hidden)")
+    p.add_argument("--topk", type=_positive, help="experts per token K (with --hidden; alone: every catalogue "
+                   "model with at least K experts, at top-k K)")
     p.add_argument("--num-experts", type=_positive, help="routed experts E (with --hidden)")
     p.add_argument("--world-size", type=_positive, default=8, help="ranks W (default 8)")
     p.add_argument("--max-tokens", type=_positive, default=4096, help="max tokens per rank (default 4096)")
-    p.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="dispatch payload dtype")
+    p.add_argument("--dtype", choices=list(DTYPES), help="dispatch payload dtype (default bf16; alone: the "
+                   "catalogue's dispatch variants of that dtype)")
+    p.add_argument("--quant", choices=list(COMBINE_QUANTS), help="combine wire format (default none; alone: the "
+                   "catalogue's combine variants of that wire)")
     p.add_argument("--arch", action="append", choices=list(ARCHES), help="target (repeatable; default all)")
 
 
-def _specs_from(args, parser) -> list:
+def _specs_from(args, parser) -> list | None:
+    """The specs the shape flags name: one shape (--model, or --hidden/--topk/--num-experts), or,
+    with only the selectors --dtype/--topk/--quant, those variants of every catalogue model
+    (--dtype: dispatch, --quant: combine, --topk: both unless one of the others narrows it);
+    None when no flag names any (the whole catalogue)."""
     arches = tuple(args.arch or ARCHES)
-    kw = dict(world_size=args.world_size, max_tokens_per_rank=args.max_tokens, dtype=args.dtype, arches=arches)
+    kw = dict(world_size=args.world_size, max_tokens_per_rank=args.max_tokens, dtype=args.dtype or "bf16",
+              combine_quant=args.quant or "none", arches=arches)
     shape = [f for f, v in (("--hidden", args.hidden), ("--topk", args.topk), ("--num-experts", args.num_experts))
              if v is not None]
     if args.model and shape:
@@ -50,17 +60,23 @@ def _specs_from(args, parser) -> list:
             if missing:
                 parser.error(f"--hidden needs {' and '.join(missing)}")
             return shape_specs(hidden=args.hidden, topk=args.topk, num_experts=args.num_experts, **kw)
-        if shape:
-            parser.error(f"{' '.join(shape)} need --hidden (or name a --model)")
+        if args.num_experts is not None:
+            parser.error("--num-experts needs --hidden (or name a --model)")
         if args.model:
             return model_specs(args.model, **kw)
+        if args.topk is None and args.dtype is None and args.quant is None:
+            return None
+        ops = {op for op, flag in ((Op.DISPATCH, args.dtype), (Op.COMBINE, args.quant)) if flag} or set(Op)
+        names = [m.name for m in MODELS.values() if m.num_experts >= (args.topk or 1)]  # top-k <= experts
+        if not names:
+            parser.error(f"--topk {args.topk}: no catalogue model has that many experts")
+        return [s for name in names for s in model_specs(name, topk=args.topk, **kw) if s.op in ops]
     except ValueError as e:  # the spec's own message, plus the flag it came from
         parser.error(f"{e} ({_FLAGS.get(str(e).split('=')[0].split('.')[-1], 'from the shape flags')})")
-    return None
 
 
 _FLAGS = {"hidden": "--hidden", "topk": "--topk", "num_experts": "--num-experts", "world_size": "--world-size",
-          "max_tokens_per_rank": "--max-tokens", "dtype": "--dtype", "model": "--model"}
+          "max_tokens_per_rank": "--max-tokens", "dtype": "--dtype", "model": "--model", "combine_quant": "--quant"}
 
 
 def _catalogue_dir(args, parser) -> Path:
@@ -120,7 +136,7 @@ def cmd_generate(args, parser, console) -> int:
         specs = catalogue_specs()
         out = _catalogue_dir(args, parser)
     elif not args.output:
-        parser.error("-o/--output is required with --model or --hidden (the catalogue lives in generated/)")
+        parser.error("-o/--output is required with --model, --hidden or a selector (the catalogue lives in generated/)")
     else:
         out = Path(args.output)
     if out.exists() and not out.is_dir():
@@ -165,7 +181,8 @@ def cmd_report(args, parser, console) -> int:
     from .codegen.offline import toolchain_status
     from .demo import resource_table
 
-    specs = _specs_from(args, parser) or catalogue_specs(arches=tuple(args.arch or ARCHES))
+    specs = _specs_from(args, parser)
+    specs = catalogue_specs(arches=tuple(args.arch or ARCHES)) if specs is None else specs
     missing = [f"{arch}: {toolchain_status(arch)}" for arch in sorted({s.arch for s in specs}) if toolchain_status(arch)]
     if missing:
         console.print("[red]offline compilers missing (pip install -e '.[dev]'):\n  " + "\n  ".join(missing) + "[/red]")
@@ -276,6 +293,7 @@ def cmd_bench(args, parser, console) -> int:
         console.print("epgen bench needs a GPU (torch.cuda.is_available() is False)")
         return 2
     opts = BenchOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens), dtype=args.dtype,
+                        combine_quant=args.quant,
                         routings=tuple(args.routing), dispatch_geometry=args.dispatch_geometry,
                         combine_geometry=args.combine_geometry, iters=args.iters, virtual=args.virtual,
                         output=args.output or default_output(args.world_size, args.virtual))
@@ -306,7 +324,7 @@ def cmd_stress(args, parser, console) -> int:
         console.print("epgen stress needs a GPU (torch.cuda.is_available() is False)")
         return 2
     run(StressOptions(model=args.model, world_size=args.world_size, max_tokens=args.max_tokens, rounds=args.rounds,
-                      seed=args.seed, virtual=args.virtual, dtype=args.dtype))
+                      seed=args.seed, virtual=args.virtual, dtype=args.dtype, combine_quant=args.quant))
     return 0
 
 
@@ -379,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="BLOCKSxWARPS[uUNROLL] (default: the tuning table per token bucket)")
     b.add_argument("--iters", type=_positive, default=30, help="timed graph replays per point (default 30)")
     b.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="dispatch payload dtype (default bf16)")
+    b.add_argument("--quant", default="none", choices=list(COMBINE_QUANTS), help="combine wire format (default none)")
     b.add_argument("-o", "--output", help="path prefix of the .csv/.png (default tools/results/bench-ep<W>-<gpu>)")
 
     from .tune import TuneOptions
@@ -406,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--rounds", type=_positive, default=200, help="rounds (default 200)")
     st.add_argument("--seed", type=int, default=0, help="seed of the rounds (default 0)")
     st.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="dispatch payload dtype (default bf16)")
+    st.add_argument("--quant", default="none", choices=list(COMBINE_QUANTS), help="combine wire format (default none)")
     return p
 
 

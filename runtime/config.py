@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 from .codegen.arch import ARCH_TRAITS
-from .codegen.dtypes import DTYPES, dtype_info
+from .codegen.dtypes import COMBINE_QUANTS, DTYPES, dtype_info
 from .codegen.models import model as _model
 from .codegen.spec import KernelSpec, Op
 from .codegen.tuning import Geometry, TuningKey, lookup
@@ -28,6 +28,9 @@ class EpConfig:
         max_tokens_per_rank: the most tokens any rank passes to one dispatch.
         dtype: dispatch payload dtype.
         scale_bytes: opaque per-token scale bytes forwarded by dispatch (0 = none).
+        combine_quant: wire format of the combine leg: "none" (bf16), "fp8_direct_cast",
+            "fp8_blockwise" or "fp4_blockwise" (``epgen.codegen.dtypes.COMBINE_QUANTS``; error
+            bounds in ``epgen.quant.combine_error_bound``). Input and output stay bf16.
         dispatch_geometry, combine_geometry: launch geometry of the two kernels; None (default)
             takes it from the tuning table per token bucket (``epgen.codegen.tuning``).
         timeout_s: bound of every in-kernel spin-wait, seconds.
@@ -44,6 +47,7 @@ class EpConfig:
     max_tokens_per_rank: int
     dtype: str = "bf16"
     scale_bytes: int = 0
+    combine_quant: str = "none"
     dispatch_geometry: Geometry | None = None
     combine_geometry: Geometry | None = None
     timeout_s: float = 5.0
@@ -56,6 +60,8 @@ class EpConfig:
                f"must be a multiple of world_size={self.world_size}")
         _check(isinstance(self.dtype, str) and self.dtype in DTYPES, "dtype", self.dtype,
                f"must be one of {', '.join(DTYPES)}")
+        _check(isinstance(self.combine_quant, str) and self.combine_quant in COMBINE_QUANTS, "combine_quant", self.combine_quant,
+               f"must be one of {', '.join(COMBINE_QUANTS)}")
         _check(self.topk <= self.num_experts, "topk", self.topk, f"must be at most num_experts={self.num_experts}")
         for f in ("dispatch_geometry", "combine_geometry"):
             g = getattr(self, f)
@@ -113,7 +119,7 @@ class EpConfig:
         return KernelSpec(op=op, arch=arch, dtype=self.dtype if op is Op.DISPATCH else "bf16",
                           hidden=self.hidden, topk=self.topk, experts_per_rank=self.experts_per_rank,
                           world_size=self.world_size, max_tokens_per_rank=self.max_tokens_per_rank,
-                          scale_bytes=self.scale_bytes, blocks=geometry.blocks,
+                          scale_bytes=self.scale_bytes, combine_quant=self.combine_quant, blocks=geometry.blocks,
                           warps_per_block=geometry.warps_per_block, unroll=geometry.unroll)
 
     def kernel_specs(self, arch: str, tokens: int | None = None) -> tuple[KernelSpec, KernelSpec]:

@@ -31,7 +31,7 @@ Conventions shared by every encoder here, which kernels must follow to match bit
 Wire modes (``scale_bytes`` gives their per-token scale bytes), input ``x`` [T, H] bf16 or fp32:
 
 * ``fp8_blockwise``: e4m3 codes [T, H] + float32 scales [T, H / 128], scale = block amax / 448.
-* ``fp8_direct``: e4m3 codes [T, H], no scale (saturating cast).
+* ``fp8_direct_cast``: e4m3 codes [T, H], no scale (saturating cast).
 * ``fp4_mx``: packed e2m1 [T, H / 2] + e8m0 scales [T, H / 32], the OCP MX rule.
 * ``fp4_blockwise``: packed e2m1 [T, H / 2] + float32 scales [T, H / 32], scale = amax / 6.
 
@@ -39,7 +39,7 @@ Error-bound summary (derivations in the docstrings; s = the block's stored scale
 
 * fp8_blockwise: ``|x - dq| <= 2^-4 |x| + 2^-10 s``, s = fl(amax / 448), for blocks with
   amax >= 2^-100.
-* fp8_direct: ``|x - dq| <= max(2^-4 |x|, 2^-10)`` for |x| <= 448, ``|x| - 448`` above.
+* fp8_direct_cast: ``|x - dq| <= max(2^-4 |x|, 2^-10)`` for |x| <= 448, ``|x| - 448`` above.
 * fp4_mx: ``|x - dq| <= 2^-2 max(|x|, s)``, s = 2^(floor(log2 amax) - 2) clamped to e8m0; exact
   arithmetic, no condition.
 * fp4_blockwise: ``|x - dq| <= 2^-2 |x| + 2^-2 s``, s = fl(amax / 6), for blocks with
@@ -56,6 +56,8 @@ __all__ = [
     "FP4_E2M1_MAX",
     "FP8_E4M3_MAX",
     "MODES",
+    "combine_error_bound",
+    "combine_roundtrip",
     "dequantize_fp4_blockwise",
     "dequantize_fp4_mx",
     "dequantize_fp8_blockwise",
@@ -81,7 +83,7 @@ FP8_E4M3_MAX = 448.0
 FP4_E2M1_MAX = 6.0
 """Largest e2m1 magnitude (code 7)."""
 
-MODES = {"fp8_blockwise": 128, "fp8_direct": None, "fp4_mx": 32, "fp4_blockwise": 32}
+MODES = {"fp8_blockwise": 128, "fp8_direct_cast": None, "fp4_mx": 32, "fp4_blockwise": 32}
 """Wire mode -> default block size (None: no scales)."""
 
 _E8M0_MIN_EXP = -127
@@ -491,7 +493,7 @@ def dequantize_fp8_blockwise(codes: torch.Tensor, scales: torch.Tensor, block: i
 
 
 def fp8_direct_cast(x: torch.Tensor) -> torch.Tensor:
-    """Unscaled saturating cast to fp8 e4m3 ("fp8_direct" wire mode): fp8_e4m3_encode of a [T, H] tensor.
+    """Unscaled saturating cast to fp8 e4m3 ("fp8_direct_cast" wire mode): fp8_e4m3_encode of a [T, H] tensor.
 
     Args:
         x: [T, H] bfloat16 or float32 (NaN / infinities allowed: NaN -> 0x7F / 0xFF, +-inf ->
@@ -649,10 +651,10 @@ def scale_bytes(mode: str, hidden: int, block: int | None = None) -> int:
     Args:
         mode: "fp8_blockwise" (float32 per block: 4 * H / block, block 128 by default),
             "fp4_mx" (one e8m0 byte per block: H / block, block 32), "fp4_blockwise" (float32 per
-            block: 4 * H / block, block 32) or "fp8_direct" (no scales: 0).
+            block: 4 * H / block, block 32) or "fp8_direct_cast" (no scales: 0).
         hidden: H, a positive int, a multiple of the block (and even for the fp4 modes).
         block: elements per scale; None takes the mode's default (``MODES``); a positive int (even
-            for the fp4 modes) otherwise; must be None for "fp8_direct".
+            for the fp4 modes) otherwise; must be None for "fp8_direct_cast".
 
     Returns:
         The byte count, e.g. H = 7168: fp8_blockwise 224, fp4_mx 224, fp4_blockwise 896.
@@ -674,3 +676,102 @@ def scale_bytes(mode: str, hidden: int, block: int | None = None) -> int:
         raise ValueError(f"hidden={hidden}: must be a multiple of block={block} for mode {mode!r}")
     per_scale = 1 if mode == "fp4_mx" else 4
     return per_scale * (hidden // block)
+
+
+# --- the combine leg's wire ----------------------------------------------------------------------
+
+
+def _combine_blocks(mode: str, y) -> tuple[torch.Tensor, int]:
+    """Validate (mode, y) of a combine wire function; return y zero-padded to whole blocks and H."""
+    from .codegen.dtypes import combine_quant
+
+    combine_quant(mode)  # ValueError naming the known modes
+    y = _check_2d("y", y, _BLOCK_DTYPES)
+    block = MODES.get(mode)
+    pad = (-y.shape[1]) % block if block else 0
+    return torch.nn.functional.pad(y, (0, pad)) if pad else y, y.shape[1]
+
+
+_TINY_BLOCK = 2.0**-100
+"""Blocks of the combine wire whose amax is below this travel as zeros."""
+
+
+def _flush_tiny_blocks(y: torch.Tensor, block: int) -> torch.Tensor:
+    """float32 copy of [R, H] ``y`` (H a multiple of block) with every block of amax < 2^-100 zeroed."""
+    yb = y.to(torch.float32).reshape(y.shape[0], -1, block).clone()
+    yb[yb.abs().amax(dim=-1) < _TINY_BLOCK] = 0.0
+    return yb.reshape(y.shape)
+
+
+def combine_roundtrip(mode: str, y: torch.Tensor) -> torch.Tensor:
+    """What the combine wire delivers for expert outputs ``y``: dequantize(quantize(y)) of ``mode``,
+    bit for bit what the kernels decode before they sum (ascending rank, float32) and round to
+    bf16 once.
+
+    Modes (``epgen.codegen.dtypes.COMBINE_QUANTS``): "none" (y itself), "fp8_direct_cast"
+    (``fp8_direct_cast``), "fp8_blockwise" (``quantize_fp8_blockwise``, block 128),
+    "fp4_blockwise" (``quantize_fp4_blockwise``, block 32). When H is not a multiple of the block
+    the last block is shorter: the row is zero-padded to whole blocks, which changes no block's
+    amax, and the padding is dropped again. A block whose amax is below 2^-100 travels as zeros
+    (its scale would be subnormal; the bounds below do not need it).
+
+    Args:
+        mode: the wire mode.
+        y: [R, H] bfloat16 or float32 (finite for the blockwise modes).
+
+    Returns:
+        float32 [R, H].
+
+    Raises:
+        ValueError: unknown mode, y not 2-D bfloat16 / float32, or (blockwise) not finite.
+    """
+    yp, hidden = _combine_blocks(mode, y)
+    if MODES.get(mode):
+        yp = _flush_tiny_blocks(yp, MODES[mode])
+    if mode == "none":
+        dq = yp.to(torch.float32)
+    elif mode == "fp8_direct_cast":
+        dq = dequantize_fp8_direct(fp8_direct_cast(yp))
+    elif mode == "fp8_blockwise":
+        dq = dequantize_fp8_blockwise(*quantize_fp8_blockwise(yp))
+    else:
+        dq = dequantize_fp4_blockwise(*quantize_fp4_blockwise(yp))
+    return dq[:, :hidden].contiguous()
+
+
+def combine_error_bound(mode: str, y: torch.Tensor) -> torch.Tensor:
+    """Element-wise bound on |y - combine_roundtrip(mode, y)|, as each quantizer documents it.
+
+    * none: 0.
+    * fp8_direct_cast: ``max(2^-4 |y|, 2^-10)`` for |y| <= 448, ``|y| - 448`` above
+      (``fp8_direct_cast``).
+    * fp8_blockwise: ``2^-4 |y| + 2^-10 s`` (``quantize_fp8_blockwise``).
+    * fp4_blockwise: ``2^-2 |y| + 2^-2 s`` (``quantize_fp4_blockwise``).
+
+    s is the block's float32 scale (1 for a block of amax < 2^-100, which travels as zeros: its
+    error |y| < 2^-100 is inside the bound too).
+    A combined output adds the bounds of the rows it sums, plus its own bf16 rounding
+    (2^-8 relative) and the float32 sum's (W x 2^-24 of the sum of magnitudes).
+
+    Args:
+        mode, y: as ``combine_roundtrip``.
+
+    Returns:
+        float32 [R, H].
+
+    Raises:
+        ValueError: as ``combine_roundtrip``.
+    """
+    yp, hidden = _combine_blocks(mode, y)
+    a = yp.to(torch.float32).abs()
+    if mode == "none":
+        bound = torch.zeros_like(a)
+    elif mode == "fp8_direct_cast":
+        bound = torch.where(a <= FP8_E4M3_MAX, torch.clamp(a * 2.0**-4, min=2.0**-10), a - FP8_E4M3_MAX)
+    else:
+        block = MODES[mode]
+        qmax, rel, per_scale = ((FP8_E4M3_MAX, 2.0**-4, 2.0**-10) if mode == "fp8_blockwise"
+                                else (FP4_E2M1_MAX, 2.0**-2, 2.0**-2))
+        s = _amax_scale(_flush_tiny_blocks(a, block).reshape(a.shape[0], -1, block), qmax)
+        bound = rel * a + per_scale * s.repeat_interleave(block, dim=1)
+    return bound[:, :hidden].contiguous()

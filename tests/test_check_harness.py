@@ -3,10 +3,12 @@ the contract with a scrambled row order; and a broken stand-in that the harness 
 
 import types
 
+import attrs
+
 import pytest
 import torch
 
-from epgen import reference
+from epgen import quant, reference
 from epgen.check import run_round
 from epgen.config import EpConfig
 from epgen.op import DispatchOutput
@@ -17,8 +19,8 @@ class ContractOp:
 
     virtual = True
 
-    def __init__(self, cfg: EpConfig, break_rows: bool = False):
-        self.cfg, self.break_rows = cfg, break_rows
+    def __init__(self, cfg: EpConfig, break_rows: bool = False, combine_nudge: float = 0.0):
+        self.cfg, self.break_rows, self.combine_nudge = cfg, break_rows, combine_nudge
         self.device = torch.device("cpu")
         self.local_ranks = list(range(cfg.world_size))
         cap = cfg.world_size * cfg.max_tokens_per_rank
@@ -50,10 +52,11 @@ class ContractOp:
 
     def combine(self, ys, out):
         inverse = [torch.argsort(self._perm[r]) for r in self.local_ranks]
-        ys_ref = [y[: len(inv)][inv] for y, inv in zip(ys, inverse)]
+        # what the wire carries: each rank's rows quantized and decoded as the kernels do
+        ys_ref = [quant.combine_roundtrip(self.cfg.combine_quant, y[: len(inv)][inv]) for y, inv in zip(ys, inverse)]
         tokens = [o.shape[0] for o in out]
         for o, r in zip(out, reference.combine(ys_ref, self._ref, tokens)):
-            o.copy_(r)
+            o.copy_(r * (1 + self.combine_nudge))
         return out
 
     def check(self):
@@ -68,7 +71,21 @@ CFG = EpConfig.for_model("mixtral-8x7b", world_size=4, max_tokens_per_rank=32)
                                          ([16, 3, 0, 9], "skewed"), ([9, 0, 32, 4], "one_rank")])
 def test_harness_accepts_an_op_that_keeps_the_contract(tokens, kind):
     stats = run_round(ContractOp(CFG), CFG, tokens, kind, seed=3)
-    assert stats["combine_err"] == 0.0 and len(stats["recv"]) == 4
+    assert stats["wire_mismatches"] == 0 and stats["bound_ratio"] <= 1 and len(stats["recv"]) == 4
+
+
+@pytest.mark.parametrize("mode", ["fp8_direct_cast", "fp8_blockwise", "fp4_blockwise"])
+def test_harness_bounds_each_combine_wire(mode):
+    cfg = attrs.evolve(CFG, combine_quant=mode)
+    stats = run_round(ContractOp(cfg), cfg, [32, 5, 0, 17], "uniform", seed=5)
+    # the stand-in decodes exactly like the reference: bit-equal, and a real (nonzero) quantization error
+    assert stats["wire_mismatches"] == 0 and 0 < stats["bound_ratio"] <= 1 and stats["combine_err"] > 0.01
+    # a quantized op checked as if the wire were bf16 is caught by the tighter bound
+    with pytest.raises(AssertionError, match="above its bound"):
+        run_round(ContractOp(cfg), CFG, [32, 5, 0, 17], "uniform", seed=5)
+    # an output 30% off is outside even the fp4 bound
+    with pytest.raises(AssertionError, match="above its bound"):
+        run_round(ContractOp(cfg, combine_nudge=0.3), cfg, [32, 5, 0, 17], "uniform", seed=5)
 
 
 def test_harness_catches_a_changed_row():
@@ -81,6 +98,6 @@ def test_stress_counts_rounds_and_failures():
 
     lines = []
     ok = stress(ContractOp(CFG), CFG, rounds=12, seed=1, report=lines.append)
-    assert ok.rounds == 12 and ok.failures == () and ok.worst_error == 0.0 and len(lines) == 12
+    assert ok.rounds == 12 and ok.failures == () and 0 < ok.worst_bound_ratio <= 1 and len(lines) == 12
     bad = stress(ContractOp(CFG, break_rows=True), CFG, rounds=5, seed=1, report=lines.append)
     assert bad.rounds == 5 and 1 <= len(bad.failures) <= 5  # virtual: counts and goes on

@@ -124,7 +124,7 @@ def test_conflicting_shape_flags_are_errors():
     r = run("generate", "--model", "mixtral-8x7b", "--hidden", "2048", "--topk", "4", "--num-experts", "16", "-o", "/tmp/x")
     assert r.returncode == 2 and "--model mixtral-8x7b fixes the shape" in r.stderr
     r = run("generate", "--topk", "8", "--num-experts", "64", "-o", "/tmp/x")
-    assert r.returncode == 2 and "need --hidden" in r.stderr
+    assert r.returncode == 2 and "--num-experts needs --hidden" in r.stderr
 
 
 def test_catalogue_refuses_arch_subset_and_output_into_a_file(tmp_path):
@@ -148,3 +148,30 @@ def test_bad_numbers_are_rejected_by_the_parser():
     assert r.returncode == 2 and "must be at least 1" in r.stderr
     r = run("demo", "--world-size", "3")
     assert r.returncode == 2 and "multiple of world_size=3" in r.stderr
+
+
+@pytest.mark.parametrize("argv,ops,token,count", [
+    (["--quant", "fp8_blockwise", "--arch", "sm_90"], {"combine"}, "_qfp8b", 7),
+    (["--dtype", "fp4", "--arch", "gfx1250"], {"dispatch"}, "_fp4_", 7),
+    (["--topk", "9", "--arch", "gfx950"], {"dispatch", "combine"}, "_k9_", 12),  # mixtral has 8 experts
+    (["--topk", "10", "--quant", "fp4_blockwise", "--arch", "gfx950"], {"combine"}, "_k10_", 6),
+])
+def test_check_selectors_pick_catalogue_variants(argv, ops, token, count, capsys):
+    from epgen.codegen.offline import toolchain_status
+
+    reason = toolchain_status(argv[-1])
+    if reason:
+        pytest.skip(reason)
+    assert main(["check", *argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == count and {r["op"] for r in rows} == ops
+    assert all(token in r["entry"] + "_" and r["status"] == "ok" for r in rows)
+
+
+def test_selector_errors_name_the_flag():
+    r = run("check", "--num-experts", "64")
+    assert r.returncode == 2 and "--num-experts needs --hidden" in r.stderr
+    r = run("check", "--topk", "16", "--world-size", "8", "--max-tokens", "8")
+    assert r.returncode == 0, r.stderr
+    r = run("check", "--quant", "fp16")
+    assert r.returncode == 2 and "--quant: invalid choice: 'fp16'" in r.stderr

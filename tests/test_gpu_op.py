@@ -96,3 +96,47 @@ def test_quantized_dispatch_two_processes(dtype):
     from epgen.launch import run_ranks
 
     run_ranks(2, _quantized_body, dtype, False)
+
+
+COMBINE_WIRES = ["fp8_direct_cast", "fp8_blockwise", "fp4_blockwise"]
+
+
+def _combine_wire_body(rank, world_size, mode, model, virtual):
+    """Every combine wire against the reference within its documented bound; with the fp8_blockwise
+    wire the payload is fp8 with scales (quantized dispatch and combine in one op)."""
+    from epgen.op import EpDispatchCombine
+    from epgen.quant import scale_bytes
+
+    hidden = EpConfig.for_model(model, world_size=world_size, max_tokens_per_rank=1).hidden
+    fp8 = mode == "fp8_blockwise"
+    cfg = EpConfig.for_model(model, world_size=world_size, max_tokens_per_rank=TMAX, combine_quant=mode,
+                             dtype="fp8" if fp8 else "bf16", scale_bytes=scale_bytes(mode, hidden) if fp8 else 0,
+                             dispatch_geometry=Geometry(16, 16, 4), combine_geometry=Geometry(16, 16, 4), timeout_s=10.0)
+    op = EpDispatchCombine(cfg, virtual=virtual, validate=True)
+    worst = {"combine_err": 0.0, "bound_ratio": 0.0, "wire_mismatches": 0}
+    seed = 70
+    for tokens in ([4096] * world_size, [0, 1, 128, 4096, 4096, 128, 1, 0][:world_size], [0] * world_size):
+        for kind in ("uniform", "invalid", "duplicates"):
+            seed += 1
+            stats = run_round(op, cfg, tokens, kind, seed)
+            worst = {k: max(worst[k], stats[k]) for k in worst}
+    op.close()
+    if rank == 0:
+        print(f"combine wire {mode} ({model}, {'virtual ' if virtual else ''}W={world_size}, dispatch {cfg.dtype}): "
+              f"max error {worst['combine_err']:.4g}, worst {worst['bound_ratio']:.3f} of the documented bound, "
+              f"{worst['wire_mismatches']} elements differ from the bit-exact wire reference")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", COMBINE_WIRES)
+@pytest.mark.parametrize("model", SHAPES)
+def test_combine_wire_virtual_8(mode, model):
+    _combine_wire_body(0, 8, mode, model, True)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("mode", COMBINE_WIRES)
+def test_combine_wire_two_processes(mode):
+    from epgen.launch import run_ranks
+
+    run_ranks(2, _combine_wire_body, mode, "deepseek-v3", False)

@@ -629,9 +629,9 @@ def test_scale_bytes_values_and_consistency():
     assert scale_bytes("fp8_blockwise", 7168) == 224
     assert scale_bytes("fp4_mx", 7168) == 224
     assert scale_bytes("fp4_blockwise", 7168) == 896
-    assert scale_bytes("fp8_direct", 7168) == 0
+    assert scale_bytes("fp8_direct_cast", 7168) == 0
     assert scale_bytes("fp8_blockwise", 4096, block=64) == 256
-    assert set(MODES) == {"fp8_blockwise", "fp8_direct", "fp4_mx", "fp4_blockwise"}
+    assert set(MODES) == {"fp8_blockwise", "fp8_direct_cast", "fp4_mx", "fp4_blockwise"}
     x = make_x("normal", 0, torch.bfloat16, tokens=3, hidden=2048)
     for mode, quantize in (("fp8_blockwise", quantize_fp8_blockwise), ("fp4_mx", quantize_fp4_mx),
                            ("fp4_blockwise", quantize_fp4_blockwise)):
@@ -647,7 +647,7 @@ def test_scale_bytes_values_and_consistency():
         (("fp4_mx", 0), {}, r"hidden=0: must be a positive int"),
         (("fp4_mx", 64.0), {}, r"hidden=64.0: must be a positive int"),
         (("fp4_mx", 66), {"block": 33}, r"block=33: must be a positive even int"),
-        (("fp8_direct", 128), {"block": 128}, r"block=128: must be None for mode 'fp8_direct'"),
+        (("fp8_direct_cast", 128), {"block": 128}, r"block=128: must be None for mode 'fp8_direct_cast'"),
     ],
 )
 def test_scale_bytes_bad_inputs(args, kwargs, pattern):
@@ -658,3 +658,48 @@ def test_scale_bytes_bad_inputs(args, kwargs, pattern):
 def test_constants():
     assert FP8_E4M3_MAX == fp8_e4m3_decode(torch.tensor([0x7E], dtype=U8)).item()
     assert FP4_E2M1_MAX == fp4_e2m1_decode(torch.tensor([7], dtype=U8)).item()
+
+
+# --- the combine wire ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["none", "fp8_direct_cast", "fp8_blockwise", "fp4_blockwise"])
+@pytest.mark.parametrize("hidden", [2880, 7168, 8])
+def test_combine_roundtrip_within_its_bound(mode, hidden):
+    from epgen.quant import combine_error_bound, combine_roundtrip
+
+    g = torch.Generator().manual_seed(hidden)
+    y = (torch.randn(33, hidden, generator=g) * torch.logspace(-3, 3, 33)[:, None]).to(torch.bfloat16)
+    y[0] = 0.0
+    y[1, : min(hidden, 40)] = 1e-35  # a tiny block travels as zeros (and stays inside the bound)
+    dq, bound = combine_roundtrip(mode, y), combine_error_bound(mode, y)
+    assert dq.dtype == torch.float32 and dq.shape == y.shape == bound.shape
+    err = (dq - y.float()).abs()
+    assert bool((err <= bound).all())
+    if mode == "none":
+        assert torch.equal(dq, y.float())
+    else:
+        assert float(err.max()) > 0 and float((err / bound.clamp(min=1e-30)).max()) > 0.3  # the bound is not loose
+
+
+def test_combine_roundtrip_partial_block_is_its_own_block():
+    from epgen.quant import combine_roundtrip
+
+    y = torch.randn(4, 2880).to(torch.bfloat16)  # 22 whole blocks of 128 and one of 64
+    dq = combine_roundtrip("fp8_blockwise", y)
+    whole = dequantize_fp8_blockwise(*quantize_fp8_blockwise(y[:, :2816]))
+    last = dequantize_fp8_blockwise(*quantize_fp8_blockwise(y[:, 2816:], block=64), block=64)
+    assert torch.equal(dq, torch.cat([whole, last], dim=1))
+    dq4 = combine_roundtrip("fp4_blockwise", y)  # 2880 = 90 blocks of 32: no partial block
+    assert torch.equal(dq4, dequantize_fp4_blockwise(*quantize_fp4_blockwise(y)))
+
+
+def test_combine_wire_rejects_bad_arguments():
+    from epgen.quant import combine_error_bound, combine_roundtrip
+
+    with pytest.raises(ValueError, match=r"combine_quant='fp4_mx': must be one of none, fp8_direct_cast"):
+        combine_roundtrip("fp4_mx", torch.zeros(2, 32))
+    with pytest.raises(ValueError, match=r"y: shape \(4,\) must be 2-D"):
+        combine_error_bound("fp8_blockwise", torch.zeros(4))
+    with pytest.raises(ValueError, match="must be finite"):
+        combine_roundtrip("fp8_blockwise", torch.full((1, 128), float("inf")))

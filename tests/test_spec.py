@@ -197,6 +197,9 @@ SHAPES = [
     dict(hidden=2880, topk=4, experts_per_rank=16, world_size=8, max_tokens_per_rank=4096),
     dict(hidden=4096, topk=3, experts_per_rank=5, world_size=3, max_tokens_per_rank=77, scale_bytes=56),
     dict(hidden=2048, topk=8, experts_per_rank=1, world_size=32, max_tokens_per_rank=1000, scale_bytes=1),
+    dict(hidden=2880, topk=8, experts_per_rank=16, world_size=8, max_tokens_per_rank=64, combine_quant="fp8_blockwise"),
+    dict(hidden=8, topk=1, experts_per_rank=1, world_size=2, max_tokens_per_rank=3, combine_quant="fp4_blockwise"),
+    dict(hidden=7168, topk=8, experts_per_rank=32, world_size=8, max_tokens_per_rank=5, combine_quant="fp8_direct_cast"),
     dict(hidden=1 << 16, topk=16, experts_per_rank=4, world_size=64, max_tokens_per_rank=MAX_TOKENS_LIMIT,
          scale_bytes=4096),
 ]
@@ -220,7 +223,7 @@ def test_derived_values(arch, i):
 
 
 REGIONS = ["signals", "send_slot", "recv_src", "recv_weights", "recv_indices", "recv_scales", "combine_in",
-           "recv_x"]
+           "combine_wire", "recv_x"]
 
 
 def _documented_sizes(s: KernelSpec) -> dict[str, int]:
@@ -234,6 +237,7 @@ def _documented_sizes(s: KernelSpec) -> dict[str, int]:
         "recv_indices": cap * s.topk * 4,
         "recv_scales": cap * s.scale_bytes,
         "combine_in": cap * s.hidden * 2,
+        "combine_wire": cap * s.quant.wire_row_bytes(s.hidden) if s.quant.quantized else 0,
         "recv_x": cap * s.row_bytes if s.op is Op.DISPATCH else 0,
     }
 
@@ -309,6 +313,7 @@ VARIANTS = {
     "warps_per_block": [16, 8],
     "unroll": [4, 2],
     "scale_bytes": [0, 16],
+    "combine_quant": ["none", "fp4_blockwise"],
 }
 
 
@@ -374,17 +379,21 @@ def _name_tokens(s: KernelSpec) -> dict[str, str]:
     }
     if s.scale_bytes:
         toks["scale_bytes"] = f"_s{s.scale_bytes}_"
+    if s.quant.quantized:
+        toks["combine_quant"] = f"_{s.quant.tag}_"
     return toks
 
 
 def test_name_contains_every_field():
-    for s in (spec(scale_bytes=16, blocks=7, warps_per_block=3, unroll=5), spec(op="combine", arch="sm_90")):
+    for s in (spec(scale_bytes=16, blocks=7, warps_per_block=3, unroll=5, combine_quant="fp8_blockwise"),
+              spec(op="combine", arch="sm_90")):
         n = s.name
         assert n.startswith("epgen_")
         toks = _name_tokens(s)
         for field, tok in toks.items():
             assert tok in n + "_", f"{field}: {tok!r} not in {n!r}"
-        assert set(toks) | ({"scale_bytes"} if not s.scale_bytes else set()) == set(FIELDS)
+        optional = ({"scale_bytes"} if not s.scale_bytes else set()) | ({"combine_quant"} if not s.quant.quantized else set())
+        assert set(toks) | optional == set(FIELDS)
 
 
 def test_name_fields_in_declaration_order():
@@ -548,3 +557,25 @@ def test_for_model_passes_keywords():
     assert (c.scale_bytes, c.timeout_s, c.dispatch_geometry.blocks) == (56, 1.5, 4)
     with pytest.raises(ValueError, match=r"EpConfig\.num_experts=8.*multiple of world_size=3"):
         EpConfig.for_model("mixtral-8x7b", world_size=3, max_tokens_per_rank=128)
+
+
+@pytest.mark.parametrize("mode,hidden,wire", [("fp8_blockwise", 7168, 7168 + 224), ("fp8_blockwise", 2880, 2880 + 96),
+                                              ("fp4_blockwise", 2880, 1440 + 368), ("fp4_blockwise", 7168, 3584 + 896),
+                                              ("fp8_direct_cast", 2880, 2880), ("fp4_blockwise", 8, 16 + 16)])
+def test_combine_wire_rows(mode, hidden, wire):
+    from epgen.codegen.dtypes import combine_quant
+
+    q = combine_quant(mode)
+    assert q.wire_row_bytes(hidden) == wire and q.scale_offset(hidden) % 16 == 0 and wire % 16 == 0
+
+
+def test_combine_quant_names_layout_and_errors():
+    base = spec(op="combine", hidden=2880)
+    quantized = base.replace(combine_quant="fp8_blockwise")
+    assert quantized.name == base.name + "_qfp8b" and quantized.fan_in == 1 and base.fan_in == 2
+    assert base.layout.combine_wire == base.layout.recv_x  # no wire region without quantization
+    assert quantized.layout.recv_x - quantized.layout.combine_wire >= quantized.capacity_rows * (2880 + 96)
+    d = spec(op="dispatch", hidden=2880)
+    assert d.replace(combine_quant="fp4_blockwise").layout.recv_x > d.layout.recv_x  # both ops share one layout
+    with pytest.raises(ValueError, match=r"KernelSpec.combine_quant='fp16': must be one of none, fp8_direct_cast"):
+        base.replace(combine_quant="fp16")
