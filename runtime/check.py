@@ -242,3 +242,204 @@ def run_round(op, cfg: EpConfig, tokens: list[int], kind: str, seed: int) -> dic
     return {"recv": [ref[r].num_rows for r in local], "combine_err": max(s["max_err"] for s in stats),
             "bound_ratio": max(s["bound_ratio"] for s in stats),
             "wire_mismatches": sum(s["wire_mismatches"] for s in stats)}
+
+
+# ---- exact rounds: integer tokens, checked bit for bit on the op's device ---------------------
+#
+# The rounds above compare with the reference (combine within its error bound). The helpers below
+# check a round on the device itself, cheaply enough for thousands of rounds or graph replays,
+# and exactly: tokens are small integers, rank d's expert output for a received row is that row
+# times (d + 1), so out[t] = x[t] * (sum of d + 1 over the ranks d token t reached): an integer of
+# magnitude <= 7 * W(W+1)/2 <= 252 for W <= 8, exact in fp32 and bf16 whatever the summation order.
+
+EXACT_MAX_VALUE = 7
+"""Tokens of ``integer_inputs`` lie in [-7, 7]."""
+
+EXACT_MAX_WORLD = 8
+"""Largest W whose exact sums stay below 256 (every integer up to 256 is a bf16 value)."""
+
+
+def integer_inputs(cfg: EpConfig, tokens: list[int], kind: str = "uniform", seed: int = 0,
+                   device=None) -> list[RankInputs]:
+    """``make_inputs`` with bf16 tokens of small integers in [-7, 7] (same seed and device type:
+    the same inputs in every process), for ``run_exact_round`` / ``check_exact_*``.
+
+    Raises:
+        ValueError: ``cfg.dtype`` is not bf16, or W > 8 (the sums would leave the exact range).
+    """
+    if cfg.dtype != "bf16":
+        raise ValueError(f"EpConfig.dtype={cfg.dtype!r}: exact rounds need bf16 tokens")
+    if cfg.world_size > EXACT_MAX_WORLD:
+        raise ValueError(f"EpConfig.world_size={cfg.world_size}: exact rounds need W <= {EXACT_MAX_WORLD}")
+    inputs = make_inputs(cfg, tokens, kind, seed, device=device)
+    dev = inputs[0].x.device
+    gen = torch.Generator(device=dev).manual_seed(seed + 0x5EED)
+    return [attrs.evolve(i, x=torch.randint(-EXACT_MAX_VALUE, EXACT_MAX_VALUE + 1, tuple(i.x.shape), generator=gen,
+                                            device=dev).to(torch.bfloat16)) for i in inputs]
+
+
+def integer_expert_stage(op, rank: int) -> torch.Tensor:
+    """``rank``'s expert outputs for an exact round, written into ``op.combine_input(rank)`` (so
+    combine takes them without a copy): every receive row times (rank + 1). Works on all capacity
+    rows on the current stream with no host synchronization (it can sit in a captured CUDA graph);
+    rows at or beyond num_recv hold garbage that combine never reads."""
+    y = op.combine_input(rank)
+    torch.mul(op.recv_buffers(rank).recv_x, rank + 1, out=y)
+    return y
+
+
+@attrs.frozen
+class Expected:
+    """What a round must produce, on the inputs' device (see ``expect``).
+
+    Attributes:
+        tokens: T of every rank.
+        x, weights, indices, scales: [W, Tm, bytes] uint8, every rank's source rows as bytes,
+            zero-padded to Tm = max(1, max T) rows (scales None when there are none).
+        reached: [W, Tm, W] bool, token t of rank r reaches rank d (a valid expert on d).
+    """
+
+    tokens: tuple
+    x: torch.Tensor
+    weights: torch.Tensor
+    indices: torch.Tensor
+    scales: torch.Tensor | None
+    reached: torch.Tensor
+
+
+def expect(cfg: EpConfig, inputs: list[RankInputs]) -> Expected:
+    """The expectation of a round of ``inputs`` (all W ranks), computed on their device."""
+    W, L = cfg.world_size, cfg.experts_per_rank
+    tokens = tuple(int(i.x.shape[0]) for i in inputs)
+    Tm = max(tokens + (1,))
+    dev = inputs[0].x.device
+
+    def stack(name):
+        parts = [_bits(getattr(i, name)) for i in inputs]  # [T, bytes] (rows are 2-D)
+        out = torch.zeros(W, Tm, parts[0].shape[1], dtype=torch.uint8, device=dev)
+        for r, p in enumerate(parts):
+            out[r, : p.shape[0]] = p
+        return out
+
+    ids = torch.full((W, Tm, cfg.topk), -1, dtype=torch.int64, device=dev)
+    for r, i in enumerate(inputs):
+        ids[r, : tokens[r]] = i.indices.to(torch.int64)
+    dest = torch.where((ids >= 0) & (ids < cfg.num_experts), ids // L, -1)
+    reached = (dest[..., None] == torch.arange(W, device=dev)).any(dim=2)
+    return Expected(tokens=tokens, x=stack("x"), weights=stack("weights"), indices=stack("indices"),
+                    scales=stack("scales") if inputs[0].scales is not None else None, reached=reached)
+
+
+def check_exact_dispatch(rank: int, out, exp: Expected) -> int:
+    """Check one rank's DispatchOutput against ``exp`` on the device: num_recv equals the number
+    of (source rank, token) pairs that reach ``rank``, every received pair is one of them and none
+    twice, and every row (payload, weights, indices, scales) is bit-equal to its source row.
+
+    Returns:
+        rows received.
+
+    Raises:
+        AssertionError: naming the rank, what differs, how often, and one example.
+    """
+    W, Tm = exp.reached.shape[0], exp.reached.shape[1]
+    dev = exp.reached.device
+    n, want = (int(v) for v in torch.stack([out.num_recv.reshape(-1)[0].to(dev, torch.int64),
+                                            exp.reached[:, :, rank].sum()]).tolist())
+    assert n == want, f"rank {rank}: num_recv={n}, expected {want} received rows"
+    if n == 0:
+        return 0
+    src = out.recv_src[:n].to(dev, torch.int64)
+    r, t = src[:, 0], src[:, 1]
+    rc = r.clamp(0, W - 1)
+    tc = t.clamp(0, Tm - 1)
+    limit = torch.tensor(exp.tokens, device=dev)[rc]
+    ok = (r >= 0) & (r < W) & (t >= 0) & (t < limit) & exp.reached[rc, tc, rank]
+    key = torch.where(ok, rc * Tm + tc, -1 - torch.arange(n, device=dev))  # bad rows never count as duplicates
+    ks = key.sort().values
+    dup = ks[1:] == ks[:-1]
+    fields = [("recv_x", out.recv_x, exp.x), ("recv_weights", out.recv_weights, exp.weights),
+              ("recv_indices", out.recv_indices, exp.indices)]
+    if exp.scales is not None:
+        fields.append(("recv_scales", out.recv_scales, exp.scales))
+    differ = [(_bits(got[:n]).to(dev) != want[rc, tc]).any(dim=1) & ok for _, got, want in fields]
+    counts = torch.stack([(~ok).sum(), dup.sum()] + [d.sum() for d in differ]).tolist()
+    problems = []
+    if counts[0]:
+        i = int((~ok).nonzero()[0])
+        problems.append(f"{counts[0]} of {n} rows name a (source rank, token) that does not exist or does not "
+                        f"route to rank {rank}, e.g. row {i} = {tuple(src[i].tolist())}")
+    if counts[1]:
+        problems.append(f"{counts[1]} (source rank, token) pairs received more than once, e.g. "
+                        f"{divmod(int(ks[1:][dup][0]), Tm)}")
+    for (name, _, _), d, c in zip(fields, differ, counts[2:]):
+        if c:
+            i = int(d.nonzero()[0])
+            problems.append(f"{name}: {c} of {n} rows differ from their source row, e.g. row {i} from "
+                            f"{tuple(src[i].tolist())}")
+    assert not problems, f"rank {rank}: " + "; ".join(problems)
+    return n
+
+
+def check_exact_combine(rank: int, combined: torch.Tensor, exp: Expected) -> None:
+    """Check one rank's combine output of an exact round (``integer_inputs`` and
+    ``integer_expert_stage``) bit for bit: out[t] = x[t] * (sum of d + 1 over the ranks d that
+    token t reached), +0.0 for a token that reached no rank.
+
+    Raises:
+        AssertionError: naming the rank, how many tokens differ and one example.
+    """
+    W, T = exp.reached.shape[0], exp.tokens[rank]
+    dev = exp.reached.device
+    H = exp.x.shape[2] // 2
+    assert tuple(combined.shape) == (T, H), f"rank {rank}: combine output shape {tuple(combined.shape)}, expected {(T, H)}"
+    if T == 0:
+        return
+    factor = torch.arange(1, W + 1, device=dev, dtype=torch.float32)
+    s = (exp.reached[rank, :T].float() * factor).sum(dim=1, keepdim=True)
+    x = exp.x[rank, :T].view(torch.bfloat16).float()
+    want = torch.where(s > 0, x * s, torch.zeros((), device=dev)).to(torch.bfloat16)
+    got = combined.to(dev)
+    differ = (got.view(torch.int16) != want.view(torch.int16)).any(dim=1)
+    k = int(differ.sum())
+    if k:
+        i = int(differ.nonzero()[0])
+        j = int((got[i].view(torch.int16) != want[i].view(torch.int16)).nonzero()[0])
+        reached = exp.reached[rank, i].nonzero().flatten().tolist()
+        raise AssertionError(f"rank {rank}: combine output of {k} of {T} tokens differs from the exact sum, e.g. "
+                             f"token {i} (reached ranks {reached}) element {j}: {float(got[i, j])} instead of "
+                             f"{float(want[i, j])}")
+
+
+def run_exact_round(op, cfg: EpConfig, inputs: list[RankInputs], pause=None) -> dict:
+    """One dispatch + combine of ``inputs`` (``integer_inputs`` of all W ranks; every process
+    passes the same) on the ranks ``op`` drives, checked bit for bit on the op's device: receive
+    buffers poisoned before dispatch, expert outputs by ``integer_expert_stage`` (zero-copy),
+    combine into NaN-filled outputs. ``pause`` (no arguments), when given, is called right before
+    the dispatch and right before the combine (e.g. a random host delay on one rank).
+
+    Returns:
+        {"recv": rows received per local rank, "combined": the combine outputs per local rank}.
+
+    Raises:
+        AssertionError: any difference (``check_exact_dispatch``, ``check_exact_combine``).
+        EpError: the op reported a kernel fault.
+    """
+    exp = expect(cfg, inputs)
+    local = op.local_ranks
+    for r in local:
+        poison(op, r)
+    if pause:
+        pause()
+    outs = op.dispatch(*op_inputs(op, inputs))
+    outs = outs if op.virtual else [outs]
+    recv = [check_exact_dispatch(r, o, exp) for r, o in zip(local, outs)]
+    ys = [integer_expert_stage(op, r) for r in local]
+    nan = [torch.full((exp.tokens[r], cfg.hidden), float("nan"), dtype=torch.bfloat16, device=op.device) for r in local]
+    if pause:
+        pause()
+    combined = op.combine(op_arg(op, ys), out=op_arg(op, nan))
+    combined = combined if op.virtual else [combined]
+    for r, c in zip(local, combined):
+        check_exact_combine(r, c, exp)
+    op.check()
+    return {"recv": recv, "combined": combined}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import torch
 
@@ -29,19 +30,50 @@ def _worker(rank: int, world_size: int, port: int, fn, args):
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn, *args) -> None:
+def run_ranks(world_size: int, fn, *args, timeout_s: float | None = None) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes, rank r on cuda:r.
 
-    ``fn`` must be a module-level function (it is pickled by reference).
+    ``fn`` must be a module-level function (it is pickled by reference). A rank that ends with
+    exit status 0 before ``fn`` returns (``os._exit(0)``, e.g. a test playing a dead peer) counts
+    as finished; the others run on.
+
+    Args:
+        timeout_s: bound on the whole run (None: no bound). Past it every rank still running is
+            killed and TimeoutError raised, so a hung rank fails the caller instead of hanging it.
 
     Raises:
         RuntimeError: fewer GPUs than ranks.
-        torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback included).
+        torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback included); the
+            other ranks are terminated.
+        torch.multiprocessing.ProcessExitedException: a rank died with a non-zero status or a signal.
+        TimeoutError: ranks still running after ``timeout_s``.
     """
     if torch.cuda.device_count() < world_size:
         raise RuntimeError(f"world_size={world_size}: needs {world_size} GPUs, this machine has "
                            f"{torch.cuda.device_count()}")
-    torch.multiprocessing.spawn(_worker, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)
+    start_and_join(_worker, (world_size, _free_port(), fn, args), world_size, timeout_s)
+
+
+def start_and_join(target, args: tuple, nprocs: int, timeout_s: float | None = None) -> None:
+    """``torch.multiprocessing.spawn(target, args, nprocs)`` with an optional bound: past
+    ``timeout_s`` seconds, kill every process still running and raise TimeoutError naming them.
+    Failures propagate as from ``spawn``; no process outlives the call."""
+    ctx = torch.multiprocessing.start_processes(target, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())):
+            if deadline is not None and time.monotonic() >= deadline:
+                running = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
+                raise TimeoutError(f"processes {running} of {nprocs} still running after timeout_s={timeout_s}; "
+                                   "killed them")
+    finally:
+        for p in ctx.processes:
+            try:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+            except ValueError:  # already closed by the join above
+                pass
 
 
 def run_ranks_or_here(world_size: int, virtual: bool, fn, *args) -> None:

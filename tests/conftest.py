@@ -1,4 +1,11 @@
+import faulthandler
+import os
+
 import pytest
+
+GPU_TEST_TIMEOUT_S = float(os.environ.get("EPGEN_GPU_TEST_TIMEOUT", "300"))
+"""Bound of one GPU test; past it every thread's stack is printed and pytest exits (a kernel or
+collective that never returns cannot be interrupted any other way)."""
 
 
 def _gpu_reason():
@@ -31,3 +38,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords or "multigpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_test_watchdog(request):
+    """Arm ``GPU_TEST_TIMEOUT_S`` around every gpu / multigpu test (faulthandler's watchdog thread
+    fires even while the main thread is blocked in a CUDA call)."""
+    guarded = request.node.get_closest_marker("gpu") or request.node.get_closest_marker("multigpu")
+    if guarded:
+        faulthandler.dump_traceback_later(GPU_TEST_TIMEOUT_S, exit=True)
+    yield
+    if guarded:
+        faulthandler.cancel_dump_traceback_later()

@@ -1,0 +1,443 @@
+"""GPU reliability tests (issue 5): each kind of bug, fixed as a kind, has a test here.
+
+Modes: ``virtual8`` = W = 8 virtual ranks on one GPU (marker gpu) and ``procs2`` = W = 2 with one
+process per GPU (marker multigpu), unless a case names its own W. Rounds are checked bit for bit
+on the device (``epgen.check.run_exact_round``: integer tokens whose combine sums are exact), so
+even a thousand rounds cost little.
+
+Nothing here can hang: every in-kernel wait is bounded by ``EpConfig.timeout_s``, every
+two-process run by ``run_ranks(timeout_s=...)`` (which kills the ranks and raises), and every test
+by the conftest watchdog. Geometry is explicit (``GEO``) so each layer compiles one variant per op.
+"""
+
+import os
+import random
+import sys
+import time
+import traceback
+
+import attrs
+import pytest
+import torch
+
+from epgen.check import (ROUTINGS, check_exact_combine, check_exact_dispatch, expect, integer_expert_stage,
+                         integer_inputs, op_arg, op_inputs, poison, run_exact_round, run_round)
+from epgen.config import EpConfig, Geometry
+
+GEO = Geometry(16, 16, 4)
+TIMEOUT_S = 5.0
+"""Kernel spin-wait bound where the bound itself is not under test."""
+PROCS_TIMEOUT_S = 180.0
+"""Bound of one two-process run: start, compile, run."""
+
+MODES = [pytest.param(8, True, marks=pytest.mark.gpu, id="virtual8"),
+         pytest.param(2, False, marks=pytest.mark.multigpu, id="procs2")]
+
+
+def edge_config(world_size: int, max_tokens: int = 64, timeout_s: float = TIMEOUT_S) -> EpConfig:
+    """The small layer of the edge cases: H 2048, top-4, E = 16 on W >= 4 and 8 on W = 2, so that
+    experts 3 and 5 live on different ranks (W = 8: ranks 1 and 2; W = 2 and 4: ranks 0 and 1)."""
+    return EpConfig(world_size=world_size, hidden=2048, topk=4, num_experts=16 if world_size >= 4 else 8,
+                    max_tokens_per_rank=max_tokens, dispatch_geometry=GEO, combine_geometry=GEO, timeout_s=timeout_s)
+
+
+def _op(cfg: EpConfig, virtual: bool, validate: bool = True):
+    from epgen.op import EpDispatchCombine
+
+    return EpDispatchCombine(cfg, virtual=virtual, validate=validate)
+
+
+def _close(op):
+    """Close after every rank is done with every peer's arena (a peer's combine may still read ours)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    op.close()
+
+
+def _run(world_size: int, virtual: bool, body, *args, timeout_s: float = PROCS_TIMEOUT_S):
+    """``body(rank, world_size, virtual, *args)``: here with virtual ranks, else in W processes."""
+    if virtual:
+        body(0, world_size, virtual, *args)
+    else:
+        from epgen.launch import run_ranks
+
+        run_ranks(world_size, body, virtual, *args, timeout_s=timeout_s)
+
+
+def _silence(inputs, ranks):
+    """``inputs`` with every row of ``ranks`` set to -1 (those tokens reach no rank)."""
+    return [attrs.evolve(i, indices=torch.full_like(i.indices, -1)) if r in ranks else i for r, i in enumerate(inputs)]
+
+
+# ---- token counts ------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_tokens_on_one_rank_on_all_but_one_and_on_none_virtual4():
+    cfg = edge_config(4)
+    op = _op(cfg, True)
+    try:
+        seed = 0
+        for tokens in ([5, 0, 0, 0], [0, 5, 5, 5], [0, 0, 0, 0]):
+            for kind in ROUTINGS:
+                seed += 1
+                stats = run_exact_round(op, cfg, integer_inputs(cfg, tokens, kind, seed, device=op.device))
+                if sum(tokens) == 0:
+                    assert stats["recv"] == [0, 0, 0, 0]
+            run_round(op, cfg, tokens, "uniform", seed)  # and against the CPU reference
+    finally:
+        op.close()
+
+
+# ---- -1 rows and duplicate ids -----------------------------------------------------------------
+
+def _minus_one_body(rank, world_size, virtual):
+    cfg = edge_config(world_size)
+    op = _op(cfg, virtual)
+    silent = {1, 3} if world_size == 8 else {1}
+    for seed, (kind, quiet) in enumerate([("uniform", silent), ("duplicates", silent), ("invalid", silent),
+                                          ("uniform", set(range(world_size)))]):
+        tokens = [cfg.max_tokens_per_rank - 3 * r for r in range(world_size)]
+        inputs = _silence(integer_inputs(cfg, tokens, kind, seed, device=op.device), quiet)
+        stats = run_exact_round(op, cfg, inputs)
+        for r, out in zip(op.local_ranks, stats["combined"]):
+            if r in quiet:
+                assert bool((out.view(torch.int16) == 0).all()), f"rank {r}: every row -1, but the combine output " \
+                                                                  "is not all +0.0 bits"
+        if quiet == set(range(world_size)):
+            assert stats["recv"] == [0] * len(op.local_ranks)
+    _close(op)
+
+
+@pytest.mark.parametrize("world_size,virtual", MODES)
+def test_ranks_whose_rows_are_all_minus_one_get_bitwise_zeros(world_size, virtual):
+    _run(world_size, virtual, _minus_one_body)
+
+
+def _dedup_body(rank, world_size, virtual):
+    cfg = edge_config(world_size)
+    op = _op(cfg, virtual)
+    L = cfg.experts_per_rank
+    targets = {3 // L, 5 // L}
+    assert len(targets) == 2
+    tokens = [3, 0, 2, 1, 0, 4, 1, 2][:world_size] if world_size == 8 else [3, 2]
+    inputs = integer_inputs(cfg, tokens, "uniform", 7, device=op.device)
+    for i in inputs:
+        i.indices.copy_(torch.tensor([3, 3, 5, -1], dtype=torch.int32, device=op.device).expand_as(i.indices))
+    run_exact_round(op, cfg, inputs)
+    everyone = sorted((r, t) for r in range(world_size) for t in range(tokens[r]))
+    for r in op.local_ranks:
+        buf = op.recv_buffers(r)
+        n = int(buf.num_recv.item())
+        got = sorted(map(tuple, buf.recv_src[:n].tolist()))
+        want = everyone if r in targets else []
+        assert n == len(want) and got == want, f"rank {r}: num_recv={n}, recv_src {got[:8]}; expected {len(want)} " \
+                                               f"rows {want[:8]} (row [3, 3, 5, -1], experts 3 and 5 on ranks {sorted(targets)})"
+    _close(op)
+
+
+@pytest.mark.parametrize("world_size,virtual", MODES)
+def test_duplicate_ids_in_a_row_reach_each_rank_once(world_size, virtual):
+    _run(world_size, virtual, _dedup_body)
+
+
+# ---- max_tokens_per_rank -----------------------------------------------------------------------
+
+MAX_TOKENS = (1, 32, 63, 64, 256)
+
+
+def _max_tokens_body(rank, world_size, virtual):
+    for Tmax in MAX_TOKENS:
+        cfg = edge_config(world_size, max_tokens=Tmax)
+        op = _op(cfg, virtual)
+        run_exact_round(op, cfg, integer_inputs(cfg, [Tmax] * world_size, "uniform", Tmax, device=op.device))
+        # One token too many (the last rank with virtual ranks; every process with real ones, whose
+        # peers would otherwise wait in the kernel): ValueError before any copy or launch.
+        over = [Tmax] * (world_size - 1) + [Tmax + 1] if virtual else [Tmax + 1] * world_size
+        bad = integer_inputs(cfg, over, "uniform", Tmax + 1, device=op.device)
+        for r in op.local_ranks:
+            poison(op, r)
+            op.recv_buffers(r).num_recv.fill_(-7)  # a dispatch that ran would overwrite it
+        with pytest.raises(ValueError, match=rf"x(\[rank {world_size - 1}\])?\.shape\[0\]={Tmax + 1}: more tokens "
+                                             rf"than max_tokens_per_rank={Tmax}"):
+            op.dispatch(*op_inputs(op, bad))
+        torch.cuda.synchronize()
+        for r in op.local_ranks:
+            buf = op.recv_buffers(r)
+            assert int(buf.num_recv.item()) == -7, f"Tmax={Tmax} rank {r}: a kernel ran for the rejected call"
+            assert bool(buf.recv_x.isnan().all()), f"Tmax={Tmax} rank {r}: receive rows written for the rejected call"
+        for kind in ("one_rank", "duplicates"):  # the op still works
+            run_exact_round(op, cfg, integer_inputs(cfg, [Tmax] + [Tmax // 2] * (world_size - 1), kind, Tmax + 2,
+                                                    device=op.device))
+        _close(op)
+
+
+@pytest.mark.parametrize("world_size,virtual", MODES)
+def test_max_tokens_boundary(world_size, virtual):
+    _run(world_size, virtual, _max_tokens_body)
+
+
+# ---- top-k 6 and 9 -----------------------------------------------------------------------------
+
+def topk_config(hidden: int, topk: int) -> EpConfig:
+    """W = 8 virtual; hidden 7168 with 256 experts (deepseek-like), 2880 with 128 (gpt-oss-like).
+    The 2880 layers equal test_gpu_shapes' (same fields), so their kernels compile once a run."""
+    return EpConfig(world_size=8, hidden=hidden, topk=topk, num_experts=256 if hidden == 7168 else 128,
+                    max_tokens_per_rank=64, dispatch_geometry=GEO, combine_geometry=GEO, timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [7168, 2880])
+@pytest.mark.parametrize("topk", [6, 9])
+def test_topk_6_and_9_virtual8(hidden, topk):
+    cfg = topk_config(hidden, topk)
+    op = _op(cfg, True)
+    try:
+        for seed, (tokens, kind) in enumerate([([64] * 8, "uniform"), ([0, 1, 37, 64, 64, 37, 1, 0], "invalid"),
+                                               ([64, 0, 5, 64, 0, 64, 3, 9], "duplicates"), ([33] * 8, "skewed")]):
+            run_exact_round(op, cfg, integer_inputs(cfg, tokens, kind, seed, device=op.device))
+    finally:
+        op.close()
+
+
+# ---- more than 65536 received rows -------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_more_than_65536_rows_received_by_one_rank_virtual8():
+    from epgen.codegen.spec import Op
+
+    T = 8200  # 8 ranks x 8200 tokens, top-8, all to rank 0: 65600 rows there
+    cfg = EpConfig(world_size=8, hidden=7168, topk=8, num_experts=256, max_tokens_per_rank=T,
+                   dispatch_geometry=GEO, combine_geometry=GEO, timeout_s=TIMEOUT_S)
+    arenas = 8 * cfg.spec("sm_90", Op.DISPATCH, GEO).layout.total_bytes
+    assert arenas < 20 * 2**30, f"arenas {arenas / 2**30:.1f} GiB"  # ~14.0 GiB; inputs and checks add ~5 GiB
+    op = _op(cfg, True)
+    try:
+        stats = run_exact_round(op, cfg, integer_inputs(cfg, [T] * 8, "one_rank", 1, device=op.device))
+        assert stats["recv"] == [8 * T] + [0] * 7 and 8 * T > 65536
+        stats = run_exact_round(op, cfg, integer_inputs(cfg, [T] * 8, "skewed", 2, device=op.device))
+        assert stats["recv"][0] > 8 * T // 2
+    finally:
+        op.close()
+
+
+# ---- back-to-back pairs with host jitter -------------------------------------------------------
+
+def _jitter_body(rank, world_size, virtual, pairs):
+    cfg = edge_config(world_size)
+    op = _op(cfg, virtual)
+    plan = random.Random(1234)  # the same token counts and routing in both processes
+    jitter = random.Random(99)
+
+    def pause():
+        if rank == 1:
+            time.sleep(jitter.uniform(0.0, 0.005))
+
+    start = time.monotonic()
+    for i in range(pairs):
+        tokens = [plan.randint(0, cfg.max_tokens_per_rank) for _ in range(world_size)]
+        kind = ROUTINGS[i % len(ROUTINGS)]
+        try:
+            run_exact_round(op, cfg, integer_inputs(cfg, tokens, kind, 10_000 + i, device=op.device), pause=pause)
+        except AssertionError as e:
+            raise AssertionError(f"pair {i} (tokens {tokens}, {kind}): {e}") from None
+    if rank == 0:
+        print(f"{pairs} verified pairs in {time.monotonic() - start:.1f} s")
+    _close(op)
+
+
+@pytest.mark.multigpu
+def test_1000_pairs_back_to_back_with_host_jitter_on_one_rank():
+    _run(2, False, _jitter_body, 1000, timeout_s=150.0)
+
+
+# ---- CUDA graphs -------------------------------------------------------------------------------
+
+def _graph_body(rank, world_size, virtual, replays):
+    # README: construct outside a capture; after one eager call, dispatch and combine can be
+    # captured and replayed with new input contents. That order is what this test follows.
+    cfg = edge_config(world_size)
+    op = _op(cfg, virtual, validate=False)  # validate synchronizes: not allowed inside a capture
+    T, local = cfg.max_tokens_per_rank, op.local_ranks
+    static = integer_inputs(cfg, [T] * world_size, "uniform", 500, device=op.device)
+    args = op_inputs(op, static)
+    ys = op_arg(op, [op.combine_input(r) for r in local])
+    outs = [torch.empty(T, cfg.hidden, dtype=torch.bfloat16, device=op.device) for _ in local]
+
+    def step():
+        op.dispatch(*args)
+        for r in local:
+            integer_expert_stage(op, r)
+        op.combine(ys, out=op_arg(op, outs))
+
+    def replay_and_check(inputs, fn, what):
+        for r, o in zip(local, outs):
+            poison(op, r)
+            o.fill_(float("nan"))
+        fn()
+        op.synchronize()
+        exp = expect(cfg, inputs)
+        try:
+            for r, o in zip(local, outs):
+                check_exact_dispatch(r, op.recv_buffers(r), exp)
+                check_exact_combine(r, o, exp)
+        except AssertionError as e:
+            raise AssertionError(f"{what}: {e}") from None
+
+    replay_and_check(static, step, "eager call")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):  # NCCL's and gloo's threads keep running
+        step()
+    choose = random.Random(77)  # the same choices in every process
+    for i in range(replays):
+        fresh = integer_inputs(cfg, [T] * world_size, ROUTINGS[i % len(ROUTINGS)], 600 + i, device=op.device)
+        fresh = _silence(fresh, set(choose.sample(range(world_size), choose.randint(0, world_size - 1))))
+        for r in local:
+            for f in ("x", "weights", "indices"):
+                getattr(static[r], f).copy_(getattr(fresh[r], f))
+        replay_and_check(fresh, g.replay, f"replay {i}")
+    _close(op)
+
+
+@pytest.mark.parametrize("world_size,virtual", MODES)
+def test_graph_of_dispatch_and_combine_replayed_with_fresh_routing(world_size, virtual):
+    _run(world_size, virtual, _graph_body, 100)
+
+
+# ---- bad expert ids ----------------------------------------------------------------------------
+
+def _bad_id_body(rank, world_size, virtual):
+    from epgen.op import EpError
+
+    cfg = edge_config(world_size)
+    victim = world_size - 1
+    op = _op(cfg, virtual)
+    run_exact_round(op, cfg, integer_inputs(cfg, [16] * world_size, "uniform", 1, device=op.device))
+    for seed, eid in ((10, cfg.num_experts), (20, -2)):
+        inputs = integer_inputs(cfg, [16] * world_size, "uniform", seed, device=op.device)
+        inputs[victim].indices[5, 2] = eid
+        if virtual or rank == victim:
+            with pytest.raises(EpError) as e:
+                op.dispatch(*op_inputs(op, inputs))  # validate=True: raised by this very call
+            want = f"rank {victim}: indices[5, 2]={eid}: expert ids must be -1 or in [0, {cfg.num_experts})"
+            assert want in str(e.value), str(e.value)
+            good = integer_inputs(cfg, [16] * world_size, "uniform", seed + 1, device=op.device)
+            ys = op_arg(op, [op.combine_input(r) for r in op.local_ranks])
+            for call in (lambda: op.dispatch(*op_inputs(op, good)), lambda: op.combine(ys), op.check):
+                with pytest.raises(EpError, match=r"indices\[5, 2\].*unusable.*build a new EpDispatchCombine"):
+                    call()
+        else:
+            op.dispatch(*op_inputs(op, inputs))  # the peer's kernel ran to its end: this rank's call completes
+        _close(op)
+        op = _op(cfg, virtual)  # every rank builds a new op (a collective with real ranks)
+        for k in (2, 3):
+            run_exact_round(op, cfg, integer_inputs(cfg, [16] * world_size, "uniform", seed + k, device=op.device))
+    _close(op)
+
+
+@pytest.mark.parametrize("world_size,virtual", MODES)
+def test_expert_id_E_or_minus_2_raises_naming_it_then_the_op_refuses_and_a_new_one_works(world_size, virtual):
+    _run(world_size, virtual, _bad_id_body)
+
+
+# ---- a peer that dies --------------------------------------------------------------------------
+
+DEATH_TIMEOUT_S = 2.0
+DEATH_MARGIN_S = 3.0
+
+
+def _peer_death_body(rank, world_size, virtual, timeout_s):
+    from epgen.op import EpError
+
+    cfg = edge_config(world_size, timeout_s=timeout_s)
+    op = _op(cfg, virtual)
+    for seed in range(3):
+        run_exact_round(op, cfg, integer_inputs(cfg, [64] * world_size, "uniform", seed, device=op.device))
+    torch.distributed.barrier()  # both ranks are done with each other's arenas: the death falls between calls
+    if rank == 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # no cleanup, as if killed (status 0 only so that run_ranks lets rank 0 go on)
+    try:
+        inputs = integer_inputs(cfg, [64] * world_size, "uniform", 9, device=op.device)
+        start = time.monotonic()
+        with pytest.raises(EpError) as e:
+            op.dispatch(*op_inputs(op, inputs))
+        took = time.monotonic() - start
+        msg = str(e.value)
+        assert "timed out after" in msg and "on rank 1" in msg, msg
+        # A dispatch holds two waits on the peer in sequence (its receive buffers free, its rows
+        # complete), each bounded by timeout_s.
+        assert 0.9 * timeout_s <= took <= 2 * timeout_s + DEATH_MARGIN_S, f"EpError after {took:.2f} s ({msg})"
+        start = time.monotonic()
+        for call in (lambda: op.dispatch(*op_inputs(op, inputs)), lambda: op.combine(op.combine_input()), op.check):
+            with pytest.raises(EpError, match="timed out.*build a new EpDispatchCombine"):
+                call()
+        assert time.monotonic() - start < 1.0, "refusing a call must not wait on the dead peer"
+        print(f"rank 0: EpError {took:.2f} s after its peer died: {msg}")
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    # Skip the process-group teardown: its other member is gone.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+@pytest.mark.multigpu
+def test_a_dead_peer_makes_the_survivor_raise_a_timeout_within_the_bound():
+    _run(2, False, _peer_death_body, DEATH_TIMEOUT_S, timeout_s=120.0)
+
+
+# ---- streams -----------------------------------------------------------------------------------
+
+SLEEP_CYCLES = 200_000_000
+"""torch.cuda._sleep before the op on its stream: ~100 ms at 2 GHz, far longer than the host
+takes to enqueue dispatch and combine, so a consumer that did not wait would run first."""
+
+
+def _streams_body(rank, world_size, virtual):
+    cfg = edge_config(world_size)
+    op = _op(cfg, virtual, validate=False)
+    dev, local = op.device, op.local_ranks
+    producer, consumer = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    for seed, given_out in ((1, False), (2, True)):
+        tokens = [cfg.max_tokens_per_rank - 5 * r for r in range(world_size)]
+        inputs = integer_inputs(cfg, tokens, "uniform", seed, device=dev)
+        exp = expect(cfg, inputs)
+        producer.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(producer):
+            for r in local:
+                poison(op, r)
+            if given_out:  # fresh output tensors, NaN
+                out = op_arg(op, [torch.full((tokens[r], cfg.hidden), float("nan"), dtype=torch.bfloat16, device=dev)
+                                  for r in local])
+            else:  # the op allocates; hand it freshly freed NaN blocks of the same size on this stream
+                junk = [torch.full((tokens[r], cfg.hidden), float("nan"), dtype=torch.bfloat16, device=dev) for r in local]
+                junk.clear()  # freed together: one NaN block of each size waits in this stream's pool
+                out = None
+            torch.cuda._sleep(SLEEP_CYCLES)
+            recv = op.dispatch(*op_inputs(op, inputs))
+            for r in local:
+                integer_expert_stage(op, r)
+            combined = op.combine(op_arg(op, [op.combine_input(r) for r in local]), out=out)
+        assert not producer.query(), "dispatch/combine waited on the host (or ran on another stream)"
+        recv = recv if op.virtual else [recv]
+        combined = combined if op.virtual else [combined]
+        with torch.cuda.stream(consumer):
+            consumer.wait_stream(producer)
+            for r, o, c in zip(local, recv, combined):
+                check_exact_dispatch(r, o, exp)
+                check_exact_combine(r, c, exp)
+                c.record_stream(consumer)  # kept past the producer's use: the allocator must know
+        producer.wait_stream(consumer)  # the next dispatch overwrites the receive rows read above
+        del combined, recv
+    torch.cuda.synchronize(dev)
+    op.check()
+    _close(op)
+
+
+@pytest.mark.parametrize("world_size,virtual", MODES)
+def test_outputs_consumed_on_another_stream_after_wait_stream(world_size, virtual):
+    _run(world_size, virtual, _streams_body)

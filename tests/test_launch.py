@@ -1,0 +1,35 @@
+"""The multi-process launcher on the CPU: a hung rank is killed at the bound, a rank that exits
+early with status 0 (a test's dead peer) is not a failure, a rank that raises is."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from epgen.launch import start_and_join
+
+
+def _rank_body(rank, mode):
+    if rank == 1 and mode == "hang":
+        time.sleep(600)
+    if rank == 1 and mode == "exit":
+        os._exit(0)
+    if rank == 1 and mode == "raise":
+        raise ValueError("rank 1 broke")
+
+
+def test_a_hung_rank_is_killed_at_the_bound():
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"still running after timeout_s=10") as e:
+        start_and_join(_rank_body, ("hang",), 2, timeout_s=10)
+    assert "1]" in str(e.value) and time.monotonic() - t0 < 40
+
+
+def test_an_early_exit_with_status_0_is_not_a_failure():
+    start_and_join(_rank_body, ("exit",), 2, timeout_s=60)
+
+
+def test_a_raising_rank_fails_the_run():
+    with pytest.raises(torch.multiprocessing.ProcessRaisedException, match="rank 1 broke"):
+        start_and_join(_rank_body, ("raise",), 2, timeout_s=60)
