@@ -5,13 +5,13 @@
 #   bench   epgen bench W=2 with the tuning table -> tools/results/bench-ep2-h200.{csv,png,env.txt}
 #   bench24 the same at 24 blocks x 32 warps (at most 24 SMs), 20 replays a point
 #   sweep   geometry exploration at 128/4096/8192 tokens ($GEOS: "DISPATCH:COMBINE" pairs)
-#   tests   GPU tests (pytest -m "gpu or multigpu"; $K narrows with -k)
+#   tests   GPU tests (pytest -m "gpu or multigpu" over $TESTS, default every tests/ file; $K narrows with -k)
 #   stress  epgen stress: 200 rounds with W=2 on two GPUs, then 200 with 8 virtual ranks
 # Everything it prints goes to $OUT/run.log; results and tables come back in $OUT/results.tgz.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" tools/results
-exec > >(tee "$OUT/run.log") 2>&1
+exec > >(tee -a "$OUT/run.log") 2>&1
 python -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.used,utilization.gpu --format=csv
 python -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__, 'gpus', torch.cuda.device_count())"
@@ -27,9 +27,11 @@ for step in ${STEPS:-demo tune bench bench24 tests}; do
              python -m epgen bench --world-size 2 --tokens 128 4096 8192 --routing uniform \
                --dispatch-geometry "${g%%:*}" --combine-geometry "${g##*:}" -o "/tmp/sweep-$g" | grep -E "dispatch|combine"
            done ;;
-    stress) python -m epgen stress --world-size 2 --rounds 200 | tail -3
-            python -m epgen stress --world-size 8 --virtual --rounds 200 | tail -3 ;;
-    tests) timeout ${TEST_TIMEOUT:-400} python -m pytest tests -m "gpu or multigpu" -q -x ${K:+-k "$K"} ;;
+    stress) timeout ${STRESS_TIMEOUT:-300} python -m epgen stress --world-size 2 --rounds 200 | tail -3
+            timeout ${STRESS_TIMEOUT:-300} python -m epgen stress --world-size 8 --virtual --rounds 200 \
+              --max-tokens ${STRESS_TOKENS_W8:-1024} | tail -3 ;;
+    tests) timeout ${TEST_TIMEOUT:-400} python -m pytest ${TESTS:-tests} -m "gpu or multigpu" -q -rA --durations=15 \
+             ${K:+-k "$K"} ;;
   esac
 done
 tar czf "$OUT/results.tgz" tools/results codegen/tuning 2>/dev/null
