@@ -1,7 +1,8 @@
 """EpDispatchCombine: the generated dispatch and combine kernels as a torch-facing op.
 
-Contract: README.md, "Contract". All kernels are rendered and compiled at construction; dispatch()
-and combine() only check inputs and launch on torch's current stream (no host synchronization).
+Contract: README.md, "Contract". All kernels are rendered and compiled (or loaded from an
+ahead-of-time build, ``epgen.aot``) at construction; dispatch() and combine() only check inputs
+and launch on torch's current stream (no host synchronization).
 """
 
 from __future__ import annotations
