@@ -10,6 +10,9 @@ resident blocks and 64 warps per SM, 1 KiB of shared memory reserved per block).
 limits (waves per SIMD: 8 on gfx950, 16 on gfx1250; VGPRs allocated in units of 8; 4 SIMDs per
 CU) follow LLVM's AMDGPU subtarget descriptions; gfx1250 figures are from pre-release LLVM and
 are leads, not measurements.
+The ELF target numbers (``elf_mach``) are LLVM's ``EF_AMDGPU_MACH_AMDGCN_GFX950`` (0x04f) and
+``..._GFX1250`` (0x049) and the ``EF_CUDA_SM`` value 90 (llvm/BinaryFormat/ELF.h), as found in
+the code objects clang 22 and NVRTC 13.5 write.
 The AMD steady counter (``s_memrealtime`` / ``__builtin_readsteadycounter``) runs at 100 MHz on
 CDNA3/CDNA4 and gfx12 parts (LLVM AMDGPU usage notes); sm_90 reads ``%globaltimer`` in ns.
 """
@@ -29,15 +32,21 @@ class ArchTraits:
         wave_size: lanes per wave/warp.
         platform_template: Jinja template with the primitive layer for this vendor.
         suffix: file suffix of generated sources (``.hip`` or ``.cu``).
+        code_object_suffix: file suffix of compiled code objects in the ahead-of-time cache
+            (``.hsaco`` for AMD code objects, ``.cubin`` for NVIDIA CUBINs).
+        elf_mach: the target number an ELF code object for this arch carries in ``e_flags``
+            (AMD ``EF_AMDGPU_MACH_*``: 0x04f gfx950, 0x049 gfx1250; NVIDIA ``EF_CUDA_SM``: 90),
+            checked before a cached code object is loaded.
         runtime_compiler: what CuPy uses at runtime (``hiprtc`` or ``nvrtc``).
         offload_arch: the name the compiler takes (``--offload-arch`` / ``--gpu-architecture``).
         vector_bytes: widest global load/store per lane, bytes.
         shared_bytes_per_block: shared memory / LDS a block may use, bytes.
         steady_clock_hz: frequency of the clock the bounded spin-waits read, Hz.
         fp8_e4m3: fp8 flavour of the hardware conversions (``ocp`` = OCP e4m3fn).
-        hw_fp8_encode: the combine wire encodes fp8 e4m3 with the platform's ``ep_e4m3x2_hw``
-            (sm_90: ``cvt.rn.satfinite.e4m3x2.f32``); otherwise with the bit-exact
-            round-to-nearest-even encoder of common/_combine_wire.j2. gfx950 and gfx1250
+        hw_fp8_convert: the combine wire encodes and decodes fp8 e4m3 with the platform's
+            ``ep_e4m3x2_hw`` / ``ep_e4m3x2_decode_hw`` (sm_90: ``cvt.rn.satfinite.e4m3x2.f32``,
+            ``cvt.rn.f16x2.e4m3x2``); otherwise with the bit-exact software encoder and decoder
+            of common/_combine_wire.j2. gfx950 and gfx1250
             have converts too, but their rounding and saturation were not verified on hardware
             here, so they take the software path. fp4 is software everywhere (sm_90 has no
             e2m1 convert).
@@ -58,13 +67,15 @@ class ArchTraits:
     wave_size: int
     platform_template: str
     suffix: str
+    code_object_suffix: str
+    elf_mach: int
     runtime_compiler: str
     offload_arch: str
     vector_bytes: int
     shared_bytes_per_block: int
     steady_clock_hz: int
     fp8_e4m3: str
-    hw_fp8_encode: bool
+    hw_fp8_convert: bool
     registers_per_simd: int
     max_threads_per_block: int
     register_granule: int
@@ -85,23 +96,26 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
     for t in (
         ArchTraits(
             name="gfx950", vendor="amd", wave_size=64, platform_template="platform/amd.j2",
-            suffix=".hip", runtime_compiler="hiprtc", offload_arch="gfx950", vector_bytes=16,
+            suffix=".hip", code_object_suffix=".hsaco", elf_mach=0x04F, runtime_compiler="hiprtc",
+            offload_arch="gfx950", vector_bytes=16,
             shared_bytes_per_block=160 * 1024, steady_clock_hz=100_000_000, fp8_e4m3="ocp",
-            hw_fp8_encode=False, registers_per_simd=512, max_threads_per_block=1024, register_granule=8, max_waves_per_simd=8,
+            hw_fp8_convert=False, registers_per_simd=512, max_threads_per_block=1024, register_granule=8, max_waves_per_simd=8,
             simds_per_cu=4, shared_bytes_per_cu=160 * 1024, shared_reserved_per_block=0, max_blocks_per_cu=32,
         ),
         ArchTraits(
             name="gfx1250", vendor="amd", wave_size=32, platform_template="platform/amd.j2",
-            suffix=".hip", runtime_compiler="hiprtc", offload_arch="gfx1250", vector_bytes=16,
+            suffix=".hip", code_object_suffix=".hsaco", elf_mach=0x049, runtime_compiler="hiprtc",
+            offload_arch="gfx1250", vector_bytes=16,
             shared_bytes_per_block=320 * 1024, steady_clock_hz=100_000_000, fp8_e4m3="ocp",
-            hw_fp8_encode=False, registers_per_simd=1024, max_threads_per_block=1024, register_granule=8, max_waves_per_simd=16,
+            hw_fp8_convert=False, registers_per_simd=1024, max_threads_per_block=1024, register_granule=8, max_waves_per_simd=16,
             simds_per_cu=4, shared_bytes_per_cu=320 * 1024, shared_reserved_per_block=0, max_blocks_per_cu=32,
         ),
         ArchTraits(
             name="sm_90", vendor="nvidia", wave_size=32, platform_template="platform/nvidia.j2",
-            suffix=".cu", runtime_compiler="nvrtc", offload_arch="sm_90", vector_bytes=16,
+            suffix=".cu", code_object_suffix=".cubin", elf_mach=90, runtime_compiler="nvrtc",
+            offload_arch="sm_90", vector_bytes=16,
             shared_bytes_per_block=227 * 1024, steady_clock_hz=1_000_000_000, fp8_e4m3="ocp",
-            hw_fp8_encode=True, registers_per_simd=65536, max_threads_per_block=1024, register_granule=256, max_waves_per_simd=64,
+            hw_fp8_convert=True, registers_per_simd=65536, max_threads_per_block=1024, register_granule=256, max_waves_per_simd=64,
             simds_per_cu=1, shared_bytes_per_cu=228 * 1024, shared_reserved_per_block=1024, max_blocks_per_cu=32,
         ),
     )

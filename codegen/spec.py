@@ -316,8 +316,13 @@ class KernelSpec:
         }
 
     def key(self, text: str, options: tuple[str, ...] = ()) -> str:
-        """sha256 over rendered text and compile options (the cache identity)."""
-        h = hashlib.sha256(text.encode())
-        for o in options:
-            h.update(b"\0" + o.encode())
-        return h.hexdigest()
+        """sha256 over rendered text and compile options (the cache identity); ``sha256_key``."""
+        return sha256_key(text, options)
+
+
+def sha256_key(text: str, options: tuple[str, ...] = ()) -> str:
+    """Hex sha256 of ``text`` followed by each option, NUL-separated (64 characters)."""
+    h = hashlib.sha256(text.encode())
+    for o in options:
+        h.update(b"\0" + o.encode())
+    return h.hexdigest()

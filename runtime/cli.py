@@ -1,17 +1,17 @@
-"""The ``epgen`` command line: generate, check, report, diff, demo, bench, tune, stress."""
+"""The ``epgen`` command line: generate, check, report, diff, build, demo, bench, tune, stress."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from rich.console import Console
 
 from .codegen.arch import ARCHES
-from .codegen.catalogue import (catalogue_specs, check as check_dir, model_specs, owned_sources, render_files,
-                                shape_specs, write)
+from .codegen.catalogue import catalogue_specs, check as check_dir, model_specs, owned_sources, render_files, write
 from .codegen.dtypes import COMBINE_QUANTS, DTYPES
 from .codegen.spec import Op
 from .codegen.models import MODELS
@@ -27,8 +27,8 @@ def _positive(text: str) -> int:
     return v
 
 
-def _shape_args(p: argparse.ArgumentParser, *, models_default=None):
-    p.add_argument("--model", help=f"catalogue model ({', '.join(MODELS)})", default=models_default)
+def _shape_args(p: argparse.ArgumentParser, *, model_help: str = ""):
+    p.add_argument("--model", help=f"catalogue model ({', '.join(MODELS)}){model_help}")
     p.add_argument("--hidden", type=_positive, help="hidden size H (instead of --model)")
     p.add_argument("--topk", type=_positive, help="experts per token K (with --hidden; alone: every catalogue "
                    "model with at least K experts, at top-k K)")
@@ -42,41 +42,91 @@ def _shape_args(p: argparse.ArgumentParser, *, models_default=None):
     p.add_argument("--arch", action="append", choices=list(ARCHES), help="target (repeatable; default all)")
 
 
-def _specs_from(args, parser) -> list | None:
-    """The specs the shape flags name: one shape (--model, or --hidden/--topk/--num-experts), or,
-    with only the selectors --dtype/--topk/--quant, those variants of every catalogue model
-    (--dtype: dispatch, --quant: combine, --topk: both unless one of the others narrows it);
-    None when no flag names any (the whole catalogue)."""
-    arches = tuple(args.arch or ARCHES)
-    kw = dict(world_size=args.world_size, max_tokens_per_rank=args.max_tokens, dtype=args.dtype or "bf16",
-              combine_quant=args.quant or "none", arches=arches)
+def _layer_args(p: argparse.ArgumentParser):
+    """The EpConfig fields beyond the shape flags (``epgen build``): scales and explicit geometry."""
+    p.add_argument("--scale-bytes", type=int, default=0, help="opaque per-token scale bytes dispatch forwards "
+                   "(EpConfig.scale_bytes; default 0)")
+    _geometry_args(p)
+
+
+def _geometry_args(p: argparse.ArgumentParser):
+    for op in ("dispatch", "combine"):
+        p.add_argument(f"--{op}-geometry", type=_geometry, default=None,
+                       help="BLOCKSxWARPS[uUNROLL] (default: the tuning table per token bucket)")
+
+
+def _jobs_arg(p: argparse.ArgumentParser):
+    p.add_argument("--jobs", type=_positive, default=None, help="parallel compiles (default: CPU count)")
+
+
+def _config_from(args, parser):
+    """The EpConfig the shape flags (and, where the verb has them, ``_layer_args``) describe, or
+    None when they name no shape. Errors name the flag."""
+    from .config import EpConfig
+
     shape = [f for f, v in (("--hidden", args.hidden), ("--topk", args.topk), ("--num-experts", args.num_experts))
              if v is not None]
     if args.model and shape:
         parser.error(f"--model {args.model} fixes the shape: drop {' '.join(shape)} (or drop --model)")
+    if args.hidden is None and args.num_experts is not None:
+        parser.error("--num-experts needs --hidden (or name a --model)")
+    if args.hidden is None and not args.model:
+        return None  # --topk alone is a catalogue selector
+    kw = dict(world_size=args.world_size, max_tokens_per_rank=args.max_tokens, dtype=args.dtype or "bf16",
+              combine_quant=args.quant or "none",
+              scale_bytes=getattr(args, "scale_bytes", 0), dispatch_geometry=getattr(args, "dispatch_geometry", None),
+              combine_geometry=getattr(args, "combine_geometry", None))
     try:
-        if args.hidden is not None:
-            missing = [f"--{n}" for n, v in (("topk", args.topk), ("num-experts", args.num_experts)) if v is None]
-            if missing:
-                parser.error(f"--hidden needs {' and '.join(missing)}")
-            return shape_specs(hidden=args.hidden, topk=args.topk, num_experts=args.num_experts, **kw)
-        if args.num_experts is not None:
-            parser.error("--num-experts needs --hidden (or name a --model)")
-        if args.model:
-            return model_specs(args.model, **kw)
-        if args.topk is None and args.dtype is None and args.quant is None:
-            return None
-        ops = {op for op, flag in ((Op.DISPATCH, args.dtype), (Op.COMBINE, args.quant)) if flag} or set(Op)
-        names = [m.name for m in MODELS.values() if m.num_experts >= (args.topk or 1)]  # top-k <= experts
-        if not names:
-            parser.error(f"--topk {args.topk}: no catalogue model has that many experts")
-        return [s for name in names for s in model_specs(name, topk=args.topk, **kw) if s.op in ops]
+        if args.hidden is None:
+            return EpConfig.for_model(args.model, **kw)
+        missing = [f"--{n}" for n, v in (("topk", args.topk), ("num-experts", args.num_experts)) if v is None]
+        if missing:
+            parser.error(f"--hidden needs {' and '.join(missing)}")
+        return EpConfig(hidden=args.hidden, topk=args.topk, num_experts=args.num_experts, **kw)
+    except ValueError as e:
+        parser.error(_with_flag(e))
+
+
+def _with_flag(e: ValueError) -> str:
+    """A config or spec error, plus the flag its field came from."""
+    return f"{e} ({_FLAGS.get(str(e).split('=')[0].split('.')[-1], 'from the shape flags')})"
+
+
+def _specs_from(args, parser) -> list | None:
+    """Dispatch and combine specs at max tokens of the shape flags for each ``--arch`` (default
+    all), the selected catalogue variants (``_selected_catalogue_specs``), or None when no flag
+    names any (the whole catalogue)."""
+    cfg = _config_from(args, parser)
+    if cfg is None:
+        return _selected_catalogue_specs(args, parser)
+    try:
+        return [s for arch in (args.arch or ARCHES) for s in cfg.kernel_specs(arch)]
     except ValueError as e:  # the spec's own message, plus the flag it came from
-        parser.error(f"{e} ({_FLAGS.get(str(e).split('=')[0].split('.')[-1], 'from the shape flags')})")
+        parser.error(_with_flag(e))
 
 
 _FLAGS = {"hidden": "--hidden", "topk": "--topk", "num_experts": "--num-experts", "world_size": "--world-size",
-          "max_tokens_per_rank": "--max-tokens", "dtype": "--dtype", "model": "--model", "combine_quant": "--quant"}
+          "max_tokens_per_rank": "--max-tokens", "dtype": "--dtype", "model": "--model", "scale_bytes": "--scale-bytes",
+          "dispatch_geometry": "--dispatch-geometry", "combine_geometry": "--combine-geometry", "combine_quant": "--quant"}
+
+
+def _selected_catalogue_specs(args, parser) -> list | None:
+    """With only the selectors --dtype/--topk/--quant: those variants of every catalogue model
+    (--dtype: dispatch, --quant: combine, --topk: both unless one of the others narrows it); None
+    when no selector is given."""
+    if args.topk is None and args.dtype is None and args.quant is None:
+        return None
+    ops = {op for op, flag in ((Op.DISPATCH, args.dtype), (Op.COMBINE, args.quant)) if flag} or set(Op)
+    names = [m.name for m in MODELS.values() if m.num_experts >= (args.topk or 1)]  # top-k <= experts
+    if not names:
+        parser.error(f"--topk {args.topk}: no catalogue model has that many experts")
+    try:
+        return [s for name in names
+                for s in model_specs(name, tuple(args.arch or ARCHES), topk=args.topk, world_size=args.world_size,
+                                     max_tokens_per_rank=args.max_tokens, dtype=args.dtype or "bf16",
+                                     combine_quant=args.quant or "none") if s.op in ops]
+    except ValueError as e:
+        parser.error(_with_flag(e))
 
 
 def _catalogue_dir(args, parser) -> Path:
@@ -173,19 +223,26 @@ def cmd_generate(args, parser, console) -> int:
     return 0
 
 
+def _compilers_missing(arches, console) -> bool:
+    """Print which offline compilers of ``arches`` are missing, with the install hint; True if any."""
+    from .codegen.offline import toolchain_status
+
+    missing = [f"{arch}: {reason}" for arch in arches if (reason := toolchain_status(arch))]
+    if missing:
+        console.print("[red]offline compilers missing (pip install -e '.[dev]'):\n  " + "\n  ".join(missing) + "[/red]")
+    return bool(missing)
+
+
 def cmd_report(args, parser, console) -> int:
     """``epgen check`` and ``epgen report``: compile offline, print the resources; exit 1 on a
     compile error, scratch or spill, 2 when an offline compiler is missing."""
     from .codegen import report
     from .codegen.catalogue import report_rows
-    from .codegen.offline import toolchain_status
     from .demo import resource_table
 
     specs = _specs_from(args, parser)
     specs = catalogue_specs(arches=tuple(args.arch or ARCHES)) if specs is None else specs
-    missing = [f"{arch}: {toolchain_status(arch)}" for arch in sorted({s.arch for s in specs}) if toolchain_status(arch)]
-    if missing:
-        console.print("[red]offline compilers missing (pip install -e '.[dev]'):\n  " + "\n  ".join(missing) + "[/red]")
+    if _compilers_missing(sorted({s.arch for s in specs}), console):
         return 2
     with _Progress(len(specs), f"compiling {len(specs)} kernels", args.quiet or args.json) as bar:
         rows = report_rows(specs, max_workers=args.jobs, on_done=bar.advance)
@@ -259,6 +316,107 @@ def cmd_diff(args, parser, console) -> int:
     return 1 if chunks else 0
 
 
+def cmd_build(args, parser, console) -> int:
+    """``epgen build``: compile every variant an op of the config compiles into the ahead-of-time
+    cache; with --time-import, time warm imports against cold compiles on this GPU. Exit 1 on
+    a compile error, 2 when a compiler, the GPU or the cache directory is unusable."""
+    from .aot import build, cache_dir, config_specs, time_imports
+
+    if args.runs is not None and not args.time_import:
+        parser.error(f"--runs {args.runs}: only with --time-import")
+    if args.model is None and all(v is None for v in (args.hidden, args.topk, args.num_experts)):
+        args.model = "deepseek-v3"
+    cfg = _config_from(args, parser)
+    if cfg is None:
+        parser.error("--topk needs --hidden and --num-experts (build takes one shape: --model or --hidden)")
+    arches = tuple(dict.fromkeys(args.arch or ARCHES))
+    try:
+        specs = config_specs(cfg, arches)
+    except ValueError as e:
+        parser.error(_with_flag(e))
+    out = Path(args.output).expanduser() if args.output else cache_dir()
+    if out.exists() and not out.is_dir():
+        parser.error(f"-o {out}: exists and is not a directory")
+    gpu_arch = None
+    if args.time_import:
+        import importlib.util
+
+        import torch
+
+        from .compile import device_arch
+
+        has_cupy = importlib.util.find_spec("cupy") is not None
+        if not torch.cuda.is_available() or not has_cupy:
+            console.print(f"--time-import: needs a GPU and CuPy; here torch.cuda.is_available() is "
+                          f"{torch.cuda.is_available()} and CuPy is {'' if has_cupy else 'not '}installed")
+            return 2
+        gpu_arch = device_arch(torch.cuda.current_device())
+        if gpu_arch not in arches:
+            parser.error(f"--time-import: this GPU is {gpu_arch}, not among --arch {' '.join(arches)}; "
+                         f"add --arch {gpu_arch}")
+    if _compilers_missing(arches, console):
+        return 2
+    quiet = args.quiet or args.json
+    with _Progress(len(specs), f"compiling {len(specs)} code objects", quiet) as bar:
+        try:
+            rows = build(specs, out, max_workers=args.jobs, on_done=bar.advance)
+        except OSError as e:
+            console.print(f"[red]{out}: {e.strerror or e} ({e.filename})[/red]")
+            return 2
+    ok = all(r["status"] == "ok" for r in rows)
+    timing = None
+    if gpu_arch and ok:
+        runs = args.runs or 5
+        with _Progress(2 * runs, f"timing imports on {gpu_arch}: {runs} runs, warm and cold", quiet) as bar:
+            timing = time_imports(specs, out, runs, on_done=bar.advance)
+    if args.json:
+        print(json.dumps({"directory": str(out), "jobs": args.jobs or os.cpu_count(), "code_objects": rows,
+                          "import_times": timing}))
+        return 0 if ok else 1
+    if not args.quiet or not ok:
+        console.print(_build_table(rows, out, args.jobs or os.cpu_count()))
+    if timing and not args.quiet:
+        console.print(_import_table(timing, rows))
+    return 0 if ok else 1
+
+
+def _build_table(rows: list[dict], out: Path, jobs: int):
+    from rich.table import Table
+
+    compilers = {r["arch"]: r["compiler"] for r in rows if r["status"] == "ok"}
+    t = Table(title=f"epgen build: {len(rows)} code objects in {out} (cold compile seconds with {jobs} parallel "
+                    "compiles)", caption="\n".join(f"{a}: {c}" for a, c in compilers.items()))
+    for c in ("arch", "op", "entry", "key", "bytes", "compile s", "status"):
+        t.add_column(c)
+    for r in rows:
+        ok = r["status"] == "ok"
+        t.add_row(r["arch"], r["op"], r["entry"], r["key"][:16] if ok else "", str(r["bytes"]) if ok else "",
+                  f"{r['compile_s']:.2f}" if ok else "", r["status"] if ok else f"[red]{r['status']}[/red]")
+    return t
+
+
+def _import_table(timing: dict, rows: list[dict]):
+    from rich.table import Table
+
+    from .aot import WARM_IMPORT_TARGET_S
+
+    compile_s = {r["entry"]: r["compile_s"] for r in rows}
+    t = Table(title=f"load_kernel on {timing['arch']}: median of {timing['runs']} fresh processes each, CuPy's "
+                    "kernel cache empty (CUPY_CACHE_DIR fresh)",
+              caption=f"once per process, not in the rows: {timing['warm_once_s'] * 1e3:.0f} ms for the compiler "
+                      f"identity of the cache key (warm), {timing['cold_once_s'] * 1e3:.0f} ms runtime compiler "
+                      "warm-up (cold)")
+    for c in ("op", "entry", "build s (CPU)", "render ms", "cold compile ms", "warm import ms", "speed-up",
+              "warm from", f"warm < {WARM_IMPORT_TARGET_S * 1e3:.0f} ms"):
+        t.add_column(c)
+    for r in timing["rows"]:
+        met = r["warm_s"] < WARM_IMPORT_TARGET_S and r["warm_from"] == ["cache"]
+        t.add_row(r["op"], r["entry"], f"{compile_s[r['entry']]:.2f}", f"{r['render_s'] * 1e3:.1f}",
+                  f"{r['cold_s'] * 1e3:.1f}", f"{r['warm_s'] * 1e3:.1f}", f"{r['cold_s'] / r['warm_s']:.0f}x",
+                  ", ".join(r["warm_from"]), "yes" if met else "[red]no[/red]")
+    return t
+
+
 def cmd_demo(args, parser, console) -> int:
     from .demo import run_demo
 
@@ -281,7 +439,10 @@ def _geometry(text: str):
     if not m:
         raise argparse.ArgumentTypeError(f"geometry {text!r}: write BLOCKSxWARPS[uUNROLL], e.g. 24x16u4")
     b, w, u = m.groups()
-    return Geometry(blocks=int(b), warps_per_block=int(w), unroll=int(u or 4))
+    try:
+        return Geometry(blocks=int(b), warps_per_block=int(w), unroll=int(u or 4))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"geometry {text!r}: {e}") from None
 
 
 def cmd_bench(args, parser, console) -> int:
@@ -352,12 +513,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = verb("check", "compile kernels offline (clang 22 for gfx*, NVRTC for sm_90) and print resources; "
              "exit 1 on a compile error, scratch or spill", cmd_report)
     _shape_args(c)
-    c.add_argument("--jobs", type=_positive, default=None, help="parallel compiles (default: CPU count)")
+    _jobs_arg(c)
 
     r = verb("report", "registers, SGPRs, scratch/spill, LDS/shared memory and occupancy per variant and arch "
              "(offline compilers); exit 1 on scratch or spill", cmd_report)
     _shape_args(r)
-    r.add_argument("--jobs", type=_positive, default=None, help="parallel compiles (default: CPU count)")
+    _jobs_arg(r)
     r.add_argument("--markdown", help="also write the table as Markdown to this file")
     r.add_argument("--csv", help="also write the table as CSV to this file")
 
@@ -368,6 +529,17 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("--b", nargs="+", metavar="FIELD=VALUE", help="changes of the second spec, e.g. unroll=8")
     df.add_argument("-o", "--output", help="committed catalogue directory (default generated/)")
     df.add_argument("-U", "--context", type=int, default=3, help="lines of context (default 3)")
+
+    bd = verb("build", "compile every variant an EpDispatchCombine of this config compiles at construction (each "
+              "token bucket of dispatch and combine) into the ahead-of-time cache: code objects (.hsaco by clang for "
+              "gfx*, .cubin by NVRTC for sm_90) that load_kernel loads without compiling", cmd_build)
+    _shape_args(bd, model_help="; default deepseek-v3")
+    _layer_args(bd)
+    bd.add_argument("-o", "--output", help="cache directory (default $EPGEN_CACHE_DIR, else ~/.cache/epgen)")
+    _jobs_arg(bd)
+    bd.add_argument("--time-import", action="store_true", help="then time load_kernel per variant on this GPU: warm "
+                    "import from the cache against a cold runtime compile, in fresh processes")
+    bd.add_argument("--runs", type=_positive, default=None, help="processes per mode for --time-import (default 5)")
 
     d = verb("demo", "render and compile-check one model for every arch; with a GPU, run, verify and time "
              "dispatch/combine over virtual ranks", cmd_demo)
@@ -391,10 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"(default {' '.join(map(str, SWEEP))})")
     b.add_argument("--routing", nargs="+", default=["uniform", "skewed"], choices=ROUTINGS,
                    help="routing kinds (default uniform skewed)")
-    b.add_argument("--dispatch-geometry", type=_geometry, default=None,
-                   help="BLOCKSxWARPS[uUNROLL] (default: the tuning table per token bucket)")
-    b.add_argument("--combine-geometry", type=_geometry, default=None,
-                   help="BLOCKSxWARPS[uUNROLL] (default: the tuning table per token bucket)")
+    _geometry_args(b)
     b.add_argument("--iters", type=_positive, default=30, help="timed graph replays per point (default 30)")
     b.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="dispatch payload dtype (default bf16)")
     b.add_argument("--quant", default="none", choices=list(COMBINE_QUANTS), help="combine wire format (default none)")

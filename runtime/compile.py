@@ -1,36 +1,78 @@
-"""Compile rendered sources at runtime with CuPy (NVRTC on CUDA, hiprtc on ROCm).
+"""Load kernels at runtime: from the ahead-of-time cache when ``epgen build`` put them there,
+else compiled with CuPy (NVRTC on CUDA, hiprtc on ROCm).
 
-Modules are cached in memory by (device, source key); CuPy's own disk cache (keyed on the source
-text and options) makes a second process skip the compile.
+``load_kernel`` looks a source up in this order:
+
+1. this process's memo, by (device, source text): a second op with the same kernels loads nothing;
+2. the ahead-of-time cache (``epgen.aot``): ``$EPGEN_CACHE_DIR`` (default ``~/.cache/epgen``)
+   ``/<arch>/<key>.<hsaco|cubin>``, where ``<arch>`` is the current device's and ``<key>`` the
+   sha256 of the text, the offline compile options and the offline compiler's identity. The
+   file is checked (ELF target of this arch, not truncated) and loaded with
+   ``cupy.RawModule(path=...)``: no compile;
+3. a runtime compile with CuPy (``RUNTIME_OPTIONS``); CuPy's own disk cache
+   (``$CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``) makes a second process skip it.
+
+A cached file that fails the check or that the driver rejects is reported once
+(``warnings.warn``, naming the file) and the kernel is compiled as in step 3 instead.
 """
 
 from __future__ import annotations
 
 import hashlib
+import warnings
 
+from .aot import find_code_object
 from .codegen.render import RUNTIME_OPTIONS
 
 _FUNCTIONS: dict[tuple[int, str], object] = {}
 
 
 def load_kernel(text: str, entry: str):
-    """Compile ``text`` for the current CuPy device (once per process) and return ``entry``.
+    """The kernel ``entry`` of source ``text``, loaded for the current CuPy device, its module
+    loaded now (not at the first launch). Lookup order: the module docstring.
 
     Returns:
         cupy.RawKernel-like function object, launchable with ``(grid, block, args, stream=...)``.
 
     Raises:
-        cupy.cuda.compiler.CompileException: the runtime compiler rejected the source.
+        cupy.cuda.compiler.CompileException: no usable cached code object, and the runtime
+            compiler rejected the source.
     """
+    return load_kernel_from(text, entry)[0]
+
+
+def load_kernel_from(text: str, entry: str) -> tuple[object, str]:
+    """``load_kernel``, and where the function came from: ``"memory"`` (this process loaded it
+    before), ``"cache"`` (the ahead-of-time cache) or ``"compiled"`` (a runtime compile)."""
     import cupy
 
     device = cupy.cuda.runtime.getDevice()
-    key = (device, hashlib.sha256(text.encode()).hexdigest())
-    fn = _FUNCTIONS.get(key)
+    memo = (device, hashlib.sha256(text.encode()).hexdigest())
+    fn = _FUNCTIONS.get(memo)
+    if fn is not None:
+        return fn, "memory"
+    fn, origin = _load_cached(text, entry, device_arch(device)), "cache"
     if fn is None:
-        module = cupy.RawModule(code=text, options=RUNTIME_OPTIONS)
-        fn = module.get_function(entry)
-        _FUNCTIONS[key] = fn
+        fn, origin = cupy.RawModule(code=text, options=RUNTIME_OPTIONS).get_function(entry), "compiled"
+        fn.kernel  # noqa: B018  (compiles now: construction compiles, launches never do)
+    _FUNCTIONS[memo] = fn
+    return fn, origin
+
+
+def _load_cached(text: str, entry: str, arch: str):
+    """The function from the ahead-of-time cache, or None (a miss, or a file the driver rejects)."""
+    import cupy
+
+    path = find_code_object(text, arch)
+    if path is None:
+        return None
+    try:
+        fn = cupy.RawModule(path=str(path)).get_function(entry)
+        fn.kernel  # noqa: B018  (loads the module now, so a bad file shows here, not at a launch)
+    except cupy.cuda.driver.CUDADriverError as e:
+        warnings.warn(f"{path}: the driver cannot load {entry} from it ({e}) (run epgen build again, or delete "
+                      "the file); compiling at runtime instead", RuntimeWarning, stacklevel=2)
+        return None
     return fn
 
 

@@ -8,7 +8,7 @@ from .codegen.arch import ARCH_TRAITS
 from .codegen.dtypes import COMBINE_QUANTS, DTYPES, dtype_info
 from .codegen.models import model as _model
 from .codegen.spec import KernelSpec, Op
-from .codegen.tuning import Geometry, TuningKey, lookup
+from .codegen.tuning import Geometry, TuningKey, buckets, lookup
 
 
 def _check(cond: bool, field: str, value, rule: str):
@@ -121,6 +121,26 @@ class EpConfig:
                           world_size=self.world_size, max_tokens_per_rank=self.max_tokens_per_rank,
                           scale_bytes=self.scale_bytes, combine_quant=self.combine_quant, blocks=geometry.blocks,
                           warps_per_block=geometry.warps_per_block, unroll=geometry.unroll)
+
+    def variants(self, arch: str, op: Op) -> tuple[tuple[int, KernelSpec], ...]:
+        """Every ``(max_tokens, spec)`` an ``EpDispatchCombine`` of this config compiles for
+        ``op`` on ``arch`` at construction, ascending: the explicit geometry alone (bucket
+        ``max_tokens_per_rank``), else the tuning table's buckets up to the first one that holds
+        ``max_tokens_per_rank``. A call with T tokens launches the first bucket with
+        ``max_tokens >= T``. (Virtual ranks may still clamp a table geometry's blocks at
+        construction, which depends on the GPU.)
+
+        Raises:
+            ValueError: a spec breaks an ``arch`` limit (naming the field).
+        """
+        explicit = self.dispatch_geometry if op is Op.DISPATCH else self.combine_geometry
+        table = ((self.max_tokens_per_rank, explicit),) if explicit else buckets(self.tuning_key(arch, op))
+        out = []
+        for max_tokens, geometry in table:
+            out.append((max_tokens, self.spec(arch, op, geometry)))
+            if max_tokens >= self.max_tokens_per_rank:
+                break
+        return tuple(out)
 
     def kernel_specs(self, arch: str, tokens: int | None = None) -> tuple[KernelSpec, KernelSpec]:
         """(dispatch spec, combine spec) for ``arch`` at ``tokens`` (default max_tokens_per_rank)."""

@@ -1,7 +1,8 @@
 """EpDispatchCombine: the generated dispatch and combine kernels as a torch-facing op.
 
-Contract: README.md, "Contract". All kernels are rendered and compiled at construction; dispatch()
-and combine() only check inputs and launch on torch's current stream (no host synchronization).
+Contract: README.md, "Contract". All kernels are rendered and compiled (or loaded from an
+ahead-of-time build, ``epgen.aot``) at construction; dispatch() and combine() only check inputs
+and launch on torch's current stream (no host synchronization).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from .codegen.arch import ARCH_TRAITS
 from .codegen.dtypes import dtype_info
 from .codegen.render import render
 from .codegen.spec import KernelSpec, Op
-from .codegen.tuning import buckets
 from .compile import cupy_stream, device_arch, load_kernel
 from .config import EpConfig
 
@@ -371,24 +371,21 @@ class EpDispatchCombine:
     def _build_variants(self, op: Op) -> list[tuple[int, KernelSpec, object]]:
         cfg = self.config
         explicit = cfg.dispatch_geometry if op is Op.DISPATCH else cfg.combine_geometry
-        table = [(cfg.max_tokens_per_rank, explicit)] if explicit else buckets(cfg.tuning_key(self.arch, op))
         variants = []
-        for max_tokens, geo in table:
-            spec = cfg.spec(self.arch, op, geo)
+        for max_tokens, spec in cfg.variants(self.arch, op):
             fn = self._compile(spec)
             if self.virtual:
                 fits = self._resident_blocks(fn, spec) // cfg.world_size
                 if fits < spec.blocks:
                     if explicit or fits < 1:
                         raise ValueError(
-                            f"{op.value} geometry {geo}: virtual ranks need all {spec.blocks * cfg.world_size} "
-                            f"blocks resident at once but this GPU holds {self._resident_blocks(fn, spec)}; "
-                            f"lower EpConfig.{op.value}_geometry blocks to {max(fits, 1)} or fewer warps")
+                            f"{op.value} geometry {spec.blocks}x{spec.warps_per_block}u{spec.unroll}: virtual ranks "
+                            f"need all {spec.blocks * cfg.world_size} blocks resident at once but this GPU holds "
+                            f"{self._resident_blocks(fn, spec)}; lower EpConfig.{op.value}_geometry blocks to "
+                            f"{max(fits, 1)} or fewer warps")
                     spec = spec.replace(blocks=fits)  # table geometry, clamped so every rank fits
                     fn = self._compile(spec)
             variants.append((max_tokens, spec, fn))
-            if max_tokens >= cfg.max_tokens_per_rank:
-                break
         return variants
 
     def _compile(self, spec: KernelSpec):

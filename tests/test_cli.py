@@ -13,7 +13,7 @@ def run(*argv):
     return subprocess.run([sys.executable, "-m", "epgen", *argv], capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("verb", ["generate", "check", "report", "diff", "demo", "bench", "tune", "stress"])
+@pytest.mark.parametrize("verb", ["generate", "check", "report", "diff", "build", "demo", "bench", "tune", "stress"])
 def test_help_on_every_verb(verb):
     r = run(verb, "--help")
     assert r.returncode == 0 and "usage: epgen " + verb in r.stdout

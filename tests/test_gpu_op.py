@@ -105,12 +105,11 @@ def _combine_wire_body(rank, world_size, mode, model, virtual):
     """Every combine wire against the reference within its documented bound; with the fp8_blockwise
     wire the payload is fp8 with scales (quantized dispatch and combine in one op)."""
     from epgen.op import EpDispatchCombine
-    from epgen.quant import scale_bytes
 
     hidden = EpConfig.for_model(model, world_size=world_size, max_tokens_per_rank=1).hidden
     fp8 = mode == "fp8_blockwise"
     cfg = EpConfig.for_model(model, world_size=world_size, max_tokens_per_rank=TMAX, combine_quant=mode,
-                             dtype="fp8" if fp8 else "bf16", scale_bytes=scale_bytes(mode, hidden) if fp8 else 0,
+                             dtype="fp8" if fp8 else "bf16", scale_bytes=4 * -(-hidden // 128) if fp8 else 0,
                              dispatch_geometry=Geometry(16, 16, 4), combine_geometry=Geometry(16, 16, 4), timeout_s=10.0)
     op = EpDispatchCombine(cfg, virtual=virtual, validate=True)
     worst = {"combine_err": 0.0, "bound_ratio": 0.0, "wire_mismatches": 0}

@@ -392,8 +392,8 @@ def test_a_dead_peer_makes_the_survivor_raise_a_timeout_within_the_bound():
 
 # ---- streams -----------------------------------------------------------------------------------
 
-SLEEP_CYCLES = 200_000_000
-"""torch.cuda._sleep before the op on its stream: ~100 ms at 2 GHz, far longer than the host
+SLEEP_CYCLES = 1_000_000_000
+"""torch.cuda._sleep before the op on its stream: ~0.5 s at 2 GHz, far longer than the host
 takes to enqueue dispatch and combine, so a consumer that did not wait would run first."""
 
 

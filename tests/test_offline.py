@@ -5,12 +5,19 @@ from __future__ import annotations
 import pytest
 
 from epgen.codegen.arch import ARCHES, traits
+from epgen.codegen import offline
 from epgen.codegen.offline import (
+    CodeObject,
     CompileError,
     Resources,
     ToolchainMissing,
+    code_object_key,
+    code_object_options,
+    code_object_problem,
+    compile_code_object,
     compile_many,
     compile_offline,
+    compiler_identity,
     toolchain_status,
 )
 
@@ -178,3 +185,52 @@ def test_missing_toolchain_named(monkeypatch: pytest.MonkeyPatch) -> None:
         assert reason is not None and package in reason and "\n" not in reason
         with pytest.raises(ToolchainMissing, match=package):
             compile_offline(_valid(a), a, "k")
+
+
+# --------------------------------------------------------------------------------------------------
+# Code objects (epgen build): the loadable image, its key and the check before a load
+# --------------------------------------------------------------------------------------------------
+
+
+def test_code_object_of_each_arch(arch: str) -> None:
+    text = _valid(arch)
+    co = compile_code_object(text, arch, "k")
+    assert isinstance(co, CodeObject) and co.resources == compile_offline(text, arch, "k")
+    assert co.key == code_object_key(text, arch) and len(co.key) == 64
+    assert co.compiler == compiler_identity(arch) and co.options == code_object_options(arch)
+    assert co.compiler.startswith("clang version" if traits(arch).vendor == "amd" else "nvrtc ")
+    assert co.compile_s > 0 and code_object_problem(co.image, arch) is None
+    for other in ARCHES:
+        if traits(other).elf_mach != traits(arch).elf_mach:
+            assert "not " + other in code_object_problem(co.image, other)
+    for cut in (len(co.image) - 1, len(co.image) // 2):
+        assert code_object_problem(co.image[:cut], arch).startswith("truncated: ")
+    assert code_object_problem(b"not a code object", arch).startswith("not an ELF file")
+    assert code_object_problem(co.image[:4] + b"\x01" + co.image[5:], arch) == "not a 64-bit little-endian ELF file"
+
+
+def test_code_object_key_changes_with_text_options_and_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    if toolchain_status("sm_90"):
+        pytest.skip(toolchain_status("sm_90"))
+    text = _valid("sm_90")
+    key = code_object_key(text, "sm_90")
+    assert key == code_object_key(text, "sm_90") and key != code_object_key(text + "\n", "sm_90")
+    assert "-ftz=true" in code_object_options("sm_90")  # CuPy appends it at runtime: the cubin matches
+    with monkeypatch.context() as m:
+        m.setattr(offline, "code_object_options", lambda arch: ("--gpu-architecture=sm_90", "-O0"))
+        assert code_object_key(text, "sm_90") != key
+    with monkeypatch.context() as m:
+        m.setattr(offline, "_vendor_identity", lambda vendor: "nvrtc 13.5: another build of the same release")
+        assert code_object_key(text, "sm_90") != key
+
+
+def test_cubin_target_in_both_cuda_elf_abis() -> None:
+    """ELF ABI version 7 keeps the SM in the low byte of e_flags, later ones in bits 8-15."""
+    if toolchain_status("sm_90"):
+        pytest.skip(toolchain_status("sm_90"))
+    image = bytearray(compile_code_object(_valid("sm_90"), "sm_90", "k").image)
+    assert image[8] != 7 and (image[48 + 1]) == 90  # this NVRTC writes the later ABI
+    image[8], image[48:52] = 7, (0x5A).to_bytes(4, "little")
+    assert code_object_problem(bytes(image), "sm_90") is None
+    image[48] = 80
+    assert code_object_problem(bytes(image), "sm_90") == "built for ELF target 0x50, not sm_90 (0x5a)"

@@ -53,6 +53,27 @@ def test_explicit_geometry_overrides_table():
     assert (c.blocks, c.warps_per_block, c.unroll) != (7, 4, 2)
 
 
+def test_variants_are_the_buckets_an_op_compiles(table_dir):
+    """EpConfig.variants, what EpDispatchCombine compiles and epgen build builds: the table's
+    buckets up to the first that holds max_tokens_per_rank, or the explicit geometry alone."""
+    rows = [(128, Geometry(8, 32, 4)), (1024, Geometry(48, 32, 2)), (4096, Geometry(64, 32, 4)),
+            (8192, Geometry(64, 32, 4))]
+    tuning.write_entry(KEY, rows, "test", {})
+
+    def variants(tmax, **kw):
+        cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=tmax, **kw)
+        return [(t, (s.blocks, s.warps_per_block, s.unroll), s.max_tokens_per_rank)
+                for t, s in cfg.variants("sm_90", Op.DISPATCH)]
+
+    assert variants(8192) == [(128, (8, 32, 4), 8192), (1024, (48, 32, 2), 8192), (4096, (64, 32, 4), 8192),
+                              (8192, (64, 32, 4), 8192)]
+    assert variants(1000) == [(128, (8, 32, 4), 1000), (1024, (48, 32, 2), 1000)]
+    assert variants(20000)[-1][0] == 8192  # above the last bucket: the last one serves
+    assert variants(8192, dispatch_geometry=Geometry(16, 16, 2)) == [(8192, (16, 16, 2), 8192)]
+    cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=8192)
+    assert [t for t, _ in cfg.variants("sm_90", Op.COMBINE)] == [1 << 30]  # no entry: the default alone
+
+
 def test_pick_fewest_blocks_within_three_percent():
     times = {Geometry(24, 32, 4): 101.5, Geometry(64, 32, 4): 100.0, Geometry(132, 32, 4): 99.0,
              Geometry(16, 32, 4): 110.0}

@@ -7,6 +7,9 @@
 #   sweep   geometry exploration at 128/4096/8192 tokens ($GEOS: "DISPATCH:COMBINE" pairs)
 #   tests   GPU tests (pytest -m "gpu or multigpu" over $TESTS, default every tests/ file; $K narrows with -k)
 #   stress  epgen stress: 200 rounds with W=2 on two GPUs, then 200 with 8 virtual ranks
+#   build   epgen build W=2 Tmax=8192 for sm_90 into a fresh cache, then time load_kernel per variant:
+#           warm import from it against a cold compile (fresh processes, empty CUPY_CACHE_DIR, 5 runs)
+#           -> tools/results/aot-import-ep2-h200.txt
 # Everything it prints goes to $OUT/run.log; results and tables come back in $OUT/results.tgz.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -30,6 +33,9 @@ for step in ${STEPS:-demo tune bench bench24 tests}; do
     stress) timeout ${STRESS_TIMEOUT:-300} python -m epgen stress --world-size 2 --rounds 200 | tail -3
             timeout ${STRESS_TIMEOUT:-300} python -m epgen stress --world-size 8 --virtual --rounds 200 \
               --max-tokens ${STRESS_TOKENS_W8:-1024} | tail -3 ;;
+    build) rm -rf /tmp/epgen-aot
+           python -m epgen build --world-size 2 --max-tokens 8192 --arch sm_90 -o /tmp/epgen-aot --time-import \
+             | tee tools/results/aot-import-ep2-h200.txt ;;
     tests) timeout ${TEST_TIMEOUT:-400} python -m pytest ${TESTS:-tests} -m "gpu or multigpu" -q -rA --durations=15 \
              ${K:+-k "$K"} ;;
   esac

@@ -182,7 +182,7 @@ EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag,
 // Each rank first quantizes its received rows of combine_in into wire rows of its own arena;
 // peers read those. Wire row: fp4 codes (1024 bytes), then
 // 64 float32 scales at byte 1024, one per 32 elements (the last block may be
-// partial): s = fl(block amax / 6), 1 when amax < 2^-100; code = encode(fl(x / s)); dq = fl(decode(code) * s).
+// partial): s = fl(block amax / 6), 1 when amax < 2^-80; code = encode(fl(x / s)); dq = fl(decode(code) * s).
 // Reference, bit for bit: epgen.quant.combine_roundtrip("fp4_blockwise", ...).
 constexpr ep_u64 kOffCombineSrc = kOffCombineWire;
 constexpr int kSrcRowBytes = 1280;
@@ -208,12 +208,22 @@ EP_DEVICE ep_u32 ep_encode_minifloat(float x) {
   const int code = ((e - kEmin) << kM) + n;
   return sign | (ep_u32)(code < kMaxCode ? code : kMaxCode);
 }
+// Exact sign-magnitude minifloat decode (kM mantissa, kE exponent bits, bias kBias) without
+// float32 subnormals, which the runtime's -ftz=true would flush: the integer significand n (the
+// implicit bit set for a normal code) times 2^(max(e, 1) - kBias - kM), a normal power of two.
+template <int kM, int kE, int kBias>
+EP_DEVICE float ep_decode_minifloat(ep_u32 c) {
+  const ep_u32 e = (c >> kM) & ((1u << kE) - 1u);
+  const ep_u32 m = c & ((1u << kM) - 1u);
+  const float mag = (float)(e ? m | (1u << kM) : m) * ep_bits_to_float((ep_u32)((int)(e ? e : 1u) - kBias - kM + 127) << 23);
+  return ep_bits_to_float(ep_float_to_bits(mag) | ((c >> (kM + kE)) << 31));
+}
 // fp4 e2m1 (OCP MX): bias 1, magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}, no NaN; decode is exact.
 EP_DEVICE ep_u32 ep_e2m1(float x) { return ep_encode_minifloat<1, 0, 7, 0, 3>(x); }
-// Exact decode, as for fp8: the magnitude bits at float32's boundary, scaled by 2^126.
-EP_DEVICE float ep_decode_element(ep_u32 c) {
-  const float mag = ep_bits_to_float((c & 7u) << 22) * 0x1p126f;
-  return ep_bits_to_float(ep_float_to_bits(mag) | ((c & 8u) << 28));
+// Two codes (the first in bits 0-3) -> floats, exact.
+EP_DEVICE void ep_decode_pair(ep_u32 codes, float& lo, float& hi) {
+  lo = ep_decode_minifloat<1, 2, 1>(codes & 15u);
+  hi = ep_decode_minifloat<1, 2, 1>(codes >> 4);
 }
 constexpr int kElementBits = 4;
 constexpr float kElementMax = 6.0f;
@@ -239,9 +249,10 @@ EP_DEVICE void ep_wire_quantize(const ep_vec& v, int i, bool valid, ep_u8* wire_
     const float other = ep_bits_to_float((ep_u32)ep_shfl((int)ep_float_to_bits(amax), ep_lane_id() ^ m));
     amax = (other > amax || other != other) ? other : amax;
   }
-  // s = fl(amax / max) as the reference; blocks with amax below 2^-100 (or NaN) take s = 1 and
-  // so travel as zeros (or NaN)
-  const float s = amax >= 0x1p-100f ? ep_div_rn(amax, kElementMax) : 1.0f;
+  // s = fl(amax / max) as the reference; blocks with amax below 2^-80 (or NaN) take s = 1 and so
+  // travel as zeros (or NaN). Above it every quotient that can round to a nonzero code, and its
+  // division residual, are normal float32: exact under the runtime's -ftz=true.
+  const float s = amax >= 0x1p-80f ? ep_div_rn(amax, kElementMax) : 1.0f;
   if (valid && ep_lane_id() % kLanesPerScale == 0)
     ep_store4(wire_row + kWireScaleOffset + (ep_u64)(i / kLanesPerScale) * 4, ep_float_to_bits(s));
   if (!valid) return;
@@ -261,8 +272,12 @@ EP_DEVICE float ep_wire_scale(const ep_u8* row, int i) {
 }
 EP_DEVICE void ep_wire_add(float* acc, const ep_wire& w, float s) {
 #pragma unroll
-  for (int k = 0; k < 8; ++k)
-    acc[k] += ep_decode_element((ep_u32)(w >> (kElementBits * k)) & ((1u << kElementBits) - 1u)) * s;
+  for (int k = 0; k < 8; k += 2) {
+    float lo, hi;
+    ep_decode_pair((ep_u32)(w >> (kElementBits * k)) & ((1u << (2 * kElementBits)) - 1u), lo, hi);
+    acc[k] += lo * s;
+    acc[k + 1] += hi * s;
+  }
 }
 
 // ---- combine ----

@@ -100,6 +100,14 @@ EP_DEVICE ep_u32 ep_e4m3x2_hw(float lo, float hi) {
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
   return r;
 }
+// Two fp8 e4m3 codes (lo in bits 0-7) -> floats, exact: through f16x2, where every e4m3 value,
+// subnormals included, is a normal f16 (so -ftz=true changes nothing).
+EP_DEVICE void ep_e4m3x2_decode_hw(ep_u32 codes, float& lo, float& hi) {
+  unsigned short a, b;
+  asm("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, %2; mov.b32 { %0, %1 }, t; }" : "=h"(a), "=h"(b) : "h"((unsigned short)codes));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(a));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(b));
+}
 EP_DEVICE ep_u32 ep_pack_bf16x2(float lo, float hi) {
   ep_u32 r;  // round to nearest even, NaN preserved
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -228,17 +236,23 @@ EP_DEVICE ep_u32 ep_encode_minifloat(float x) {
   const int code = ((e - kEmin) << kM) + n;
   return sign | (ep_u32)(code < kMaxCode ? code : kMaxCode);
 }
+// Exact sign-magnitude minifloat decode (kM mantissa, kE exponent bits, bias kBias) without
+// float32 subnormals, which the runtime's -ftz=true would flush: the integer significand n (the
+// implicit bit set for a normal code) times 2^(max(e, 1) - kBias - kM), a normal power of two.
+template <int kM, int kE, int kBias>
+EP_DEVICE float ep_decode_minifloat(ep_u32 c) {
+  const ep_u32 e = (c >> kM) & ((1u << kE) - 1u);
+  const ep_u32 m = c & ((1u << kM) - 1u);
+  const float mag = (float)(e ? m | (1u << kM) : m) * ep_bits_to_float((ep_u32)((int)(e ? e : 1u) - kBias - kM + 127) << 23);
+  return ep_bits_to_float(ep_float_to_bits(mag) | ((c >> (kM + kE)) << 31));
+}
 // fp8 e4m3 (OCP e4m3fn): bias 7, max 448 (0x7E), 0x7F / 0xFF NaN; decode is exact.
 EP_DEVICE ep_u32 ep_e4m3x2(float lo, float hi) {
   return ep_e4m3x2_hw(lo, hi);
 }
-// Exact decode: the magnitude bits placed at float32's exponent/mantissa boundary read as a
-// float32 2^120 times too small (subnormal codes as float32 subnormals), so one exact scaling
-// by 2^120 gives the value.
-EP_DEVICE float ep_decode_element(ep_u32 c) {
-  if ((c & 0x7fu) == 0x7fu) return ep_bits_to_float(0x7fc00000u);
-  const float mag = ep_bits_to_float((c & 0x7fu) << 20) * 0x1p120f;
-  return ep_bits_to_float(ep_float_to_bits(mag) | ((c & 0x80u) << 24));
+// Two codes (the first in bits 0-7) -> floats, exact; 0x7F / 0xFF decode to NaN.
+EP_DEVICE void ep_decode_pair(ep_u32 codes, float& lo, float& hi) {
+  ep_e4m3x2_decode_hw(codes, lo, hi);
 }
 constexpr int kElementBits = 8;
 constexpr float kElementMax = 448.0f;
@@ -270,8 +284,12 @@ EP_DEVICE float ep_wire_scale(const ep_u8* row, int i) {
 }
 EP_DEVICE void ep_wire_add(float* acc, const ep_wire& w, float s) {
 #pragma unroll
-  for (int k = 0; k < 8; ++k)
-    acc[k] += ep_decode_element((ep_u32)(w >> (kElementBits * k)) & ((1u << kElementBits) - 1u)) * s;
+  for (int k = 0; k < 8; k += 2) {
+    float lo, hi;
+    ep_decode_pair((ep_u32)(w >> (kElementBits * k)) & ((1u << (2 * kElementBits)) - 1u), lo, hi);
+    acc[k] += lo * s;
+    acc[k + 1] += hi * s;
+  }
 }
 
 // ---- combine ----
