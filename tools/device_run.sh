@@ -34,7 +34,7 @@ for step in ${STEPS:-demo tune bench bench24 tests}; do
             timeout ${STRESS_TIMEOUT:-300} python -m epgen stress --world-size 8 --virtual --rounds 200 \
               --max-tokens ${STRESS_TOKENS_W8:-1024} | tail -3 ;;
     build) rm -rf /tmp/epgen-aot
-           python -m epgen build --world-size 2 --max-tokens 8192 --arch sm_90 -o /tmp/epgen-aot --time-import \
+           python -m epgen build --world-size 2 --max-tokens 8192 --arch sm_90 -o /tmp/epgen-aot --time-import --runs ${RUNS:-5} \
              | tee tools/results/aot-import-ep2-h200.txt ;;
     tests) timeout ${TEST_TIMEOUT:-400} python -m pytest ${TESTS:-tests} -m "gpu or multigpu" -q -rA --durations=15 \
              ${K:+-k "$K"} ;;
