@@ -231,7 +231,8 @@ class CodeObject:
     object, ``.hsaco``) or an NVIDIA CUBIN (``.cubin``).
 
     Attributes:
-        resources: the entry's ``Resources``, as ``compile_offline`` reports them.
+        resources: the entry's ``Resources``, as ``compile_offline`` reports them; None when the
+            compiler printed no report (NVRTC reusing its own result within one process).
         image: the code object's bytes.
         key: ``code_object_key`` of the source (the file name in the ahead-of-time cache).
         compiler: ``compiler_identity`` of the arch.
@@ -239,7 +240,7 @@ class CodeObject:
         compile_s: wall seconds the compile took here (every tool invocation of it).
     """
 
-    resources: Resources
+    resources: Resources | None
     image: bytes = attrs.field(repr=lambda b: f"<{len(b)} bytes>")
     key: str
     compiler: str
@@ -340,7 +341,7 @@ def _require_toolchain(arch: str) -> None:
 def _compile(text: str, arch: str, entry: str, code_object: bool) -> tuple[Resources, bytes | None]:
     if traits(arch).vendor == "amd":
         return _compile_amd(text, arch, entry, code_object)
-    return _compile_nvidia(text, arch, entry)
+    return _compile_nvidia(text, arch, entry, code_object)
 
 
 def compile_many(
@@ -485,11 +486,18 @@ def _nvrtc_compile(text: str, options: tuple[str, ...], output: str, arch: str =
     return log, image
 
 
-def _compile_nvidia(text: str, arch: str, entry: str) -> tuple[Resources, bytes]:
+def _compile_nvidia(text: str, arch: str, entry: str, code_object: bool = False) -> tuple[Resources | None, bytes]:
     log, cubin = _nvrtc_compile(text, compile_options(arch), "CUBIN", arch, entry)
     if not cubin:
         raise CompileError(arch, entry, log, "NVRTC produced an empty CUBIN")
-    return _parse_ptxas(log, arch, entry, traits(arch).wave_size), cubin
+    try:
+        return _parse_ptxas(log, arch, entry, traits(arch).wave_size), cubin
+    except CompileError:
+        # NVRTC 13.0 reuses its ptxas result for a program it already compiled in this process and
+        # then prints no -v report: a code object needs none, only its entry symbol.
+        if code_object and b"\0" + entry.encode() + b"\0" in cubin:
+            return None, cubin
+        raise
 
 
 def _parse_ptxas(log: str, arch: str, entry: str, wave_size: int) -> Resources:

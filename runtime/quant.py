@@ -698,7 +698,7 @@ _TINY_BLOCK = 2.0**-80
 
 def _flush_tiny_blocks(y: torch.Tensor, block: int) -> torch.Tensor:
     """float32 copy of [R, H] ``y`` (H a multiple of block) with every block of amax < 2^-80 zeroed."""
-    yb = y.to(torch.float32).reshape(y.shape[0], -1, block).clone()
+    yb = y.to(torch.float32).reshape(y.shape[0], y.shape[1] // block, block).clone()
     yb[yb.abs().amax(dim=-1) < _TINY_BLOCK] = 0.0
     return yb.reshape(y.shape)
 
@@ -773,6 +773,6 @@ def combine_error_bound(mode: str, y: torch.Tensor) -> torch.Tensor:
         block = MODES[mode]
         qmax, rel, per_scale = ((FP8_E4M3_MAX, 2.0**-4, 2.0**-10) if mode == "fp8_blockwise"
                                 else (FP4_E2M1_MAX, 2.0**-2, 2.0**-2))
-        s = _amax_scale(_flush_tiny_blocks(a, block).reshape(a.shape[0], -1, block), qmax)
+        s = _amax_scale(_flush_tiny_blocks(a, block).reshape(a.shape[0], a.shape[1] // block, block), qmax)
         bound = rel * a + per_scale * s.repeat_interleave(block, dim=1)
     return bound[:, :hidden].contiguous()

@@ -402,7 +402,9 @@ def _streams_body(rank, world_size, virtual):
     op = _op(cfg, virtual, validate=False)
     dev, local = op.device, op.local_ranks
     producer, consumer = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
-    for seed, given_out in ((1, False), (2, True)):
+    # round 0 only warms up: CUDA loads kernel modules lazily on first use, and a load can wait for
+    # the device, which would make the host wait for the sleep below
+    for seed, given_out in ((0, False), (1, False), (2, True)):
         tokens = [cfg.max_tokens_per_rank - 5 * r for r in range(world_size)]
         inputs = integer_inputs(cfg, tokens, "uniform", seed, device=dev)
         exp = expect(cfg, inputs)
@@ -422,7 +424,7 @@ def _streams_body(rank, world_size, virtual):
             for r in local:
                 integer_expert_stage(op, r)
             combined = op.combine(op_arg(op, [op.combine_input(r) for r in local]), out=out)
-        assert not producer.query(), "dispatch/combine waited on the host (or ran on another stream)"
+        assert seed == 0 or not producer.query(), "dispatch/combine waited on the host (or ran on another stream)"
         recv = recv if op.virtual else [recv]
         combined = combined if op.virtual else [combined]
         with torch.cuda.stream(consumer):

@@ -682,6 +682,14 @@ def test_combine_roundtrip_within_its_bound(mode, hidden):
         assert float(err.max()) > 0 and float((err / bound.clamp(min=1e-30)).max()) > 0.3  # the bound is not loose
 
 
+@pytest.mark.parametrize("mode", ["none", "fp8_direct_cast", "fp8_blockwise", "fp4_blockwise"])
+def test_combine_wire_of_no_rows(mode):
+    from epgen.quant import combine_error_bound, combine_roundtrip
+
+    y = torch.zeros(0, 2880, dtype=torch.bfloat16)  # a rank that received nothing
+    assert combine_roundtrip(mode, y).shape == combine_error_bound(mode, y).shape == (0, 2880)
+
+
 def test_combine_roundtrip_partial_block_is_its_own_block():
     from epgen.quant import combine_roundtrip
 

@@ -75,6 +75,10 @@ EP_DEVICE float ep_bits_to_float(ep_u32 u) { return __builtin_bit_cast(float, u)
 EP_DEVICE ep_u32 ep_float_to_bits(float f) { return __builtin_bit_cast(ep_u32, f); }
 EP_DEVICE int ep_rint(float x) { return (int)__builtin_rintf(x); }  // round to nearest even
 EP_DEVICE float ep_div_rn(float x, float s) { return x / s; }  // clang: correctly rounded, no call
+EP_DEVICE float ep_mul_rn(float a, float b) {  // rounded: never fused into an FMA
+#pragma clang fp contract(off)
+  return a * b;
+}
 EP_DEVICE ep_u32 ep_bf16_bits(float f) {
   const ep_u32 u = __builtin_bit_cast(ep_u32, f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;

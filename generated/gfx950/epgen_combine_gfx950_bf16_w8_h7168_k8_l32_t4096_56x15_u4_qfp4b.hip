@@ -75,6 +75,10 @@ EP_DEVICE float ep_bits_to_float(ep_u32 u) { return __builtin_bit_cast(float, u)
 EP_DEVICE ep_u32 ep_float_to_bits(float f) { return __builtin_bit_cast(ep_u32, f); }
 EP_DEVICE int ep_rint(float x) { return (int)__builtin_rintf(x); }  // round to nearest even
 EP_DEVICE float ep_div_rn(float x, float s) { return x / s; }  // clang: correctly rounded, no call
+EP_DEVICE float ep_mul_rn(float a, float b) {  // rounded: never fused into an FMA
+#pragma clang fp contract(off)
+  return a * b;
+}
 EP_DEVICE ep_u32 ep_bf16_bits(float f) {
   const ep_u32 u = __builtin_bit_cast(ep_u32, f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
@@ -275,8 +279,8 @@ EP_DEVICE void ep_wire_add(float* acc, const ep_wire& w, float s) {
   for (int k = 0; k < 8; k += 2) {
     float lo, hi;
     ep_decode_pair((ep_u32)(w >> (kElementBits * k)) & ((1u << (2 * kElementBits)) - 1u), lo, hi);
-    acc[k] += lo * s;
-    acc[k + 1] += hi * s;
+    acc[k] += ep_mul_rn(lo, s);  // dq = fl(decode * s), as the reference, then the sum
+    acc[k + 1] += ep_mul_rn(hi, s);
   }
 }
 

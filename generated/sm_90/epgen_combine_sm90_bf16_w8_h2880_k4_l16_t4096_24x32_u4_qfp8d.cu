@@ -82,6 +82,7 @@ EP_DEVICE ep_vec ep_vec_zero() { return make_uint4(0u, 0u, 0u, 0u); }
 EP_DEVICE float ep_bits_to_float(ep_u32 u) { return __uint_as_float(u); }
 EP_DEVICE ep_u32 ep_float_to_bits(float f) { return __float_as_uint(f); }
 EP_DEVICE int ep_rint(float x) { return __float2int_rn(x); }
+EP_DEVICE float ep_mul_rn(float a, float b) { return __fmul_rn(a, b); }  // rounded: never fused into an FMA
 // x / s rounded to nearest even without div.rn.f32's slow-path call (whose registers spill
 // 1024-thread blocks): the approximate reciprocal refined by one Newton step, the quotient
 // corrected by one FMA residual step. Correctly rounded for normal s and a normal quotient
@@ -287,8 +288,8 @@ EP_DEVICE void ep_wire_add(float* acc, const ep_wire& w, float s) {
   for (int k = 0; k < 8; k += 2) {
     float lo, hi;
     ep_decode_pair((ep_u32)(w >> (kElementBits * k)) & ((1u << (2 * kElementBits)) - 1u), lo, hi);
-    acc[k] += lo * s;
-    acc[k + 1] += hi * s;
+    acc[k] += ep_mul_rn(lo, s);  // dq = fl(decode * s), as the reference, then the sum
+    acc[k + 1] += ep_mul_rn(hi, s);
   }
 }
 
