@@ -157,7 +157,10 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
             n = int(buf.num_recv.item())
             wire = int((buf.recv_src[:n, 0] != me).sum().item()) if world_size > 1 else n
             nbytes = max(wire, 1) * row_bytes
-            if dist:
+            if dist:  # one size on every rank: all_to_all_single's even split hangs on unequal sizes (skew)
+                agreed = torch.tensor([nbytes], device=op.device)
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+                nbytes = int(agreed.item())
                 dist.barrier()
             ceil_t = _time(lambda: ceiling.run(src_ptr, dst_ptr, nbytes), iters=10)
             ceil_gbps = gbps(nbytes, ceil_t.median_us)
