@@ -14,10 +14,12 @@ from . import quant, reference
 from .codegen.dtypes import dtype_info
 from .config import EpConfig
 
-ROUTINGS = ("uniform", "invalid", "duplicates", "skewed", "one_rank")
+ROUTINGS = ("uniform", "invalid", "duplicates", "skewed", "one_rank", "shared")
 """Routing kinds: uniform random distinct experts; uniform with -1 sprinkled (and some all -1
 rows); uniform with repeated expert ids inside a row; skewed (half the tokens send every slot to
-experts of one rank); one_rank (every token sends every slot to experts of rank 0)."""
+experts of one rank); one_rank (every token sends every slot to experts of rank 0); shared (a
+DeepSeek-style shared-expert column: the last top-k slot names an expert on the token's own
+rank)."""
 
 @attrs.frozen
 class RankInputs:
@@ -45,8 +47,9 @@ def op_inputs(op, inputs: list[RankInputs]) -> tuple:
     return tuple(op_arg(op, [getattr(i, f) for i in mine]) for f in ("x", "weights", "indices", "scales"))
 
 
-def routing(num_tokens: int, cfg: EpConfig, kind: str, gen: torch.Generator) -> torch.Tensor:
-    """Expert ids [T, K] int32 of routing ``kind`` (see ROUTINGS), on ``gen``'s device.
+def routing(num_tokens: int, cfg: EpConfig, kind: str, gen: torch.Generator, rank: int = 0) -> torch.Tensor:
+    """Expert ids [T, K] int32 of routing ``kind`` (see ROUTINGS) for tokens of ``rank``, on
+    ``gen``'s device.
 
     Raises:
         ValueError: unknown kind.
@@ -65,6 +68,9 @@ def routing(num_tokens: int, cfg: EpConfig, kind: str, gen: torch.Generator) -> 
         L = cfg.experts_per_rank
         hot = torch.rand(T, generator=gen, device=dev) < (0.5 if kind == "skewed" else 1.0)
         ids[hot] = torch.randint(0, L, (int(hot.sum()), K), generator=gen, dtype=torch.int32, device=dev)
+    elif kind == "shared":
+        L = cfg.experts_per_rank
+        ids[:, -1] = rank * L + torch.randint(0, L, (T,), generator=gen, dtype=torch.int32, device=dev)
     return ids
 
 
@@ -78,7 +84,7 @@ def make_inputs(cfg: EpConfig, tokens: list[int], kind: str = "uniform", seed: i
     gen = torch.Generator(device=dev).manual_seed(seed)
     info = dtype_info(cfg.dtype)
     out = []
-    for T in tokens:
+    for rank, T in enumerate(tokens):
         if info.bits == 16:
             x = torch.randn(T, cfg.hidden, generator=gen, device=dev).to(info.torch_dtype)
         else:  # fp8 / fp4 payloads: every byte pattern the wire carries, NaN codes included
@@ -87,7 +93,7 @@ def make_inputs(cfg: EpConfig, tokens: list[int], kind: str = "uniform", seed: i
         w = torch.rand(T, cfg.topk, generator=gen, device=dev)
         s = (torch.randint(0, 256, (T, cfg.scale_bytes), generator=gen, dtype=torch.uint8, device=dev)
              if cfg.scale_bytes else None)
-        out.append(RankInputs(x, w, routing(T, cfg, kind, gen), s))
+        out.append(RankInputs(x, w, routing(T, cfg, kind, gen, rank), s))
     return out
 
 

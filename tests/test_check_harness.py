@@ -68,7 +68,8 @@ CFG = EpConfig.for_model("mixtral-8x7b", world_size=4, max_tokens_per_rank=32)
 
 @pytest.mark.parametrize("tokens,kind", [([32, 0, 5, 1], "uniform"), ([0, 0, 0, 0], "uniform"),
                                          ([7, 7, 7, 7], "invalid"), ([32, 32, 1, 0], "duplicates"),
-                                         ([16, 3, 0, 9], "skewed"), ([9, 0, 32, 4], "one_rank")])
+                                         ([16, 3, 0, 9], "skewed"), ([9, 0, 32, 4], "one_rank"),
+                                         ([32, 7, 0, 12], "shared")])
 def test_harness_accepts_an_op_that_keeps_the_contract(tokens, kind):
     stats = run_round(ContractOp(CFG), CFG, tokens, kind, seed=3)
     assert stats["wire_mismatches"] == 0 and stats["bound_ratio"] <= 1 and len(stats["recv"]) == 4
@@ -101,3 +102,12 @@ def test_stress_counts_rounds_and_failures():
     assert ok.rounds == 12 and ok.failures == () and 0 < ok.worst_bound_ratio <= 1 and len(lines) == 12
     bad = stress(ContractOp(CFG, break_rows=True), CFG, rounds=5, seed=1, report=lines.append)
     assert bad.rounds == 5 and 1 <= len(bad.failures) <= 5  # virtual: counts and goes on
+
+
+def test_shared_routing_pins_the_last_slot_to_the_own_rank():
+    from epgen.check import make_inputs
+
+    cfg = EpConfig.for_model("deepseek-v3", world_size=8, max_tokens_per_rank=64)
+    for rank, inp in enumerate(make_inputs(cfg, [64] * 8, "shared", seed=2)):
+        assert bool((inp.indices[:, -1] // cfg.experts_per_rank == rank).all())
+        assert bool((inp.indices[:, :-1] >= 0).all())  # the routed slots stay uniform

@@ -1,7 +1,8 @@
 """GPU runs of shapes outside the catalogue (issue 3): top-k 1, 2, 6, 9 and 10 at hidden 2880 and
 6144, bf16 dispatch + combine checked against the torch reference with ``check.run_round``
-(received rows bit-equal, combine within bf16 tolerance). W = 8 virtual ranks for every shape; one
-two-process W = 2 test covers each top-k and each hidden once.
+(received rows bit-equal, every combined element within its bound). W = 8 virtual ranks for every
+shape; one two-process W = 2 test covers each top-k and each hidden once. Experts per rank from 1
+to 384 / W, with a shared-expert column pinned to the token's own rank.
 """
 
 import pytest
@@ -15,14 +16,14 @@ HIDDENS = [2880, 6144]
 TMAX = 64
 
 
-def shape_config(world_size: int, hidden: int, topk: int) -> EpConfig:
+def shape_config(world_size: int, hidden: int, topk: int, num_experts: int = 128) -> EpConfig:
     """128 experts, 64 tokens a rank, explicit geometry (one compiled variant per op)."""
-    return EpConfig(world_size=world_size, hidden=hidden, topk=topk, num_experts=128, max_tokens_per_rank=TMAX,
+    return EpConfig(world_size=world_size, hidden=hidden, topk=topk, num_experts=num_experts, max_tokens_per_rank=TMAX,
                     dispatch_geometry=GEO, combine_geometry=GEO, timeout_s=5.0)
 
 
 ROUNDS_8 = [([TMAX] * 8, "uniform"), ([0, 1, 37, TMAX, TMAX, 37, 1, 0], "invalid"),
-            ([TMAX, 0, 5, TMAX, 0, TMAX, 3, 9], "duplicates")]
+            ([TMAX, 0, 5, TMAX, 0, TMAX, 3, 9], "duplicates"), ([TMAX, 3, 0, TMAX, 17, TMAX, 1, TMAX], "shared")]
 ROUNDS_2 = [([TMAX, TMAX], "uniform"), ([0, 37], "invalid"), ([TMAX, 1], "duplicates"), ([0, 0], "uniform")]
 TWO_PROCESS_SHAPES = [(2880, 1), (6144, 2), (2880, 6), (6144, 9), (2880, 10)]
 
@@ -39,6 +40,19 @@ def test_shape_virtual8(topk, hidden):
     from epgen.op import EpDispatchCombine
 
     cfg = shape_config(8, hidden, topk)
+    op = EpDispatchCombine(cfg, virtual=True, validate=True)
+    try:
+        _rounds(op, cfg, ROUNDS_8)
+    finally:
+        op.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_experts", [8, 384])  # 1 and 48 experts per rank
+def test_experts_per_rank_virtual8(num_experts):
+    from epgen.op import EpDispatchCombine
+
+    cfg = shape_config(8, 7168, 8 if num_experts > 8 else 2, num_experts)
     op = EpDispatchCombine(cfg, virtual=True, validate=True)
     try:
         _rounds(op, cfg, ROUNDS_8)
