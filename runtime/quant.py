@@ -169,13 +169,14 @@ def _check_codes(name: str, codes, limit: int | None = None) -> torch.Tensor:
     return codes
 
 
-def _blocks(x, block: int, *, even: bool) -> torch.Tensor:
-    """Validate a [T, H] quantizer input; return it as float32 [T, H / block, block]."""
+def _blocks(x, block: int, *, even: bool) -> tuple[torch.Tensor, int]:
+    """Validate a [T, H] quantizer input; return it as float32 [T, ceil(H / block), block], the
+    last block zero-padded (which changes no block's amax), and H."""
     block = _check_block(block, even=even)
     x = _check_2d("x", x, _BLOCK_DTYPES)
     tokens, hidden = x.shape
-    if hidden % block:
-        raise ValueError(f"x: hidden size H={hidden} must be a multiple of block={block}")
+    if even and hidden % 2:
+        raise ValueError(f"x: hidden size H={hidden} must be even (two fp4 codes a byte)")
     x32 = x.to(torch.float32)
     bad = ~torch.isfinite(x32)
     if bool(bad.any()):
@@ -183,7 +184,20 @@ def _blocks(x, block: int, *, even: bool) -> torch.Tensor:
             f"{_first_bad('x', bad, x32)}: must be finite (a block holding a NaN or an infinity has "
             f"no defined scale)"
         )
-    return x32.reshape(tokens, hidden // block, block)
+    return _padded_blocks(x32, block), hidden
+
+
+def _padded_blocks(v: torch.Tensor, block: int) -> torch.Tensor:
+    """[T, H] -> [T, ceil(H / block), block], the last block zero-padded."""
+    pad = (-v.shape[1]) % block
+    if pad:
+        v = torch.nn.functional.pad(v, (0, pad))
+    return v.reshape(v.shape[0], v.shape[1] // block, block)
+
+
+def _unblock(t: torch.Tensor, hidden: int) -> torch.Tensor:
+    """[T, nb, block] -> [T, H] (the padding dropped)."""
+    return t.reshape(t.shape[0], -1)[:, :hidden].contiguous() if t.shape[0] else t.reshape(0, hidden)
 
 
 def _check_scaled(codes_name, codes, scales, scale_dtype, block, *, packed: bool) -> tuple[int, int]:
@@ -193,15 +207,10 @@ def _check_scaled(codes_name, codes, scales, scale_dtype, block, *, packed: bool
     scales = _check_2d("scales", scales, (scale_dtype,))
     tokens, width = codes.shape
     hidden = 2 * width if packed else width
-    if hidden % block:
-        raise ValueError(
-            f"{codes_name}: shape {tuple(codes.shape)} holds H={hidden} elements per token, which must "
-            f"be a multiple of block={block}"
-        )
-    want = (tokens, hidden // block)
+    want = (tokens, -(-hidden // block))
     if tuple(scales.shape) != want:
         raise ValueError(
-            f"scales: shape {tuple(scales.shape)} must be {list(want)} ([T, H / block] for "
+            f"scales: shape {tuple(scales.shape)} must be {list(want)} ([T, ceil(H / block)] for "
             f"{codes_name} of shape {tuple(codes.shape)} and block={block})"
         )
     return tokens, hidden
@@ -438,11 +447,11 @@ def quantize_fp8_blockwise(x: torch.Tensor, block: int = 128) -> tuple[torch.Ten
     (float32 true division, then saturating RNE).
 
     Args:
-        x: [T, H] bfloat16 or float32, finite; H a multiple of block (T = 0 allowed).
+        x: [T, H] bfloat16 or float32, finite; any H (even for fp4; the last block may be shorter, its amax over its own elements; T = 0 allowed).
         block: elements per scale (positive int, default 128).
 
     Returns:
-        (codes, scales): codes uint8 [T, H] e4m3fn; scales float32 [T, H / block].
+        (codes, scales): codes uint8 [T, H] e4m3fn; scales float32 [T, ceil(H / block)].
 
     Error bound, for blocks with amax >= 2^-100 (so s and every product below are normal float32):
         ``|x - dq| <= 2^-4 |x| + 2^-10 s``, element-wise, dq = dequantize_fp8_blockwise(...) and
@@ -464,32 +473,32 @@ def quantize_fp8_blockwise(x: torch.Tensor, block: int = 128) -> tuple[torch.Ten
     avoid them.
 
     Raises:
-        ValueError: x not a 2-D bfloat16 / float32 tensor, H not a multiple of block, block not a
+        ValueError: x not a 2-D bfloat16 / float32 tensor, block not a
             positive int, or x holding a NaN / infinity (names the first one).
     """
-    xb = _blocks(x, block, even=False)
+    xb, hidden = _blocks(x, block, even=False)
     scales = _amax_scale(xb, FP8_E4M3_MAX)
     codes = fp8_e4m3_encode(xb / scales[..., None])
-    return codes.reshape(x.shape), scales
+    return _unblock(codes, hidden), scales
 
 
 def dequantize_fp8_blockwise(codes: torch.Tensor, scales: torch.Tensor, block: int = 128) -> torch.Tensor:
     """Inverse of ``quantize_fp8_blockwise``: dq = fl(fp8_e4m3_decode(codes) * s), one float32 rounding.
 
     Args:
-        codes: uint8 [T, H] e4m3fn codes; H a multiple of block.
-        scales: float32 [T, H / block].
+        codes: uint8 [T, H] e4m3fn codes.
+        scales: float32 [T, ceil(H / block)].
         block: elements per scale (positive int, default 128).
 
     Returns:
         float32 [T, H]. NaN codes (0x7F / 0xFF) decode to NaN.
 
     Raises:
-        ValueError: wrong dtypes, not 2-D, H not a multiple of block, or scales not [T, H / block].
+        ValueError: wrong dtypes, not 2-D, or scales not [T, ceil(H / block)].
     """
     tokens, hidden = _check_scaled("codes", codes, scales, torch.float32, block, packed=False)
-    vals = fp8_e4m3_decode(codes).reshape(tokens, hidden // block, block)
-    return (vals * scales[..., None]).reshape(tokens, hidden)
+    vals = _padded_blocks(fp8_e4m3_decode(codes), block)
+    return _unblock(vals * scales[..., None], hidden)
 
 
 def fp8_direct_cast(x: torch.Tensor) -> torch.Tensor:
@@ -534,12 +543,12 @@ def quantize_fp4_mx(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, tor
     codes are fp4_e2m1_encode(y): RNE, saturating to +-6.
 
     Args:
-        x: [T, H] bfloat16 or float32, finite; H a multiple of block (T = 0 allowed).
+        x: [T, H] bfloat16 or float32, finite; any H (even for fp4; the last block may be shorter, its amax over its own elements; T = 0 allowed).
         block: elements per scale (positive even int, default 32).
 
     Returns:
         (packed, scales): packed uint8 [T, H / 2] (``pack_fp4`` order: element 2i in the low
-        nibble); scales uint8 [T, H / block] e8m0 codes (0..252).
+        nibble); scales uint8 [T, ceil(H / block)] e8m0 codes (0..252).
 
     Error bound (no condition; all arithmetic is exact):
         ``|x - dq| <= 2^-2 max(|x|, s)``, element-wise, with s = 2^e the block's scale
@@ -554,39 +563,39 @@ def quantize_fp4_mx(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, tor
     |x - dq| = s |y - c|.
 
     Raises:
-        ValueError: x not a 2-D bfloat16 / float32 tensor, H not a multiple of block, block not a
+        ValueError: x not a 2-D bfloat16 / float32 tensor, block not a
             positive even int, or x holding a NaN / infinity (names the first one).
     """
-    xb = _blocks(x, block, even=True)
+    xb, hidden = _blocks(x, block, even=True)
     amax = xb.abs().amax(dim=-1)
     floor_log2 = torch.frexp(amax).exponent - 1
     e = torch.where(amax > 0, floor_log2 - 2, _E8M0_MIN_EXP).clamp(_E8M0_MIN_EXP, _E8M0_MAX_EXP)
     scales = (e + 127).to(torch.uint8)
     s = e8m0_decode(scales)
     codes = fp4_e2m1_encode(xb / s[..., None])
-    return pack_fp4(codes.reshape(x.shape)), scales
+    return pack_fp4(_unblock(codes, hidden)), scales
 
 
 def _fp4_scaled(packed: torch.Tensor, scale_values: torch.Tensor, block: int) -> torch.Tensor:
     """float32 [T, H]: every unpacked e2m1 element times its block's scale (one float32 rounding)."""
-    tokens, hidden = packed.shape[0], packed.shape[1] * 2
-    vals = fp4_e2m1_decode(unpack_fp4(packed)).reshape(tokens, hidden // block, block)
-    return (vals * scale_values[..., None]).reshape(tokens, hidden)
+    hidden = packed.shape[1] * 2
+    vals = _padded_blocks(fp4_e2m1_decode(unpack_fp4(packed)), block)
+    return _unblock(vals * scale_values[..., None], hidden)
 
 
 def dequantize_fp4_mx(packed: torch.Tensor, scales: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Inverse of ``quantize_fp4_mx``: dq = fp4_e2m1_decode(code) * 2^(scale - 127), exact.
 
     Args:
-        packed: uint8 [T, H / 2] packed e2m1 codes; H a multiple of block.
-        scales: uint8 [T, H / block] e8m0 codes (255 = NaN gives NaN elements).
+        packed: uint8 [T, H / 2] packed e2m1 codes.
+        scales: uint8 [T, ceil(H / block)] e8m0 codes (255 = NaN gives NaN elements).
         block: elements per scale (positive even int, default 32).
 
     Returns:
         float32 [T, H].
 
     Raises:
-        ValueError: wrong dtypes, not 2-D, H not a multiple of block, or scales not [T, H / block].
+        ValueError: wrong dtypes, not 2-D, or scales not [T, ceil(H / block)].
     """
     _check_scaled("packed", packed, scales, torch.uint8, block, packed=True)
     return _fp4_scaled(packed, e8m0_decode(scales), block)
@@ -599,12 +608,12 @@ def quantize_fp4_blockwise(x: torch.Tensor, block: int = 32) -> tuple[torch.Tens
     when it is 0 (all-zero block, or amax < 6 * 2^-150); codes = fp4_e2m1_encode(fl(x / s)).
 
     Args:
-        x: [T, H] bfloat16 or float32, finite; H a multiple of block (T = 0 allowed).
+        x: [T, H] bfloat16 or float32, finite; any H (even for fp4; the last block may be shorter, its amax over its own elements; T = 0 allowed).
         block: elements per scale (positive even int, default 32).
 
     Returns:
         (packed, scales): packed uint8 [T, H / 2] (``pack_fp4`` order); scales float32
-        [T, H / block].
+        [T, ceil(H / block)].
 
     Error bound, for blocks with amax >= 2^-100 (so s and every product are normal float32):
         ``|x - dq| <= 2^-2 |x| + 2^-2 s``, element-wise, s = fl(amax / 6) <= (1 + 2^-24) amax / 6.
@@ -618,28 +627,28 @@ def quantize_fp4_blockwise(x: torch.Tensor, block: int = 32) -> tuple[torch.Tens
     Blocks with 0 < amax < 2^-100: deterministic as defined, bound not claimed.
 
     Raises:
-        ValueError: x not a 2-D bfloat16 / float32 tensor, H not a multiple of block, block not a
+        ValueError: x not a 2-D bfloat16 / float32 tensor, block not a
             positive even int, or x holding a NaN / infinity (names the first one).
     """
-    xb = _blocks(x, block, even=True)
+    xb, hidden = _blocks(x, block, even=True)
     scales = _amax_scale(xb, FP4_E2M1_MAX)
     codes = fp4_e2m1_encode(xb / scales[..., None])
-    return pack_fp4(codes.reshape(x.shape)), scales
+    return pack_fp4(_unblock(codes, hidden)), scales
 
 
 def dequantize_fp4_blockwise(packed: torch.Tensor, scales: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Inverse of ``quantize_fp4_blockwise``: dq = fl(fp4_e2m1_decode(code) * s), one float32 rounding.
 
     Args:
-        packed: uint8 [T, H / 2] packed e2m1 codes; H a multiple of block.
-        scales: float32 [T, H / block].
+        packed: uint8 [T, H / 2] packed e2m1 codes.
+        scales: float32 [T, ceil(H / block)].
         block: elements per scale (positive even int, default 32).
 
     Returns:
         float32 [T, H].
 
     Raises:
-        ValueError: wrong dtypes, not 2-D, H not a multiple of block, or scales not [T, H / block].
+        ValueError: wrong dtypes, not 2-D, or scales not [T, ceil(H / block)].
     """
     _check_scaled("packed", packed, scales, torch.float32, block, packed=True)
     return _fp4_scaled(packed, scales, block)
@@ -649,10 +658,11 @@ def scale_bytes(mode: str, hidden: int, block: int | None = None) -> int:
     """Bytes of scales per token of a wire mode.
 
     Args:
-        mode: "fp8_blockwise" (float32 per block: 4 * H / block, block 128 by default),
-            "fp4_mx" (one e8m0 byte per block: H / block, block 32), "fp4_blockwise" (float32 per
-            block: 4 * H / block, block 32) or "fp8_direct_cast" (no scales: 0).
-        hidden: H, a positive int, a multiple of the block (and even for the fp4 modes).
+        mode: "fp8_blockwise" (float32 per block: 4 * ceil(H / block), block 128 by default),
+            "fp4_mx" (one e8m0 byte per block: ceil(H / block), block 32), "fp4_blockwise" (float32
+            per block: 4 * ceil(H / block), block 32) or "fp8_direct_cast" (no scales: 0). The
+            last block may be shorter (H = 2880: 23 fp8 blocks, the last of 64 elements).
+        hidden: H, a positive int (even for the fp4 modes).
         block: elements per scale; None takes the mode's default (``MODES``); a positive int (even
             for the fp4 modes) otherwise; must be None for "fp8_direct_cast".
 
@@ -660,7 +670,7 @@ def scale_bytes(mode: str, hidden: int, block: int | None = None) -> int:
         The byte count, e.g. H = 7168: fp8_blockwise 224, fp4_mx 224, fp4_blockwise 896.
 
     Raises:
-        ValueError: unknown mode; hidden not a positive int or not a multiple of block; block
+        ValueError: unknown mode; hidden not a positive int (or odd for fp4); block
             invalid for the mode.
     """
     if mode not in MODES:
@@ -672,10 +682,10 @@ def scale_bytes(mode: str, hidden: int, block: int | None = None) -> int:
             raise ValueError(f"block={block!r}: must be None for mode {mode!r}, which has no scales")
         return 0
     block = _check_block(MODES[mode] if block is None else block, even=mode.startswith("fp4"))
-    if hidden % block:
-        raise ValueError(f"hidden={hidden}: must be a multiple of block={block} for mode {mode!r}")
+    if mode.startswith("fp4") and hidden % 2:
+        raise ValueError(f"hidden={hidden}: must be even for mode {mode!r} (two fp4 codes a byte)")
     per_scale = 1 if mode == "fp4_mx" else 4
-    return per_scale * (hidden // block)
+    return per_scale * -(-hidden // block)  # the last block may be shorter
 
 
 # --- the combine leg's wire ----------------------------------------------------------------------
@@ -687,7 +697,15 @@ def _combine_blocks(mode: str, y) -> tuple[torch.Tensor, int]:
 
     combine_quant(mode)  # ValueError naming the known modes
     y = _check_2d("y", y, _BLOCK_DTYPES)
+    if y.shape[1] == 0:
+        raise ValueError(f"y: shape {tuple(y.shape)}: hidden size H must be positive")
     block = MODES.get(mode)
+    if block:
+        y32 = y.to(torch.float32)
+        bad = ~torch.isfinite(y32)
+        if bool(bad.any()):
+            raise ValueError(f"{_first_bad('y', bad, y32)}: must be finite for mode {mode!r} (a block holding a "
+                             f"NaN or an infinity has no defined scale)")
     pad = (-y.shape[1]) % block if block else 0
     return torch.nn.functional.pad(y, (0, pad)) if pad else y, y.shape[1]
 
@@ -724,13 +742,14 @@ def combine_roundtrip(mode: str, y: torch.Tensor) -> torch.Tensor:
         float32 [R, H].
 
     Raises:
-        ValueError: unknown mode, y not 2-D bfloat16 / float32, or (blockwise) not finite.
+        ValueError: unknown mode, y not 2-D bfloat16 / float32 with H >= 1, or (blockwise) not
+            finite (naming the first bad element).
     """
     yp, hidden = _combine_blocks(mode, y)
     if MODES.get(mode):
         yp = _flush_tiny_blocks(yp, MODES[mode])
     if mode == "none":
-        dq = yp.to(torch.float32)
+        dq = yp.to(torch.float32, copy=True)
     elif mode == "fp8_direct_cast":
         dq = dequantize_fp8_direct(fp8_direct_cast(yp))
     elif mode == "fp8_blockwise":

@@ -563,7 +563,6 @@ QUANTIZERS = [quantize_fp8_blockwise, quantize_fp4_mx, quantize_fp4_blockwise]
          r"x: dtype torch.float64 must be torch.float32 or torch.bfloat16"),
         (torch.zeros(2, 128, dtype=torch.float16), {}, r"x: dtype torch.float16 must be"),
         (torch.zeros(2, 128, dtype=torch.int32), {}, r"x: dtype torch.int32 must be"),
-        (torch.zeros(2, 100), {}, r"x: hidden size H=100 must be a multiple of block="),
         (torch.zeros(2, 128), {"block": 0}, r"block=0: must be a positive"),
         (torch.zeros(2, 128), {"block": True}, r"block=True: must be an int"),
         (torch.zeros(2, 128), {"block": 32.0}, r"block=32.0: must be an int"),
@@ -596,8 +595,8 @@ def test_fp4_quantizers_need_even_block(quantize):
          r"scales: dtype torch.float64 must be torch.float32"),
         (dequantize_fp8_blockwise, (torch.zeros(2, 256, dtype=U8), torch.ones(2, 3)),
          r"scales: shape \(2, 3\) must be \[2, 2\]"),
-        (dequantize_fp8_blockwise, (torch.zeros(2, 200, dtype=U8), torch.ones(2, 2)),
-         r"codes: shape \(2, 200\) holds H=200 .* multiple of block=128"),
+        (dequantize_fp8_blockwise, (torch.zeros(2, 200, dtype=U8), torch.ones(2, 1)),
+         r"scales: shape \(2, 1\) must be \[2, 2\]"),
         (dequantize_fp8_blockwise, (torch.zeros(256, dtype=U8), torch.ones(2, 2)),
          r"codes: shape \(256,\) must be 2-D"),
         (dequantize_fp8_blockwise, (torch.zeros(2, 256), torch.ones(2, 2)),
@@ -607,7 +606,7 @@ def test_fp4_quantizers_need_even_block(quantize):
         (dequantize_fp4_mx, (torch.zeros(2, 64, dtype=U8), torch.ones(2, 2, dtype=U8)),
          r"scales: shape \(2, 2\) must be \[2, 4\]"),
         (dequantize_fp4_mx, (torch.zeros(2, 24, dtype=U8), torch.ones(2, 1, dtype=U8)),
-         r"packed: .*H=48 .*block=32"),
+         r"scales: shape \(2, 1\) must be \[2, 2\] .*packed of shape \(2, 24\) and block=32"),
         (dequantize_fp4_blockwise, (torch.zeros(2, 64, dtype=U8), torch.ones(2, 4, dtype=U8)),
          r"scales: dtype torch.uint8 must be torch.float32"),
         (dequantize_fp4_blockwise, (torch.zeros(3, 64, dtype=U8), torch.ones(2, 4)),
@@ -643,7 +642,7 @@ def test_scale_bytes_values_and_consistency():
     "args,kwargs,pattern",
     [
         (("fp16", 128), {}, r"mode='fp16': must be one of 'fp8_blockwise'"),
-        (("fp8_blockwise", 100), {}, r"hidden=100: must be a multiple of block=128"),
+        (("fp4_blockwise", 101), {}, r"hidden=101: must be even for mode 'fp4_blockwise'"),
         (("fp4_mx", 0), {}, r"hidden=0: must be a positive int"),
         (("fp4_mx", 64.0), {}, r"hidden=64.0: must be a positive int"),
         (("fp4_mx", 66), {"block": 33}, r"block=33: must be a positive even int"),
@@ -709,5 +708,32 @@ def test_combine_wire_rejects_bad_arguments():
         combine_roundtrip("fp4_mx", torch.zeros(2, 32))
     with pytest.raises(ValueError, match=r"y: shape \(4,\) must be 2-D"):
         combine_error_bound("fp8_blockwise", torch.zeros(4))
-    with pytest.raises(ValueError, match="must be finite"):
+    with pytest.raises(ValueError, match=r"y\[0, 0\]=inf \(127 more\): must be finite for mode 'fp8_blockwise'"):
         combine_roundtrip("fp8_blockwise", torch.full((1, 128), float("inf")))
+    with pytest.raises(ValueError, match=r"y\[0, 3\]=nan: must be finite"):
+        combine_error_bound("fp4_blockwise", torch.tensor([[1.0, 2.0, 3.0, float("nan")]]))
+    with pytest.raises(ValueError, match=r"hidden size H must be positive"):
+        combine_roundtrip("none", torch.zeros(4, 0))
+    y = torch.ones(2, 8)
+    assert combine_roundtrip("none", y).data_ptr() != y.data_ptr()  # a copy, never the input
+
+
+@pytest.mark.parametrize("hidden", [2880, 200, 33 * 2])
+def test_quantizers_take_a_partial_last_block(hidden):
+    """Any H works (even for fp4): the last block is its own block; scales [T, ceil(H / block)]."""
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(5, hidden, generator=g).to(torch.bfloat16)
+    for quantize, dequantize, mode in ((quantize_fp8_blockwise, dequantize_fp8_blockwise, "fp8_blockwise"),
+                                       (quantize_fp4_mx, dequantize_fp4_mx, "fp4_mx"),
+                                       (quantize_fp4_blockwise, dequantize_fp4_blockwise, "fp4_blockwise")):
+        block = MODES[mode]
+        codes, scales = quantize(x)
+        assert scales.shape == (5, -(-hidden // block))
+        assert scales.shape[1] * scales.element_size() == scale_bytes(mode, hidden)
+        whole = hidden // block * block
+        if whole:  # the whole blocks quantize as they would alone
+            wc, ws = quantize(x[:, :whole])
+            assert torch.equal(ws, scales[:, : whole // block])
+            width = whole if mode.startswith("fp8") else whole // 2
+            assert torch.equal(wc, codes[:, :width])
+        assert dequantize(codes, scales).shape == (5, hidden)
