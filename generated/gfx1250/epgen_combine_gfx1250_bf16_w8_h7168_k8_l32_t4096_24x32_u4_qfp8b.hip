@@ -198,7 +198,8 @@ static_assert(kWave % kLanesPerScale == 0, "a scale block must not straddle wave
 // and smallest normal exponent kEmin. With E = max(floor(log2 |x|), kEmin) the grid step near
 // |x| is 2^(E - kM): n = rint(|x| * 2^(kM - E)) is an exact power-of-two scaling in
 // [0, 2^(kM + 1)], and the magnitude code is ((E - kEmin) << kM) + n (n = 2^(kM + 1) is the next
-// binade's first code, and the code's parity is n's), clamped to kMaxCode; NaN -> kNanCode.
+// binade's first code, and the code's parity is n's), clamped to kMaxCode; NaN -> kNanCode. A
+// float32-subnormal |x| (flushed under -ftz=true) encodes to zero either way.
 template <int kM, int kEmin, int kMaxCode, int kNanCode, int kSignShift>
 EP_DEVICE ep_u32 ep_encode_minifloat(float x) {
   const ep_u32 u = ep_float_to_bits(x);

@@ -219,34 +219,6 @@ constexpr ep_u64 kOffCombineSrc = kOffCombineWire;
 constexpr int kSrcRowBytes = 2880;
 constexpr int kWireScaleOffset = 2880;
 
-// Saturating round-to-nearest-even float -> sign-magnitude minifloat code with kM mantissa bits
-// and smallest normal exponent kEmin. With E = max(floor(log2 |x|), kEmin) the grid step near
-// |x| is 2^(E - kM): n = rint(|x| * 2^(kM - E)) is an exact power-of-two scaling in
-// [0, 2^(kM + 1)], and the magnitude code is ((E - kEmin) << kM) + n (n = 2^(kM + 1) is the next
-// binade's first code, and the code's parity is n's), clamped to kMaxCode; NaN -> kNanCode.
-template <int kM, int kEmin, int kMaxCode, int kNanCode, int kSignShift>
-EP_DEVICE ep_u32 ep_encode_minifloat(float x) {
-  const ep_u32 u = ep_float_to_bits(x);
-  const ep_u32 sign = (u >> 31) << kSignShift;
-  const ep_u32 mag = u & 0x7fffffffu;
-  if (mag > 0x7f800000u) return sign | (ep_u32)kNanCode;
-  int e = (int)(mag >> 23) - 127;
-  if (e < kEmin) e = kEmin;
-  if (e > kEmin + 32) return sign | (ep_u32)kMaxCode;  // far above the largest finite code
-  const int n = ep_rint(ep_bits_to_float(mag) * ep_bits_to_float((ep_u32)(kM - e + 127) << 23));
-  const int code = ((e - kEmin) << kM) + n;
-  return sign | (ep_u32)(code < kMaxCode ? code : kMaxCode);
-}
-// Exact sign-magnitude minifloat decode (kM mantissa, kE exponent bits, bias kBias) without
-// float32 subnormals, which the runtime's -ftz=true would flush: the integer significand n (the
-// implicit bit set for a normal code) times 2^(max(e, 1) - kBias - kM), a normal power of two.
-template <int kM, int kE, int kBias>
-EP_DEVICE float ep_decode_minifloat(ep_u32 c) {
-  const ep_u32 e = (c >> kM) & ((1u << kE) - 1u);
-  const ep_u32 m = c & ((1u << kM) - 1u);
-  const float mag = (float)(e ? m | (1u << kM) : m) * ep_bits_to_float((ep_u32)((int)(e ? e : 1u) - kBias - kM + 127) << 23);
-  return ep_bits_to_float(ep_float_to_bits(mag) | ((c >> (kM + kE)) << 31));
-}
 // fp8 e4m3 (OCP e4m3fn): bias 7, max 448 (0x7E), 0x7F / 0xFF NaN; decode is exact.
 EP_DEVICE ep_u32 ep_e4m3x2(float lo, float hi) {
   return ep_e4m3x2_hw(lo, hi);
