@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from .codegen.arch import ARCHES
 from .codegen.catalogue import catalogue_specs, check as check_dir, model_specs, owned_sources, render_files, write
@@ -59,6 +60,22 @@ def _jobs_arg(p: argparse.ArgumentParser):
     p.add_argument("--jobs", type=_positive, default=None, help="parallel compiles (default: CPU count)")
 
 
+def _check_wave_size(world_size: int, arches, parser, flag: str = "--world-size", arch_flag: bool = True) -> None:
+    """World size W is at most the wave size of every target arch (one lane per destination rank):
+    a parser error naming ``flag``, the arches over the limit and (with ``arch_flag``) the --arch
+    that would allow it."""
+    from .codegen.arch import traits
+
+    over = [a for a in arches if world_size > traits(a).wave_size]
+    if not over:
+        return
+    limit = min(traits(a).wave_size for a in arches)
+    fits = [a for a in ARCHES if world_size <= traits(a).wave_size]
+    hint = f"; --arch {' --arch '.join(fits)} allows more" if fits and arch_flag else ""
+    parser.error(f"{flag} {world_size}: must be at most {limit}, the wave size of every target arch (one lane per "
+                 f"destination rank; {', '.join(f'{a}: {traits(a).wave_size}' for a in arches)}){hint}")
+
+
 def _config_from(args, parser):
     """The EpConfig the shape flags (and, where the verb has them, ``_layer_args``) describe, or
     None when they name no shape. Errors name the flag."""
@@ -72,6 +89,7 @@ def _config_from(args, parser):
         parser.error("--num-experts needs --hidden (or name a --model)")
     if args.hidden is None and not args.model:
         return None  # --topk alone is a catalogue selector
+    _check_wave_size(args.world_size, tuple(args.arch or ARCHES), parser)
     kw = dict(world_size=args.world_size, max_tokens_per_rank=args.max_tokens, dtype=args.dtype or "bf16",
               combine_quant=args.quant or "none",
               scale_bytes=getattr(args, "scale_bytes", 0), dispatch_geometry=getattr(args, "dispatch_geometry", None),
@@ -242,15 +260,27 @@ def cmd_report(args, parser, console) -> int:
 
     specs = _specs_from(args, parser)
     specs = catalogue_specs(arches=tuple(args.arch or ARCHES)) if specs is None else specs
+    outputs = [(flag, Path(v)) for flag, v in (("--markdown", getattr(args, "markdown", None)),
+                                               ("--csv", getattr(args, "csv", None))) if v]
+    for flag, path in outputs:  # before compiling: a bad path fails in a second, not after minutes
+        parent = path.parent
+        if path.is_dir():
+            parser.error(f"{flag} {path}: is a directory; name a file")
+        if not parent.is_dir():
+            parser.error(f"{flag} {path}: parent directory {parent} "
+                         f"{'is not a directory' if parent.exists() else 'does not exist'}")
     if _compilers_missing(sorted({s.arch for s in specs}), console):
         return 2
     with _Progress(len(specs), f"compiling {len(specs)} kernels", args.quiet or args.json) as bar:
         rows = report_rows(specs, max_workers=args.jobs, on_done=bar.advance)
     ok = all(r["status"] == "ok" for r in rows)
-    if getattr(args, "markdown", None):
-        Path(args.markdown).write_text(report.to_markdown(rows, "epgen resource report"))
-    if getattr(args, "csv", None):
-        Path(args.csv).write_text(report.to_csv(rows))
+    for flag, path in outputs:
+        try:
+            path.write_text(report.to_markdown(rows, "epgen resource report") if flag == "--markdown"
+                            else report.to_csv(rows))
+        except OSError as e:
+            console.print(f"[red]{flag} {path}: cannot write: {e.strerror or e}[/red]")
+            return 2
     if args.json:
         print(json.dumps(rows))
     elif not args.quiet or not ok:
@@ -320,7 +350,7 @@ def cmd_build(args, parser, console) -> int:
     """``epgen build``: compile every variant an op of the config compiles into the ahead-of-time
     cache; with --time-import, time warm imports against cold compiles on this GPU. Exit 1 on
     a compile error, 2 when a compiler, the GPU or the cache directory is unusable."""
-    from .aot import build, cache_dir, config_specs, time_imports
+    from .aot import ManifestError, build, cache_dir, config_specs, read_manifest, time_imports
 
     if args.runs is not None and not args.time_import:
         parser.error(f"--runs {args.runs}: only with --time-import")
@@ -337,6 +367,11 @@ def cmd_build(args, parser, console) -> int:
     out = Path(args.output).expanduser() if args.output else cache_dir()
     if out.exists() and not out.is_dir():
         parser.error(f"-o {out}: exists and is not a directory")
+    try:
+        read_manifest(out)  # before compiling
+    except ManifestError as e:
+        console.print(f"[red]{escape(str(e))}[/red]")
+        return 2
     gpu_arch = None
     if args.time_import:
         import importlib.util
@@ -422,10 +457,18 @@ def cmd_demo(args, parser, console) -> int:
 
     from .config import EpConfig
 
+    from .codegen.models import model
+
+    try:
+        model(args.model)
+    except ValueError as e:
+        parser.error(f"--model {args.model}: {e}")
+    _check_wave_size(args.world_size, ARCHES, parser, arch_flag=False)  # the demo covers every arch
     try:
         EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=args.tokens)
     except ValueError as e:
-        parser.error(f"{e} (--model, --world-size, --tokens)")
+        flag = {"max_tokens_per_rank": "--tokens"}.get(str(e).split("=")[0].split(".")[-1], "--world-size")
+        parser.error(f"{e} ({flag} {getattr(args, flag[2:].replace('-', '_'))} with --model {args.model})")
     return run_demo(args.model, args.world_size, args.tokens, args.iters, console, quiet=args.quiet, as_json=args.json)
 
 

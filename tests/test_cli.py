@@ -175,3 +175,30 @@ def test_selector_errors_name_the_flag():
     assert r.returncode == 0, r.stderr
     r = run("check", "--quant", "fp16")
     assert r.returncode == 2 and "--quant: invalid choice: 'fp16'" in r.stderr
+
+
+def _usage_error(argv, capsys) -> str:
+    """Run ``epgen argv`` in-process; assert it is a usage error (exit 2, no traceback); its stderr."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    return err
+
+
+def test_world_size_over_the_wave_size_is_a_parser_error(capsys):
+    err = _usage_error(["demo", "--world-size", "64"], capsys)
+    assert "--world-size 64: must be at most 32, the wave size" in err and "gfx1250: 32" in err
+    err = _usage_error(["check", "--model", "deepseek-v3", "--world-size", "48"], capsys)
+    assert "--world-size 48: must be at most 32" in err and "--arch gfx950 allows more" in err
+    err = _usage_error(["demo", "--model", "bogus"], capsys)
+    assert "--model bogus:" in err and "--world-size" not in err.splitlines()[-1]
+
+
+def test_report_output_paths_are_checked_before_compiling(capsys, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    err = _usage_error(["report", "--model", "deepseek-v3", "--csv", str(tmp_path / "no" / "dir" / "x.csv")], capsys)
+    assert "--csv " in err and "does not exist" in err
+    err = _usage_error(["report", "--model", "deepseek-v3", "--markdown", str(afile / "x.md")], capsys)
+    assert f"--markdown {afile / 'x.md'}: parent directory {afile} is not a directory" in err
