@@ -61,12 +61,15 @@ def code_object_path(directory: Path, arch: str, key: str) -> Path:
 
 
 def config_specs(cfg: EpConfig, arches) -> list[KernelSpec]:
-    """Every spec ``EpDispatchCombine(cfg)`` compiles at construction on each of ``arches``
+    """Every spec ``EpDispatchCombine(cfg)`` compiles at construction on each of ``arches`` (a
+    sequence of arch names, or one name)
     (``EpConfig.variants``: each token bucket of dispatch, then of combine), without repeats.
 
     Raises:
         ValueError: a spec breaks an arch's limits (naming the field).
     """
+    if isinstance(arches, str):  # one arch, e.g. "sm_90"
+        arches = (arches,)
     return list(dict.fromkeys(s for arch in arches for op in Op for _, s in cfg.variants(arch, op)))
 
 
@@ -169,6 +172,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a shared cache must be readable as open() would make it
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
@@ -206,6 +210,12 @@ def read_manifest(directory: Path) -> dict:
         raise ManifestError(f'{path}: not an epgen manifest (needs an object {{"code_objects": {{file: entry}}}}); '
                             f"{fix}")
     return entries
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; set it straight back
+    os.umask(mask)
+    return mask
 
 
 def _update_manifest(directory: Path, rows: list[dict]) -> None:

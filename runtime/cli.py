@@ -235,7 +235,7 @@ def _report_possible(specs, console, quiet) -> bool:
     reasons = {a: toolchain_status(a) for a in sorted({s.arch for s in specs})}
     missing = {a: r for a, r in reasons.items() if r}
     if missing and not quiet:
-        console.print("resource report skipped: " + "; ".join(f"{a}: {r}" for a, r in missing.items()))
+        console.print(escape("resource report skipped: " + "; ".join(f"{a}: {r}" for a, r in missing.items())))
     return not missing
 
 
@@ -299,7 +299,8 @@ def _compilers_missing(arches, console) -> bool:
 
     missing = [f"{arch}: {reason}" for arch in arches if (reason := toolchain_status(arch))]
     if missing:
-        console.print("[red]offline compilers missing (pip install -e '.[dev]'):\n  " + "\n  ".join(missing) + "[/red]")
+        console.print("[red]" + escape("offline compilers missing (pip install -e '.[dev]'):\n  " + "\n  ".join(missing))
+                      + "[/red]")
     return bool(missing)
 
 

@@ -387,3 +387,20 @@ def test_a_foreign_manifest_is_an_error_before_compiling(content, capsys, tmp_pa
         assert path.read_text() == content
     with pytest.raises(aot.ManifestError, match="manifest.json"):
         aot.build(config_specs(CFG, ("sm_90",)), tmp_path)
+
+
+def test_cache_files_honour_the_umask(tmp_path):
+    import os
+
+    old = os.umask(0o027)
+    try:
+        aot._write_atomically(tmp_path / "a" / "x.cubin", b"data")
+        aot._update_manifest(tmp_path, [])
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a" / "x.cubin").stat().st_mode & 0o777 == 0o640
+    assert (tmp_path / MANIFEST).stat().st_mode & 0o777 == 0o640
+
+
+def test_config_specs_takes_one_arch_name():
+    assert config_specs(CFG, "sm_90") == config_specs(CFG, ("sm_90",))

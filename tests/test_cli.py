@@ -241,3 +241,17 @@ def test_list_models_and_diff_print_json(capsys):
     chunks = json.loads(capsys.readouterr().out)
     assert [c["variant"] for c in chunks] == ["dispatch sm_90", "combine sm_90"]
     assert all("+constexpr int kUnroll = 8;" in c["diff"] and c["a"].endswith("_u2") for c in chunks)
+
+
+def test_missing_compiler_hint_keeps_its_brackets_and_pins(monkeypatch):
+    from rich.console import Console
+
+    from epgen import cli
+    from epgen.codegen import offline
+
+    monkeypatch.setattr(offline, "toolchain_status", lambda arch: f"NVRTC unusable: pip install {offline._NVIDIA_PACKAGES}")
+    console = Console(record=True, width=200)
+    assert cli._compilers_missing(["sm_90"], console)
+    text = console.export_text()
+    assert "pip install -e '.[dev]'" in text and "'nvidia-cuda-nvrtc==13.5.37'" in text
+    assert "'cuda-bindings>=13'" in text
