@@ -46,7 +46,7 @@ from epgen.codegen.render import RUNTIME_OPTIONS
 from epgen.codegen.spec import sha256_key
 
 _AMD_PACKAGE = "ziglang==0.17.1"
-_NVIDIA_PACKAGES = "cuda-bindings nvidia-cuda-nvrtc"
+_NVIDIA_PACKAGES = "'cuda-bindings>=13' 'nvidia-cuda-nvrtc==13.5.37'"  # as pyproject.toml's dev extra pins them
 _SOURCE_STEM = "kernel"
 _ERROR_LINES = 5
 _CLANG = (sys.executable, "-m", "ziglang", "clang")

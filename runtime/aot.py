@@ -10,7 +10,8 @@ Layout of a cache directory (``$EPGEN_CACHE_DIR``, default ``~/.cache/epgen``):
   compiler release or option is another key, so it misses instead of loading a stale binary.
 * ``manifest.json``: per file its arch, key, entry name, spec, compiler, options, bytes, sha256
   and the cold compile seconds measured when it was built. Files of earlier builds stay listed
-  while they exist.
+  while they exist. A ``manifest.json`` that is not epgen's stops ``build`` (``ManifestError``,
+  before compiling) instead of being overwritten.
 
 Files are written atomically (a temporary file renamed over the target), so a reader sees the
 old file or the new one. The lookup computes the key with the offline compiler's identity, so
@@ -60,12 +61,15 @@ def code_object_path(directory: Path, arch: str, key: str) -> Path:
 
 
 def config_specs(cfg: EpConfig, arches) -> list[KernelSpec]:
-    """Every spec ``EpDispatchCombine(cfg)`` compiles at construction on each of ``arches``
+    """Every spec ``EpDispatchCombine(cfg)`` compiles at construction on each of ``arches`` (a
+    sequence of arch names, or one name)
     (``EpConfig.variants``: each token bucket of dispatch, then of combine), without repeats.
 
     Raises:
         ValueError: a spec breaks an arch's limits (naming the field).
     """
+    if isinstance(arches, str):  # one arch, e.g. "sm_90"
+        arches = (arches,)
     return list(dict.fromkeys(s for arch in arches for op in Op for _, s in cfg.variants(arch, op)))
 
 
@@ -133,9 +137,11 @@ def build(specs: list[KernelSpec], directory: Path | None = None, max_workers: i
 
     Raises:
         ToolchainMissing: an arch's offline compiler is not installed (before any compile).
+        ManifestError: ``manifest.json`` there is not an epgen manifest (before any compile).
         OSError: the directory or a file cannot be written.
     """
     directory = cache_dir() if directory is None else Path(directory)
+    read_manifest(directory)
     for arch in sorted({s.arch for s in specs}):
         reason = toolchain_status(arch)
         if reason:
@@ -166,6 +172,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a shared cache must be readable as open() would make it
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
@@ -174,15 +181,49 @@ def _write_atomically(path: Path, data: bytes) -> None:
         raise
 
 
-def _update_manifest(directory: Path, rows: list[dict]) -> None:
-    """Merge ``rows`` into ``manifest.json``, dropping entries whose file is gone. An unreadable
-    manifest is replaced (it only describes the files; the lookup never reads it)."""
-    path = directory / MANIFEST
+class ManifestError(ValueError):
+    """A cache directory's ``manifest.json`` exists but is not an epgen manifest (garbage, another
+    tool's JSON, a directory): the message names the file. ``build`` refuses to overwrite it, so an
+    ``-o`` pointed at the wrong directory destroys nothing; delete the file to start afresh."""
+
+
+def read_manifest(directory: Path) -> dict:
+    """The ``code_objects`` entries of ``<directory>/manifest.json`` ({} when there is none).
+
+    Raises:
+        ManifestError: the file exists but cannot be read or is not an epgen manifest.
+    """
+    path = Path(directory) / MANIFEST
+    if not path.exists() and not path.is_symlink():
+        return {}
+    fix = "delete it or choose another cache directory"
+    if not path.is_file():
+        raise ManifestError(f"{path}: is not a file; {fix}")
     try:
-        entries = json.loads(path.read_text())["code_objects"]
-    except (OSError, ValueError, KeyError, TypeError):
-        entries = {}
-    entries = {f: e for f, e in entries.items() if isinstance(e, dict) and (directory / f).is_file()}
+        doc = json.loads(path.read_text())
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot be read ({e.strerror or e}); {fix}") from None
+    except ValueError as e:  # UnicodeDecodeError too
+        raise ManifestError(f"{path}: not JSON ({e}); not an epgen manifest, {fix}") from None
+    entries = doc.get("code_objects") if isinstance(doc, dict) else None
+    if not isinstance(entries, dict) or not all(isinstance(e, dict) for e in entries.values()):
+        raise ManifestError(f'{path}: not an epgen manifest (needs an object {{"code_objects": {{file: entry}}}}); '
+                            f"{fix}")
+    return entries
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; set it straight back
+    os.umask(mask)
+    return mask
+
+
+def _update_manifest(directory: Path, rows: list[dict]) -> None:
+    """Merge ``rows`` into ``manifest.json``, dropping entries whose file is gone (``ManifestError``
+    when the existing file is not an epgen manifest)."""
+    path = directory / MANIFEST
+    entries = read_manifest(directory)
+    entries = {f: e for f, e in entries.items() if (directory / f).is_file()}
     entries.update({r["file"]: {k: v for k, v in r.items() if k != "status"} for r in rows})
     doc = {"schema": MANIFEST_SCHEMA, "code_objects": dict(sorted(entries.items()))}
     _write_atomically(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from .codegen.arch import ARCHES
 from .codegen.catalogue import catalogue_specs, check as check_dir, model_specs, owned_sources, render_files, write
@@ -27,14 +28,26 @@ def _positive(text: str) -> int:
     return v
 
 
+def _non_negative(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v}: must be at least 0")
+    return v
+
+
 def _shape_args(p: argparse.ArgumentParser, *, model_help: str = ""):
     p.add_argument("--model", help=f"catalogue model ({', '.join(MODELS)}){model_help}")
     p.add_argument("--hidden", type=_positive, help="hidden size H (instead of --model)")
     p.add_argument("--topk", type=_positive, help="experts per token K (with --hidden; alone: every catalogue "
                    "model with at least K experts, at top-k K)")
     p.add_argument("--num-experts", type=_positive, help="routed experts E (with --hidden)")
-    p.add_argument("--world-size", type=_positive, default=8, help="ranks W (default 8)")
-    p.add_argument("--max-tokens", type=_positive, default=4096, help="max tokens per rank (default 4096)")
+    p.add_argument("--world-size", type=_positive, default=None, help="ranks W (default 8; needs --model, --hidden "
+                   "or a selector: the catalogue is fixed at W=8)")
+    p.add_argument("--max-tokens", type=_positive, default=None, help="max tokens per rank (default 4096; needs "
+                   "--model, --hidden or a selector: the catalogue is fixed at Tmax=4096)")
     p.add_argument("--dtype", choices=list(DTYPES), help="dispatch payload dtype (default bf16; alone: the "
                    "catalogue's dispatch variants of that dtype)")
     p.add_argument("--quant", choices=list(COMBINE_QUANTS), help="combine wire format (default none; alone: the "
@@ -59,11 +72,28 @@ def _jobs_arg(p: argparse.ArgumentParser):
     p.add_argument("--jobs", type=_positive, default=None, help="parallel compiles (default: CPU count)")
 
 
+def _check_wave_size(world_size: int, arches, parser, flag: str = "--world-size", arch_flag: bool = True) -> None:
+    """World size W is at most the wave size of every target arch (one lane per destination rank):
+    a parser error naming ``flag``, the arches over the limit and (with ``arch_flag``) the --arch
+    that would allow it."""
+    from .codegen.arch import traits
+
+    over = [a for a in arches if world_size > traits(a).wave_size]
+    if not over:
+        return
+    limit = min(traits(a).wave_size for a in arches)
+    fits = [a for a in ARCHES if world_size <= traits(a).wave_size]
+    hint = f"; --arch {' --arch '.join(fits)} allows more" if fits and arch_flag else ""
+    parser.error(f"{flag} {world_size}: must be at most {limit}, the wave size of every target arch (one lane per "
+                 f"destination rank; {', '.join(f'{a}: {traits(a).wave_size}' for a in arches)}){hint}")
+
+
 def _config_from(args, parser):
     """The EpConfig the shape flags (and, where the verb has them, ``_layer_args``) describe, or
     None when they name no shape. Errors name the flag."""
     from .config import EpConfig
 
+    _resolve_sizes(args, parser)
     shape = [f for f, v in (("--hidden", args.hidden), ("--topk", args.topk), ("--num-experts", args.num_experts))
              if v is not None]
     if args.model and shape:
@@ -72,6 +102,7 @@ def _config_from(args, parser):
         parser.error("--num-experts needs --hidden (or name a --model)")
     if args.hidden is None and not args.model:
         return None  # --topk alone is a catalogue selector
+    _check_wave_size(args.world_size, tuple(args.arch or ARCHES), parser)
     kw = dict(world_size=args.world_size, max_tokens_per_rank=args.max_tokens, dtype=args.dtype or "bf16",
               combine_quant=args.quant or "none",
               scale_bytes=getattr(args, "scale_bytes", 0), dispatch_geometry=getattr(args, "dispatch_geometry", None),
@@ -84,12 +115,40 @@ def _config_from(args, parser):
             parser.error(f"--hidden needs {' and '.join(missing)}")
         return EpConfig(hidden=args.hidden, topk=args.topk, num_experts=args.num_experts, **kw)
     except ValueError as e:
-        parser.error(_with_flag(e))
+        parser.error(_with_flag(e, args))
 
 
-def _with_flag(e: ValueError) -> str:
-    """A config or spec error, plus the flag its field came from."""
-    return f"{e} ({_FLAGS.get(str(e).split('=')[0].split('.')[-1], 'from the shape flags')})"
+def _resolve_sizes(args, parser) -> None:
+    """--world-size/--max-tokens: defaults 8 and 4096; given without a shape (--model, --hidden) or
+    a selector (--topk, --dtype, --quant), a parser error, since the catalogue is fixed."""
+    if getattr(args, "_sizes_resolved", False):
+        return
+    given = [f"{flag} {v}" for flag, v in (("--world-size", args.world_size), ("--max-tokens", args.max_tokens))
+             if v is not None]
+    shape = args.model or any(v is not None for v in (args.hidden, args.topk, args.dtype, args.quant))
+    if given and not shape:
+        parser.error(f"{' '.join(given)}: the catalogue is fixed at W=8 / Tmax=4096; name --model or --hidden "
+                     "(or a selector --dtype/--topk/--quant) to choose the shape")
+    args.world_size = 8 if args.world_size is None else args.world_size
+    args.max_tokens = 4096 if args.max_tokens is None else args.max_tokens
+    args._sizes_resolved = True
+
+
+def _with_flag(e: ValueError, args=None) -> str:
+    """A config or spec error, plus the flag its field came from (with ``args``: the flags the
+    user gave, e.g. --model for the shape, the geometry flags for blocks/warps/unroll)."""
+    field = str(e).split("=")[0].split(".")[-1]
+    if args is not None:
+        model = getattr(args, "model", None)
+        if field == "num_experts" and "multiple of world_size" in str(e):
+            return (f"{e} (--world-size {args.world_size} with --model {model})" if model
+                    else f"{e} (--num-experts, --world-size)")
+        if model and field in ("hidden", "topk", "num_experts", "experts_per_rank"):
+            return f"{e} (--model {model})"
+        if field in ("blocks", "warps_per_block", "unroll"):
+            geo = [f"--{op}-geometry" for op in ("dispatch", "combine") if getattr(args, f"{op}_geometry", None)]
+            return f"{e} ({' or '.join(geo) if geo else 'the tuning table geometry'})"
+    return f"{e} ({_FLAGS.get(field, 'from the shape flags')})"
 
 
 def _specs_from(args, parser) -> list | None:
@@ -98,11 +157,11 @@ def _specs_from(args, parser) -> list | None:
     names any (the whole catalogue)."""
     cfg = _config_from(args, parser)
     if cfg is None:
-        return _selected_catalogue_specs(args, parser)
+        return _selected_catalogue_specs(args, parser)  # None: every selector unset (sizes checked above)
     try:
         return [s for arch in (args.arch or ARCHES) for s in cfg.kernel_specs(arch)]
     except ValueError as e:  # the spec's own message, plus the flag it came from
-        parser.error(_with_flag(e))
+        parser.error(_with_flag(e, args))
 
 
 _FLAGS = {"hidden": "--hidden", "topk": "--topk", "num_experts": "--num-experts", "world_size": "--world-size",
@@ -120,13 +179,19 @@ def _selected_catalogue_specs(args, parser) -> list | None:
     names = [m.name for m in MODELS.values() if m.num_experts >= (args.topk or 1)]  # top-k <= experts
     if not names:
         parser.error(f"--topk {args.topk}: no catalogue model has that many experts")
+    _check_wave_size(args.world_size, tuple(args.arch or ARCHES), parser)
+    for name in names:
+        if MODELS[name].num_experts % args.world_size:
+            parser.error(f"--world-size {args.world_size}: catalogue model {name} has {MODELS[name].num_experts} "
+                         f"experts, not a multiple of {args.world_size} (the selectors cover every model; "
+                         "name one with --model)")
     try:
         return [s for name in names
                 for s in model_specs(name, tuple(args.arch or ARCHES), topk=args.topk, world_size=args.world_size,
                                      max_tokens_per_rank=args.max_tokens, dtype=args.dtype or "bf16",
                                      combine_quant=args.quant or "none") if s.op in ops]
     except ValueError as e:
-        parser.error(_with_flag(e))
+        parser.error(_with_flag(e, args))
 
 
 def _catalogue_dir(args, parser) -> Path:
@@ -170,12 +235,16 @@ def _report_possible(specs, console, quiet) -> bool:
     reasons = {a: toolchain_status(a) for a in sorted({s.arch for s in specs})}
     missing = {a: r for a, r in reasons.items() if r}
     if missing and not quiet:
-        console.print("resource report skipped: " + "; ".join(f"{a}: {r}" for a, r in missing.items()))
+        console.print(escape("resource report skipped: " + "; ".join(f"{a}: {r}" for a, r in missing.items())))
     return not missing
 
 
 def cmd_generate(args, parser, console) -> int:
     if args.list_models:
+        if args.json:
+            print(json.dumps([{"name": m.name, "hidden": m.hidden, "num_experts": m.num_experts, "topk": m.topk}
+                              for m in MODELS.values()]))
+            return 0
         for m in MODELS.values():
             print(f"{m.name:18} hidden {m.hidden:5}  experts {m.num_experts:4}  top-{m.topk}")
         return 0
@@ -189,8 +258,9 @@ def cmd_generate(args, parser, console) -> int:
         parser.error("-o/--output is required with --model, --hidden or a selector (the catalogue lives in generated/)")
     else:
         out = Path(args.output)
-    if out.exists() and not out.is_dir():
-        parser.error(f"-o {out}: exists and is not a directory")
+    problem = _not_a_directory(out)
+    if problem:
+        parser.error(f"-o {out}: {problem}")
     quiet = args.quiet or args.json
     report = _report_possible(specs, console, quiet)
     with _Progress(len(specs) if report else 0, "compiling the resource report", quiet or not report) as bar:
@@ -229,7 +299,8 @@ def _compilers_missing(arches, console) -> bool:
 
     missing = [f"{arch}: {reason}" for arch in arches if (reason := toolchain_status(arch))]
     if missing:
-        console.print("[red]offline compilers missing (pip install -e '.[dev]'):\n  " + "\n  ".join(missing) + "[/red]")
+        console.print("[red]" + escape("offline compilers missing (pip install -e '.[dev]'):\n  " + "\n  ".join(missing))
+                      + "[/red]")
     return bool(missing)
 
 
@@ -242,15 +313,27 @@ def cmd_report(args, parser, console) -> int:
 
     specs = _specs_from(args, parser)
     specs = catalogue_specs(arches=tuple(args.arch or ARCHES)) if specs is None else specs
+    outputs = [(flag, Path(v)) for flag, v in (("--markdown", getattr(args, "markdown", None)),
+                                               ("--csv", getattr(args, "csv", None))) if v]
+    for flag, path in outputs:  # before compiling: a bad path fails in a second, not after minutes
+        parent = path.parent
+        if path.is_dir():
+            parser.error(f"{flag} {path}: is a directory; name a file")
+        if not parent.is_dir():
+            parser.error(f"{flag} {path}: parent directory {parent} "
+                         f"{'is not a directory' if parent.exists() else 'does not exist'}")
     if _compilers_missing(sorted({s.arch for s in specs}), console):
         return 2
     with _Progress(len(specs), f"compiling {len(specs)} kernels", args.quiet or args.json) as bar:
         rows = report_rows(specs, max_workers=args.jobs, on_done=bar.advance)
     ok = all(r["status"] == "ok" for r in rows)
-    if getattr(args, "markdown", None):
-        Path(args.markdown).write_text(report.to_markdown(rows, "epgen resource report"))
-    if getattr(args, "csv", None):
-        Path(args.csv).write_text(report.to_csv(rows))
+    for flag, path in outputs:
+        try:
+            path.write_text(report.to_markdown(rows, "epgen resource report") if flag == "--markdown"
+                            else report.to_csv(rows))
+        except OSError as e:
+            console.print(f"[red]{flag} {path}: cannot write: {e.strerror or e}[/red]")
+            return 2
     if args.json:
         print(json.dumps(rows))
     elif not args.quiet or not ok:
@@ -270,6 +353,8 @@ def _field_changes(items, parser, flag) -> dict:
         key = key.replace("-", "_")
         if not sep or key not in names:
             parser.error(f"{flag} {item!r}: write FIELD=VALUE with FIELD one of {', '.join(sorted(names))}")
+        if key in changes:
+            parser.error(f"{flag} {item!r}: {key} is already set to {changes[key]!r}; give each field once")
         changes[key] = int(value) if value.lstrip("-").isdigit() else value
     return changes
 
@@ -286,14 +371,25 @@ def cmd_diff(args, parser, console) -> int:
             parser.error("--a/--b compare two specs of one shape: give --model or --hidden/--topk/--num-experts")
         a_changes, b_changes = _field_changes(args.a, parser, "--a"), _field_changes(args.b, parser, "--b")
         for base in specs:
-            try:
-                sa, sb = base.replace(**a_changes), base.replace(**b_changes)
-            except ValueError as e:
-                parser.error(str(e))
+            pair = []
+            for flag, changes in (("--a", a_changes), ("--b", b_changes)):
+                try:
+                    pair.append(base.replace(**changes))
+                except ValueError as e:
+                    given = " ".join(f"{k}={v}" for k, v in changes.items())
+                    parser.error(f"{flag} {given}: {e}")
+            sa, sb = pair
             ta, tb = render(sa), render(sb)
             if ta.text != tb.text:
                 chunks.append((f"{base.op.value} {base.arch}", ta.entry, tb.entry, ta.text, tb.text))
     else:
+        given = [f for f, v in (("--model", args.model), ("--hidden", args.hidden), ("--topk", args.topk),
+                                ("--num-experts", args.num_experts), ("--world-size", args.world_size),
+                                ("--max-tokens", args.max_tokens), ("--dtype", args.dtype), ("--quant", args.quant),
+                                ("--arch", args.arch)) if v is not None]
+        if given:
+            parser.error(f"{' '.join(given)}: only with --a/--b (without them diff compares the committed catalogue, "
+                         "fixed at W=8 / Tmax=4096, with the templates)")
         out = _catalogue_dir(args, parser)
         files = render_files(catalogue_specs(), with_report=_report_possible(catalogue_specs(), console, True))
         for rel, text in files.items():
@@ -305,6 +401,12 @@ def cmd_diff(args, parser, console) -> int:
             if rel not in files:
                 chunks.append((rel, f"{out}/{rel} (committed)", "(not rendered any more)",
                                (out / rel).read_text(errors="replace"), ""))
+    if args.json:
+        print(json.dumps([{"variant": v, "a": a_name, "b": b_name,
+                           "diff": "".join(difflib.unified_diff(a_text.splitlines(True), b_text.splitlines(True),
+                                                                a_name, b_name, n=args.context))}
+                          for v, a_name, b_name, a_text, b_text in chunks]))
+        return 1 if chunks else 0
     for variant, a_name, b_name, a_text, b_text in chunks:
         if args.quiet:
             continue
@@ -320,7 +422,7 @@ def cmd_build(args, parser, console) -> int:
     """``epgen build``: compile every variant an op of the config compiles into the ahead-of-time
     cache; with --time-import, time warm imports against cold compiles on this GPU. Exit 1 on
     a compile error, 2 when a compiler, the GPU or the cache directory is unusable."""
-    from .aot import build, cache_dir, config_specs, time_imports
+    from .aot import ManifestError, build, cache_dir, config_specs, read_manifest, time_imports
 
     if args.runs is not None and not args.time_import:
         parser.error(f"--runs {args.runs}: only with --time-import")
@@ -333,10 +435,20 @@ def cmd_build(args, parser, console) -> int:
     try:
         specs = config_specs(cfg, arches)
     except ValueError as e:
-        parser.error(_with_flag(e))
+        parser.error(_with_flag(e, args))
+    from .aot import CACHE_ENV
+
     out = Path(args.output).expanduser() if args.output else cache_dir()
-    if out.exists() and not out.is_dir():
-        parser.error(f"-o {out}: exists and is not a directory")
+    label = (f"-o {args.output}" if args.output else f"{CACHE_ENV}={os.environ[CACHE_ENV]}"
+             if os.environ.get(CACHE_ENV) else f"cache directory {out}")
+    problem = _not_a_directory(out)
+    if problem:
+        parser.error(f"{label}: {problem}")
+    try:
+        read_manifest(out)  # before compiling
+    except ManifestError as e:
+        console.print(f"[red]{escape(str(e))}[/red]")
+        return 2
     gpu_arch = None
     if args.time_import:
         import importlib.util
@@ -361,7 +473,7 @@ def cmd_build(args, parser, console) -> int:
         try:
             rows = build(specs, out, max_workers=args.jobs, on_done=bar.advance)
         except OSError as e:
-            console.print(f"[red]{out}: {e.strerror or e} ({e.filename})[/red]")
+            console.print(f"[red]{escape(label)}: {escape(str(e.strerror or e))} ({escape(str(e.filename))})[/red]")
             return 2
     ok = all(r["status"] == "ok" for r in rows)
     timing = None
@@ -378,6 +490,16 @@ def cmd_build(args, parser, console) -> int:
     if timing and not args.quiet:
         console.print(_import_table(timing, rows))
     return 0 if ok else 1
+
+
+def _not_a_directory(path: Path) -> str | None:
+    """Why ``path`` cannot be (made) a directory: it, or its nearest existing ancestor, is not one."""
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if p.exists() and not p.is_dir():
+        return "exists and is not a directory" if p == path else f"{p} exists and is not a directory"
+    return None
 
 
 def _build_table(rows: list[dict], out: Path, jobs: int):
@@ -422,10 +544,18 @@ def cmd_demo(args, parser, console) -> int:
 
     from .config import EpConfig
 
+    from .codegen.models import model
+
+    try:
+        model(args.model)
+    except ValueError as e:
+        parser.error(f"--model {args.model}: {e}")
+    _check_wave_size(args.world_size, ARCHES, parser, arch_flag=False)  # the demo covers every arch
     try:
         EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=args.tokens)
     except ValueError as e:
-        parser.error(f"{e} (--model, --world-size, --tokens)")
+        flag = {"max_tokens_per_rank": "--tokens"}.get(str(e).split("=")[0].split(".")[-1], "--world-size")
+        parser.error(f"{e} ({flag} {getattr(args, flag[2:].replace('-', '_'))} with --model {args.model})")
     return run_demo(args.model, args.world_size, args.tokens, args.iters, console, quiet=args.quiet, as_json=args.json)
 
 
@@ -528,7 +658,7 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("--a", nargs="+", metavar="FIELD=VALUE", help="changes of the first spec, e.g. unroll=2")
     df.add_argument("--b", nargs="+", metavar="FIELD=VALUE", help="changes of the second spec, e.g. unroll=8")
     df.add_argument("-o", "--output", help="committed catalogue directory (default generated/)")
-    df.add_argument("-U", "--context", type=int, default=3, help="lines of context (default 3)")
+    df.add_argument("-U", "--context", type=_non_negative, default=3, help="lines of context (default 3)")
 
     bd = verb("build", "compile every variant an EpDispatchCombine of this config compiles at construction (each "
               "token bucket of dispatch and combine) into the ahead-of-time cache: code objects (.hsaco by clang for "

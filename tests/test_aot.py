@@ -266,8 +266,8 @@ def test_build_table_names_files_and_compilers(tmp_path):
     (["--dispatch-geometry", "0x16"], "geometry '0x16': Geometry.blocks=0: must be a positive int"),
     (["--combine-geometry", "24"], "geometry '24': write BLOCKSxWARPS[uUNROLL]"),
     (["--hidden", "7170", "--topk", "8", "--num-experts", "256"], "KernelSpec.hidden=7170"),
-    (["--world-size", "64", "--arch", "gfx1250"], "KernelSpec.world_size=64: must be at most the gfx1250 wave size 32 "
-                                                  "(--world-size)"),
+    (["--world-size", "64", "--arch", "gfx1250"], "--world-size 64: must be at most 32, the wave size of every "
+                                                  "target arch (one lane per destination rank; gfx1250: 32)"),
     (["--model", "deepseek-v4"], "model='deepseek-v4': not in the catalogue"),
     (["--topk", "4"], "--topk needs --hidden"),
     (["--arch", "sm_80"], "argument --arch: invalid choice: 'sm_80'"),
@@ -369,3 +369,38 @@ def test_time_imports_loads_warm_and_compiles_cold(tmp_path):
     assert timing["arch"] == arch and len(timing["rows"]) == 2
     for r in timing["rows"]:
         assert r["warm_from"] == ["cache"] and r["cold_from"] == ["compiled"] and 0 < r["warm_s"]
+
+
+@pytest.mark.parametrize("content", ['{"code_objects": 5}', "[1, 2]", "garbage, not JSON", None])
+def test_a_foreign_manifest_is_an_error_before_compiling(content, capsys, tmp_path):
+    path = tmp_path / MANIFEST
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_text(content)
+    rc = main(["build", "--model", MODEL, "--arch", "sm_90", "-o", str(tmp_path)])
+    err = capsys.readouterr().out
+    assert rc == 2 and f"{path}:" in err.replace("\n", "") and "Traceback" not in err
+    assert ("is not a file" if content is None else "not an epgen manifest") in err.replace("\n", " ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MANIFEST]  # nothing compiled, nothing replaced
+    if content is not None:
+        assert path.read_text() == content
+    with pytest.raises(aot.ManifestError, match="manifest.json"):
+        aot.build(config_specs(CFG, ("sm_90",)), tmp_path)
+
+
+def test_cache_files_honour_the_umask(tmp_path):
+    import os
+
+    old = os.umask(0o027)
+    try:
+        aot._write_atomically(tmp_path / "a" / "x.cubin", b"data")
+        aot._update_manifest(tmp_path, [])
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a" / "x.cubin").stat().st_mode & 0o777 == 0o640
+    assert (tmp_path / MANIFEST).stat().st_mode & 0o777 == 0o640
+
+
+def test_config_specs_takes_one_arch_name():
+    assert config_specs(CFG, "sm_90") == config_specs(CFG, ("sm_90",))

@@ -175,3 +175,83 @@ def test_selector_errors_name_the_flag():
     assert r.returncode == 0, r.stderr
     r = run("check", "--quant", "fp16")
     assert r.returncode == 2 and "--quant: invalid choice: 'fp16'" in r.stderr
+
+
+def _usage_error(argv, capsys) -> str:
+    """Run ``epgen argv`` in-process; assert it is a usage error (exit 2, no traceback); its stderr."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    return err
+
+
+def test_world_size_over_the_wave_size_is_a_parser_error(capsys):
+    err = _usage_error(["demo", "--world-size", "64"], capsys)
+    assert "--world-size 64: must be at most 32, the wave size" in err and "gfx1250: 32" in err
+    err = _usage_error(["check", "--model", "deepseek-v3", "--world-size", "48"], capsys)
+    assert "--world-size 48: must be at most 32" in err and "--arch gfx950 allows more" in err
+    err = _usage_error(["demo", "--model", "bogus"], capsys)
+    assert "--model bogus:" in err and "--world-size" not in err.splitlines()[-1]
+
+
+def test_report_output_paths_are_checked_before_compiling(capsys, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    err = _usage_error(["report", "--model", "deepseek-v3", "--csv", str(tmp_path / "no" / "dir" / "x.csv")], capsys)
+    assert "--csv " in err and "does not exist" in err
+    err = _usage_error(["report", "--model", "deepseek-v3", "--markdown", str(afile / "x.md")], capsys)
+    assert f"--markdown {afile / 'x.md'}: parent directory {afile} is not a directory" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["check", "--world-size", "16"], "--world-size 16: the catalogue is fixed at W=8 / Tmax=4096; name --model"),
+    (["report", "--max-tokens", "8"], "--max-tokens 8: the catalogue is fixed at W=8 / Tmax=4096"),
+    (["generate", "--world-size", "4", "--max-tokens", "8"], "--world-size 4 --max-tokens 8: the catalogue is fixed"),
+    (["diff", "--world-size", "4"], "--world-size: only with --a/--b"),
+    (["check", "--dtype", "fp8", "--world-size", "16"], "--world-size 16: catalogue model mixtral-8x7b has 8 experts"),
+    (["check", "--model", "deepseek-v3", "--world-size", "24"],
+     "multiple of world_size=24 (--world-size 24 with --model deepseek-v3)"),
+    (["build", "--dispatch-geometry", "24x33"], "KernelSpec.warps_per_block=33: must be in [1, 32] (--dispatch-geometry)"),
+    (["diff", "--model", "deepseek-v3", "--a", "unroll=abc", "--b", "unroll=2"], "--a unroll=abc: KernelSpec.unroll"),
+    (["diff", "--model", "deepseek-v3", "--a", "unroll=2", "unroll=4", "--b", "unroll=2"],
+     "--a 'unroll=4': unroll is already set to 2"),
+    (["diff", "-U", "-1"], "argument -U/--context: -1: must be at least 0"),
+])
+def test_usage_errors_name_the_flag_the_user_gave(argv, message, capsys):
+    assert message in _usage_error(argv, capsys).splitlines()[-1]
+
+
+def test_build_output_errors_name_where_the_directory_came_from(capsys, tmp_path, monkeypatch):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    err = _usage_error(["build", "-o", str(afile / "sub")], capsys)
+    assert f"-o {afile / 'sub'}: {afile} exists and is not a directory" in err
+    monkeypatch.setenv("EPGEN_CACHE_DIR", str(afile))
+    err = _usage_error(["build"], capsys)
+    assert f"EPGEN_CACHE_DIR={afile}: exists and is not a directory" in err
+
+
+def test_list_models_and_diff_print_json(capsys):
+    assert main(["generate", "--list-models", "--json"]) == 0
+    models = json.loads(capsys.readouterr().out)
+    assert {"name": "deepseek-v3", "hidden": 7168, "num_experts": 256, "topk": 8} in models
+    assert main(["diff", "--model", "deepseek-v3", "--arch", "sm_90", "--a", "unroll=2", "--b", "unroll=8",
+                 "--json"]) == 1
+    chunks = json.loads(capsys.readouterr().out)
+    assert [c["variant"] for c in chunks] == ["dispatch sm_90", "combine sm_90"]
+    assert all("+constexpr int kUnroll = 8;" in c["diff"] and c["a"].endswith("_u2") for c in chunks)
+
+
+def test_missing_compiler_hint_keeps_its_brackets_and_pins(monkeypatch):
+    from rich.console import Console
+
+    from epgen import cli
+    from epgen.codegen import offline
+
+    monkeypatch.setattr(offline, "toolchain_status", lambda arch: f"NVRTC unusable: pip install {offline._NVIDIA_PACKAGES}")
+    console = Console(record=True, width=200)
+    assert cli._compilers_missing(["sm_90"], console)
+    text = console.export_text()
+    assert "pip install -e '.[dev]'" in text and "'nvidia-cuda-nvrtc==13.5.37'" in text
+    assert "'cuda-bindings>=13'" in text
