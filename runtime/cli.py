@@ -407,12 +407,15 @@ def cmd_diff(args, parser, console) -> int:
                                                                 a_name, b_name, n=args.context))}
                           for v, a_name, b_name, a_text, b_text in chunks]))
         return 1 if chunks else 0
-    for variant, a_name, b_name, a_text, b_text in chunks:
-        if args.quiet:
-            continue
-        print(f"=== {variant}")
-        sys.stdout.writelines(difflib.unified_diff(a_text.splitlines(True), b_text.splitlines(True), a_name, b_name,
-                                                   n=args.context))
+    try:
+        for variant, a_name, b_name, a_text, b_text in chunks:
+            if args.quiet:
+                continue
+            print(f"=== {variant}")
+            sys.stdout.writelines(difflib.unified_diff(a_text.splitlines(True), b_text.splitlines(True), a_name,
+                                                       b_name, n=args.context))
+    except BrokenPipeError:  # `epgen diff | head`: the status still says whether they differ
+        _drop_closed_stdout()
     if not chunks and not args.quiet:
         console.print("no differences")
     return 1 if chunks else 0
@@ -509,7 +512,7 @@ def _build_table(rows: list[dict], out: Path, jobs: int):
     t = Table(title=f"epgen build: {len(rows)} code objects in {out} (cold compile seconds with {jobs} parallel "
                     "compiles)", caption="\n".join(f"{a}: {c}" for a, c in compilers.items()))
     for c in ("arch", "op", "entry", "key", "bytes", "compile s", "status"):
-        t.add_column(c)
+        t.add_column(c, overflow="fold")
     for r in rows:
         ok = r["status"] == "ok"
         t.add_row(r["arch"], r["op"], r["entry"], r["key"][:16] if ok else "", str(r["bytes"]) if ok else "",
@@ -530,7 +533,7 @@ def _import_table(timing: dict, rows: list[dict]):
                       "warm-up (cold)")
     for c in ("op", "entry", "build s (CPU)", "render ms", "cold compile ms", "warm import ms", "speed-up",
               "warm from", f"warm < {WARM_IMPORT_TARGET_S * 1e3:.0f} ms"):
-        t.add_column(c)
+        t.add_column(c, overflow="fold")
     for r in timing["rows"]:
         met = r["warm_s"] < WARM_IMPORT_TARGET_S and r["warm_from"] == ["cache"]
         t.add_row(r["op"], r["entry"], f"{compile_s[r['entry']]:.2f}", f"{r['render_s'] * 1e3:.1f}",
@@ -736,8 +739,15 @@ def main(argv=None) -> int:
     try:
         return args.fn(args, args.parser, console)
     except BrokenPipeError:  # output piped into head & co.
-        sys.stderr.close()
+        _drop_closed_stdout()
         return 0
+
+
+def _drop_closed_stdout() -> None:
+    """After the reader of stdout went away: send the rest (and the exit-time flush) to devnull."""
+    import os
+
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -18,12 +18,12 @@ def resource_table(rows: list[dict], title: str) -> Table:
     t = Table(title=title)
     for c in ("arch", "op", "entry", "VGPRs/regs", "AGPRs", "SGPRs", "scratch B", "spill B", "LDS/shared B",
               "occupancy", "status"):
-        t.add_column(c)
+        t.add_column(c, overflow="fold")  # narrow terminals wrap cells instead of cutting entry names
     for r in rows:
         status = r["status"] if r["status"] == "ok" else f"[red]{r['status']}[/red]"
-        t.add_row(*(str(r[k]) for k in ("arch", "op", "entry", "registers", "agprs", "sgprs", "scratch_bytes",
-                                        "spill_bytes", "shared_bytes")),
-                  f"{r['occupancy']} {r['occupancy_unit']}".strip(), status)
+        t.add_row(*("" if r[k] is None else str(r[k]) for k in ("arch", "op", "entry", "registers", "agprs", "sgprs",
+                                                               "scratch_bytes", "spill_bytes", "shared_bytes")),
+                  "" if r["occupancy"] is None else f"{r['occupancy']} {r['occupancy_unit']}", status)
     return t
 
 
@@ -41,18 +41,21 @@ def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Cons
         if reason:
             console.print(f"{arch}: offline compile check skipped: {reason}")
     specs = [s for arch in ARCHES if not missing[arch] for s in cfg.kernel_specs(arch)]
-    with console.status("compiling for " + ", ".join(a for a in ARCHES if not missing[a])):
-        rows = report_rows(specs)
+    rows = []
+    if specs:
+        with console.status("compiling for " + ", ".join(a for a in ARCHES if not missing[a])):
+            rows = report_rows(specs)
     ok = all(r["status"] == "ok" for r in rows)
     summary["resources"] = rows
-    if not quiet or not ok:
+    if rows and (not quiet or not ok):
         console.print(resource_table(rows, f"{model}: W={world_size}, Tmax={tokens}, {cfg.dtype}"))
+    checked = "rendering and compile checks only" if rows else "rendering only (no offline compiler installed)"
     rc = 0
     if not ok:
         console.print("[red]offline compile check failed[/red]")
         rc = 1
     elif not torch.cuda.is_available():
-        summary["gpu_skipped"] = "no GPU here (torch.cuda.is_available() is False): rendering and compile checks only"
+        summary["gpu_skipped"] = f"no GPU here (torch.cuda.is_available() is False): {checked}"
         if not quiet:
             console.print(summary["gpu_skipped"] + ".")
     else:

@@ -255,3 +255,26 @@ def test_missing_compiler_hint_keeps_its_brackets_and_pins(monkeypatch):
     text = console.export_text()
     assert "pip install -e '.[dev]'" in text and "'nvidia-cuda-nvrtc==13.5.37'" in text
     assert "'cuda-bindings>=13'" in text
+
+
+def test_diff_keeps_its_status_when_the_reader_stops_early():
+    r = subprocess.run(f"{sys.executable} -m epgen diff --model deepseek-v3 --arch sm_90 --a unroll=2 --b unroll=8 "
+                       "| head -3; exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 1 and r.stdout.startswith("=== dispatch sm_90") and "Traceback" not in r.stderr
+
+
+def test_report_rows_use_null_and_tables_keep_entry_names_at_80_columns(capsys):
+    from rich.console import Console
+
+    from epgen.demo import resource_table
+
+    assert main(["check", "--model", "mixtral-8x7b", "--arch", "sm_90", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert all(r["agprs"] is None and r["sgprs"] is None for r in rows)
+    console = Console(width=80, record=True)
+    console.print(resource_table(rows, "t"))
+    text = console.export_text()
+    assert "…" not in text  # cells wrap (fold) instead of being cut
+    cells = "".join(line.split("│")[3].strip() for line in text.splitlines() if line.count("│") > 3)
+    assert all(r["entry"] in cells for r in rows)  # the entry column, read down, holds whole names
