@@ -18,24 +18,23 @@ from .codegen.spec import Op
 from .codegen.models import MODELS
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v}: must be at least 1")
-    return v
+def _int_at_least(low: int):
+    """An argparse type: an int >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{v}: must be at least {low}")
+        return v
+
+    return parse
 
 
-def _non_negative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{v}: must be at least 0")
-    return v
+_positive = _int_at_least(1)
+_non_negative = _int_at_least(0)
 
 
 def _shape_args(p: argparse.ArgumentParser, *, model_help: str = ""):
