@@ -83,8 +83,8 @@ def _check_wave_size(world_size: int, arches, parser, flag: str = "--world-size"
     limit = min(traits(a).wave_size for a in arches)
     fits = [a for a in ARCHES if world_size <= traits(a).wave_size]
     hint = f"; --arch {' --arch '.join(fits)} allows more" if fits and arch_flag else ""
-    parser.error(f"{flag} {world_size}: must be at most {limit}, the wave size of every target arch (one lane per "
-                 f"destination rank; {', '.join(f'{a}: {traits(a).wave_size}' for a in arches)}){hint}")
+    parser.error(f"{flag} {world_size}: must be at most {limit}, the smallest wave size of the target arches (one "
+                 f"lane per destination rank; {', '.join(f'{a}: {traits(a).wave_size}' for a in arches)}){hint}")
 
 
 def _config_from(args, parser):
@@ -205,12 +205,13 @@ def _catalogue_dir(args, parser) -> Path:
 
 
 class _Progress:
-    """A rich progress bar over ``total`` compiles on stderr (nothing when quiet)."""
+    """A rich progress bar over ``total`` compiles on stderr (nothing when quiet or when stderr is
+    not a terminal: logs get no bar residue)."""
 
     def __init__(self, total: int, label: str, quiet: bool):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self._bar = None if quiet else Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(),
+        self._bar = None if quiet or not sys.stderr.isatty() else Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(),
                                                 TimeElapsedColumn(), console=Console(stderr=True), transient=True)
         self._task = self._bar.add_task(label, total=total) if self._bar else None
 
@@ -270,7 +271,7 @@ def cmd_generate(args, parser, console) -> int:
         else:
             touched = write(out, files)
     except OSError as e:
-        console.print(f"[red]{out}: {e.strerror or e} ({e.filename})[/red]")
+        _error(f"{out}: {e.strerror or e} ({e.filename})")
         return 2
     if args.check:
         if args.json:
@@ -292,14 +293,13 @@ def cmd_generate(args, parser, console) -> int:
     return 0
 
 
-def _compilers_missing(arches, console) -> bool:
+def _compilers_missing(arches) -> bool:
     """Print which offline compilers of ``arches`` are missing, with the install hint; True if any."""
     from .codegen.offline import toolchain_status
 
     missing = [f"{arch}: {reason}" for arch in arches if (reason := toolchain_status(arch))]
     if missing:
-        console.print("[red]" + escape("offline compilers missing (pip install -e '.[dev]'):\n  " + "\n  ".join(missing))
-                      + "[/red]")
+        _error("offline compilers missing (pip install -e '.[dev]'):\n  " + "\n  ".join(missing))
     return bool(missing)
 
 
@@ -321,7 +321,7 @@ def cmd_report(args, parser, console) -> int:
         if not parent.is_dir():
             parser.error(f"{flag} {path}: parent directory {parent} "
                          f"{'is not a directory' if parent.exists() else 'does not exist'}")
-    if _compilers_missing(sorted({s.arch for s in specs}), console):
+    if _compilers_missing(sorted({s.arch for s in specs})):
         return 2
     with _Progress(len(specs), f"compiling {len(specs)} kernels", args.quiet or args.json) as bar:
         rows = report_rows(specs, max_workers=args.jobs, on_done=bar.advance)
@@ -331,7 +331,7 @@ def cmd_report(args, parser, console) -> int:
             path.write_text(report.to_markdown(rows, "epgen resource report") if flag == "--markdown"
                             else report.to_csv(rows))
         except OSError as e:
-            console.print(f"[red]{flag} {path}: cannot write: {e.strerror or e}[/red]")
+            _error(f"{flag} {path}: cannot write: {e.strerror or e}")
             return 2
     if args.json:
         print(json.dumps(rows))
@@ -449,7 +449,7 @@ def cmd_build(args, parser, console) -> int:
     try:
         read_manifest(out)  # before compiling
     except ManifestError as e:
-        console.print(f"[red]{escape(str(e))}[/red]")
+        _error(str(e))
         return 2
     gpu_arch = None
     if args.time_import:
@@ -468,14 +468,14 @@ def cmd_build(args, parser, console) -> int:
         if gpu_arch not in arches:
             parser.error(f"--time-import: this GPU is {gpu_arch}, not among --arch {' '.join(arches)}; "
                          f"add --arch {gpu_arch}")
-    if _compilers_missing(arches, console):
+    if _compilers_missing(arches):
         return 2
     quiet = args.quiet or args.json
     with _Progress(len(specs), f"compiling {len(specs)} code objects", quiet) as bar:
         try:
             rows = build(specs, out, max_workers=args.jobs, on_done=bar.advance)
         except OSError as e:
-            console.print(f"[red]{escape(label)}: {escape(str(e.strerror or e))} ({escape(str(e.filename))})[/red]")
+            _error(f"{label}: {e.strerror or e} ({e.filename})")
             return 2
     ok = all(r["status"] == "ok" for r in rows)
     timing = None
@@ -728,6 +728,11 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="dispatch payload dtype (default bf16)")
     st.add_argument("--quant", default="none", choices=list(COMBINE_QUANTS), help="combine wire format (default none)")
     return p
+
+
+def _error(message: str) -> None:
+    """An error line on stderr (never the verb's output), in red where stderr is a terminal."""
+    Console(stderr=True, soft_wrap=True).print(f"[red]{escape(message)}[/red]")
 
 
 def main(argv=None) -> int:

@@ -266,8 +266,8 @@ def test_build_table_names_files_and_compilers(tmp_path):
     (["--dispatch-geometry", "0x16"], "geometry '0x16': Geometry.blocks=0: must be a positive int"),
     (["--combine-geometry", "24"], "geometry '24': write BLOCKSxWARPS[uUNROLL]"),
     (["--hidden", "7170", "--topk", "8", "--num-experts", "256"], "KernelSpec.hidden=7170"),
-    (["--world-size", "64", "--arch", "gfx1250"], "--world-size 64: must be at most 32, the wave size of every "
-                                                  "target arch (one lane per destination rank; gfx1250: 32)"),
+    (["--world-size", "64", "--arch", "gfx1250"], "--world-size 64: must be at most 32, the smallest wave size "
+                                                  "of the target arches (one lane per destination rank; gfx1250: 32)"),
     (["--model", "deepseek-v4"], "model='deepseek-v4': not in the catalogue"),
     (["--topk", "4"], "--topk needs --hidden"),
     (["--arch", "sm_80"], "argument --arch: invalid choice: 'sm_80'"),
@@ -379,7 +379,8 @@ def test_a_foreign_manifest_is_an_error_before_compiling(content, capsys, tmp_pa
     else:
         path.write_text(content)
     rc = main(["build", "--model", MODEL, "--arch", "sm_90", "-o", str(tmp_path)])
-    err = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert out == ""  # the error goes to stderr, never into the verb's output
     assert rc == 2 and f"{path}:" in err.replace("\n", "") and "Traceback" not in err
     assert ("is not a file" if content is None else "not an epgen manifest") in err.replace("\n", " ")
     assert sorted(p.name for p in tmp_path.iterdir()) == [MANIFEST]  # nothing compiled, nothing replaced
