@@ -282,8 +282,10 @@ class EpDispatchCombine:
                 when None. A list in virtual mode.
 
         Returns:
-            [T, H] bf16 per rank (a list in virtual mode), accumulated in fp32; a token that
-            reached no rank gets zeros.
+            [T, H] bf16 per rank (a list in virtual mode): the expert outputs as the combine wire
+            delivers them (``EpConfig.combine_quant``; bit-equal to
+            ``epgen.quant.combine_roundtrip``), summed in fp32 in ascending rank and rounded once;
+            a token that reached no rank gets zeros.
 
         Raises:
             RuntimeError: no dispatch precedes this combine.
