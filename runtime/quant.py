@@ -691,8 +691,8 @@ def scale_bytes(mode: str, hidden: int, block: int | None = None) -> int:
 # --- the combine leg's wire ----------------------------------------------------------------------
 
 
-def _combine_blocks(mode: str, y) -> tuple[torch.Tensor, int]:
-    """Validate (mode, y) of a combine wire function; return y zero-padded to whole blocks and H."""
+def _check_combine(mode: str, y) -> torch.Tensor:
+    """Validate (mode, y) of a combine wire function; return y."""
     from .codegen.dtypes import combine_quant
 
     combine_quant(mode)  # ValueError naming the known modes
@@ -706,8 +706,7 @@ def _combine_blocks(mode: str, y) -> tuple[torch.Tensor, int]:
         if bool(bad.any()):
             raise ValueError(f"{_first_bad('y', bad, y32)}: must be finite for mode {mode!r} (a block holding a "
                              f"NaN or an infinity has no defined scale)")
-    pad = (-y.shape[1]) % block if block else 0
-    return torch.nn.functional.pad(y, (0, pad)) if pad else y, y.shape[1]
+    return y
 
 
 _TINY_BLOCK = 2.0**-80
@@ -715,10 +714,10 @@ _TINY_BLOCK = 2.0**-80
 
 
 def _flush_tiny_blocks(y: torch.Tensor, block: int) -> torch.Tensor:
-    """float32 copy of [R, H] ``y`` (H a multiple of block) with every block of amax < 2^-80 zeroed."""
-    yb = y.to(torch.float32).reshape(y.shape[0], y.shape[1] // block, block).clone()
+    """float32 copy of [R, H] ``y`` with every block (the last may be shorter) of amax < 2^-80 zeroed."""
+    yb = _padded_blocks(y.to(torch.float32), block).clone()
     yb[yb.abs().amax(dim=-1) < _TINY_BLOCK] = 0.0
-    return yb.reshape(y.shape)
+    return _unblock(yb, y.shape[1])
 
 
 def combine_roundtrip(mode: str, y: torch.Tensor) -> torch.Tensor:
@@ -729,9 +728,8 @@ def combine_roundtrip(mode: str, y: torch.Tensor) -> torch.Tensor:
     Modes (``epgen.codegen.dtypes.COMBINE_QUANTS``): "none" (y itself), "fp8_direct_cast"
     (``fp8_direct_cast``), "fp8_blockwise" (``quantize_fp8_blockwise``, block 128),
     "fp4_blockwise" (``quantize_fp4_blockwise``, block 32). When H is not a multiple of the block
-    the last block is shorter: the row is zero-padded to whole blocks, which changes no block's
-    amax, and the padding is dropped again. A block whose amax is below 2^-80 travels as zeros:
-    above that every quotient that can round to a nonzero code, and the kernels' division
+    the last block is shorter, as in those quantizers. A block whose amax is below 2^-80 travels
+    as zeros: above that every quotient that can round to a nonzero code, and the kernels' division
     residuals, are normal float32, so kernels compiled with flush-to-zero still match bit for bit.
 
     Args:
@@ -745,18 +743,15 @@ def combine_roundtrip(mode: str, y: torch.Tensor) -> torch.Tensor:
         ValueError: unknown mode, y not 2-D bfloat16 / float32 with H >= 1, or (blockwise) not
             finite (naming the first bad element).
     """
-    yp, hidden = _combine_blocks(mode, y)
-    if MODES.get(mode):
-        yp = _flush_tiny_blocks(yp, MODES[mode])
+    y = _check_combine(mode, y)
     if mode == "none":
-        dq = yp.to(torch.float32, copy=True)
-    elif mode == "fp8_direct_cast":
-        dq = dequantize_fp8_direct(fp8_direct_cast(yp))
-    elif mode == "fp8_blockwise":
-        dq = dequantize_fp8_blockwise(*quantize_fp8_blockwise(yp))
-    else:
-        dq = dequantize_fp4_blockwise(*quantize_fp4_blockwise(yp))
-    return dq[:, :hidden].contiguous()
+        return y.to(torch.float32, copy=True)
+    if mode == "fp8_direct_cast":
+        return dequantize_fp8_direct(fp8_direct_cast(y))
+    y = _flush_tiny_blocks(y, MODES[mode])
+    if mode == "fp8_blockwise":
+        return dequantize_fp8_blockwise(*quantize_fp8_blockwise(y))
+    return dequantize_fp4_blockwise(*quantize_fp4_blockwise(y))
 
 
 def combine_error_bound(mode: str, y: torch.Tensor) -> torch.Tensor:
@@ -782,8 +777,7 @@ def combine_error_bound(mode: str, y: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: as ``combine_roundtrip``.
     """
-    yp, hidden = _combine_blocks(mode, y)
-    a = yp.to(torch.float32).abs()
+    a = _check_combine(mode, y).to(torch.float32).abs()
     if mode == "none":
         bound = torch.zeros_like(a)
     elif mode == "fp8_direct_cast":
@@ -792,6 +786,6 @@ def combine_error_bound(mode: str, y: torch.Tensor) -> torch.Tensor:
         block = MODES[mode]
         qmax, rel, per_scale = ((FP8_E4M3_MAX, 2.0**-4, 2.0**-10) if mode == "fp8_blockwise"
                                 else (FP4_E2M1_MAX, 2.0**-2, 2.0**-2))
-        s = _amax_scale(_flush_tiny_blocks(a, block).reshape(a.shape[0], a.shape[1] // block, block), qmax)
-        bound = rel * a + per_scale * s.repeat_interleave(block, dim=1)
-    return bound[:, :hidden].contiguous()
+        s = _amax_scale(_padded_blocks(_flush_tiny_blocks(a, block), block), qmax)
+        bound = rel * a + per_scale * s.repeat_interleave(block, dim=1)[:, : a.shape[1]]
+    return bound
