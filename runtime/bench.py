@@ -21,6 +21,7 @@ import torch
 from .check import make_inputs, op_arg, op_inputs, run_round
 from .codegen.spec import Op
 from .codegen.arch import traits
+from .codegen.dtypes import combine_quant
 from .codegen.render import render_ceiling
 from .compile import cupy_stream, load_kernel
 from .config import EpConfig, Geometry
@@ -144,7 +145,7 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
     src_ptr = op.arenas.pointers[me] + op.layout.recv_x
     dst_ptr = op.arenas.pointers[peer] + op.layout.combine_in  # peer's arena (own memory when W = 1)
     row_bytes = op.dispatch_spec.row_bytes
-    combine_wire = cfg.spec(op.arch, Op.COMBINE, op.variant(Op.COMBINE, 1)).quant  # bf16 rows unless quantized
+    combine_wire = combine_quant(cfg.combine_quant)  # bf16 rows unless quantized
     combine_dtype = combine_wire.name if combine_wire.quantized else "bf16"
     env = environment() if me == 0 else None  # read once: nvidia-smi and git are slow per point
     rows = []
