@@ -7,6 +7,7 @@
 #   sweep   geometry exploration at 128/4096/8192 tokens ($GEOS: "DISPATCH:COMBINE" pairs)
 #   tests   GPU tests (pytest -m "gpu or multigpu" over $TESTS, default every tests/ file; $K narrows with -k)
 #   stress  epgen stress: 200 rounds with W=2 on two GPUs, then 200 with 8 virtual ranks
+#   probe   tools/p2p_probe.py: copy mechanisms (LSU vs bulk copies) at 16-132 blocks, both directions
 #   build   epgen build W=2 Tmax=8192 for sm_90 into a fresh cache, then time load_kernel per variant:
 #           warm import from it against a cold compile (fresh processes, empty CUPY_CACHE_DIR, 5 runs)
 #           -> tools/results/aot-import-ep2-h200.txt
@@ -36,6 +37,7 @@ for step in ${STEPS:-demo tune bench bench24 tests}; do
     build) rm -rf /tmp/epgen-aot
            python -m epgen build --world-size 2 --max-tokens 8192 --arch sm_90 -o /tmp/epgen-aot --time-import --runs ${RUNS:-5} \
              | tee tools/results/aot-import-ep2-h200.txt ;;
+    probe) timeout ${PROBE_TIMEOUT:-200} python tools/p2p_probe.py ;;
     tests) timeout ${TEST_TIMEOUT:-400} python -m pytest ${TESTS:-tests} -m "gpu or multigpu" -q -rA --durations=15 \
              ${K:+-k "$K"} ;;
   esac
