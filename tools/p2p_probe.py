@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import warnings
 
 import cupy
+
+warnings.filterwarnings("ignore", message="The device where the array resides")
 
 SOURCE = r"""
 typedef unsigned int u32;
@@ -213,6 +216,33 @@ def main() -> None:
             src = cupy.random.randint(0, 255, nbytes, dtype=cupy.uint8)
             buf.append({"src": src, "recv": cupy.zeros(nbytes, cupy.uint8), "local": cupy.zeros(nbytes, cupy.uint8),
                         "stream": cupy.cuda.Stream(non_blocking=True)})
+    failures = []
+
+    def poison():
+        for d in (0, 1):
+            with cupy.cuda.Device(d):
+                buf[d]["recv"].fill(0xAB)
+                buf[d]["local"].fill(0xAB)
+
+    def check(name, rows):
+        n = rows * args.row_bytes
+        for d in (0, 1):
+            with cupy.cuda.Device(d):
+                b, o = buf[d], buf[1 - d]
+                if name in ("ld_pull", "tma_pull"):
+                    def lo(a):
+                        return (a[:n].view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
+                    want = lo(o["src"]) + lo(b["src"])
+                    got = lo(b["local"])  # bf16 of the fp32 sum: within 2^-8 relative
+                    far = cupy.abs(got - want) > cupy.abs(want) * 2.0 ** -8
+                    bad = int(cupy.count_nonzero(far & (cupy.abs(want) < 3.0e38)))  # bf16 overflow to inf is right
+                else:
+                    bad = int(cupy.count_nonzero(o["recv"][:n] != b["src"][:n]))
+                    if name in ("st_dual", "tma_dual"):
+                        bad += int(cupy.count_nonzero(b["local"][:n] != b["src"][:n]))
+                if bad:
+                    failures.append(f"{name} on GPU {d}: {bad} differ")
+
     # (name, threads, stages, shared bytes); pull kernels read the peer's "src" and write "local"
     row = args.row_bytes
     variants = [("st_remote", 512, 1, 0), ("st_remote", 1024, 1, 0), ("st_dual", 1024, 1, 0),
@@ -239,8 +269,9 @@ def main() -> None:
                             fns[d]((blocks,), (threads,), a3 + (cupy.uint64(rows),), stream=b["stream"], shared_mem=shm)
                 times = []
                 try:
-                    for f in fns:
-                        f.max_dynamic_shared_size_bytes = shm
+                    for d, f in enumerate(fns):
+                        with cupy.cuda.Device(d):
+                            f.max_dynamic_shared_size_bytes = shm
                     for it in range(25):
                         ev = []
                         for d in (0, 1):
@@ -265,6 +296,7 @@ def main() -> None:
         print(f"{name:<11} {threads:>7} {stages:>6} {shm // 1024:>7} " + " ".join(cells), flush=True)
     if failures:
         raise SystemExit("wrong bytes: " + ", ".join(failures))
+
 
 if __name__ == "__main__":
     main()
