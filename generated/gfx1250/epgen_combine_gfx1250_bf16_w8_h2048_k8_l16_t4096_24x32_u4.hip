@@ -238,13 +238,19 @@ EP_KERNEL(kThreads) epgen_combine_gfx1250_bf16_w8_h2048_k8_l16_t4096_24x32_u4(co
 
   ep_u8* const out = (ep_u8*)io.out;
   const int items = num_tokens * kChunksPerRow;
-  for (int item = ep_block_idx() * kWarps + warp; item < items; item += kBlocks * kWarps) {
+  const int stride = kBlocks * kWarps;
+  // The next item's receive rows are loaded one item ahead: the peer reads of an item never
+  // wait behind the dependent load of its rows (lane d < kWorld holds rank d's row).
+  int item = ep_block_idx() * kWarps + warp;
+  int next_row = lane < kWorld && item < items ? send_slot[(ep_u64)(item / kChunksPerRow) * kWorld + lane] : -1;
+  for (; item < items; item += stride) {
     const int t = item / kChunksPerRow;
     const int c = (item - t * kChunksPerRow) * kChunkVectors;
+    int row = next_row;
+    const int ahead = item + stride;
+    next_row = lane < kWorld && ahead < items ? send_slot[(ep_u64)(ahead / kChunksPerRow) * kWorld + lane] : -1;
     ep_u64 src_row = 0ull;
-    int row = -1;
     if (lane < kWorld) {
-      row = send_slot[(ep_u64)t * kWorld + lane];
       if (!s_ok[lane]) row = -1;
       if (row >= 0) src_row = a.arena[lane] + kOffCombineSrc + (ep_u64)row * kSrcRowBytes;
     }

@@ -335,20 +335,26 @@ EP_KERNEL(kThreads) epgen_dispatch_sm90_bf16_w8_h4096_k2_l1_t4096_24x32_u4(const
   const ep_u8* const x = (const ep_u8*)io.x;
   const float* const weights = (const float*)io.weights;
   const ep_u8* const scales = (const ep_u8*)io.scales;
-  for (int t = t_begin + warp; t < t_end; t += kWarps) {
+  // The next token's positions are loaded one token ahead, and this token's weights and ids
+  // before its row: no dependent load waits in front of the row copy.
+  int t = t_begin + warp;
+  int next_pos = lane < kWorld && t < t_end ? send_slot[(ep_u64)t * kWorld + lane] : -1;
+  for (; t < t_end; t += kWarps) {
+    const int pos = next_pos;
+    const int ahead = t + kWarps;
+    next_pos = lane < kWorld && ahead < t_end ? send_slot[(ep_u64)ahead * kWorld + lane] : -1;
+    const float w = lane < kTopk ? weights[(ep_u64)t * kTopk + lane] : 0.0f;
+    const int e = lane < kTopk ? indices[(ep_u64)t * kTopk + lane] : 0;
     int row = -1;
     ep_u64 arena = 0ull;
     if (lane < kWorld) {
-      const int p = send_slot[(ep_u64)t * kWorld + lane];
-      if (p >= 0 && s_ok[lane]) row = (int)s_base[lane] + p;
+      if (pos >= 0 && s_ok[lane]) row = (int)s_base[lane] + pos;
       arena = a.arena[lane];
       send_slot[(ep_u64)t * kWorld + lane] = row;  // the receive row combine gathers from
     }
     const ep_mask ranks = ep_ballot(row >= 0);
     if (ranks == 0ull) continue;
     ep_copy_row_to_ranks(x + (ep_u64)t * kRowBytes, arena + kOffRecvX + (ep_u64)row * kRowBytes, ranks, lane);
-    const float w = lane < kTopk ? weights[(ep_u64)t * kTopk + lane] : 0.0f;
-    const int e = lane < kTopk ? indices[(ep_u64)t * kTopk + lane] : 0;
     for (ep_mask m = ranks; m; m &= m - 1) {
       const int d = ep_ctz(m);
       const ep_u64 base = ep_shfl64(arena, d);
