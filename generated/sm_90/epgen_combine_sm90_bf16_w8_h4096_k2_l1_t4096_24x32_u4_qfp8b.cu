@@ -297,6 +297,32 @@ EP_DEVICE void ep_wire_add(float* acc, const ep_wire& w, float s) {
 // kFanIn source rows before accumulating.
 constexpr ep_u32 kReadyAfter = 24u;  // arrivals that make this rank's rows ready
 
+// Chunk c of up to kFanIn source rows of one item, taken from m in ascending rank (lane d holds
+// rank d's row address in src_row); a missing row loads as zeros with scale 0.
+EP_DEVICE void ep_load_rows(ep_mask& m, ep_u64 src_row, int c, int lane, ep_wire (&v)[kFanIn][kUnroll],
+                            float (&scale)[kFanIn][kUnroll]) {
+#pragma unroll
+  for (int f = 0; f < kFanIn; ++f) {
+    const bool have = m != 0ull;
+    const ep_u8* src = (const ep_u8*)ep_shfl64(src_row, have ? ep_ctz(m) : 0);
+    if (have) m &= m - 1;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = c + u * kWave + lane;
+      const bool load = have && i < kRowVectors;
+      v[f][u] = load ? ep_wire_load(src, i) : ep_wire_zero();
+      scale[f][u] = load ? ep_wire_scale(src, i) : 0.0f;
+    }
+  }
+}
+
+EP_DEVICE void ep_add_rows(float (&acc)[kUnroll][8], const ep_wire (&v)[kFanIn][kUnroll], const float (&scale)[kFanIn][kUnroll]) {
+#pragma unroll
+  for (int f = 0; f < kFanIn; ++f)
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) ep_wire_add(acc[u], v[f][u], scale[f][u]);
+}
+
 EP_KERNEL(kThreads) epgen_combine_sm90_bf16_w8_h4096_k2_l1_t4096_24x32_u4_qfp8b(const EP_GRID_CONSTANT EpArgs a) {
   const int local = ep_block_idx_y();
   const int rank = (int)a.rank_base + local;
@@ -360,31 +386,21 @@ EP_KERNEL(kThreads) epgen_combine_sm90_bf16_w8_h4096_k2_l1_t4096_24x32_u4_qfp8b(
       if (!s_ok[lane]) row = -1;
       if (row >= 0) src_row = a.arena[lane] + kOffCombineSrc + (ep_u64)row * kSrcRowBytes;
     }
+    // The first kFanIn rows load before acc is live: with acc held across the loads, the 64
+    // registers of a 1024-thread block leave room for only half of them in flight (tools/NOTES.md).
+    ep_mask m = ep_ballot(row >= 0);
+    ep_wire v[kFanIn][kUnroll];
+    float scale[kFanIn][kUnroll];
+    ep_load_rows(m, src_row, c, lane, v, scale);
     float acc[kUnroll][8];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
       for (int k = 0; k < 8; ++k) acc[u][k] = 0.0f;
-    for (ep_mask m = ep_ballot(row >= 0); m;) {
-      ep_wire v[kFanIn][kUnroll];
-      float scale[kFanIn][kUnroll];
-#pragma unroll
-      for (int f = 0; f < kFanIn; ++f) {
-        const bool have = m != 0ull;
-        const ep_u8* src = (const ep_u8*)ep_shfl64(src_row, have ? ep_ctz(m) : 0);
-        if (have) m &= m - 1;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int i = c + u * kWave + lane;
-          const bool load = have && i < kRowVectors;
-          v[f][u] = load ? ep_wire_load(src, i) : ep_wire_zero();
-          scale[f][u] = load ? ep_wire_scale(src, i) : 0.0f;
-        }
-      }
-#pragma unroll
-      for (int f = 0; f < kFanIn; ++f)
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) ep_wire_add(acc[u], v[f][u], scale[f][u]);
+    ep_add_rows(acc, v, scale);
+    while (m) {
+      ep_load_rows(m, src_row, c, lane, v, scale);
+      ep_add_rows(acc, v, scale);
     }
     ep_u8* const dst = out + (ep_u64)t * kRowBytes;
 #pragma unroll
