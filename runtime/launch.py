@@ -3,26 +3,21 @@
 from __future__ import annotations
 
 import os
-import socket
+import shutil
+import tempfile
 import time
 
 import torch
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, fn, args):
+def _worker(rank: int, world_size: int, store: str, fn, args):
     import torch.distributed as dist
 
     # NVLink multicast stays off (shared hosts; see the device notes in tools/NOTES.md).
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     torch.cuda.set_device(rank)
-    dist.init_process_group(backend="cpu:gloo,cuda:nccl", init_method=f"tcp://127.0.0.1:{port}",
+    dist.init_process_group(backend="cpu:gloo,cuda:nccl", init_method=f"file://{store}",
                             rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
     try:
         fn(rank, world_size, *args)
@@ -51,7 +46,13 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float | None = None) -> Non
     if torch.cuda.device_count() < world_size:
         raise RuntimeError(f"world_size={world_size}: needs {world_size} GPUs, this machine has "
                            f"{torch.cuda.device_count()}")
-    start_and_join(_worker, (world_size, _free_port(), fn, args), world_size, timeout_s)
+    # The rendezvous goes through a file, not a TCP port: a port found free and bound later by the
+    # ranks can be taken in between (EADDRINUSE seen on the device between back-to-back tests).
+    folder = tempfile.mkdtemp(prefix="epgen-ranks-")
+    try:
+        start_and_join(_worker, (world_size, os.path.join(folder, "store"), fn, args), world_size, timeout_s)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def start_and_join(target, args: tuple, nprocs: int, timeout_s: float | None = None) -> None:
