@@ -72,6 +72,8 @@ class ArenaLayout:
       send_slot    [Tmax, W] int32  for each local token and destination rank, the receive row
                    the token took in that rank's buffer, or -1 (written by dispatch, read by
                    combine)
+      send_pos     [Tmax, W] int32  the pair's position among the rows its dispatch block sends to
+                   that rank, or -1 (dispatch only: written by its routing phase, read by its copy)
       recv_src     [cap, 2] int32  (source rank, source token) of each received row
       recv_weights [cap, K] float32
       recv_indices [cap, K] int32
@@ -86,6 +88,7 @@ class ArenaLayout:
 
     signals: int
     send_slot: int
+    send_pos: int
     recv_src: int
     recv_weights: int
     recv_indices: int
@@ -109,6 +112,7 @@ class ArenaLayout:
         for name, size in (
             ("signals", SIGNAL_WORDS * 4),
             ("send_slot", max_tokens_per_rank * world_size * 4),
+            ("send_pos", max_tokens_per_rank * world_size * 4),
             ("recv_src", cap * 8),
             ("recv_weights", cap * topk * 4),
             ("recv_indices", cap * topk * 4),

@@ -305,7 +305,7 @@ def test_constants_match_spec(case):
         "kUnroll": s.unroll, "kWorld": s.world_size, "kTopk": s.topk, "kExpertsPerRank": s.experts_per_rank,
         "kNumExperts": s.num_experts, "kHidden": s.hidden, "kRowBytes": s.row_bytes,
         "kRowVectors": s.row_vectors, "kScaleBytes": s.scale_bytes, "kCapacityRows": s.capacity_rows,
-        "kOffSignals": lay.signals, "kOffSendSlot": lay.send_slot, "kOffRecvSrc": lay.recv_src,
+        "kOffSignals": lay.signals, "kOffSendSlot": lay.send_slot, "kOffSendPos": lay.send_pos, "kOffRecvSrc": lay.recv_src,
         "kOffRecvWeights": lay.recv_weights, "kOffRecvIndices": lay.recv_indices,
         "kOffRecvScales": lay.recv_scales, "kOffCombineIn": lay.combine_in, "kOffRecvX": lay.recv_x,
     }

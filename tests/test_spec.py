@@ -222,7 +222,7 @@ def test_derived_values(arch, i):
         assert s.num_experts == s.world_size * s.experts_per_rank
 
 
-REGIONS = ["signals", "send_slot", "recv_src", "recv_weights", "recv_indices", "recv_scales", "combine_in",
+REGIONS = ["signals", "send_slot", "send_pos", "recv_src", "recv_weights", "recv_indices", "recv_scales", "combine_in",
            "combine_wire", "recv_x"]
 
 
@@ -232,6 +232,7 @@ def _documented_sizes(s: KernelSpec) -> dict[str, int]:
     return {
         "signals": SIGNAL_WORDS * 4,
         "send_slot": tmax * w * 4,
+        "send_pos": tmax * w * 4,
         "recv_src": cap * 2 * 4,
         "recv_weights": cap * s.topk * 4,
         "recv_indices": cap * s.topk * 4,

@@ -107,13 +107,14 @@ constexpr ep_u32 kCapacityRows = 32768u;
 // ---- arena layout (ArenaLayout: identical on every rank) ----
 constexpr ep_u64 kOffSignals = 0ull;
 constexpr ep_u64 kOffSendSlot = 1024ull;
-constexpr ep_u64 kOffRecvSrc = 132096ull;
-constexpr ep_u64 kOffRecvWeights = 394240ull;
-constexpr ep_u64 kOffRecvIndices = 918528ull;
-constexpr ep_u64 kOffRecvScales = 1442816ull;
-constexpr ep_u64 kOffCombineIn = 1442816ull;
-constexpr ep_u64 kOffCombineWire = 190186496ull;
-constexpr ep_u64 kOffRecvX = 249431040ull;
+constexpr ep_u64 kOffSendPos = 132096ull;
+constexpr ep_u64 kOffRecvSrc = 263168ull;
+constexpr ep_u64 kOffRecvWeights = 525312ull;
+constexpr ep_u64 kOffRecvIndices = 1049600ull;
+constexpr ep_u64 kOffRecvScales = 1573888ull;
+constexpr ep_u64 kOffCombineIn = 1573888ull;
+constexpr ep_u64 kOffCombineWire = 190317568ull;
+constexpr ep_u64 kOffRecvX = 249562112ull;
 
 // Signal words (uint32 index into the signals region). Call counters hold the generation of
 // the last finished call; flags from peers hold the generation the peer reached, so no flag is

@@ -107,13 +107,14 @@ constexpr ep_u32 kCapacityRows = 32768u;
 // ---- arena layout (ArenaLayout: identical on every rank) ----
 constexpr ep_u64 kOffSignals = 0ull;
 constexpr ep_u64 kOffSendSlot = 1024ull;
-constexpr ep_u64 kOffRecvSrc = 132096ull;
-constexpr ep_u64 kOffRecvWeights = 394240ull;
-constexpr ep_u64 kOffRecvIndices = 525312ull;
-constexpr ep_u64 kOffRecvScales = 656384ull;
-constexpr ep_u64 kOffCombineIn = 656384ull;
-constexpr ep_u64 kOffCombineWire = 336200704ull;
-constexpr ep_u64 kOffRecvX = 336200704ull;
+constexpr ep_u64 kOffSendPos = 132096ull;
+constexpr ep_u64 kOffRecvSrc = 263168ull;
+constexpr ep_u64 kOffRecvWeights = 525312ull;
+constexpr ep_u64 kOffRecvIndices = 656384ull;
+constexpr ep_u64 kOffRecvScales = 787456ull;
+constexpr ep_u64 kOffCombineIn = 787456ull;
+constexpr ep_u64 kOffCombineWire = 336331776ull;
+constexpr ep_u64 kOffRecvX = 336331776ull;
 
 // Signal words (uint32 index into the signals region). Call counters hold the generation of
 // the last finished call; flags from peers hold the generation the peer reached, so no flag is
@@ -184,35 +185,35 @@ EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag,
 }
 
 // ---- dispatch ----
-// Each block owns a contiguous range of this rank's tokens; each warp takes one token at a time.
-// Phase 1 routes: lanes < K read the token's expert ids, keep the first slot naming each
-// destination rank (dedup per rank) and count kept (token, rank) pairs per block in shared
-// memory; the pair's position within the block goes into send_slot.
+// Each block owns a contiguous range of this rank's tokens.
+// Phase 1 routes, a token per warp: lanes < K read the token's expert ids, keep the first slot
+// naming each destination rank (dedup per rank) and count kept (token, rank) pairs per block in
+// shared memory; the pair's position within the block goes into send_pos.
 // Phase 2 reserves contiguous receive rows with one remote atomic per (block, destination),
 // after the destination said its receive buffers are free (it entered this generation).
-// Phase 3 copies: the payload row is loaded once and stored to every destination; weights,
-// indices, scales and (source rank, token) follow; send_slot keeps the receive row for combine.
+// Phase 3 copies in (token, chunk) items spread over the block's warps, so the chunks of one row
+// travel on several warps at once and no warp idles while another copies a whole row: a chunk
+// is loaded once and stored to every destination; the warp with a token's first chunk also sends
+// its weights, ids, scales and (source rank, token) and records the receive rows in send_slot
+// for combine.
 // Phase 4: the last block of the rank tells every destination that its rows are complete,
 // waits for every source's rows, then publishes num_recv and resets the per-call counters.
-// Phases 1 and 3 must walk tokens with the same loop (bounds, stride, warp mapping): the warp
-// that writes send_slot[t] in phase 1 is the one that reads it in phase 3.
 
-EP_DEVICE void ep_copy_row_to_ranks(const ep_u8* src, ep_u64 dst_row, ep_mask ranks, int lane) {
-  // dst_row: lane d holds the address of the receive row in rank d (valid for d in ranks).
-  for (int c = 0; c < kRowVectors; c += kChunkVectors) {
-    ep_vec v[kUnroll];
+EP_DEVICE void ep_copy_chunk_to_ranks(const ep_u8* src, ep_u64 dst_row, ep_mask ranks, int lane, int c) {
+  // Chunk c (vectors c .. c + kChunkVectors) of a row; dst_row: lane d holds the address of the
+  // receive row in rank d (valid for d in ranks).
+  ep_vec v[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int i = c + u * kWave + lane;
+    v[u] = i < kRowVectors ? ep_load16(src + (ep_u64)i * 16) : ep_vec_zero();
+  }
+  for (ep_mask m = ranks; m; m &= m - 1) {
+    ep_u8* dst = (ep_u8*)ep_shfl64(dst_row, ep_ctz(m));
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int i = c + u * kWave + lane;
-      v[u] = i < kRowVectors ? ep_load16(src + (ep_u64)i * 16) : ep_vec_zero();
-    }
-    for (ep_mask m = ranks; m; m &= m - 1) {
-      ep_u8* dst = (ep_u8*)ep_shfl64(dst_row, ep_ctz(m));
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int i = c + u * kWave + lane;
-        if (i < kRowVectors) ep_store16(dst + (ep_u64)i * 16, v[u]);
-      }
+      if (i < kRowVectors) ep_store16(dst + (ep_u64)i * 16, v[u]);
     }
   }
 }
@@ -226,6 +227,7 @@ EP_KERNEL(kThreads) epgen_dispatch_gfx1250_fp8_w8_h5120_k1_l16_t4096_24x32_u4(co
   const int lane = ep_lane_id();
   const int warp = tid / kWave;
   ep_u32* const sig = ep_signals(a, rank);
+  ep_i32* const send_pos = (ep_i32*)(a.arena[rank] + kOffSendPos);
   ep_i32* const send_slot = (ep_i32*)(a.arena[rank] + kOffSendSlot);
 
   EP_SHARED ep_u32 s_gen;
@@ -277,7 +279,7 @@ EP_KERNEL(kThreads) epgen_dispatch_gfx1250_fp8_w8_h5120_k1_l16_t4096_24x32_u4(co
       const int pj = ep_shfl(pos, j);
       if (dj == lane) mine = pj;
     }
-    if (lane < kWorld) send_slot[(ep_u64)t * kWorld + lane] = mine;
+    if (lane < kWorld) send_pos[(ep_u64)t * kWorld + lane] = mine;
   }
   ep_sync_block();
 
@@ -302,30 +304,34 @@ EP_KERNEL(kThreads) epgen_dispatch_gfx1250_fp8_w8_h5120_k1_l16_t4096_24x32_u4(co
   }
   ep_sync_block();
 
-  // Phase 3: copy rows (same token walk as phase 1).
+  // Phase 3: copy (token, chunk) items. The next item's positions are loaded one item ahead:
+  // no dependent load waits in front of the peer stores.
   const ep_u8* const x = (const ep_u8*)io.x;
   const float* const weights = (const float*)io.weights;
   const ep_u8* const scales = (const ep_u8*)io.scales;
-  // The next token's positions are loaded one token ahead, and this token's weights and ids
-  // before its row: no dependent load waits in front of the row copy.
-  int t = t_begin + warp;
-  int next_pos = lane < kWorld && t < t_end ? send_slot[(ep_u64)t * kWorld + lane] : -1;
-  for (; t < t_end; t += kWarps) {
+  const int items = (t_end - t_begin) * kChunksPerRow;
+  int item = warp;
+  int next_pos = lane < kWorld && item < items ? send_pos[(ep_u64)(t_begin + item / kChunksPerRow) * kWorld + lane] : -1;
+  for (; item < items; item += kWarps) {
+    const int t = t_begin + item / kChunksPerRow;
+    const int chunk = item % kChunksPerRow;
     const int pos = next_pos;
-    const int ahead = t + kWarps;
-    next_pos = lane < kWorld && ahead < t_end ? send_slot[(ep_u64)ahead * kWorld + lane] : -1;
-    const float w = lane < kTopk ? weights[(ep_u64)t * kTopk + lane] : 0.0f;
-    const int e = lane < kTopk ? indices[(ep_u64)t * kTopk + lane] : 0;
+    const int ahead = item + kWarps;
+    next_pos = lane < kWorld && ahead < items ? send_pos[(ep_u64)(t_begin + ahead / kChunksPerRow) * kWorld + lane] : -1;
     int row = -1;
     ep_u64 arena = 0ull;
     if (lane < kWorld) {
       if (pos >= 0 && s_ok[lane]) row = (int)s_base[lane] + pos;
       arena = a.arena[lane];
-      send_slot[(ep_u64)t * kWorld + lane] = row;  // the receive row combine gathers from
+      if (chunk == 0) send_slot[(ep_u64)t * kWorld + lane] = row;  // the receive row combine gathers from
     }
     const ep_mask ranks = ep_ballot(row >= 0);
     if (ranks == 0ull) continue;
-    ep_copy_row_to_ranks(x + (ep_u64)t * kRowBytes, arena + kOffRecvX + (ep_u64)row * kRowBytes, ranks, lane);
+    const float w = chunk == 0 && lane < kTopk ? weights[(ep_u64)t * kTopk + lane] : 0.0f;
+    const int e = chunk == 0 && lane < kTopk ? indices[(ep_u64)t * kTopk + lane] : 0;
+    ep_copy_chunk_to_ranks(x + (ep_u64)t * kRowBytes, arena + kOffRecvX + (ep_u64)row * kRowBytes, ranks, lane,
+                           chunk * kChunkVectors);
+    if (chunk != 0) continue;
     for (ep_mask m = ranks; m; m &= m - 1) {
       const int d = ep_ctz(m);
       const ep_u64 base = ep_shfl64(arena, d);

@@ -107,13 +107,14 @@ constexpr ep_u32 kCapacityRows = 32768u;
 // ---- arena layout (ArenaLayout: identical on every rank) ----
 constexpr ep_u64 kOffSignals = 0ull;
 constexpr ep_u64 kOffSendSlot = 1024ull;
-constexpr ep_u64 kOffRecvSrc = 132096ull;
-constexpr ep_u64 kOffRecvWeights = 394240ull;
-constexpr ep_u64 kOffRecvIndices = 656384ull;
-constexpr ep_u64 kOffRecvScales = 918528ull;
-constexpr ep_u64 kOffCombineIn = 918528ull;
-constexpr ep_u64 kOffCombineWire = 269353984ull;
-constexpr ep_u64 kOffRecvX = 403571712ull;
+constexpr ep_u64 kOffSendPos = 132096ull;
+constexpr ep_u64 kOffRecvSrc = 263168ull;
+constexpr ep_u64 kOffRecvWeights = 525312ull;
+constexpr ep_u64 kOffRecvIndices = 787456ull;
+constexpr ep_u64 kOffRecvScales = 1049600ull;
+constexpr ep_u64 kOffCombineIn = 1049600ull;
+constexpr ep_u64 kOffCombineWire = 269485056ull;
+constexpr ep_u64 kOffRecvX = 403702784ull;
 
 // Signal words (uint32 index into the signals region). Call counters hold the generation of
 // the last finished call; flags from peers hold the generation the peer reached, so no flag is

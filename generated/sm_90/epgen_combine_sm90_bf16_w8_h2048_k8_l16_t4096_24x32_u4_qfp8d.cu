@@ -136,13 +136,14 @@ constexpr ep_u32 kCapacityRows = 32768u;
 // ---- arena layout (ArenaLayout: identical on every rank) ----
 constexpr ep_u64 kOffSignals = 0ull;
 constexpr ep_u64 kOffSendSlot = 1024ull;
-constexpr ep_u64 kOffRecvSrc = 132096ull;
-constexpr ep_u64 kOffRecvWeights = 394240ull;
-constexpr ep_u64 kOffRecvIndices = 1442816ull;
-constexpr ep_u64 kOffRecvScales = 2491392ull;
-constexpr ep_u64 kOffCombineIn = 2491392ull;
-constexpr ep_u64 kOffCombineWire = 136709120ull;
-constexpr ep_u64 kOffRecvX = 203817984ull;
+constexpr ep_u64 kOffSendPos = 132096ull;
+constexpr ep_u64 kOffRecvSrc = 263168ull;
+constexpr ep_u64 kOffRecvWeights = 525312ull;
+constexpr ep_u64 kOffRecvIndices = 1573888ull;
+constexpr ep_u64 kOffRecvScales = 2622464ull;
+constexpr ep_u64 kOffCombineIn = 2622464ull;
+constexpr ep_u64 kOffCombineWire = 136840192ull;
+constexpr ep_u64 kOffRecvX = 203949056ull;
 
 // Signal words (uint32 index into the signals region). Call counters hold the generation of
 // the last finished call; flags from peers hold the generation the peer reached, so no flag is
