@@ -2,8 +2,11 @@
 # One call on the device machine: install, then the steps named in $STEPS, in order:
 #   demo    epgen demo (deepseek-v3, 8 virtual ranks)
 #   tune    epgen tune W=2 (two GPUs): writes codegen/tuning/sm_90.json
-#   bench   epgen bench W=2 with the tuning table -> tools/results/bench-ep2-h200.{csv,png,env.txt}
-#   bench24 the same at 24 blocks x 32 warps (at most 24 SMs), 20 replays a point
+#   bench   epgen bench W=2 with the tuning table, uniform routing, tokens $BENCH_TOKENS (default the
+#           full sweep) -> tools/results/bench-ep2-h200-tuned.{csv,png,env.txt}
+#   bench24 the full sweep at 24 blocks x 32 warps (at most 24 SMs), 20 replays a point, uniform and
+#           skewed routing -> tools/results/bench-ep2-h200.{csv,png,env.txt}
+#   fp8     the fp8 dispatch beside it (24 x 32, uniform, tokens $BENCH_TOKENS) -> bench-ep2-h200-fp8.*
 #   sweep   geometry exploration at 128/4096/8192 tokens ($GEOS: "DISPATCH:COMBINE" pairs)
 #   tests   GPU tests (pytest -m "gpu or multigpu" over $TESTS, default every tests/ file; $K narrows with -k)
 #   stress  epgen stress: 200 rounds with W=2 on two GPUs, then 200 with 8 virtual ranks
@@ -19,14 +22,18 @@ exec > >(tee -a "$OUT/run.log") 2>&1
 python -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.used,utilization.gpu --format=csv
 python -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__, 'gpus', torch.cuda.device_count())"
-for step in ${STEPS:-demo tune bench bench24 tests}; do
+for step in ${STEPS:-demo tune bench bench24 fp8 tests}; do
   echo "=== $step $(date -u +%T)"
   case $step in
     demo) python -m epgen demo ;;
     tune) python -m epgen tune --world-size 2 ;;
-    bench) python -m epgen bench --world-size 2 -o tools/results/bench-ep2-h200 ;;
+    bench) timeout ${BENCH_TIMEOUT:-400} python -m epgen bench --world-size 2 --routing uniform \
+             ${BENCH_TOKENS:+--tokens $BENCH_TOKENS} -o tools/results/bench-ep2-h200-tuned ;;
     bench24) timeout ${BENCH_TIMEOUT:-400} python -m epgen bench --world-size 2 --iters 20 \
                --dispatch-geometry 24x32u4 --combine-geometry 24x32u4 -o tools/results/bench-ep2-h200 ;;
+    fp8) timeout ${BENCH_TIMEOUT:-400} python -m epgen bench --world-size 2 --iters 20 --dtype fp8 --routing uniform \
+           ${BENCH_TOKENS:+--tokens $BENCH_TOKENS} --dispatch-geometry 24x32u4 --combine-geometry 24x32u4 \
+           -o tools/results/bench-ep2-h200-fp8 ;;
     sweep) for g in ${GEOS:-24x32u4:24x32u4}; do
              python -m epgen bench --world-size 2 --tokens 128 4096 8192 --routing uniform \
                --dispatch-geometry "${g%%:*}" --combine-geometry "${g##*:}" -o "/tmp/sweep-$g" | grep -E "dispatch|combine"
