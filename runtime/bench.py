@@ -4,6 +4,12 @@ For every (routing, tokens) point: one verified round against the reference, the
 combine captured in CUDA graphs and timed by device events around each replay (median, mean,
 stdev, best), the P2P ceiling kernel on the same wire bytes, and NCCL ``all_to_all_single`` on
 the same bytes per peer (README.md, "Measuring"). Rank 0 writes a CSV, a PNG and prints a table.
+
+Row counts (CSV ``recv_rows`` / ``wire_rows``): for dispatch the rows the rank received (all /
+from other ranks); for combine the rows the rank's combine gathers for its own tokens (one per
+distinct rank a token reached / those on other ranks). Summed over ranks both are the same
+rows; per rank they differ under skewed routing, where a pull combine moves a row on the clock
+of the token's rank, not of the rank that holds it.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from .codegen.dtypes import combine_quant
 from .codegen.render import render_ceiling
 from .compile import cupy_stream, load_kernel
 from .config import EpConfig, Geometry
+from .reference import route
 from .timing import Timing, gbps, time_pairs
 
 SWEEP = (1, 8, 32, 128, 512, 1024, 4096, 8192, 16384)
@@ -100,11 +107,28 @@ def _graph(fn):
     return g
 
 
-def measure(op, cfg: EpConfig, tokens: int, routing: str, seed: int, iters: int) -> tuple[Timing, Timing]:
+def gathered_rows(indices: torch.Tensor, experts_per_rank: int, world_size: int, rank: int) -> tuple[int, int]:
+    """(rows, rows from other ranks) that the combine of ``rank`` gathers for its tokens: one per
+    distinct rank a token's valid experts live on (``reference.route``; indices [T, K] int32 of
+    that rank, -1 = none).
+
+    Raises:
+        ValueError: an expert id that is neither -1 nor in [0, W x L) (from ``reference.route``).
+    """
+    reached = route(indices, experts_per_rank=experts_per_rank, world_size=world_size) >= 0  # [T, W]
+    rows = int(reached.sum().item())
+    return rows, rows - int(reached[:, rank].sum().item())
+
+
+def measure(op, cfg: EpConfig, tokens: int, routing: str, seed: int, iters: int) -> tuple[Timing, Timing, tuple[int, int]]:
     """Verify one round against the reference, then time dispatch and combine as CUDA-graph
-    replays (device events around each replay) on fresh inputs; every rank calls it together."""
+    replays (device events around each replay) on fresh inputs; every rank calls it together.
+    Also returns ``gathered_rows`` of the first rank ``op`` drives for the timed inputs."""
     run_round(op, cfg, [tokens] * cfg.world_size, routing, seed)  # checked once before it is timed
-    args = op_inputs(op, make_inputs(cfg, [tokens] * cfg.world_size, routing, seed + 7, device=op.device))
+    inputs = make_inputs(cfg, [tokens] * cfg.world_size, routing, seed + 7, device=op.device)
+    me = op.local_ranks[0]
+    gathered = gathered_rows(inputs[me].indices, cfg.experts_per_rank, cfg.world_size, me)
+    args = op_inputs(op, inputs)
     y_arg = op_arg(op, [op.combine_input(r) for r in op.local_ranks])
     out_arg = op_arg(op, [torch.empty(tokens, cfg.hidden, dtype=torch.bfloat16, device=op.device)
                           for _ in op.local_ranks])
@@ -126,7 +150,7 @@ def measure(op, cfg: EpConfig, tokens: int, routing: str, seed: int, iters: int)
         torch.distributed.barrier()
     d_t, c_t = time_pairs(gd.replay, gc.replay, iters=iters, warmup=5)
     op.synchronize()
-    return d_t, c_t
+    return d_t, c_t, gathered
 
 
 def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
@@ -153,10 +177,12 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
     for routing in opts.routings:
         for T in opts.tokens:
             seed += 1
-            d_t, c_t = measure(op, cfg, T, routing, seed, opts.iters)
+            d_t, c_t, (c_rows, c_wire) = measure(op, cfg, T, routing, seed, opts.iters)
             buf = op.recv_buffers(me)
             n = int(buf.num_recv.item())
             wire = int((buf.recv_src[:n, 0] != me).sum().item()) if world_size > 1 else n
+            if world_size == 1:  # one rank: its own rows are what moves (as for dispatch)
+                c_wire = c_rows
             nbytes = max(wire, 1) * row_bytes
             if dist:  # one size on every rank: all_to_all_single's even split hangs on unequal sizes (skew)
                 agreed = torch.tensor([nbytes], device=op.device)
@@ -173,16 +199,17 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
                 nccl_t = _time(lambda: dist.all_to_all_single(out, inp), iters=10)
                 nccl_gbps = gbps(nbytes * (world_size - 1), nccl_t.median_us)
             point = []
-            for name, t, geo, elem, wire_elem, dtype in (
-                    ("dispatch", d_t, op.variant(Op.DISPATCH, T), row_bytes, row_bytes, cfg.dtype),
+            # dispatch: the rows this rank received; combine: the rows it gathers for its tokens
+            for name, t, geo, elem, wire_elem, dtype, rows_all, rows_wire in (
+                    ("dispatch", d_t, op.variant(Op.DISPATCH, T), row_bytes, row_bytes, cfg.dtype, n, wire),
                     ("combine", c_t, op.variant(Op.COMBINE, T), cfg.hidden * 2, combine_wire.wire_row_bytes(cfg.hidden),
-                     combine_dtype)):
-                w = gbps(wire * wire_elem, t.median_us)
+                     combine_dtype, c_rows, c_wire)):
+                w = gbps(rows_wire * wire_elem, t.median_us)
                 point.append({"op": name, "dtype": dtype, "routing": routing,
                              "tokens": T, "rank": me, "world_size": world_size, "time_us": round(t.median_us, 2),
                              "mean_us": round(t.mean_us, 2), "stdev_us": round(t.stdev_us, 2),
-                             "best_us": round(t.best_us, 2), "recv_rows": n, "wire_rows": wire,
-                             "logical_gbps": round(gbps(n * elem, t.median_us), 1), "wire_gbps": round(w, 1),
+                             "best_us": round(t.best_us, 2), "recv_rows": rows_all, "wire_rows": rows_wire,
+                             "logical_gbps": round(gbps(rows_all * elem, t.median_us), 1), "wire_gbps": round(w, 1),
                              "p2p_ceiling_gbps": round(ceil_gbps, 1), "nccl_gbps": round(nccl_gbps, 1),
                              "ratio_ceiling": round(w / ceil_gbps, 3), "ratio_nccl": round(w / nccl_gbps, 3),
                              "blocks": geo.blocks, "warps_per_block": geo.warps_per_block, "unroll": geo.unroll})
@@ -254,7 +281,7 @@ def _plot(rows: list[dict], path: str) -> None:
                 x, bw, us = zip(*pts)
                 ax_bw.plot(x, bw, marker="o", label=f"{op} ({routing})")
                 ax_t.plot(x, us, marker="o", label=f"{op} ({routing})")
-    main = max(routings, key=lambda rt: sum(r["routing"] == rt for r in rows))  # the routing with most points
+    main = "uniform" if "uniform" in routings else routings[0]
     for key, style, label in (("p2p_ceiling_gbps", "k--", "P2P ceiling"), ("nccl_gbps", "r:", "NCCL all_to_all_single")):
         pts = sorted((r["tokens"], r[key]) for r in rows if r["rank"] == 0 and r["op"] == "dispatch"
                      and r["routing"] == main)
