@@ -191,7 +191,12 @@ def main() -> None:
     p.add_argument("--row-bytes", type=int, default=14336)
     p.add_argument("--blocks", type=int, nargs="+", default=[16, 24, 32, 132])
     args = p.parse_args()
-    assert cupy.cuda.runtime.getDeviceCount() >= 2, "needs two GPUs"
+    try:
+        gpus = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        raise SystemExit(f"p2p_probe: no CUDA device ({e}); it needs two GPUs joined by NVLink")
+    if gpus < 2:
+        raise SystemExit(f"p2p_probe: {gpus} GPU(s) visible; it needs two GPUs joined by NVLink")
     for d, peer in ((0, 1), (1, 0)):
         with cupy.cuda.Device(d):
             cupy.cuda.runtime.deviceEnablePeerAccess(peer)
