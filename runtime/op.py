@@ -376,13 +376,19 @@ class EpDispatchCombine:
         variants = []
         for max_tokens, spec in cfg.variants(self.arch, op):
             fn = self._compile(spec)
-            if self.virtual:
-                fits = self._resident_blocks(fn, spec) // cfg.world_size
+            # Every block of every rank this grid runs must be resident at once when blocks wait on
+            # each other: virtual ranks (one rank's blocks wait for another's on the same GPU) and
+            # the quantized combine (the last of a rank's blocks to finish its wire rows releases
+            # the peers, whose blocks wait for it).
+            if self.virtual or (op is Op.COMBINE and spec.quant.quantized):
+                ranks = len(self.local_ranks)
+                fits = self._resident_blocks(fn, spec) // ranks
                 if fits < spec.blocks:
+                    why = "virtual ranks need" if self.virtual else "a quantized combine needs"
                     if explicit or fits < 1:
                         raise ValueError(
-                            f"{op.value} geometry {spec.blocks}x{spec.warps_per_block}u{spec.unroll}: virtual ranks "
-                            f"need all {spec.blocks * cfg.world_size} blocks resident at once but this GPU holds "
+                            f"{op.value} geometry {spec.blocks}x{spec.warps_per_block}u{spec.unroll}: {why} all "
+                            f"{spec.blocks * ranks} blocks resident at once but this GPU holds "
                             f"{self._resident_blocks(fn, spec)}; lower EpConfig.{op.value}_geometry blocks to "
                             f"{max(fits, 1)} or fewer warps")
                     spec = spec.replace(blocks=fits)  # table geometry, clamped so every rank fits
