@@ -137,8 +137,9 @@ class EpDispatchCombine:
     Raises:
         RuntimeError: no GPU, or W > 1 without a process group and without ``virtual``.
         ValueError: the process group size differs from ``config.world_size``, ranks hold
-            different configs, no kernels exist for this GPU's arch, or virtual ranks would not
-            all fit on the GPU at once.
+            different configs, no kernels exist for this GPU's arch, or an explicit geometry
+            whose blocks must all be resident at once does not fit the GPU (virtual ranks; the
+            quantized combine).
     """
 
     def __init__(self, config: EpConfig, *, group=None, virtual: bool = False, device: int | None = None,
