@@ -113,8 +113,11 @@ def gathered_rows(indices: torch.Tensor, experts_per_rank: int, world_size: int,
     that rank, -1 = none).
 
     Raises:
-        ValueError: an expert id that is neither -1 nor in [0, W x L) (from ``reference.route``).
+        ValueError: ``rank`` not an int in [0, world_size); an expert id that is neither -1 nor in
+            [0, W x L), or a bad W or L (from ``reference.route``).
     """
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < max(world_size, 1):
+        raise ValueError(f"rank={rank!r}: must be an int in [0, world_size={world_size})")
     reached = route(indices, experts_per_rank=experts_per_rank, world_size=world_size) >= 0  # [T, W]
     rows = int(reached.sum().item())
     return rows, rows - int(reached[:, rank].sum().item())

@@ -390,6 +390,9 @@ def cmd_diff(args, parser, console) -> int:
             parser.error(f"{' '.join(given)}: only with --a/--b (without them diff compares the committed catalogue, "
                          "fixed at W=8 / Tmax=4096, with the templates)")
         out = _catalogue_dir(args, parser)
+        if args.output and not out.is_dir():
+            parser.error(f"-o {args.output}: not a directory (diff compares a committed catalogue folder with the "
+                         "templates)")
         files = render_files(catalogue_specs(), with_report=_report_possible(catalogue_specs(), console, True))
         for rel, text in files.items():
             p = out / rel
@@ -577,31 +580,69 @@ def _geometry(text: str):
         raise argparse.ArgumentTypeError(f"geometry {text!r}: {e}") from None
 
 
-def cmd_bench(args, parser, console) -> int:
+def _check_gpu_verb(args, parser, verb: str, *, max_tokens: int, virtual: bool = False, output: str | None = None) -> int:
+    """Everything about a GPU verb's arguments that can be checked without a GPU, first (parser
+    errors naming the flag), then the GPUs it needs. Returns 0, or 2 after an error line."""
+    import importlib.util
+    import os
+
     import torch
 
+    from .codegen.models import model
+    from .config import EpConfig
+
+    try:
+        model(args.model)
+    except ValueError as e:
+        parser.error(f"--model {args.model}: {e}")
+    try:
+        EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=max_tokens, dtype=args.dtype,
+                           combine_quant=getattr(args, "quant", "none"))
+    except ValueError as e:
+        parser.error(f"{e} (--world-size {args.world_size}, tokens up to {max_tokens}, with --model {args.model})")
+    if output is not None:
+        folder = os.path.dirname(os.path.abspath(output))
+        if not os.path.isdir(folder):
+            parser.error(f"-o {output}: folder {folder} does not exist")
+        if not os.access(folder, os.W_OK):
+            parser.error(f"-o {output}: folder {folder} is not writable")
+        if importlib.util.find_spec("matplotlib") is None:
+            _error(f"epgen {verb}: the plot needs matplotlib: pip install -e '.[bench]'")
+            return 2
+    if not torch.cuda.is_available():
+        _error(f"epgen {verb}: needs a GPU (torch.cuda.is_available() is False)")
+        return 2
+    gpus = torch.cuda.device_count()
+    if not virtual and args.world_size > gpus:
+        hint = "; --virtual runs all ranks on one GPU" if hasattr(args, "virtual") else ""
+        _error(f"epgen {verb}: --world-size {args.world_size} needs {args.world_size} GPUs (one process per GPU), "
+               f"this machine has {gpus}{hint}")
+        return 2
+    return 0
+
+
+def cmd_bench(args, parser, console) -> int:
     from .bench import BenchOptions, default_output, run
 
-    if not torch.cuda.is_available():
-        console.print("epgen bench needs a GPU (torch.cuda.is_available() is False)")
-        return 2
+    output = args.output or default_output(args.world_size, args.virtual)
+    status = _check_gpu_verb(args, parser, "bench", max_tokens=max(args.tokens), virtual=args.virtual, output=output)
+    if status:
+        return status
     opts = BenchOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens), dtype=args.dtype,
                         combine_quant=args.quant,
                         routings=tuple(args.routing), dispatch_geometry=args.dispatch_geometry,
                         combine_geometry=args.combine_geometry, iters=args.iters, virtual=args.virtual,
-                        output=args.output or default_output(args.world_size, args.virtual))
+                        output=output)
     run(opts)
     return 0
 
 
 def cmd_tune(args, parser, console) -> int:
-    import torch
-
     from .tune import TuneOptions, run
 
-    if not torch.cuda.is_available():
-        console.print("epgen tune needs a GPU (torch.cuda.is_available() is False)")
-        return 2
+    status = _check_gpu_verb(args, parser, "tune", max_tokens=max(args.tokens))
+    if status:
+        return status
     run(TuneOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens), dtype=args.dtype,
                     geometries=tuple(args.geometry) if args.geometry else None, routing=args.routing,
                     iters=args.iters, write=not args.dry_run))
@@ -609,13 +650,11 @@ def cmd_tune(args, parser, console) -> int:
 
 
 def cmd_stress(args, parser, console) -> int:
-    import torch
-
     from .stress import StressOptions, run
 
-    if not torch.cuda.is_available():
-        console.print("epgen stress needs a GPU (torch.cuda.is_available() is False)")
-        return 2
+    status = _check_gpu_verb(args, parser, "stress", max_tokens=args.max_tokens, virtual=args.virtual)
+    if status:
+        return status
     run(StressOptions(model=args.model, world_size=args.world_size, max_tokens=args.max_tokens, rounds=args.rounds,
                       seed=args.seed, virtual=args.virtual, dtype=args.dtype, combine_quant=args.quant))
     return 0

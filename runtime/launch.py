@@ -37,15 +37,18 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float | None = None) -> Non
             killed and TimeoutError raised, so a hung rank fails the caller instead of hanging it.
 
     Raises:
+        ValueError: world_size not an int >= 1.
         RuntimeError: fewer GPUs than ranks.
         torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback included); the
             other ranks are terminated.
         torch.multiprocessing.ProcessExitedException: a rank died with a non-zero status or a signal.
         TimeoutError: ranks still running after ``timeout_s``.
     """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
     if torch.cuda.device_count() < world_size:
-        raise RuntimeError(f"world_size={world_size}: needs {world_size} GPUs, this machine has "
-                           f"{torch.cuda.device_count()}")
+        raise RuntimeError(f"world_size={world_size}: needs {world_size} GPU{'s' if world_size > 1 else ''}, this "
+                           f"machine has {torch.cuda.device_count()}")
     # The rendezvous goes through a file, not a TCP port: a port found free and bound later by the
     # ranks can be taken in between (EADDRINUSE seen on the device between back-to-back tests).
     folder = tempfile.mkdtemp(prefix="epgen-ranks-")

@@ -1,5 +1,6 @@
 """The benchmark's row counts: combine counts the rows a rank's combine gathers for its tokens."""
 
+import pytest
 import torch
 
 from epgen.bench import gathered_rows
@@ -36,3 +37,10 @@ def test_gathered_rows_sum_to_the_dispatch_rows_under_skew():
     assert sum(g[0] for g in got) == sum(recv_all)
     assert sum(g[1] for g in got) == sum(recv_wire)
     assert [g[0] for g in got] != recv_all  # skew: rank 0 received more than its combine gathers
+
+
+@pytest.mark.parametrize("rank", [-1, 2, 5, None, True, 1.0, "0"])
+def test_gathered_rows_rejects_a_rank_outside_the_world(rank):
+    idx = torch.tensor([[0, 3]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"rank=.*: must be an int in \[0, world_size=2\)"):
+        gathered_rows(idx, 2, 2, rank)

@@ -277,3 +277,56 @@ def test_report_rows_use_null_and_tables_keep_entry_names_at_80_columns(capsys):
     assert "…" not in text  # cells wrap (fold) instead of being cut
     cells = "".join(line.split("│")[3].strip() for line in text.splitlines() if line.count("│") > 3)
     assert all(r["entry"] in cells for r in rows)  # the entry column, read down, holds whole names
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--model", "nope"], "--model nope: model='nope': not in the catalogue"),
+    (["bench", "--world-size", "3"], "multiple of world_size=3 (--world-size 3"),
+    (["bench", "-o", "/proc/nope/x"], "-o /proc/nope/x: folder /proc/nope does not exist"),
+    (["tune", "--world-size", "3"], "multiple of world_size=3 (--world-size 3"),
+    (["tune", "--tokens", "99999999"], "max_tokens_per_rank=99999999: must be in [1, 1048576]"),
+    (["stress", "--model", "nope"], "--model nope:"),
+    (["diff", "-o", "/nonexistent"], "-o /nonexistent: not a directory"),
+])
+def test_gpu_verbs_check_their_arguments_before_the_gpu(argv, message, capsys):
+    """bench, tune and stress reject bad arguments as usage errors on any machine, GPU or not."""
+    assert message in _usage_error(argv, capsys).splitlines()[-1]
+
+
+def test_gpu_verbs_without_a_gpu_say_so_on_stderr(capsys, monkeypatch, tmp_path):
+    import importlib.util
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "matplotlib" else real(name, *a))
+    for argv in (["bench", "-o", str(tmp_path / "b")], ["tune"], ["stress"]):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and f"epgen {argv[0]}: needs a GPU (torch.cuda.is_available() is False)" in err
+
+
+def test_bench_without_matplotlib_names_the_extra(capsys, monkeypatch, tmp_path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert main(["bench", "-o", str(tmp_path / "b")]) == 2
+    assert "the plot needs matplotlib: pip install -e '.[bench]'" in capsys.readouterr().err
+
+
+def test_gpu_verbs_need_as_many_gpus_as_ranks(capsys, monkeypatch, tmp_path):
+    import importlib.util
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "matplotlib" else real(name, *a))
+    assert main(["bench", "--world-size", "2", "-o", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "--world-size 2 needs 2 GPUs (one process per GPU), this machine has 1; --virtual runs all ranks" in err
+    assert main(["tune", "--world-size", "4"]) == 2
+    assert "--world-size 4 needs 4 GPUs" in capsys.readouterr().err

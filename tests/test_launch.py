@@ -33,3 +33,11 @@ def test_an_early_exit_with_status_0_is_not_a_failure():
 def test_a_raising_rank_fails_the_run():
     with pytest.raises(torch.multiprocessing.ProcessRaisedException, match="rank 1 broke"):
         start_and_join(_rank_body, ("raise",), 2, timeout_s=60)
+
+
+@pytest.mark.parametrize("world_size", [0, -1, 1.5, True])
+def test_run_ranks_rejects_a_world_size_below_one(world_size):
+    from epgen.launch import run_ranks
+
+    with pytest.raises(ValueError, match=r"world_size=.*: must be an int >= 1"):
+        run_ranks(world_size, print)

@@ -18,10 +18,6 @@ import argparse
 import statistics
 import warnings
 
-import cupy
-
-warnings.filterwarnings("ignore", message="The device where the array resides")
-
 SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -191,6 +187,19 @@ def main() -> None:
     p.add_argument("--row-bytes", type=int, default=14336)
     p.add_argument("--blocks", type=int, nargs="+", default=[16, 24, 32, 132])
     args = p.parse_args()
+    for flag, values in (("--rows", args.rows), ("--blocks", args.blocks), ("--row-bytes", [args.row_bytes])):
+        if min(values) < 1:
+            p.error(f"{flag} {' '.join(map(str, values))}: must be at least 1")
+    if args.row_bytes % 16:
+        p.error(f"--row-bytes {args.row_bytes}: must be a multiple of 16 (16-byte vectors and bulk copies)")
+    if 1024 + 16 * args.row_bytes > 227 * 1024:  # the largest variants below stage 16 rows a block
+        p.error(f"--row-bytes {args.row_bytes}: the bulk-copy kernels stage up to 16 rows in 227 KB of shared "
+                f"memory; at most {(227 * 1024 - 1024) // 16 // 16 * 16} bytes")
+    try:
+        import cupy
+    except ImportError:
+        raise SystemExit("p2p_probe: needs CuPy (pip install -e '.[cuda]') and two GPUs joined by NVLink") from None
+    warnings.filterwarnings("ignore", message="The device where the array resides")
     try:
         gpus = cupy.cuda.runtime.getDeviceCount()
     except cupy.cuda.runtime.CUDARuntimeError as e:
