@@ -37,6 +37,13 @@ _positive = _int_at_least(1)
 _non_negative = _int_at_least(0)
 
 
+def _path(text: str) -> str:
+    """An argparse type: a non-empty path (an empty -o would silently mean the default)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: must name a path")
+    return text
+
+
 def _shape_args(p: argparse.ArgumentParser, *, model_help: str = ""):
     p.add_argument("--model", help=f"catalogue model ({', '.join(MODELS)}){model_help}")
     p.add_argument("--hidden", type=_positive, help="hidden size H (instead of --model)")
@@ -580,9 +587,12 @@ def _geometry(text: str):
         raise argparse.ArgumentTypeError(f"geometry {text!r}: {e}") from None
 
 
-def _check_gpu_verb(args, parser, verb: str, *, max_tokens: int, virtual: bool = False, output: str | None = None) -> int:
+def _check_gpu_verb(args, parser, verb: str, *, max_tokens: int, virtual: bool = False, output: str | None = None,
+                    geometries: dict | None = None) -> int:
     """Everything about a GPU verb's arguments that can be checked without a GPU, first (parser
-    errors naming the flag), then the GPUs it needs. Returns 0, or 2 after an error line."""
+    errors naming the flag), then the GPUs it needs, then the specs for this GPU's arch
+    (``geometries``: flag -> Geometry, or a list of them, or None). Returns 0, or 2 after an
+    error line."""
     import importlib.util
     import os
 
@@ -601,6 +611,8 @@ def _check_gpu_verb(args, parser, verb: str, *, max_tokens: int, virtual: bool =
     except ValueError as e:
         parser.error(f"{e} (--world-size {args.world_size}, tokens up to {max_tokens}, with --model {args.model})")
     if output is not None:
+        if output.endswith(os.sep) or os.path.isdir(output):
+            parser.error(f"-o {output}: a path prefix for the .csv/.png/.env.txt files, not a folder")
         folder = os.path.dirname(os.path.abspath(output))
         if not os.path.isdir(folder):
             parser.error(f"-o {output}: folder {folder} does not exist")
@@ -618,6 +630,25 @@ def _check_gpu_verb(args, parser, verb: str, *, max_tokens: int, virtual: bool =
         _error(f"epgen {verb}: --world-size {args.world_size} needs {args.world_size} GPUs (one process per GPU), "
                f"this machine has {gpus}{hint}")
         return 2
+    from .codegen.spec import Op
+    from .compile import device_arch
+
+    arch = device_arch(torch.cuda.current_device())
+    cfg = EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=max_tokens, dtype=args.dtype,
+                             combine_quant=getattr(args, "quant", "none"))
+    try:  # the tuning table's geometries: the world size and sizes against this arch's limits
+        for op in Op:
+            cfg.variants(arch, op)
+    except ValueError as e:
+        parser.error(f"{e} (--world-size {args.world_size} on this GPU's arch {arch})")
+    for flag, given in (geometries or {}).items():
+        for geometry in given if isinstance(given, (list, tuple)) else [given]:
+            try:
+                if geometry is not None:
+                    for op in Op:
+                        cfg.spec(arch, op, geometry)
+            except ValueError as e:
+                parser.error(f"{e} ({flag} {geometry} on this GPU's arch {arch})")
     return 0
 
 
@@ -625,7 +656,9 @@ def cmd_bench(args, parser, console) -> int:
     from .bench import BenchOptions, default_output, run
 
     output = args.output or default_output(args.world_size, args.virtual)
-    status = _check_gpu_verb(args, parser, "bench", max_tokens=max(args.tokens), virtual=args.virtual, output=output)
+    status = _check_gpu_verb(args, parser, "bench", max_tokens=max(args.tokens), virtual=args.virtual, output=output,
+                             geometries={"--dispatch-geometry": args.dispatch_geometry,
+                                         "--combine-geometry": args.combine_geometry})
     if status:
         return status
     opts = BenchOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens), dtype=args.dtype,
@@ -640,7 +673,7 @@ def cmd_bench(args, parser, console) -> int:
 def cmd_tune(args, parser, console) -> int:
     from .tune import TuneOptions, run
 
-    status = _check_gpu_verb(args, parser, "tune", max_tokens=max(args.tokens))
+    status = _check_gpu_verb(args, parser, "tune", max_tokens=max(args.tokens), geometries={"--geometry": args.geometry})
     if status:
         return status
     run(TuneOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens), dtype=args.dtype,
@@ -677,7 +710,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = verb("generate", "render the catalogue into generated/ (or one shape into -o DIR)", cmd_generate)
     _shape_args(g)
-    g.add_argument("-o", "--output", help="output directory (default generated/ for the catalogue)")
+    g.add_argument("-o", "--output", type=_path, help="output directory (default generated/ for the catalogue)")
     g.add_argument("--check", action="store_true", help="exit 1 when the directory differs from a fresh render")
     g.add_argument("--list-models", action="store_true", help="list the catalogue models and exit")
 
@@ -698,7 +731,7 @@ def build_parser() -> argparse.ArgumentParser:
     _shape_args(df)
     df.add_argument("--a", nargs="+", metavar="FIELD=VALUE", help="changes of the first spec, e.g. unroll=2")
     df.add_argument("--b", nargs="+", metavar="FIELD=VALUE", help="changes of the second spec, e.g. unroll=8")
-    df.add_argument("-o", "--output", help="committed catalogue directory (default generated/)")
+    df.add_argument("-o", "--output", type=_path, help="committed catalogue directory (default generated/)")
     df.add_argument("-U", "--context", type=_non_negative, default=3, help="lines of context (default 3)")
 
     bd = verb("build", "compile every variant an EpDispatchCombine of this config compiles at construction (each "
@@ -706,7 +739,7 @@ def build_parser() -> argparse.ArgumentParser:
               "gfx*, .cubin by NVRTC for sm_90) that load_kernel loads without compiling", cmd_build)
     _shape_args(bd, model_help="; default deepseek-v3")
     _layer_args(bd)
-    bd.add_argument("-o", "--output", help="cache directory (default $EPGEN_CACHE_DIR, else ~/.cache/epgen)")
+    bd.add_argument("-o", "--output", type=_path, help="cache directory (default $EPGEN_CACHE_DIR, else ~/.cache/epgen)")
     _jobs_arg(bd)
     bd.add_argument("--time-import", action="store_true", help="then time load_kernel per variant on this GPU: warm "
                     "import from the cache against a cold runtime compile, in fresh processes")
@@ -738,7 +771,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--iters", type=_positive, default=30, help="timed graph replays per point (default 30)")
     b.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="dispatch payload dtype (default bf16)")
     b.add_argument("--quant", default="none", choices=list(COMBINE_QUANTS), help="combine wire format (default none)")
-    b.add_argument("-o", "--output", help="path prefix of the .csv/.png (default tools/results/bench-ep<W>-<gpu>)")
+    b.add_argument("-o", "--output", type=_path, help="path prefix of the .csv/.png (default tools/results/bench-ep<W>-<gpu>)")
 
     from .tune import TuneOptions
 

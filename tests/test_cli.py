@@ -330,3 +330,38 @@ def test_gpu_verbs_need_as_many_gpus_as_ranks(capsys, monkeypatch, tmp_path):
     assert "--world-size 2 needs 2 GPUs (one process per GPU), this machine has 1; --virtual runs all ranks" in err
     assert main(["tune", "--world-size", "4"]) == 2
     assert "--world-size 4 needs 4 GPUs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--virtual", "--world-size", "2", "--dispatch-geometry", "24x64u4"],
+     "KernelSpec.warps_per_block=64: must be in [1, 32] (--dispatch-geometry 24x64u4 on this GPU's arch sm_90)"),
+    (["bench", "--virtual", "--world-size", "2", "--combine-geometry", "24x32u999"],
+     "(--combine-geometry 24x32u999 on this GPU's arch sm_90)"),
+    (["tune", "--world-size", "1", "--geometry", "24x32u4", "24x64u4"], "(--geometry 24x64u4 on this GPU's arch sm_90)"),
+    (["stress", "--virtual", "--world-size", "64"], "(--world-size 64 on this GPU's arch sm_90)"),
+])
+def test_gpu_verbs_check_geometry_and_world_size_against_the_gpus_arch(argv, message, capsys, monkeypatch, tmp_path):
+    import importlib.util
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr("epgen.compile.device_arch", lambda index: "sm_90")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "matplotlib" else real(name, *a))
+    if argv[0] == "bench":
+        argv = argv + ["-o", str(tmp_path / "b")]
+    assert message in _usage_error(argv, capsys).splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv", [["diff", "-o", ""], ["bench", "-o", ""], ["generate", "-o", " "], ["build", "-o", ""]])
+def test_an_empty_output_path_is_refused(argv, capsys):
+    assert "must name a path" in _usage_error(argv, capsys).splitlines()[-1]
+
+
+def test_bench_output_is_a_prefix_not_a_folder(capsys, tmp_path):
+    for out in (str(tmp_path), str(tmp_path) + "/"):
+        err = _usage_error(["bench", "-o", out], capsys)
+        assert f"-o {out}: a path prefix for the .csv/.png/.env.txt files, not a folder" in err
