@@ -279,6 +279,15 @@ def test_report_rows_use_null_and_tables_keep_entry_names_at_80_columns(capsys):
     assert all(r["entry"] in cells for r in rows)  # the entry column, read down, holds whole names
 
 
+def _matplotlib(monkeypatch, present: bool) -> None:
+    """Make ``importlib.util.find_spec('matplotlib')`` find it (or not), whatever is installed."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if present else None) if name == "matplotlib" else real(name, *a))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--model", "nope"], "--model nope: model='nope': not in the catalogue"),
     (["bench", "--world-size", "3"], "multiple of world_size=3 (--world-size 3"),
@@ -294,13 +303,10 @@ def test_gpu_verbs_check_their_arguments_before_the_gpu(argv, message, capsys):
 
 
 def test_gpu_verbs_without_a_gpu_say_so_on_stderr(capsys, monkeypatch, tmp_path):
-    import importlib.util
-
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "matplotlib" else real(name, *a))
+    _matplotlib(monkeypatch, present=True)
     for argv in (["bench", "-o", str(tmp_path / "b")], ["tune"], ["stress"]):
         assert main(argv) == 2
         out, err = capsys.readouterr()
@@ -308,23 +314,17 @@ def test_gpu_verbs_without_a_gpu_say_so_on_stderr(capsys, monkeypatch, tmp_path)
 
 
 def test_bench_without_matplotlib_names_the_extra(capsys, monkeypatch, tmp_path):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    _matplotlib(monkeypatch, present=False)
     assert main(["bench", "-o", str(tmp_path / "b")]) == 2
     assert "the plot needs matplotlib: pip install -e '.[bench]'" in capsys.readouterr().err
 
 
 def test_gpu_verbs_need_as_many_gpus_as_ranks(capsys, monkeypatch, tmp_path):
-    import importlib.util
-
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "matplotlib" else real(name, *a))
+    _matplotlib(monkeypatch, present=True)
     assert main(["bench", "--world-size", "2", "-o", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert "--world-size 2 needs 2 GPUs (one process per GPU), this machine has 1; --virtual runs all ranks" in err
@@ -341,16 +341,13 @@ def test_gpu_verbs_need_as_many_gpus_as_ranks(capsys, monkeypatch, tmp_path):
     (["stress", "--virtual", "--world-size", "64"], "(--world-size 64 on this GPU's arch sm_90)"),
 ])
 def test_gpu_verbs_check_geometry_and_world_size_against_the_gpus_arch(argv, message, capsys, monkeypatch, tmp_path):
-    import importlib.util
-
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr("epgen.compile.device_arch", lambda index: "sm_90")
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "matplotlib" else real(name, *a))
+    _matplotlib(monkeypatch, present=True)
     if argv[0] == "bench":
         argv = argv + ["-o", str(tmp_path / "b")]
     assert message in _usage_error(argv, capsys).splitlines()[-1]
