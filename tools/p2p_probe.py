@@ -181,6 +181,19 @@ extern "C" __global__ void tma_pull(const char* peer, const char* local, char* o
 """
 
 
+# (kernel, threads, stages, rows a stage holds): the bulk-copy kernels stage rows in shared memory,
+# 1024 bytes of barriers plus warps x stages x rows x row bytes a block.
+VARIANTS = [("st_remote", 512, 1, 0), ("st_remote", 1024, 1, 0), ("st_dual", 1024, 1, 0),
+            ("tma_remote", 128, 3, 1), ("tma_dual", 128, 3, 1), ("tma_dual", 256, 2, 1), ("tma_dual", 64, 6, 1),
+            ("ld_pull", 1024, 1, 0), ("tma_pull", 128, 2, 2), ("tma_pull", 256, 1, 2), ("tma_pull", 64, 3, 2)]
+SHARED_LIMIT = 227 * 1024  # bytes of dynamic shared memory a block may use on sm_90
+
+
+def shared_bytes(threads: int, stages: int, rows: int, row_bytes: int) -> int:
+    """Dynamic shared memory of one variant's block (0 for the kernels without bulk copies)."""
+    return 1024 + threads // 32 * stages * rows * row_bytes if rows else 0
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[4096, 8192])
@@ -192,9 +205,10 @@ def main() -> None:
             p.error(f"{flag} {' '.join(map(str, values))}: must be at least 1")
     if args.row_bytes % 16:
         p.error(f"--row-bytes {args.row_bytes}: must be a multiple of 16 (16-byte vectors and bulk copies)")
-    if 1024 + 16 * args.row_bytes > 227 * 1024:  # the largest variants below stage 16 rows a block
-        p.error(f"--row-bytes {args.row_bytes}: the bulk-copy kernels stage up to 16 rows in 227 KB of shared "
-                f"memory; at most {(227 * 1024 - 1024) // 16 // 16 * 16} bytes")
+    staged = max(threads // 32 * stages * rows for _, threads, stages, rows in VARIANTS)
+    if shared_bytes(32 * staged, 1, 1, args.row_bytes) > SHARED_LIMIT:
+        p.error(f"--row-bytes {args.row_bytes}: the bulk-copy kernels stage up to {staged} rows in "
+                f"{SHARED_LIMIT // 1024} KB of shared memory; at most {(SHARED_LIMIT - 1024) // staged // 16 * 16} bytes")
     try:
         import cupy
     except ImportError:
@@ -258,15 +272,10 @@ def main() -> None:
                     failures.append(f"{name} on GPU {d}: {bad} differ")
 
     # (name, threads, stages, shared bytes); pull kernels read the peer's "src" and write "local"
-    row = args.row_bytes
-    variants = [("st_remote", 512, 1, 0), ("st_remote", 1024, 1, 0), ("st_dual", 1024, 1, 0),
-                ("tma_remote", 128, 3, 1024 + 4 * 3 * row), ("tma_dual", 128, 3, 1024 + 4 * 3 * row),
-                ("tma_dual", 256, 2, 1024 + 8 * 2 * row), ("tma_dual", 64, 6, 1024 + 2 * 6 * row),
-                ("ld_pull", 1024, 1, 0), ("tma_pull", 128, 2, 1024 + 4 * 2 * 2 * row),
-                ("tma_pull", 256, 1, 1024 + 8 * 1 * 2 * row), ("tma_pull", 64, 3, 1024 + 2 * 3 * 2 * row)]
     print(f"{'kernel':<11} {'threads':>7} {'stages':>6} {'smem KB':>7} " + " ".join(
         f"{f'{b}b/{r}r':>12}" for r in args.rows for b in args.blocks))
-    for name, threads, stages, shm in variants:
+    for name, threads, stages, staged_rows in VARIANTS:
+        shm = shared_bytes(threads, stages, staged_rows, args.row_bytes)
         fns = kernel(name, stages)
         poison()
         cells = []
