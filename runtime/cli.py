@@ -594,7 +594,6 @@ def _check_gpu_verb(args, parser, verb: str, *, max_tokens: int, virtual: bool =
     (``geometries``: flag -> Geometry, or a list of them, or None). Returns 0, or 2 after an
     error line."""
     import importlib.util
-    import os
 
     import torch
 
@@ -606,8 +605,8 @@ def _check_gpu_verb(args, parser, verb: str, *, max_tokens: int, virtual: bool =
     except ValueError as e:
         parser.error(f"--model {args.model}: {e}")
     try:
-        EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=max_tokens, dtype=args.dtype,
-                           combine_quant=getattr(args, "quant", "none"))
+        cfg = EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=max_tokens,
+                                 dtype=args.dtype, combine_quant=getattr(args, "quant", "none"))
     except ValueError as e:
         parser.error(f"{e} (--world-size {args.world_size}, tokens up to {max_tokens}, with --model {args.model})")
     if output is not None:
@@ -634,8 +633,6 @@ def _check_gpu_verb(args, parser, verb: str, *, max_tokens: int, virtual: bool =
     from .compile import device_arch
 
     arch = device_arch(torch.cuda.current_device())
-    cfg = EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=max_tokens, dtype=args.dtype,
-                             combine_quant=getattr(args, "quant", "none"))
     try:  # the tuning table's geometries: the world size and sizes against this arch's limits
         for op in Op:
             cfg.variants(arch, op)
