@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .arch import ARCHES, traits
-from . import report
-from .models import MODELS, model
-from .offline import ToolchainMissing, compile_many, toolchain_status
-from .render import Source, render
-from .dtypes import COMBINE_QUANTS
-from .spec import KernelSpec, Op
-from .tuning import Geometry
+from epgen.codegen.arch import ARCHES, traits
+from epgen.codegen import report
+from epgen.codegen.models import MODELS, model
+from epgen.codegen.offline import ToolchainMissing, compile_many, toolchain_status
+from epgen.codegen.render import Source, render
+from epgen.codegen.dtypes import COMBINE_QUANTS
+from epgen.codegen.spec import KernelSpec, Op
+from epgen.codegen.tuning import Geometry
 
 CATALOGUE_WORLD_SIZE = 8
 CATALOGUE_MAX_TOKENS = 4096
@@ -32,7 +32,7 @@ def shape_specs(*, hidden: int, topk: int, num_experts: int, world_size: int = C
     Raises:
         ValueError: naming the bad field (e.g. num_experts not a multiple of world_size).
     """
-    from ..config import EpConfig
+    from epgen.codegen.config import EpConfig
 
     cfg = EpConfig(world_size=world_size, hidden=hidden, topk=topk, num_experts=num_experts,
                    max_tokens_per_rank=max_tokens_per_rank, dtype=dtype, combine_quant=combine_quant,

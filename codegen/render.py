@@ -12,9 +12,9 @@ import importlib.resources
 import attrs
 import jinja2
 
-from . import SCHEMA_VERSION
-from .arch import traits
-from .spec import KernelSpec
+from epgen.codegen import SCHEMA_VERSION
+from epgen.codegen.arch import traits
+from epgen.codegen.spec import KernelSpec
 
 RUNTIME_OPTIONS = ("-std=c++17",)
 """Options every runtime compile passes (CuPy RawModule); part of the cache key."""

@@ -17,9 +17,9 @@ from __future__ import annotations
 import csv
 import io
 
-from .arch import traits
-from .offline import CompileError, Resources
-from .spec import KernelSpec
+from epgen.codegen.arch import traits
+from epgen.codegen.offline import CompileError, Resources
+from epgen.codegen.spec import KernelSpec
 
 COLUMNS = ("arch", "op", "entry", "registers", "agprs", "sgprs", "scratch_bytes", "spill_bytes", "shared_bytes",
            "occupancy", "occupancy_unit", "status")

@@ -12,9 +12,9 @@ import hashlib
 
 import attrs
 
-from . import SCHEMA_VERSION
-from .arch import ARCH_TRAITS, ArchTraits, traits
-from .dtypes import COMBINE_QUANTS, DTYPES, CombineQuant, DTypeInfo, combine_quant, dtype_info
+from epgen.codegen import SCHEMA_VERSION
+from epgen.codegen.arch import ARCH_TRAITS, ArchTraits, traits
+from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES, CombineQuant, DTypeInfo, combine_quant, dtype_info
 
 MAX_TOKENS_LIMIT = 1 << 20
 """Largest max_tokens_per_rank: keeps W x max tokens receive rows inside int32 offsets."""

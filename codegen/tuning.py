@@ -19,7 +19,7 @@ from pathlib import Path
 
 import attrs
 
-from .arch import traits
+from epgen.codegen.arch import traits
 
 TABLE_DIR = Path(__file__).parent / "tuning"
 DEFAULT_BLOCKS = 24

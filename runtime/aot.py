@@ -18,8 +18,9 @@ old file or the new one. The lookup computes the key with the offline compiler's
 the serving environment needs that toolchain installed (``pip install -e .[dev]``); without it
 the cache is skipped with a warning.
 
-``time_imports`` (``epgen build --time-import``, GPU) measures, per variant, the warm import
-(``load_kernel`` from the cache) against a cold runtime compile, each in fresh processes.
+The lookup itself is ``epgen.cache``; ``epgen.import_timing`` (``epgen build --time-import``, GPU)
+measures, per variant, the warm import (``load_kernel`` from the cache) against a cold runtime
+compile, each in fresh processes.
 """
 
 from __future__ import annotations
@@ -27,37 +28,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import statistics
-import subprocess
-import sys
 import tempfile
-import time
-import warnings
 from pathlib import Path
 
-from .codegen.arch import ARCH_TRAITS, traits
-from .codegen.offline import (CodeObject, CompileError, ToolchainMissing, code_object_key, code_object_problem,
-                              compile_code_object, compile_many, compiler_identity, toolchain_status)
-from .codegen.render import render
-from .codegen.spec import KernelSpec, Op
-from .config import EpConfig
+from epgen.cache import cache_dir, code_object_path
+from epgen.codegen.config import EpConfig
+from epgen.codegen.offline import CodeObject, CompileError, ToolchainMissing, compile_code_object, compile_many, toolchain_status
+from epgen.codegen.render import render
+from epgen.codegen.spec import KernelSpec, Op
 
-CACHE_ENV = "EPGEN_CACHE_DIR"
 MANIFEST = "manifest.json"
 MANIFEST_SCHEMA = 1
-WARM_IMPORT_TARGET_S = 0.1
-"""Goal for one warm import (issue 6): under 100 ms per variant."""
-
-
-def cache_dir() -> Path:
-    """``$EPGEN_CACHE_DIR`` when set and not empty, else ``~/.cache/epgen``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "epgen"
-
-
-def code_object_path(directory: Path, arch: str, key: str) -> Path:
-    """``<directory>/<arch>/<key><.hsaco|.cubin>``."""
-    return Path(directory) / arch / f"{key}{traits(arch).code_object_suffix}"
 
 
 def config_specs(cfg: EpConfig, arches) -> list[KernelSpec]:
@@ -71,51 +52,6 @@ def config_specs(cfg: EpConfig, arches) -> list[KernelSpec]:
     if isinstance(arches, str):  # one arch, e.g. "sm_90"
         arches = (arches,)
     return list(dict.fromkeys(s for arch in arches for op in Op for _, s in cfg.variants(arch, op)))
-
-
-def find_code_object(text: str, arch: str, directory: Path | None = None) -> Path | None:
-    """The cached code object of ``text`` for ``arch``, or None.
-
-    Args:
-        text: rendered kernel source.
-        arch: the GPU's target name; an unknown one (no epgen target) is a miss.
-        directory: cache directory (default ``cache_dir()``).
-
-    Returns:
-        The path of a file that passed ``code_object_problem`` for ``arch``; None when there is
-        none, without querying any compiler if ``<directory>/<arch>`` does not exist. A file that
-        cannot be read or fails the check, and a cache that cannot be keyed because the offline
-        compiler is missing, are reported with ``warnings.warn`` (RuntimeWarning, naming the
-        path and the reason) and are misses.
-    """
-    directory = cache_dir() if directory is None else Path(directory)
-    if arch not in ARCH_TRAITS or not (directory / arch).is_dir():
-        return None
-    try:
-        path = code_object_path(directory, arch, code_object_key(text, arch))
-    except ToolchainMissing as e:
-        _warn(f"{directory / arch}: ahead-of-time code objects not used, their key needs the offline compiler's "
-              f"identity: {e}")
-        return None
-    try:
-        image = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        _warn(f"{path}: cannot be read ({e.strerror or e}){_REBUILD}")
-        return None
-    problem = code_object_problem(image, arch)
-    if problem is not None:
-        _warn(f"{path}: {problem}{_REBUILD}")
-        return None
-    return path
-
-
-_REBUILD = " (run epgen build again, or delete the file)"
-
-
-def _warn(message: str) -> None:
-    warnings.warn(f"{message}; compiling at runtime instead", RuntimeWarning, stacklevel=2)
 
 
 def build(specs: list[KernelSpec], directory: Path | None = None, max_workers: int | None = None,
@@ -227,115 +163,3 @@ def _update_manifest(directory: Path, rows: list[dict]) -> None:
     entries.update({r["file"]: {k: v for k, v in r.items() if k != "status"} for r in rows})
     doc = {"schema": MANIFEST_SCHEMA, "code_objects": dict(sorted(entries.items()))}
     _write_atomically(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
-
-
-# ---- warm import against cold compile, on the GPU ---------------------------------------------
-
-_WARMUP = 'extern "C" __global__ void epgen_runtime_compiler_warmup() {}\n'
-_TIME_PROCESS = "import json, sys; from epgen.aot import _time_process; print(json.dumps(_time_process(*sys.argv[1:])))"
-
-
-def time_imports(specs: list[KernelSpec], directory: Path, runs: int = 5, on_done=None) -> dict:
-    """Time ``load_kernel`` per variant of this GPU's arch in fresh processes (GPU only).
-
-    Each run starts two Python processes with a fresh, empty ``CUPY_CACHE_DIR`` (CuPy's own disk
-    cache, else its ``~/.cupy/kernel_cache`` would turn a cold compile warm):
-
-    * warm: ``EPGEN_CACHE_DIR=directory``; every variant should load from the cache;
-    * cold: ``EPGEN_CACHE_DIR`` naming a directory that does not exist; every variant is compiled by
-      CuPy (NVRTC/hiprtc) as a serving process without a build would.
-
-    Each process creates its CUDA context first and pays its one-time cost untimed but
-    reported (warm: the compiler identity that keys the lookup; cold: loading the runtime
-    compiler with a trivial kernel); a variant's time is ``load_kernel`` plus one function
-    attribute query (which makes CUDA's lazy loading load the function), its render is timed
-    apart. The variant order rotates between runs so that no variant is always first.
-
-    Args:
-        specs: built specs; those of other arches are skipped (they cannot load here).
-        directory: the cache directory they were built into.
-        runs: processes per mode; times are medians over them.
-        on_done: called with no arguments after each process.
-
-    Returns:
-        ``{"arch", "runs", "warm_once_s", "cold_once_s", "rows"}``, rows in ``specs`` order with
-        ``entry``, ``op``, ``warm_s``, ``cold_s`` (medians, seconds), ``render_s`` (median of
-        rendering the source, which the op does before either; both modes' runs),
-        ``warm_from`` and ``cold_from`` (where ``load_kernel`` got the function over the runs:
-        "cache", "compiled").
-
-    Raises:
-        ValueError: ``runs`` below 1.
-        RuntimeError: no GPU, no spec for its arch, or a timing process failed.
-    """
-    import torch
-
-    from .compile import device_arch
-
-    if runs < 1:
-        raise ValueError(f"runs={runs}: must be at least 1")
-    if not torch.cuda.is_available():
-        raise RuntimeError("timing imports needs a GPU (torch.cuda.is_available() is False)")
-    arch = device_arch(torch.cuda.current_device())
-    by_arch: dict[str, list[KernelSpec]] = {}
-    for s in specs:
-        by_arch.setdefault(s.arch, []).append(s)
-    mine = by_arch.get(arch)
-    if not mine:
-        raise RuntimeError(f"no variant for this GPU's arch {arch} among the built ones")
-    samples = {"warm": [], "cold": []}
-    with tempfile.TemporaryDirectory(prefix="epgen-import-") as tmp:
-        for run in range(runs):
-            order = mine[run % len(mine):] + mine[:run % len(mine)]
-            job = Path(tmp) / f"job{run}.json"
-            job.write_text(json.dumps([s.as_dict() for s in order]))
-            for mode in ("warm", "cold"):
-                fresh = Path(tmp) / f"{mode}{run}"
-                env = dict(os.environ, CUPY_CACHE_DIR=str(fresh / "cupy"),
-                           **{CACHE_ENV: str(Path(directory).resolve() if mode == "warm" else fresh / "empty")})
-                proc = subprocess.run([sys.executable, "-c", _TIME_PROCESS, mode, str(job)], env=env,
-                                      capture_output=True, text=True, check=False)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"import timing process ({mode}, run {run}) failed:\n{proc.stderr[-3000:]}")
-                samples[mode].append(json.loads(proc.stdout.splitlines()[-1]))
-                if on_done is not None:
-                    on_done()
-
-    def median(field: str, name: str, modes=("warm", "cold")) -> float:
-        return statistics.median(s["rows"][name][field] for m in modes for s in samples[m])
-
-    def origins(mode: str, name: str) -> list[str]:
-        return sorted({s["rows"][name]["origin"] for s in samples[mode]})
-
-    rows = [{"entry": s.name, "op": s.op.value, "warm_s": median("seconds", s.name, ("warm",)),
-             "cold_s": median("seconds", s.name, ("cold",)), "render_s": median("render_s", s.name),
-             "warm_from": origins("warm", s.name), "cold_from": origins("cold", s.name)} for s in mine]
-    return {"arch": arch, "runs": runs, "rows": rows,
-            "warm_once_s": statistics.median(s["once_s"] for s in samples["warm"]),
-            "cold_once_s": statistics.median(s["once_s"] for s in samples["cold"])}
-
-
-def _time_process(mode: str, job: str) -> dict:
-    """One timing process (see ``time_imports``): load every spec of ``job`` once."""
-    import cupy
-
-    from .compile import device_arch, load_kernel_from
-
-    specs = [KernelSpec(**d) for d in json.loads(Path(job).read_text())]
-    cupy.zeros(1)  # the CUDA context and torch's CUDA state (the op has both before it loads), untimed
-    device_arch(cupy.cuda.runtime.getDevice())
-    start = time.perf_counter()
-    if mode == "warm":
-        compiler_identity(specs[0].arch)
-    else:
-        load_kernel_from(_WARMUP, "epgen_runtime_compiler_warmup")
-    once = time.perf_counter() - start
-    rows = {}
-    for spec in specs:
-        t0 = time.perf_counter()
-        src = render(spec)
-        t1 = time.perf_counter()
-        fn, origin = load_kernel_from(src.text, src.entry)
-        fn.num_regs  # noqa: B018  (cuFuncGetAttribute: the function is loaded now)
-        rows[src.entry] = {"render_s": t1 - t0, "seconds": time.perf_counter() - t1, "origin": origin}
-    return {"once_s": once, "rows": rows}

@@ -24,15 +24,16 @@ from pathlib import Path
 import attrs
 import torch
 
-from .check import make_inputs, op_arg, op_inputs, run_round
-from .codegen.spec import Op
-from .codegen.arch import traits
-from .codegen.dtypes import combine_quant
-from .codegen.render import render_ceiling
-from .compile import cupy_stream, load_kernel
-from .config import EpConfig, Geometry
-from .reference import route
-from .timing import Timing, gbps, time_pairs
+from epgen.verify import make_inputs, op_arg, op_inputs, run_round
+from epgen.codegen.spec import Op
+from epgen.codegen.arch import traits
+from epgen.codegen.dtypes import combine_quant
+from epgen.codegen.render import render_ceiling
+from epgen.device import cupy_stream
+from epgen.loader import load_kernel
+from epgen.codegen.config import EpConfig, Geometry
+from epgen.reference import route
+from epgen.timing import Timing, gbps, time_pairs
 
 SWEEP = (1, 8, 32, 128, 512, 1024, 4096, 8192, 16384)
 CSV_COLUMNS = ("op", "dtype", "routing", "tokens", "rank", "world_size", "time_us", "mean_us", "stdev_us", "best_us",
@@ -158,7 +159,7 @@ def measure(op, cfg: EpConfig, tokens: int, routing: str, seed: int, iters: int)
 
 def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
     """The benchmark body of one process (every rank of a real group, or the only process)."""
-    from .op import EpDispatchCombine
+    from epgen.op import EpDispatchCombine
 
     dist = torch.distributed if torch.distributed.is_initialized() else None
     cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=max(opts.tokens),
@@ -235,7 +236,7 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
 
 def run(opts: BenchOptions) -> None:
     """Run the benchmark: one process per GPU for W > 1 (unless virtual), else in this process."""
-    from .launch import run_ranks_or_here
+    from epgen.ranks import run_ranks_or_here
 
     run_ranks_or_here(opts.world_size, opts.virtual, bench_process, opts)
 

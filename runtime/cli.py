@@ -11,11 +11,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from .codegen.arch import ARCHES
-from .codegen.catalogue import catalogue_specs, check as check_dir, model_specs, owned_sources, render_files, write
-from .codegen.dtypes import COMBINE_QUANTS, DTYPES
-from .codegen.spec import Op
-from .codegen.models import MODELS
+from epgen.codegen.arch import ARCHES
+from epgen.codegen.catalogue import catalogue_specs, check as check_dir, model_specs, owned_sources, render_files, write
+from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES
+from epgen.codegen.spec import Op
+from epgen.codegen.models import MODELS
 
 
 def _int_at_least(low: int):
@@ -82,7 +82,7 @@ def _check_wave_size(world_size: int, arches, parser, flag: str = "--world-size"
     """World size W is at most the wave size of every target arch (one lane per destination rank):
     a parser error naming ``flag``, the arches over the limit and (with ``arch_flag``) the --arch
     that would allow it."""
-    from .codegen.arch import traits
+    from epgen.codegen.arch import traits
 
     over = [a for a in arches if world_size > traits(a).wave_size]
     if not over:
@@ -97,7 +97,7 @@ def _check_wave_size(world_size: int, arches, parser, flag: str = "--world-size"
 def _config_from(args, parser):
     """The EpConfig the shape flags (and, where the verb has them, ``_layer_args``) describe, or
     None when they name no shape. Errors name the flag."""
-    from .config import EpConfig
+    from epgen.codegen.config import EpConfig
 
     _resolve_sizes(args, parser)
     shape = [f for f, v in (("--hidden", args.hidden), ("--topk", args.topk), ("--num-experts", args.num_experts))
@@ -237,7 +237,7 @@ class _Progress:
 
 
 def _report_possible(specs, console, quiet) -> bool:
-    from .codegen.offline import toolchain_status
+    from epgen.codegen.offline import toolchain_status
 
     reasons = {a: toolchain_status(a) for a in sorted({s.arch for s in specs})}
     missing = {a: r for a, r in reasons.items() if r}
@@ -302,7 +302,7 @@ def cmd_generate(args, parser, console) -> int:
 
 def _compilers_missing(arches) -> bool:
     """Print which offline compilers of ``arches`` are missing, with the install hint; True if any."""
-    from .codegen.offline import toolchain_status
+    from epgen.codegen.offline import toolchain_status
 
     missing = [f"{arch}: {reason}" for arch in arches if (reason := toolchain_status(arch))]
     if missing:
@@ -313,9 +313,9 @@ def _compilers_missing(arches) -> bool:
 def cmd_report(args, parser, console) -> int:
     """``epgen check`` and ``epgen report``: compile offline, print the resources; exit 1 on a
     compile error, scratch or spill, 2 when an offline compiler is missing."""
-    from .codegen import report
-    from .codegen.catalogue import report_rows
-    from .demo import resource_table
+    from epgen.codegen import report
+    from epgen.codegen.catalogue import report_rows
+    from epgen.demo import resource_table
 
     specs = _specs_from(args, parser)
     specs = catalogue_specs(arches=tuple(args.arch or ARCHES)) if specs is None else specs
@@ -350,7 +350,7 @@ def cmd_report(args, parser, console) -> int:
 def _field_changes(items, parser, flag) -> dict:
     import attrs as _attrs
 
-    from .codegen.spec import KernelSpec
+    from epgen.codegen.spec import KernelSpec
 
     names = {f.name for f in _attrs.fields(KernelSpec)} - {"op"}
     changes = {}
@@ -368,7 +368,7 @@ def _field_changes(items, parser, flag) -> dict:
 def cmd_diff(args, parser, console) -> int:
     import difflib
 
-    from .codegen.render import render
+    from epgen.codegen.render import render
 
     chunks = []
     if args.a or args.b:
@@ -434,7 +434,9 @@ def cmd_build(args, parser, console) -> int:
     """``epgen build``: compile every variant an op of the config compiles into the ahead-of-time
     cache; with --time-import, time warm imports against cold compiles on this GPU. Exit 1 on
     a compile error, 2 when a compiler, the GPU or the cache directory is unusable."""
-    from .aot import ManifestError, build, cache_dir, config_specs, read_manifest, time_imports
+    from epgen.aot import ManifestError, build, config_specs, read_manifest
+    from epgen.cache import cache_dir
+    from epgen.import_timing import time_imports
 
     if args.runs is not None and not args.time_import:
         parser.error(f"--runs {args.runs}: only with --time-import")
@@ -448,7 +450,7 @@ def cmd_build(args, parser, console) -> int:
         specs = config_specs(cfg, arches)
     except ValueError as e:
         parser.error(_with_flag(e, args))
-    from .aot import CACHE_ENV
+    from epgen.cache import CACHE_ENV
 
     out = Path(args.output).expanduser() if args.output else cache_dir()
     label = (f"-o {args.output}" if args.output else f"{CACHE_ENV}={os.environ[CACHE_ENV]}"
@@ -467,7 +469,7 @@ def cmd_build(args, parser, console) -> int:
 
         import torch
 
-        from .compile import device_arch
+        from epgen.device import device_arch
 
         has_cupy = importlib.util.find_spec("cupy") is not None
         if not torch.cuda.is_available() or not has_cupy:
@@ -532,7 +534,7 @@ def _build_table(rows: list[dict], out: Path, jobs: int):
 def _import_table(timing: dict, rows: list[dict]):
     from rich.table import Table
 
-    from .aot import WARM_IMPORT_TARGET_S
+    from epgen.import_timing import WARM_IMPORT_TARGET_S
 
     compile_s = {r["entry"]: r["compile_s"] for r in rows}
     t = Table(title=f"load_kernel on {timing['arch']}: median of {timing['runs']} fresh processes each, CuPy's "
@@ -552,11 +554,11 @@ def _import_table(timing: dict, rows: list[dict]):
 
 
 def cmd_demo(args, parser, console) -> int:
-    from .demo import run_demo
+    from epgen.demo import run_demo
 
-    from .config import EpConfig
+    from epgen.codegen.config import EpConfig
 
-    from .codegen.models import model
+    from epgen.codegen.models import model
 
     try:
         model(args.model)
@@ -575,7 +577,7 @@ def _geometry(text: str):
     """'24x16u4' -> Geometry(blocks=24, warps_per_block=16, unroll=4)."""
     import re
 
-    from .config import Geometry
+    from epgen.codegen.config import Geometry
 
     m = re.fullmatch(r"(\d+)x(\d+)(?:u(\d+))?", text)
     if not m:
@@ -597,8 +599,8 @@ def _check_gpu_verb(args, parser, verb: str, *, max_tokens: int, virtual: bool =
 
     import torch
 
-    from .codegen.models import model
-    from .config import EpConfig
+    from epgen.codegen.models import model
+    from epgen.codegen.config import EpConfig
 
     try:
         model(args.model)
@@ -629,8 +631,8 @@ def _check_gpu_verb(args, parser, verb: str, *, max_tokens: int, virtual: bool =
         _error(f"epgen {verb}: --world-size {args.world_size} needs {args.world_size} GPUs (one process per GPU), "
                f"this machine has {gpus}{hint}")
         return 2
-    from .codegen.spec import Op
-    from .compile import device_arch
+    from epgen.codegen.spec import Op
+    from epgen.device import device_arch
 
     arch = device_arch(torch.cuda.current_device())
     try:  # the tuning table's geometries: the world size and sizes against this arch's limits
@@ -650,7 +652,7 @@ def _check_gpu_verb(args, parser, verb: str, *, max_tokens: int, virtual: bool =
 
 
 def cmd_bench(args, parser, console) -> int:
-    from .bench import BenchOptions, default_output, run
+    from epgen.bench import BenchOptions, default_output, run
 
     output = args.output or default_output(args.world_size, args.virtual)
     status = _check_gpu_verb(args, parser, "bench", max_tokens=max(args.tokens), virtual=args.virtual, output=output,
@@ -668,7 +670,7 @@ def cmd_bench(args, parser, console) -> int:
 
 
 def cmd_tune(args, parser, console) -> int:
-    from .tune import TuneOptions, run
+    from epgen.tune import TuneOptions, run
 
     status = _check_gpu_verb(args, parser, "tune", max_tokens=max(args.tokens), geometries={"--geometry": args.geometry})
     if status:
@@ -680,7 +682,7 @@ def cmd_tune(args, parser, console) -> int:
 
 
 def cmd_stress(args, parser, console) -> int:
-    from .stress import StressOptions, run
+    from epgen.stress import StressOptions, run
 
     status = _check_gpu_verb(args, parser, "stress", max_tokens=args.max_tokens, virtual=args.virtual)
     if status:
@@ -693,7 +695,7 @@ def cmd_stress(args, parser, console) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="epgen", description="Generate, check and run MoE expert-parallel "
                                 "dispatch/combine kernels for gfx950, gfx1250 and sm_90.")
-    from . import __version__
+    from epgen import __version__
 
     p.add_argument("--version", action="version", version=f"epgen {__version__}")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
@@ -751,8 +753,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     import attrs
 
-    from .bench import SWEEP
-    from .check import ROUTINGS
+    from epgen.bench import SWEEP
+    from epgen.verify import ROUTINGS
 
     b = verb("bench", "time dispatch/combine against the P2P ceiling and NCCL all_to_all_single in one run; "
              "write CSV, PNG and a table", cmd_bench)
@@ -770,7 +772,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quant", default="none", choices=list(COMBINE_QUANTS), help="combine wire format (default none)")
     b.add_argument("-o", "--output", type=_path, help="path prefix of the .csv/.png (default tools/results/bench-ep<W>-<gpu>)")
 
-    from .tune import TuneOptions
+    from epgen.tune import TuneOptions
 
     tdef = attrs.fields(TuneOptions)
     t = verb("tune", "sweep launch geometry on the GPU and write codegen/tuning/<arch>.json (fewest blocks "

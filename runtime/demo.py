@@ -6,11 +6,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from .codegen.arch import ARCHES
-from .codegen.catalogue import report_rows
-from .codegen.offline import toolchain_status
-from .codegen.spec import Op
-from .config import EpConfig
+from epgen.codegen.arch import ARCHES
+from epgen.codegen.catalogue import report_rows
+from epgen.codegen.offline import toolchain_status
+from epgen.codegen.spec import Op
+from epgen.codegen.config import EpConfig
 
 
 def resource_table(rows: list[dict], title: str) -> Table:
@@ -67,9 +67,9 @@ def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Cons
 
 def _run_gpu(cfg: EpConfig, model: str, tokens: int, iters: int, console: Console, quiet: bool) -> dict:
     """Verify, time and print; returns the per-rank results (raises on a mismatch)."""
-    from .check import make_inputs, op_arg, op_inputs, run_round
-    from .op import EpDispatchCombine
-    from .timing import gbps, time_pairs
+    from epgen.verify import make_inputs, op_arg, op_inputs, run_round
+    from epgen.op import EpDispatchCombine
+    from epgen.timing import gbps, time_pairs
 
     W = cfg.world_size
     virtual = W > 1

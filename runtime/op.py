@@ -14,13 +14,14 @@ import attrs
 import numpy as np
 import torch
 
-from .arena import Arenas, ErrorRecords
-from .codegen.arch import ARCH_TRAITS
-from .codegen.dtypes import dtype_info
-from .codegen.render import render
-from .codegen.spec import KernelSpec, Op
-from .compile import cupy_stream, device_arch, load_kernel
-from .config import EpConfig
+from epgen.arena import Arenas, ErrorRecords
+from epgen.codegen.arch import ARCH_TRAITS
+from epgen.codegen.dtypes import dtype_info
+from epgen.codegen.render import render
+from epgen.codegen.spec import KernelSpec, Op
+from epgen.device import cupy_stream, device_arch
+from epgen.loader import load_kernel
+from epgen.codegen.config import EpConfig
 
 _PHASES = {1: "dispatch (waiting until the peer's receive buffers are free)",
            2: "dispatch (waiting for the peer's rows)",

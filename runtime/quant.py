@@ -693,7 +693,7 @@ def scale_bytes(mode: str, hidden: int, block: int | None = None) -> int:
 
 def _check_combine(mode: str, y) -> torch.Tensor:
     """Validate (mode, y) of a combine wire function; return y."""
-    from .codegen.dtypes import combine_quant
+    from epgen.codegen.dtypes import combine_quant
 
     combine_quant(mode)  # ValueError naming the known modes
     y = _check_2d("y", y, _BLOCK_DTYPES)

@@ -13,8 +13,8 @@ import random
 
 import attrs
 
-from .check import ROUTINGS, run_round
-from .config import EpConfig
+from epgen.verify import ROUTINGS, run_round
+from epgen.codegen.config import EpConfig
 
 
 @attrs.frozen
@@ -58,7 +58,7 @@ def stress(op, cfg: EpConfig, rounds: int, seed: int, report=print) -> StressRes
 
 
 def stress_process(rank: int, world_size: int, opts: StressOptions) -> StressResult:
-    from .op import EpDispatchCombine
+    from epgen.op import EpDispatchCombine
 
     cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=opts.max_tokens, dtype=opts.dtype,
                              combine_quant=opts.combine_quant)
@@ -78,7 +78,7 @@ def stress_process(rank: int, world_size: int, opts: StressOptions) -> StressRes
 
 def run(opts: StressOptions) -> None:
     """One process per GPU for W > 1 unless virtual, else in this process."""
-    from .launch import run_ranks_or_here
+    from epgen.ranks import run_ranks_or_here
 
     run_ranks_or_here(opts.world_size, opts.virtual, stress_process, opts)
 

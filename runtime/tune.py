@@ -12,11 +12,11 @@ from __future__ import annotations
 import attrs
 import torch
 
-from .bench import environment, measure
-from .codegen.spec import Op
-from .codegen.tuning import Geometry, default_geometry, pick_fewest_blocks, write_entry
-from .compile import device_arch
-from .config import EpConfig
+from epgen.bench import environment, measure
+from epgen.codegen.spec import Op
+from epgen.codegen.tuning import Geometry, default_geometry, pick_fewest_blocks, write_entry
+from epgen.device import device_arch
+from epgen.codegen.config import EpConfig
 
 
 CANDIDATE_BLOCKS = (8, 16, 24, 32, 48, 64, 132)
@@ -42,7 +42,7 @@ class TuneOptions:
 
 def tune_process(rank: int, world_size: int, opts: TuneOptions) -> dict:
     """Returns {(op, tokens): {geometry: us}} on every rank."""
-    from .op import EpDispatchCombine
+    from epgen.op import EpDispatchCombine
 
     dist = torch.distributed if torch.distributed.is_initialized() else None
     geometries = opts.geometries or default_candidates(device_arch(torch.cuda.current_device()))
@@ -100,7 +100,7 @@ def _report(times, opts: TuneOptions, arch: str, cfg: EpConfig):
 
 def run(opts: TuneOptions) -> None:
     """One process per GPU for W > 1, else in this process."""
-    from .launch import run_ranks_or_here
+    from epgen.ranks import run_ranks_or_here
 
     run_ranks_or_here(opts.world_size, False, tune_process, opts)
 

@@ -31,12 +31,12 @@ def pytest_collection_modifyitems(config, items):
             return
         skip = pytest.mark.skip(reason=f"needs 2 GPUs, found {torch.cuda.device_count()}")
         for item in items:
-            if "multigpu" in item.keywords:
+            if item.get_closest_marker("multigpu"):
                 item.add_marker(skip)
         return
     skip = pytest.mark.skip(reason=reason)
     for item in items:
-        if "gpu" in item.keywords or "multigpu" in item.keywords:
+        if item.get_closest_marker("gpu") or item.get_closest_marker("multigpu"):
             item.add_marker(skip)
 
 

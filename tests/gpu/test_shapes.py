@@ -7,8 +7,8 @@ to 384 / W, with a shared-expert column pinned to the token's own rank.
 
 import pytest
 
-from epgen.check import run_round
-from epgen.config import EpConfig, Geometry
+from epgen.verify import run_round
+from epgen.codegen.config import EpConfig, Geometry
 
 GEO = Geometry(16, 16, 4)
 TOPKS = [1, 2, 6, 9, 10]
@@ -78,6 +78,6 @@ def _two_process_body(rank, world_size):
 
 @pytest.mark.multigpu
 def test_shapes_two_processes():
-    from epgen.launch import run_ranks
+    from epgen.ranks import run_ranks
 
     run_ranks(2, _two_process_body, timeout_s=240.0)

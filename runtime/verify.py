@@ -10,9 +10,9 @@ from __future__ import annotations
 import attrs
 import torch
 
-from . import quant, reference
-from .codegen.dtypes import dtype_info
-from .config import EpConfig
+from epgen import quant, reference
+from epgen.codegen.dtypes import dtype_info
+from epgen.codegen.config import EpConfig
 
 ROUTINGS = ("uniform", "invalid", "duplicates", "skewed", "one_rank", "shared")
 """Routing kinds: uniform random distinct experts; uniform with -1 sprinkled (and some all -1

@@ -4,7 +4,7 @@ raises naming the argument, its value and the rule."""
 import pytest
 import torch
 
-from epgen.config import EpConfig
+from epgen.codegen.config import EpConfig
 from epgen.op import check_combine_inputs, check_dispatch_inputs
 
 CPU = torch.device("cpu")
@@ -93,7 +93,7 @@ def test_combine_inputs():
 
 @pytest.mark.parametrize("dtype,columns,torch_dtype", [("fp8", 2880, torch.float8_e4m3fn), ("fp4", 1440, torch.uint8)])
 def test_quantized_payload_shapes(dtype, columns, torch_dtype):
-    from epgen.check import make_inputs, reference_dispatch
+    from epgen.verify import make_inputs, reference_dispatch
     from epgen.quant import scale_bytes
 
     # 2880 is not a multiple of fp8's 128-element block: the caller defines 23 fp32 scales (92 bytes)

@@ -10,7 +10,7 @@ from epgen.codegen.catalogue import catalogue_specs, check, render_files, write
 from epgen.codegen.offline import compile_many, toolchain_status
 from epgen.codegen.render import render
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_generated_is_fresh():

@@ -346,7 +346,7 @@ def test_gpu_verbs_check_geometry_and_world_size_against_the_gpus_arch(argv, mes
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr("epgen.compile.device_arch", lambda index: "sm_90")
+    monkeypatch.setattr("epgen.device.device_arch", lambda index: "sm_90")
     _matplotlib(monkeypatch, present=True)
     if argv[0] == "bench":
         argv = argv + ["-o", str(tmp_path / "b")]

@@ -5,9 +5,9 @@ W = 1; W = 4 and 8 as virtual ranks on one GPU; W = 2 with one process per GPU.
 
 import pytest
 
-from epgen.check import run_round
+from epgen.verify import run_round
 from epgen.codegen.spec import Op
-from epgen.config import EpConfig, Geometry
+from epgen.codegen.config import EpConfig, Geometry
 
 SHAPES = ["deepseek-v3", "gpt-oss-120b"]
 TMAX = 4096
@@ -63,7 +63,7 @@ def _two_process_body(rank, world_size, model):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("model", SHAPES)
 def test_two_processes(model):
-    from epgen.launch import run_ranks
+    from epgen.ranks import run_ranks
 
     run_ranks(2, _two_process_body, model)
 
@@ -94,7 +94,7 @@ def test_quantized_dispatch_virtual_8(dtype):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("dtype", ["fp8", "fp4"])
 def test_quantized_dispatch_two_processes(dtype):
-    from epgen.launch import run_ranks
+    from epgen.ranks import run_ranks
 
     run_ranks(2, _quantized_body, dtype, False)
 
@@ -137,7 +137,7 @@ def test_combine_wire_virtual_8(mode, model):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("mode", COMBINE_WIRES)
 def test_combine_wire_two_processes(mode):
-    from epgen.launch import run_ranks
+    from epgen.ranks import run_ranks
 
     run_ranks(2, _combine_wire_body, mode, "deepseek-v3", False)
 

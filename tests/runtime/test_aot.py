@@ -16,14 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from epgen import aot, compile as runtime_compile
-from epgen.aot import CACHE_ENV, MANIFEST, cache_dir, code_object_path, config_specs, find_code_object
+from epgen import aot, import_timing, loader
+from epgen.aot import MANIFEST, config_specs
+from epgen.cache import CACHE_ENV, cache_dir, code_object_path, find_code_object
 from epgen.cli import main
 from epgen.codegen import offline
 from epgen.codegen.arch import ARCHES, traits
 from epgen.codegen.render import RUNTIME_OPTIONS, render
 from epgen.codegen.spec import KernelSpec, Op
-from epgen.config import EpConfig
+from epgen.codegen.config import EpConfig
 
 MODEL = "qwen3-30b-a3b"  # no tuning-table entry on any arch: one variant per op and arch, small rows
 CFG = EpConfig.for_model(MODEL, world_size=8, max_tokens_per_rank=4096)
@@ -171,8 +172,9 @@ class _StandInCupy(types.ModuleType):
 def _stand_in_cupy(monkeypatch, cache: Path) -> _StandInCupy:
     cupy = _StandInCupy()
     monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setattr(runtime_compile, "_FUNCTIONS", {})
-    monkeypatch.setattr(runtime_compile, "device_arch", lambda device: "sm_90")
+    monkeypatch.setattr(loader, "_FUNCTIONS", {})
+    for module in (loader, import_timing):
+        monkeypatch.setattr(module, "device_arch", lambda device: "sm_90")
     monkeypatch.setenv(CACHE_ENV, str(cache))
     return cupy
 
@@ -185,17 +187,17 @@ def test_load_kernel_lookup_order(built, monkeypatch):
     dispatch, combine = (render(s) for s in config_specs(CFG, ("sm_90",)))
     path = find_code_object(dispatch.text, "sm_90", out)
 
-    fn, origin = runtime_compile.load_kernel_from(dispatch.text, dispatch.entry)
+    fn, origin = loader.load_kernel_from(dispatch.text, dispatch.entry)
     assert origin == "cache" and cupy.calls == [("path", str(path))]
-    assert runtime_compile.load_kernel(dispatch.text, dispatch.entry) is fn and len(cupy.calls) == 1  # memo
+    assert loader.load_kernel(dispatch.text, dispatch.entry) is fn and len(cupy.calls) == 1  # memo
 
     cupy.reject = True
     rejected = find_code_object(combine.text, "sm_90", out)
     with pytest.warns(RuntimeWarning, match=re.escape(f"{rejected}: the driver cannot load")):
-        assert runtime_compile.load_kernel_from(combine.text, combine.entry)[1] == "compiled"
+        assert loader.load_kernel_from(combine.text, combine.entry)[1] == "compiled"
     assert cupy.calls[-1] == ("code", RUNTIME_OPTIONS)
 
-    assert runtime_compile.load_kernel_from("// not built", "k")[1] == "compiled"  # a miss: no warning
+    assert loader.load_kernel_from("// not built", "k")[1] == "compiled"  # a miss: no warning
     assert cupy.calls[-1] == ("code", RUNTIME_OPTIONS)
 
 
@@ -206,7 +208,7 @@ def test_timing_process_loads_warm_from_the_cache_and_compiles_cold(built, monke
     job.write_text(json.dumps([s.as_dict() for s in specs]))
     for mode, cache, origin in (("warm", built[0], "cache"), ("cold", tmp_path / "empty", "compiled")):
         cupy = _stand_in_cupy(monkeypatch, cache)
-        out = aot._time_process(mode, str(job))
+        out = import_timing.time_process(mode, str(job))
         assert list(out["rows"]) == [s.name for s in specs] and out["once_s"] > 0
         assert all(r["origin"] == origin and r["seconds"] > 0 and r["render_s"] > 0 for r in out["rows"].values())
         assert [kind for kind, _ in cupy.calls] == (["path"] * 2 if mode == "warm" else ["code"] * 3)  # + warm-up
@@ -224,7 +226,7 @@ def test_time_imports_runs_fresh_processes_and_takes_medians(monkeypatch, tmp_pa
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(runtime_compile, "device_arch", lambda device: "sm_90")
+    monkeypatch.setattr(import_timing, "device_arch", lambda device: "sm_90")
     envs = []
 
     def run(cmd, env, **kw):
@@ -235,8 +237,8 @@ def test_time_imports_runs_fresh_processes_and_takes_medians(monkeypatch, tmp_pa
                 for i, d in enumerate(json.loads(Path(job).read_text()))}
         return subprocess.CompletedProcess(cmd, 0, json.dumps({"once_s": 0.05, "rows": rows}) + "\n", "")
 
-    monkeypatch.setattr(aot.subprocess, "run", run)
-    timing = aot.time_imports(config_specs(CFG, ARCHES), tmp_path, runs=3)
+    monkeypatch.setattr(import_timing.subprocess, "run", run)
+    timing = import_timing.time_imports(config_specs(CFG, ARCHES), tmp_path, runs=3)
     dispatch, combine = config_specs(CFG, ("sm_90",))
     assert [r["entry"] for r in timing["rows"]] == [dispatch.name, combine.name]  # other arches skipped
     assert [r["warm_s"] for r in timing["rows"]] == [0.002, 0.004]  # first, second, first / second, first, second
@@ -249,7 +251,7 @@ def test_time_imports_runs_fresh_processes_and_takes_medians(monkeypatch, tmp_pa
     table = console.export_text()
     assert "median of 3 fresh processes" in table and "100x" in table and "50 ms for the compiler identity" in table
     with pytest.raises(ValueError, match="runs=0: must be at least 1"):
-        aot.time_imports([dispatch], tmp_path, runs=0)
+        import_timing.time_imports([dispatch], tmp_path, runs=0)
 
 
 def test_build_table_names_files_and_compilers(tmp_path):
@@ -303,7 +305,7 @@ def test_time_import_without_a_gpu_says_so(tmp_path):
 def _gpu_build(tmp_path, cfg):
     import torch
 
-    from epgen.compile import device_arch
+    from epgen.device import device_arch
 
     arch = device_arch(torch.cuda.current_device())
     rows = aot.build(config_specs(cfg, (arch,)), tmp_path)
@@ -321,13 +323,13 @@ def _recording_raw_module(monkeypatch):
         return real(**kw)
 
     monkeypatch.setattr(cupy, "RawModule", raw_module)
-    monkeypatch.setattr(runtime_compile, "_FUNCTIONS", {})
+    monkeypatch.setattr(loader, "_FUNCTIONS", {})
     return calls
 
 
 @pytest.mark.gpu
 def test_op_from_a_build_compiles_nothing(tmp_path, monkeypatch):
-    from epgen.check import run_round
+    from epgen.verify import run_round
     from epgen.op import EpDispatchCombine
 
     cfg = EpConfig.for_model("deepseek-v3", world_size=1, max_tokens_per_rank=1000)
@@ -345,7 +347,7 @@ def test_op_from_a_build_compiles_nothing(tmp_path, monkeypatch):
 def test_a_file_the_driver_rejects_is_compiled_instead(tmp_path, monkeypatch):
     """Another kernel's valid CUBIN under this kernel's key passes the ELF check; the driver then
     lacks the entry, the op warns naming the file and compiles."""
-    from epgen.check import run_round
+    from epgen.verify import run_round
     from epgen.op import EpDispatchCombine
 
     cfg = EpConfig.for_model("deepseek-v3", world_size=1, max_tokens_per_rank=1000)
@@ -365,7 +367,7 @@ def test_a_file_the_driver_rejects_is_compiled_instead(tmp_path, monkeypatch):
 def test_time_imports_loads_warm_and_compiles_cold(tmp_path):
     cfg = EpConfig.for_model("deepseek-v3", world_size=1, max_tokens_per_rank=1000)
     arch, _ = _gpu_build(tmp_path, cfg)
-    timing = aot.time_imports(config_specs(cfg, (arch,)), tmp_path, runs=1)
+    timing = import_timing.time_imports(config_specs(cfg, (arch,)), tmp_path, runs=1)
     assert timing["arch"] == arch and len(timing["rows"]) == 2
     for r in timing["rows"]:
         assert r["warm_from"] == ["cache"] and r["cold_from"] == ["compiled"] and 0 < r["warm_s"]

@@ -18,7 +18,7 @@ from epgen.codegen.arch import ARCH_TRAITS, ARCHES, traits
 from epgen.codegen.dtypes import DTYPES
 from epgen.codegen.models import MODELS
 from epgen.codegen.spec import ALIGN, MAX_TOKENS_LIMIT, SIGNAL_WORDS, ArenaLayout, KernelSpec, Op
-from epgen.config import EpConfig, Geometry
+from epgen.codegen.config import EpConfig, Geometry
 
 FIELDS = [f.name for f in attrs.fields(KernelSpec)]
 

@@ -1,4 +1,4 @@
-"""The GPU test harness (``epgen.check.run_round``) on the CPU, against a stand-in op that follows
+"""The GPU test harness (``epgen.verify.run_round``) on the CPU, against a stand-in op that follows
 the contract with a scrambled row order; and a broken stand-in that the harness must catch."""
 
 import types
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from epgen import quant, reference
-from epgen.check import run_round
-from epgen.config import EpConfig
+from epgen.verify import run_round
+from epgen.codegen.config import EpConfig
 from epgen.op import DispatchOutput
 
 
@@ -105,7 +105,7 @@ def test_stress_counts_rounds_and_failures():
 
 
 def test_shared_routing_pins_the_last_slot_to_the_own_rank():
-    from epgen.check import make_inputs
+    from epgen.verify import make_inputs
 
     cfg = EpConfig.for_model("deepseek-v3", world_size=8, max_tokens_per_rank=64)
     for rank, inp in enumerate(make_inputs(cfg, [64] * 8, "shared", seed=2)):

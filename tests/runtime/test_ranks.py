@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from epgen.launch import start_and_join
+from epgen.ranks import start_and_join
 
 
 def _rank_body(rank, mode):
@@ -37,7 +37,7 @@ def test_a_raising_rank_fails_the_run():
 
 @pytest.mark.parametrize("world_size", [0, -1, 1.5, True])
 def test_run_ranks_rejects_a_world_size_below_one(world_size):
-    from epgen.launch import run_ranks
+    from epgen.ranks import run_ranks
 
     with pytest.raises(ValueError, match=r"world_size=.*: must be an int >= 1"):
         run_ranks(world_size, print)

@@ -1,0 +1,148 @@
+"""EpConfig: what a user states about one expert-parallel layer; validated on construction."""
+
+from __future__ import annotations
+
+import attrs
+
+from epgen.codegen.arch import ARCH_TRAITS
+from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES, dtype_info
+from epgen.codegen.models import model as _model
+from epgen.codegen.spec import KernelSpec, Op
+from epgen.codegen.tuning import Geometry, TuningKey, buckets, lookup
+
+
+def _check(cond: bool, field: str, value, rule: str):
+    if not cond:
+        raise ValueError(f"EpConfig.{field}={value!r}: {rule}")
+
+
+@attrs.frozen
+class EpConfig:
+    """One expert-parallel MoE layer as its user describes it.
+
+    Attributes:
+        world_size: ranks W (processes, or virtual ranks in one process).
+        hidden: elements per token row H.
+        topk: experts per token K.
+        num_experts: routed experts E, a multiple of W (expert e lives on rank e // (E / W)).
+        max_tokens_per_rank: the most tokens any rank passes to one dispatch.
+        dtype: dispatch payload dtype.
+        scale_bytes: opaque per-token scale bytes forwarded by dispatch (0 = none).
+        combine_quant: wire format of the combine leg: "none" (bf16), "fp8_direct_cast",
+            "fp8_blockwise" or "fp4_blockwise" (``epgen.codegen.dtypes.COMBINE_QUANTS``; error
+            bounds in ``epgen.quant.combine_error_bound``). Input and output stay bf16.
+        dispatch_geometry, combine_geometry: launch geometry of the two kernels; None (default)
+            takes it from the tuning table per token bucket (``epgen.codegen.tuning``).
+        timeout_s: bound of every in-kernel spin-wait, seconds.
+
+    Raises:
+        ValueError: naming the field, its value and the rule, on construction; the derived
+            KernelSpecs are validated too (e.g. a row that is not a multiple of 16 bytes).
+    """
+
+    world_size: int
+    hidden: int
+    topk: int
+    num_experts: int
+    max_tokens_per_rank: int
+    dtype: str = "bf16"
+    scale_bytes: int = 0
+    combine_quant: str = "none"
+    dispatch_geometry: Geometry | None = None
+    combine_geometry: Geometry | None = None
+    timeout_s: float = 5.0
+
+    def __attrs_post_init__(self):
+        for f in ("world_size", "hidden", "topk", "num_experts", "max_tokens_per_rank"):
+            v = getattr(self, f)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f, v, "must be a positive int")
+        _check(self.num_experts % self.world_size == 0, "num_experts", self.num_experts,
+               f"must be a multiple of world_size={self.world_size}")
+        _check(isinstance(self.dtype, str) and self.dtype in DTYPES, "dtype", self.dtype,
+               f"must be one of {', '.join(DTYPES)}")
+        _check(isinstance(self.combine_quant, str) and self.combine_quant in COMBINE_QUANTS, "combine_quant", self.combine_quant,
+               f"must be one of {', '.join(COMBINE_QUANTS)}")
+        _check(self.topk <= self.num_experts, "topk", self.topk, f"must be at most num_experts={self.num_experts}")
+        for f in ("dispatch_geometry", "combine_geometry"):
+            g = getattr(self, f)
+            _check(g is None or isinstance(g, Geometry), f, g, "must be None (tuning table) or an "
+                   "epgen.codegen.tuning.Geometry(blocks, warps_per_block, unroll)")
+        _check(isinstance(self.scale_bytes, int) and not isinstance(self.scale_bytes, bool)
+               and self.scale_bytes >= 0, "scale_bytes", self.scale_bytes, "must be an int >= 0")
+        _check(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)
+               and 0 < self.timeout_s <= 3600, "timeout_s", self.timeout_s, "must be in (0, 3600] seconds")
+        # Shape rules fail here, not at first use: the specs must build for at least one arch (the
+        # op builds them again for its GPU's arch, whose limits may be narrower, e.g. wave 32).
+        errors = []
+        for arch in ARCH_TRAITS:
+            try:
+                self.kernel_specs(arch)
+            except ValueError as e:
+                errors.append(e)
+        if len(errors) == len(ARCH_TRAITS):
+            raise errors[0]
+
+    @classmethod
+    def for_model(cls, name: str, *, world_size: int, max_tokens_per_rank: int, **kw) -> "EpConfig":
+        """Config for a catalogue model (``epgen.codegen.models.MODELS``).
+
+        Raises:
+            ValueError: unknown model (with suggestions) or an invalid field.
+        """
+        m = _model(name)
+        shape = {"hidden", "topk", "num_experts"} & set(kw)
+        if shape:
+            raise ValueError(f"EpConfig.for_model({name!r}): {', '.join(sorted(shape))} come from the model; "
+                             "build EpConfig(...) directly for another shape")
+        return cls(world_size=world_size, hidden=m.hidden, topk=m.topk, num_experts=m.num_experts,
+                   max_tokens_per_rank=max_tokens_per_rank, **kw)
+
+    @property
+    def experts_per_rank(self) -> int:
+        """L = E / W."""
+        return self.num_experts // self.world_size
+
+    def tuning_key(self, arch: str, op: Op) -> TuningKey:
+        """Key of this layer's ``op`` in the tuning tables."""
+        dtype = self.dtype if op is Op.DISPATCH else "bf16"
+        return TuningKey(arch=arch, world_size=self.world_size, row_bytes=dtype_info(dtype).row_bytes(self.hidden),
+                         topk=self.topk, dtype=dtype, op=op.value)
+
+    def geometry(self, arch: str, op: Op, tokens: int) -> Geometry:
+        """Explicit geometry if given, else the tuning table's bucket for ``tokens``."""
+        explicit = self.dispatch_geometry if op is Op.DISPATCH else self.combine_geometry
+        return explicit or lookup(self.tuning_key(arch, op), tokens)
+
+    def spec(self, arch: str, op: Op, geometry: Geometry) -> KernelSpec:
+        """The KernelSpec of ``op`` on ``arch`` with ``geometry``; all of one layer's specs share
+        one arena layout."""
+        return KernelSpec(op=op, arch=arch, dtype=self.dtype if op is Op.DISPATCH else "bf16",
+                          hidden=self.hidden, topk=self.topk, experts_per_rank=self.experts_per_rank,
+                          world_size=self.world_size, max_tokens_per_rank=self.max_tokens_per_rank,
+                          scale_bytes=self.scale_bytes, combine_quant=self.combine_quant, blocks=geometry.blocks,
+                          warps_per_block=geometry.warps_per_block, unroll=geometry.unroll)
+
+    def variants(self, arch: str, op: Op) -> tuple[tuple[int, KernelSpec], ...]:
+        """Every ``(max_tokens, spec)`` an ``EpDispatchCombine`` of this config compiles for
+        ``op`` on ``arch`` at construction, ascending: the explicit geometry alone (bucket
+        ``max_tokens_per_rank``), else the tuning table's buckets up to the first one that holds
+        ``max_tokens_per_rank``. A call with T tokens launches the first bucket with
+        ``max_tokens >= T``. (Virtual ranks may still clamp a table geometry's blocks at
+        construction, which depends on the GPU.)
+
+        Raises:
+            ValueError: a spec breaks an ``arch`` limit (naming the field).
+        """
+        explicit = self.dispatch_geometry if op is Op.DISPATCH else self.combine_geometry
+        table = ((self.max_tokens_per_rank, explicit),) if explicit else buckets(self.tuning_key(arch, op))
+        out = []
+        for max_tokens, geometry in table:
+            out.append((max_tokens, self.spec(arch, op, geometry)))
+            if max_tokens >= self.max_tokens_per_rank:
+                break
+        return tuple(out)
+
+    def kernel_specs(self, arch: str, tokens: int | None = None) -> tuple[KernelSpec, KernelSpec]:
+        """(dispatch spec, combine spec) for ``arch`` at ``tokens`` (default max_tokens_per_rank)."""
+        t = self.max_tokens_per_rank if tokens is None else tokens
+        return tuple(self.spec(arch, op, self.geometry(arch, op, t)) for op in (Op.DISPATCH, Op.COMBINE))
