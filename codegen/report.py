@@ -1,49 +1,17 @@
-"""Resource report: registers, scratch, spill, LDS/shared memory and occupancy per variant.
-
-Occupancy is computed from the arch traits (``codegen/arch.py``):
-
-* AMD: waves per SIMD. A block of ``w`` waves puts ``ceil(w / simds_per_cu)`` waves on each
-  SIMD; the VGPR file allows ``registers_per_simd // roundup(vgprs + agprs, register_granule)``
-  waves per SIMD (at most ``max_waves_per_simd``); LDS allows ``shared_bytes_per_cu // lds``
-  blocks per CU. SGPRs do not limit occupancy on these targets.
-* NVIDIA: blocks per SM, limited by threads (``max_waves_per_simd`` warps per SM), registers
-  (``roundup(regs * 32, register_granule)`` per warp out of ``registers_per_simd``), shared
-  memory (``shared_bytes_per_cu // (smem + shared_reserved_per_block)``) and
-  ``max_blocks_per_cu`` (the CUDA occupancy calculator's rules).
-"""
+"""Resource report: registers, scratch, spill, LDS/shared memory and occupancy per variant
+(occupancy: ``epgen.codegen.occupancy``)."""
 
 from __future__ import annotations
 
 import csv
 import io
 
-from epgen.codegen.arch import traits
-from epgen.codegen.offline import CompileError, Resources
+from epgen.codegen.occupancy import occupancy
+from epgen.codegen.offline import CompileError
 from epgen.codegen.spec import KernelSpec
 
 COLUMNS = ("arch", "op", "entry", "registers", "agprs", "sgprs", "scratch_bytes", "spill_bytes", "shared_bytes",
            "occupancy", "occupancy_unit", "status")
-
-
-def _roundup(n: int, k: int) -> int:
-    return -(-n // k) * k
-
-
-def occupancy(spec: KernelSpec, res: Resources) -> tuple[int, str]:
-    """(value, unit): waves per SIMD on AMD, blocks per SM on NVIDIA (see module docstring)."""
-    t = traits(spec.arch)
-    if t.vendor == "amd":
-        per_simd = -(-spec.warps_per_block // t.simds_per_cu)
-        vgprs = _roundup(max(res.registers + (res.agprs or 0), 1), t.register_granule)
-        by_vgpr = min(t.max_waves_per_simd, t.registers_per_simd // vgprs) // per_simd
-        by_lds = t.shared_bytes_per_cu // res.shared_bytes if res.shared_bytes else t.max_blocks_per_cu
-        blocks = min(by_vgpr, by_lds, t.max_blocks_per_cu)
-        return blocks * per_simd, "waves/SIMD"
-    per_warp = _roundup(max(res.registers, 1) * t.wave_size, t.register_granule)
-    by_regs = (t.registers_per_simd // per_warp) // spec.warps_per_block
-    by_threads = t.max_waves_per_simd // spec.warps_per_block
-    by_smem = t.shared_bytes_per_cu // (_roundup(res.shared_bytes, 128) + t.shared_reserved_per_block)
-    return min(by_regs, by_threads, by_smem, t.max_blocks_per_cu), "blocks/SM"
 
 
 def rows(specs: list[KernelSpec], results: list) -> list[dict]:

@@ -17,6 +17,7 @@ import torch
 from epgen.arena import Arenas, ErrorRecords
 from epgen.codegen.arch import ARCH_TRAITS
 from epgen.codegen.dtypes import dtype_info
+from epgen.codegen.occupancy import resident_blocks
 from epgen.codegen.render import render
 from epgen.codegen.spec import KernelSpec, Op
 from epgen.device import cupy_stream, device_arch
@@ -416,11 +417,12 @@ class EpDispatchCombine:
             self.synchronize()
 
     def _resident_blocks(self, fn, spec: KernelSpec) -> int:
-        """Blocks of ``fn`` the whole GPU holds at once."""
-        from cupy_backends.cuda.api import driver
-
-        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, spec.threads, 0)
-        return per_sm * torch.cuda.get_device_properties(self.device.index).multi_processor_count
+        """Blocks of ``fn`` the whole GPU holds at once: ``epgen.codegen.occupancy`` over the loaded
+        kernel's registers and static shared memory (CuPy's ``num_regs`` / ``shared_size_bytes``,
+        which CuPy-ROCm reads with ``hipFuncGetAttribute``; its occupancy call is a stub there),
+        times the CUs/SMs."""
+        per_cu = resident_blocks(spec.arch, spec.warps_per_block, fn.num_regs, fn.shared_size_bytes)
+        return per_cu * torch.cuda.get_device_properties(self.device.index).multi_processor_count
 
     def close(self):
         """Release the arenas and error records (the op is unusable afterwards)."""

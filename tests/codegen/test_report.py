@@ -1,7 +1,7 @@
 """Occupancy arithmetic of the resource report, hand-worked."""
 
 from epgen.codegen.offline import Resources
-from epgen.codegen.report import occupancy
+from epgen.codegen.occupancy import occupancy, resident_blocks
 from epgen.codegen.spec import KernelSpec
 
 
@@ -35,3 +35,13 @@ def test_gfx1250_lds_limit():
     # 32 VGPRs -> 1024 // 32 = 32, capped at 16 waves; 8-wave blocks put 2 per SIMD -> 8 blocks by VGPRs;
     # LDS 100 KiB -> 3 blocks per CU -> 6 waves per SIMD
     assert occupancy(spec("gfx1250", 8), res("gfx1250", 32, 100 * 1024)) == (6, "waves/SIMD")
+
+
+def test_resident_blocks_per_cu_or_sm():
+    """The figure the op uses at runtime (blocks per CU/SM) behind the report's occupancy."""
+    assert resident_blocks("sm_90", 16, registers=64, shared_bytes=40) == 2
+    assert resident_blocks("sm_90", 32, registers=62, shared_bytes=104) == 1
+    assert resident_blocks("sm_90", 1, registers=16, shared_bytes=0) == 32  # max_blocks_per_cu
+    assert resident_blocks("gfx950", 16, registers=66, shared_bytes=104) == 1  # 7 waves/SIMD, 4 a block
+    assert resident_blocks("gfx950", 4, registers=40, shared_bytes=0, agprs=40) == 6
+    assert resident_blocks("gfx1250", 8, registers=32, shared_bytes=100 * 1024) == 3  # LDS-bound

@@ -165,3 +165,52 @@ def test_quantized_combine_geometry_must_fit_the_gpu():
     assert all(op.variant(Op.COMBINE, t).blocks <= sms for t in (1, 256))
     run_round(op, cfg, [256], "uniform", 3)
     op.close()
+
+
+# ---- resident blocks: epgen's occupancy formula against the CUDA driver's ----------------------
+
+def _driver_blocks(fn, spec) -> int:
+    from cupy_backends.cuda.api import driver
+
+    return driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, spec.threads, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", ["none", "fp8_blockwise"])
+def test_resident_blocks_of_every_variant_the_op_builds_equal_the_drivers(quant):
+    """The op computes resident blocks from the arch traits and the kernel's attributes (CuPy-ROCm
+    has no occupancy call); on the H200 the figure equals the driver's for every variant it built
+    (tuning-table geometries, so several token buckets per op; the quantized combine too)."""
+    import torch
+
+    from epgen.op import EpDispatchCombine
+
+    cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=TMAX, combine_quant=quant)
+    op = EpDispatchCombine(cfg, virtual=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    checked = 0
+    for variants in op._variants.values():
+        for _, spec, fn in variants:
+            assert op._resident_blocks(fn, spec) == _driver_blocks(fn, spec) * sms, spec.name
+            checked += 1
+    op.close()
+    assert checked >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op_name", ["dispatch", "combine"])
+@pytest.mark.parametrize("warps", [1, 4, 8, 16, 32])
+def test_resident_blocks_formula_equals_the_driver_across_block_sizes(op_name, warps):
+    import cupy
+
+    from epgen.codegen.occupancy import resident_blocks
+    from epgen.codegen.render import render
+    from epgen.loader import load_kernel
+
+    cfg = EpConfig.for_model("deepseek-v3", world_size=8, max_tokens_per_rank=TMAX, combine_quant="fp4_blockwise")
+    spec = cfg.spec("sm_90", Op(op_name), Geometry(16, warps, 4))
+    src = render(spec)
+    with cupy.cuda.Device(0):
+        fn = load_kernel(src.text, src.entry)
+    assert resident_blocks(spec.arch, warps, fn.num_regs, fn.shared_size_bytes) == _driver_blocks(fn, spec), \
+        (spec.name, fn.num_regs, fn.shared_size_bytes)

@@ -1,0 +1,64 @@
+"""Occupancy from the arch traits (``codegen/arch.py``) and a kernel's resources.
+
+One formula serves the offline resource report (resources read from the compiler's output) and
+the op at runtime (resources read from the loaded kernel's attributes), so no GPU runtime's
+occupancy API is needed: CuPy's HIP backend stubs ``cuOccupancyMaxActiveBlocksPerMultiprocessor``
+to return ``hipErrorUnknown`` (``cupy_backends/hip/cupy_hip.h``).
+
+* AMD: a block of ``w`` waves puts ``ceil(w / simds_per_cu)`` waves on each SIMD; the VGPR file
+  allows ``registers_per_simd // roundup(vgprs + agprs, register_granule)`` waves per SIMD (at
+  most ``max_waves_per_simd``); LDS allows ``shared_bytes_per_cu // lds`` blocks per CU. SGPRs do
+  not limit occupancy on these targets. Reported as waves per SIMD.
+* NVIDIA: blocks per SM, limited by threads (``max_waves_per_simd`` warps per SM), registers
+  (``roundup(regs * 32, register_granule)`` per warp out of ``registers_per_simd``), shared
+  memory (``shared_bytes_per_cu // (roundup(smem, 128) + shared_reserved_per_block)``) and
+  ``max_blocks_per_cu`` (the CUDA occupancy calculator's rules). On the H200 a GPU test checks
+  this against the driver's ``cuOccupancyMaxActiveBlocksPerMultiprocessor`` for every variant the
+  op builds (tests/gpu/test_op.py).
+"""
+
+from __future__ import annotations
+
+from epgen.codegen.arch import traits
+from epgen.codegen.offline import Resources
+from epgen.codegen.spec import KernelSpec
+
+
+def _roundup(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def resident_blocks(arch: str, warps_per_block: int, registers: int, shared_bytes: int, agprs: int = 0) -> int:
+    """Blocks of one kernel a CU (AMD) or SM (NVIDIA) holds at once.
+
+    Args:
+        arch: target name (a key of ``ARCH_TRAITS``).
+        warps_per_block: waves/warps per block.
+        registers: AMD: architectural VGPRs per lane; NVIDIA: 32-bit registers per thread.
+        shared_bytes: static LDS / shared memory per block, bytes (no dynamic shared memory).
+        agprs: AMD accumulation VGPRs per lane (0 where the target has none).
+
+    Raises:
+        ValueError: unknown arch.
+    """
+    t = traits(arch)
+    if t.vendor == "amd":
+        per_simd = -(-warps_per_block // t.simds_per_cu)
+        vgprs = _roundup(max(registers + agprs, 1), t.register_granule)
+        by_vgpr = min(t.max_waves_per_simd, t.registers_per_simd // vgprs) // per_simd
+        by_lds = t.shared_bytes_per_cu // shared_bytes if shared_bytes else t.max_blocks_per_cu
+        return min(by_vgpr, by_lds, t.max_blocks_per_cu)
+    per_warp = _roundup(max(registers, 1) * t.wave_size, t.register_granule)
+    by_regs = (t.registers_per_simd // per_warp) // warps_per_block
+    by_threads = t.max_waves_per_simd // warps_per_block
+    by_smem = t.shared_bytes_per_cu // (_roundup(shared_bytes, 128) + t.shared_reserved_per_block)
+    return min(by_regs, by_threads, by_smem, t.max_blocks_per_cu)
+
+
+def occupancy(spec: KernelSpec, res: Resources) -> tuple[int, str]:
+    """(value, unit) of the resource report: waves per SIMD on AMD, blocks per SM on NVIDIA."""
+    t = traits(spec.arch)
+    blocks = resident_blocks(spec.arch, spec.warps_per_block, res.registers, res.shared_bytes, res.agprs or 0)
+    if t.vendor == "amd":
+        return blocks * -(-spec.warps_per_block // t.simds_per_cu), "waves/SIMD"
+    return blocks, "blocks/SM"
