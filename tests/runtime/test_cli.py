@@ -247,7 +247,7 @@ def test_missing_compiler_hint_keeps_its_brackets_and_pins(monkeypatch, capsys):
     from epgen import cli
     from epgen.codegen import offline
 
-    monkeypatch.setattr(offline, "toolchain_status", lambda arch: f"NVRTC unusable: pip install {offline._NVIDIA_PACKAGES}")
+    monkeypatch.setattr(offline, "toolchain_status", lambda arch: f"NVRTC unusable: pip install {offline.nvrtc.PACKAGES}")
     assert cli._compilers_missing(["sm_90"])
     out, text = capsys.readouterr()
     text = " ".join(text.split())  # stderr, unwrapped
