@@ -85,7 +85,7 @@ def code_object_options(arch: str) -> tuple[str, ...]:
 def compiler_identity(arch: str) -> str:
     """Name and exact release of the offline compiler of ``arch``'s vendor, as the compile checks
     and code objects use it, e.g. ``clang version 22.1.8 (ziglang 0.17.1)`` (``clang --version``
-    and the package) or ``nvrtc 13.5: ...; Cuda compilation tools, release 13.5, V13.5.37; ...``
+    and the package) or ``nvrtc 13.0: ...; Cuda compilation tools, release 13.0, V13.0.88; ...``
     (``nvrtcVersion`` and the banner of an empty program's PTX, which is what CuPy keys its own
     cache on: the version call alone cannot tell patch releases apart). Computed once per
     process and vendor (about 20 to 50 ms).

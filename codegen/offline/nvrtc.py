@@ -16,7 +16,7 @@ from epgen.codegen.offline import elf
 from epgen.codegen.offline.results import CompileError, Resources
 from epgen.codegen.render import RUNTIME_OPTIONS
 
-PACKAGES = "'cuda-bindings>=13' 'nvidia-cuda-nvrtc==13.5.37'"  # as pyproject.toml's dev extra pins them
+PACKAGES = "'cuda-bindings>=13,<14' 'nvidia-cuda-nvrtc==13.0.88'"  # as pyproject.toml's dev extra pins them
 RUNTIME_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
 """What CuPy appends to every NVRTC compile (cupy/cuda/compiler.py: ``-ftz=true`` always,
 ``--device-as-default-execution-space`` with NVRTC >= 12)."""
@@ -37,8 +37,8 @@ def status() -> str | None:
 
 
 def identity() -> str:
-    """``nvrtcVersion`` and the banner of an empty program's PTX, e.g. ``nvrtc 13.5: ...;
-    Compiler Build ID: CL-39125733; Cuda compilation tools, release 13.5, V13.5.37; ...``: the
+    """``nvrtcVersion`` and the banner of an empty program's PTX, e.g. ``nvrtc 13.0: ...;
+    Compiler Build ID: CL-36424714; Cuda compilation tools, release 13.0, V13.0.88; ...``: the
     banner is what CuPy keys its own cache on, the version call alone cannot tell patch releases
     apart.
 
