@@ -17,8 +17,9 @@ PACKAGES = {"runtime": "epgen", "codegen": "epgen.codegen"}  # folder -> import 
 def _modules() -> dict[str, Path]:
     mods = {}
     for folder, package in PACKAGES.items():
-        for path in sorted((ROOT / folder).glob("*.py")):
-            mods[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            mods[".".join((package, *parts[:-1]) if parts[-1] == "__init__" else (package, *parts))] = path
     return mods
 
 
@@ -48,6 +49,7 @@ def _graph() -> dict[str, set[str]]:
 def test_the_map_covers_every_module():
     mods = _modules()
     assert "epgen.op" in mods and "epgen.codegen.spec" in mods and "epgen.codegen.config" in mods
+    assert "epgen.codegen.offline" in mods and "epgen.codegen.offline.nvrtc" in mods  # subpackages too
 
 
 def test_imports_are_absolute():

@@ -247,13 +247,13 @@ def test_missing_compiler_hint_keeps_its_brackets_and_pins(monkeypatch, capsys):
     from epgen import cli
     from epgen.codegen import offline
 
-    monkeypatch.setattr(offline, "toolchain_status", lambda arch: f"NVRTC unusable: pip install {offline._NVIDIA_PACKAGES}")
+    monkeypatch.setattr(offline, "toolchain_status", lambda arch: f"NVRTC unusable: pip install {offline.nvrtc.PACKAGES}")
     assert cli._compilers_missing(["sm_90"])
     out, text = capsys.readouterr()
     text = " ".join(text.split())  # stderr, unwrapped
     assert out == ""
-    assert "pip install -e '.[dev]'" in text and "'nvidia-cuda-nvrtc==13.5.37'" in text
-    assert "'cuda-bindings>=13'" in text
+    assert "pip install -e '.[dev]'" in text and "'nvidia-cuda-nvrtc==13.0.88'" in text
+    assert "'cuda-bindings>=13,<14'" in text
 
 
 def test_diff_keeps_its_status_when_the_reader_stops_early():
