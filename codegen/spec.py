@@ -12,15 +12,13 @@ import hashlib
 
 import attrs
 
-from epgen.codegen import SCHEMA_VERSION
+from epgen.codegen import SCHEMA_VERSION, abi
+from epgen.codegen.abi import SIGNAL_WORDS
 from epgen.codegen.arch import ARCH_TRAITS, ArchTraits, traits
 from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES, CombineQuant, DTypeInfo, combine_quant, dtype_info
 
 MAX_TOKENS_LIMIT = 1 << 20
 """Largest max_tokens_per_rank: keeps W x max tokens receive rows inside int32 offsets."""
-
-SIGNAL_WORDS = 256
-"""32-bit words in the signal region at the start of every arena (see ArenaLayout)."""
 
 
 class Op(str, enum.Enum):
@@ -290,6 +288,7 @@ class KernelSpec:
         lay = self.layout
         return {
             "schema_version": SCHEMA_VERSION,
+            "abi": abi,
             "spec": self,
             "spec_line": self.describe(),
             "entry": self.name,

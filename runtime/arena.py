@@ -11,28 +11,31 @@ import ctypes
 
 import torch
 
+from epgen.codegen.abi import ERROR_RECORD
+
 
 class ErrorRecords:
-    """W records of four uint32 (code, a, b, c) in host-mapped pinned memory.
+    """W records of uint32 words ``ERROR_RECORD`` (code, a, b, c) in host-mapped pinned memory.
 
-    Kernels write a record when they detect an input error or a spin-wait timeout (see the
-    template prelude for the codes); the host reads them with plain loads.
+    Kernels write a record when they detect an input error or a spin-wait timeout (codes:
+    ``epgen.codegen.abi.ERRORS``); the host reads them with plain loads.
     """
 
     def __init__(self, world_size: int):
         import cupy
 
         self.world_size = world_size
-        self.nbytes = world_size * 16
+        words = world_size * len(ERROR_RECORD)
+        self.nbytes = words * 4
         flags = cupy.cuda.runtime.hostAllocMapped | cupy.cuda.runtime.hostAllocPortable
         self.ptr = cupy.cuda.runtime.hostAlloc(self.nbytes, flags)  # unified addressing: same pointer on device
-        self._words = (ctypes.c_uint32 * (world_size * 4)).from_address(self.ptr)
+        self._words = (ctypes.c_uint32 * words).from_address(self.ptr)
         ctypes.memset(self.ptr, 0, self.nbytes)
 
-    def read(self, rank: int) -> tuple[int, int, int, int]:
+    def read(self, rank: int) -> tuple[int, ...]:
         """The record of ``rank``: (code, a, b, c); code 0 means no error."""
-        w = self._words
-        return w[4 * rank], w[4 * rank + 1], w[4 * rank + 2], w[4 * rank + 3]
+        n = len(ERROR_RECORD)
+        return tuple(self._words[n * rank:n * (rank + 1)])
 
     def close(self):
         import cupy

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from epgen.arena import Arenas, ErrorRecords
+from epgen.codegen import abi
 from epgen.codegen.arch import ARCH_TRAITS
 from epgen.codegen.dtypes import dtype_info
 from epgen.codegen.occupancy import resident_blocks
@@ -23,11 +24,6 @@ from epgen.codegen.spec import KernelSpec, Op
 from epgen.device import cupy_stream, device_arch
 from epgen.loader import load_kernel
 from epgen.codegen.config import EpConfig
-
-_PHASES = {1: "dispatch (waiting until the peer's receive buffers are free)",
-           2: "dispatch (waiting for the peer's rows)",
-           3: "combine (waiting for the peer's expert outputs)"}
-
 
 class EpError(RuntimeError):
     """A kernel reported a fault (bad expert id, spin-wait timeout, receive overflow).
@@ -59,9 +55,23 @@ class DispatchOutput:
 
 
 def _args_dtype(world_size: int) -> np.dtype:
-    # Mirrors struct EpArgs in templates/common/_prelude.j2 (all fields 8 bytes: no padding).
-    return np.dtype([("arena", "<u8", (world_size,)), ("io", "<u8", (world_size, 6)),
-                     ("errors", "<u8"), ("rank_base", "<i8"), ("timeout_ns", "<i8")])
+    """numpy dtype of struct EpArgs for ``world_size`` ranks, field by field from ``abi.ARGS``
+    (all members 8 bytes: no padding); ``io`` is a [W] array of ``abi.RANK_IO`` records."""
+    types = {**abi.NUMPY_TYPES, "EpRankIO": np.dtype([(f.name, abi.NUMPY_TYPES[f.ctype]) for f in abi.RANK_IO])}
+    return np.dtype([(f.name, types[f.ctype], (world_size,)) if f.per_rank else (f.name, types[f.ctype])
+                     for f in abi.ARGS])
+
+
+def _rank_io(**fields: int) -> tuple[int, ...]:
+    """One EpRankIO record (``a["io"][i] = ...``) from its fields by name; fields not named are 0.
+
+    Raises:
+        TypeError: a name is not a field of ``abi.RANK_IO``.
+    """
+    unknown = set(fields) - {f.name for f in abi.RANK_IO}
+    if unknown:
+        raise TypeError(f"EpRankIO has no field {', '.join(sorted(unknown))}")
+    return tuple(fields.get(f.name, 0) for f in abi.RANK_IO)
 
 
 def _check_tensor(t, name: str, *, dtype, shape, device):
@@ -220,7 +230,7 @@ class EpDispatchCombine:
             recv_scales=(self._view(rank, lay.recv_scales, (cap, cfg.scale_bytes), torch.uint8)
                          if cfg.scale_bytes else None),
             recv_src=self._view(rank, lay.recv_src, (cap, 2), torch.int32),
-            num_recv=self._view(rank, lay.signals + 16, (1,), torch.int32),
+            num_recv=self._view(rank, lay.signals + abi.signal("num_recv").byte_offset, (1,), torch.int32),
         )
 
     def combine_input(self, rank: int | None = None) -> torch.Tensor:
@@ -266,8 +276,8 @@ class EpDispatchCombine:
         for i, rank in enumerate(self.local_ranks):
             T = check_dispatch_inputs(cfg, self.device, xs[i], ws[i], ids[i], ss[i],
                                       f"[rank {rank}]" if self.virtual else "")
-            a["io"][i] = (xs[i].data_ptr(), ws[i].data_ptr(), ids[i].data_ptr(),
-                          ss[i].data_ptr() if cfg.scale_bytes else 0, 0, T)
+            a["io"][i] = _rank_io(x=xs[i].data_ptr(), weights=ws[i].data_ptr(), indices=ids[i].data_ptr(),
+                                  scales=ss[i].data_ptr() if cfg.scale_bytes else 0, num_tokens=T)
             tokens.append(T)
         self._launch(Op.DISPATCH, max(tokens), a)
         self._pending_tokens = tokens
@@ -312,7 +322,7 @@ class EpDispatchCombine:
                 dst[: ys[i].shape[0]].copy_(ys[i])
             o = given[i] if given[i] is not None else torch.empty((T, cfg.hidden), dtype=torch.bfloat16,
                                                                   device=self.device)
-            a["io"][i] = (0, 0, 0, 0, o.data_ptr(), T)
+            a["io"][i] = _rank_io(out=o.data_ptr(), num_tokens=T)
             outs.append(o)
         self._launch(Op.COMBINE, max(self._pending_tokens), a)
         self._pending_tokens = None
@@ -339,16 +349,9 @@ class EpDispatchCombine:
         raise EpError(f"{self._fault} [this op is unusable after that fault; build a new EpDispatchCombine]")
 
     def _describe(self, rank, code, a, b, c) -> str:
-        cfg = self.config
-        if code == 1:
-            eid = c - (1 << 32) if c >= 1 << 31 else c
-            return (f"rank {rank}: indices[{b}, {a}]={eid}: expert ids must be -1 or in [0, {cfg.num_experts})")
-        if code == 2:
-            return (f"rank {rank}: timed out after {cfg.timeout_s} s in {_PHASES.get(a, f'phase {a}')} "
-                    f"on rank {b} (call {c})")
-        if code == 3:
-            return f"rank {rank}: receive buffer of rank {b} would need {c} rows; capacity {self.layout.capacity_rows}"
-        return f"rank {rank}: unknown kernel fault code {code} ({a}, {b}, {c})"
+        return f"rank {rank}: " + abi.fault_message(code, a, b, c, num_experts=self.config.num_experts,
+                                                    timeout_s=self.config.timeout_s,
+                                                    capacity_rows=self.layout.capacity_rows)
 
     # ---- launch ------------------------------------------------------------------------------
     def _per_rank(self, value, name: str, optional: bool = False) -> list:

@@ -521,7 +521,7 @@ class EmulatedOp(EpDispatchCombine):
         row_bytes, S = self.dispatch_spec.row_bytes, cfg.scale_bytes
         incoming = {d: [] for d in range(W)}
         for r in self.local_ranks:
-            x_ptr, w_ptr, i_ptr, s_ptr, _, T = (int(v) for v in io[r])
+            x_ptr, w_ptr, i_ptr, s_ptr, T = (int(io[r][f]) for f in ("x", "weights", "indices", "scales", "num_tokens"))
             ids = _at(i_ptr, T * K * 4).view(torch.int32).view(T, K)
             slot = self._send_slot(r)
             slot[:T] = -1
@@ -553,7 +553,7 @@ class EmulatedOp(EpDispatchCombine):
     def _combine(self, io):
         W, H = self.config.world_size, self.config.hidden
         for r in self.local_ranks:
-            out_ptr, T = int(io[r][4]), int(io[r][5])
+            out_ptr, T = int(io[r]["out"]), int(io[r]["num_tokens"])
             slots = self._send_slot(r)[:T]
             acc = torch.zeros(T, H)
             for d in range(W):

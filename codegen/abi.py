@@ -1,0 +1,206 @@
+"""The host-kernel ABI, written once: launch arguments, signal words, error records, wait phases.
+
+``templates/common/_prelude.j2`` prints the C declarations from these tables (template variable
+``abi``, this module) and ``epgen.op`` reads the same tables to build its argument struct, to find
+``num_recv`` among the signal words and to word the kernels' error records. Adding a field, a
+signal word, an error code or a phase is one line here (and the kernel code that uses it).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+ERROR_RECORD = ("code", "a", "b", "c")
+"""The uint32 words of one rank's error record (host-mapped); code 0 means no error."""
+
+
+NUMPY_TYPES = {"ep_u64": "<u8", "ep_i64": "<i8"}
+"""numpy type string of each scalar C type of the argument structs (all 8 bytes: no padding)."""
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
+
+
+@attrs.frozen
+class Field:
+    """One member of a launch-argument struct.
+
+    Attributes:
+        name: the member name, in C and in the host's numpy dtype.
+        ctype: ``ep_u64``, ``ep_i64`` (8 bytes) or ``EpRankIO`` (the ``RANK_IO`` struct).
+        comment: printed after the declaration.
+        per_rank: an array of ``kWorld`` entries, one per rank.
+    """
+
+    name: str
+    ctype: str
+    comment: str
+    per_rank: bool = False
+
+    @property
+    def decl(self) -> str:
+        """The C declaration without the semicolon, e.g. ``ep_u64 arena[kWorld]``."""
+        return f"{self.ctype} {self.name}{'[kWorld]' if self.per_rank else ''}"
+
+
+RANK_IO = (
+    Field("x", "ep_u64", "dispatch: [T, H] payload; combine: unused"),
+    Field("weights", "ep_u64", "dispatch: [T, K] float32"),
+    Field("indices", "ep_u64", "dispatch: [T, K] int32"),
+    Field("scales", "ep_u64", "dispatch: [T, S] bytes (0 when S = 0)"),
+    Field("out", "ep_u64", "combine: [T, H] bf16 output"),
+    Field("num_tokens", "ep_u64", "T of this rank"),
+)
+"""struct EpRankIO: the buffers of one rank launched by the grid (addresses, 0 when unused)."""
+
+ARGS = (
+    Field("arena", "ep_u64", "every rank's arena, as mapped in this process", per_rank=True),
+    Field("io", "EpRankIO", "[0, gridDim.y) used", per_rank=True),
+    Field("errors", "ep_u64", f"ep_u32[W][{len(ERROR_RECORD)}] host-mapped error records"),
+    Field("rank_base", "ep_i64", "rank of blockIdx.y == 0"),
+    Field("timeout_ns", "ep_i64", "bound of every spin-wait"),
+)
+"""struct EpArgs: the one launch argument, passed by value."""
+
+
+@attrs.frozen
+class Signal:
+    """A uint32 word (``per_peer``: W words, one per peer rank) of the arena's signal region.
+
+    Attributes:
+        name: snake-case name; C constant ``kSig<Name>``.
+        index: word index into the signal region.
+        comment: printed after the constant ("[W] " first when ``per_peer``); may be empty.
+        per_peer: words ``index .. index + W - 1``, word ``index + r`` written by peer r.
+    """
+
+    name: str
+    index: int
+    comment: str = ""
+    per_peer: bool = False
+
+    @property
+    def c_name(self) -> str:
+        return "kSig" + _camel(self.name)
+
+    @property
+    def byte_offset(self) -> int:
+        """Offset from the start of the signal region, bytes."""
+        return 4 * self.index
+
+
+SIGNAL_WORDS = 256
+"""32-bit words in the signal region at the start of every arena (see ArenaLayout)."""
+
+SIGNALS = (
+    Signal("dispatch_calls", 0, "last finished dispatch generation (this rank)"),
+    Signal("dispatch_arrive", 1, "blocks of the running dispatch that started"),
+    Signal("dispatch_depart", 2, "blocks of the running dispatch that finished"),
+    Signal("recv_count", 3, "rows reserved in this rank's receive buffers"),
+    Signal("num_recv", 4, "rows received by the last dispatch (user-visible)"),
+    Signal("combine_calls", 8),
+    Signal("combine_arrive", 9),
+    Signal("combine_depart", 10),
+    Signal("ready_from", 64, "peer entered dispatch g: its receive buffers are free", per_peer=True),
+    Signal("done_from", 128, "peer finished writing its dispatch-g rows here", per_peer=True),
+    Signal("combine_ready_from", 192, "peer's combine-g expert outputs are complete", per_peer=True),
+)
+"""The signal words; per-peer ranges hold up to the widest wave (64) ranks."""
+
+
+def signal(name: str) -> Signal:
+    """The signal word called ``name``.
+
+    Raises:
+        KeyError: no signal word has that name.
+    """
+    for s in SIGNALS:
+        if s.name == name:
+            return s
+    raise KeyError(f"signal {name!r}: not one of {', '.join(s.name for s in SIGNALS)}")
+
+
+@attrs.frozen
+class ErrorCode:
+    """A fault a kernel records as (code, a, b, c).
+
+    Attributes:
+        name: snake-case name; C constant ``kErr<Name>``.
+        code: the record's code word (> 0).
+        a, b, c: what the argument words hold ("0" when unused).
+        message: the host's text, ``str.format`` fields: ``a``, ``b``, ``c``, ``c_int32`` (c read as
+            int32), ``phase_a`` (description of phase a) and the op's ``num_experts``,
+            ``timeout_s`` and ``capacity_rows``.
+    """
+
+    name: str
+    code: int
+    a: str
+    b: str
+    c: str
+    message: str
+
+    @property
+    def c_name(self) -> str:
+        return "kErr" + _camel(self.name)
+
+    @property
+    def comment(self) -> str:
+        return f"a = {self.a}, b = {self.b}, c = {self.c}"
+
+
+ERRORS = (
+    ErrorCode("bad_expert", 1, "top-k slot", "token", "expert id",
+              "indices[{b}, {a}]={c_int32}: expert ids must be -1 or in [0, {num_experts})"),
+    ErrorCode("timeout", 2, "phase", "peer", "generation waited for",
+              "timed out after {timeout_s} s in {phase_a} on rank {b} (call {c})"),
+    ErrorCode("overflow", 3, "0", "destination rank", "rows it would need",
+              "receive buffer of rank {b} would need {c} rows; capacity {capacity_rows}"),
+)
+
+UNKNOWN_ERROR = "unknown kernel fault code {code} ({a}, {b}, {c})"
+"""The host's text for a code ``ERRORS`` lacks."""
+
+
+@attrs.frozen
+class Phase:
+    """A spin-wait, named in a timeout record's ``a`` word.
+
+    Attributes:
+        name: snake-case name; C constant ``kPhase<Name>``.
+        code: the value of ``a``.
+        description: what the rank waited for, as the host's timeout message says it.
+    """
+
+    name: str
+    code: int
+    description: str
+
+    @property
+    def c_name(self) -> str:
+        return "kPhase" + _camel(self.name)
+
+
+PHASES = (
+    Phase("dispatch_ready", 1, "dispatch (waiting until the peer's receive buffers are free)"),
+    Phase("dispatch_done", 2, "dispatch (waiting for the peer's rows)"),
+    Phase("combine_ready", 3, "combine (waiting for the peer's expert outputs)"),
+)
+
+
+def fault_message(code: int, a: int, b: int, c: int, *, num_experts: int, timeout_s: float,
+                  capacity_rows: int) -> str:
+    """The host's text for the error record (code, a, b, c), without the "rank r: " prefix.
+
+    Args:
+        code, a, b, c: the record's uint32 words (code > 0).
+        num_experts, timeout_s, capacity_rows: the op's values the messages quote (E, the
+            spin-wait bound in seconds, receive rows per rank).
+    """
+    err = next((e for e in ERRORS if e.code == code), None)
+    if err is None:
+        return UNKNOWN_ERROR.format(code=code, a=a, b=b, c=c)
+    phase = next((p.description for p in PHASES if p.code == a), f"phase {a}")
+    return err.message.format(a=a, b=b, c=c, c_int32=c - (1 << 32) if c >= 1 << 31 else c, phase_a=phase,
+                              num_experts=num_experts, timeout_s=timeout_s, capacity_rows=capacity_rows)
