@@ -5,6 +5,13 @@ combine captured in CUDA graphs and timed by device events around each replay (m
 stdev, best), the P2P ceiling kernel on the same wire bytes, and NCCL ``all_to_all_single`` on
 the same bytes per peer (README.md, "Measuring"). Rank 0 writes a CSV, a PNG and prints a table.
 
+Times (``epgen.timing``): ``time_us`` (and mean, stdev, best) are queued, the replays enqueued
+behind a GPU-side delay so the GPU runs them back to back; ``host_launched_us`` is the median of
+the same replays launched from the host as they are enqueued (the host's launch rate at small
+sizes). ``timing`` names the method of ``time_us``: ``queued``, or ``queued-short-sleep`` when the
+delay ended before the host had enqueued the op's or the ceiling's launches (partly host-bound).
+The P2P ceiling is timed queued; NCCL host-launched (its collective is not captured in a graph).
+
 Row counts (CSV ``recv_rows`` / ``wire_rows``): for dispatch the rows the rank received (all /
 from other ranks); for combine the rows the rank's combine gathers for its own tokens (one per
 distinct rank a token reached / those on other ranks). Summed over ranks both are the same
@@ -33,12 +40,12 @@ from epgen.device import cupy_stream
 from epgen.loader import load_kernel
 from epgen.codegen.config import EpConfig, Geometry
 from epgen.reference import route
-from epgen.timing import Timing, gbps, time_pairs
+from epgen.timing import PairTiming, Timing, gbps, time_pairs, time_pairs_queued
 
 SWEEP = (1, 8, 32, 128, 512, 1024, 4096, 8192, 16384)
 CSV_COLUMNS = ("op", "dtype", "routing", "tokens", "rank", "world_size", "time_us", "mean_us", "stdev_us", "best_us",
-               "recv_rows", "wire_rows", "logical_gbps", "wire_gbps", "p2p_ceiling_gbps", "nccl_gbps",
-               "ratio_ceiling", "ratio_nccl", "blocks", "warps_per_block", "unroll")
+               "host_launched_us", "timing", "recv_rows", "wire_rows", "logical_gbps", "wire_gbps", "p2p_ceiling_gbps",
+               "nccl_gbps", "ratio_ceiling", "ratio_nccl", "blocks", "warps_per_block", "unroll")
 
 
 @attrs.frozen
@@ -74,9 +81,16 @@ def environment() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def _time(fn, iters: int, warmup: int = 3) -> Timing:
-    t, _ = time_pairs(fn, lambda: None, iters=iters, warmup=warmup)
-    return t
+QUEUED, SHORT_SLEEP = "queued", "queued-short-sleep"  # the CSV's ``timing`` values
+
+
+def _time(fn, iters: int, warmup: int = 3, queued: bool = True) -> tuple[Timing, bool]:
+    """``fn``'s Timing, queued behind a GPU-side delay (or host-launched), and whether the delay
+    covered the enqueue (True when host-launched)."""
+    if not queued:
+        return time_pairs(fn, lambda: None, iters=iters, warmup=warmup)[0], True
+    pair = time_pairs_queued(fn, lambda: None, iters=iters, warmup=warmup)
+    return pair.queued[0], pair.delay.covered
 
 
 class _Ceiling:
@@ -124,10 +138,12 @@ def gathered_rows(indices: torch.Tensor, experts_per_rank: int, world_size: int,
     return rows, rows - int(reached[:, rank].sum().item())
 
 
-def measure(op, cfg: EpConfig, tokens: int, routing: str, seed: int, iters: int) -> tuple[Timing, Timing, tuple[int, int]]:
-    """Verify one round against the reference, then time dispatch and combine as CUDA-graph
-    replays (device events around each replay) on fresh inputs; every rank calls it together.
-    Also returns ``gathered_rows`` of the first rank ``op`` drives for the timed inputs."""
+def measure(op, cfg: EpConfig, tokens: int, routing: str, seed: int, iters: int) -> tuple[PairTiming, tuple[int, int]]:
+    """Verify one round against the reference, then time dispatch and combine (each dispatch
+    followed by its combine) as CUDA-graph replays on fresh inputs, both ways
+    (``timing.time_pairs_queued``: ``.queued`` the primary (dispatch, combine) figure, ``.host``
+    host-launched, ``.delay.covered`` False when the delay ran out); every rank calls it
+    together. Also returns ``gathered_rows`` of the first rank ``op`` drives for the timed inputs."""
     run_round(op, cfg, [tokens] * cfg.world_size, routing, seed)  # checked once before it is timed
     inputs = make_inputs(cfg, [tokens] * cfg.world_size, routing, seed + 7, device=op.device)
     me = op.local_ranks[0]
@@ -152,9 +168,9 @@ def measure(op, cfg: EpConfig, tokens: int, routing: str, seed: int, iters: int)
     gd, gc = _graph(disp), _graph(comb)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    d_t, c_t = time_pairs(gd.replay, gc.replay, iters=iters, warmup=5)
+    pair = time_pairs_queued(gd.replay, gc.replay, iters=iters, warmup=5)
     op.synchronize()
-    return d_t, c_t, gathered
+    return pair, gathered
 
 
 def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
@@ -181,7 +197,7 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
     for routing in opts.routings:
         for T in opts.tokens:
             seed += 1
-            d_t, c_t, (c_rows, c_wire) = measure(op, cfg, T, routing, seed, opts.iters)
+            pair, (c_rows, c_wire) = measure(op, cfg, T, routing, seed, opts.iters)
             buf = op.recv_buffers(me)
             n = int(buf.num_recv.item())
             wire = int((buf.recv_src[:n, 0] != me).sum().item()) if world_size > 1 else n
@@ -193,38 +209,33 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
                 dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
                 nbytes = int(agreed.item())
                 dist.barrier()
-            ceil_t = _time(lambda: ceiling.run(src_ptr, dst_ptr, nbytes), iters=10)
+            ceil_t, ceil_covered = _time(lambda: ceiling.run(src_ptr, dst_ptr, nbytes), iters=10)
             ceil_gbps = gbps(nbytes, ceil_t.median_us)
             nccl_gbps = float("nan")
             if dist and world_size > 1:
                 inp = torch.randint(0, 255, (world_size * nbytes,), dtype=torch.uint8, device=op.device)
                 out = torch.empty_like(inp)
                 dist.barrier()
-                nccl_t = _time(lambda: dist.all_to_all_single(out, inp), iters=10)
+                nccl_t, _ = _time(lambda: dist.all_to_all_single(out, inp), iters=10, queued=False)
                 nccl_gbps = gbps(nbytes * (world_size - 1), nccl_t.median_us)
-            point = []
+            method = QUEUED if pair.delay.covered and ceil_covered else SHORT_SLEEP
             # dispatch: the rows this rank received; combine: the rows it gathers for its tokens
-            for name, t, geo, elem, wire_elem, dtype, rows_all, rows_wire in (
-                    ("dispatch", d_t, op.variant(Op.DISPATCH, T), row_bytes, row_bytes, cfg.dtype, n, wire),
-                    ("combine", c_t, op.variant(Op.COMBINE, T), cfg.hidden * 2, combine_wire.wire_row_bytes(cfg.hidden),
-                     combine_dtype, c_rows, c_wire)):
-                w = gbps(rows_wire * wire_elem, t.median_us)
-                point.append({"op": name, "dtype": dtype, "routing": routing,
-                             "tokens": T, "rank": me, "world_size": world_size, "time_us": round(t.median_us, 2),
-                             "mean_us": round(t.mean_us, 2), "stdev_us": round(t.stdev_us, 2),
-                             "best_us": round(t.best_us, 2), "recv_rows": rows_all, "wire_rows": rows_wire,
-                             "logical_gbps": round(gbps(rows_all * elem, t.median_us), 1), "wire_gbps": round(w, 1),
-                             "p2p_ceiling_gbps": round(ceil_gbps, 1), "nccl_gbps": round(nccl_gbps, 1),
-                             "ratio_ceiling": round(w / ceil_gbps, 3), "ratio_nccl": round(w / nccl_gbps, 3),
-                             "blocks": geo.blocks, "warps_per_block": geo.warps_per_block, "unroll": geo.unroll})
+            point = [op_row(name, dtype, routing, T, me, world_size, t, host, method, rows_all, rows_wire, elem,
+                            wire_elem, ceil_gbps, nccl_gbps, geo)
+                     for name, t, host, geo, elem, wire_elem, dtype, rows_all, rows_wire in (
+                         ("dispatch", pair.queued[0], pair.host[0], op.variant(Op.DISPATCH, T), row_bytes, row_bytes,
+                          cfg.dtype, n, wire),
+                         ("combine", pair.queued[1], pair.host[1], op.variant(Op.COMBINE, T), cfg.hidden * 2,
+                          combine_wire.wire_row_bytes(cfg.hidden), combine_dtype, c_rows, c_wire))]
             if dist:
                 gathered = [None] * world_size
                 dist.all_gather_object(gathered, point)
                 point = [r for part in gathered for r in part]
             rows.extend(point)
             if me == 0:
-                print(f"bench {routing} {T} tokens: " + ", ".join(
-                    f"{r['op']} {r['time_us']} us {r['wire_gbps']} GB/s" for r in point if r["rank"] == 0)
+                print(f"bench {routing} {T} tokens ({method}; host-launched in brackets): " + ", ".join(
+                    f"{r['op']} {r['time_us']} us ({r['host_launched_us']} us) {r['wire_gbps']} GB/s"
+                    for r in point if r["rank"] == 0)
                     + f"; ceiling {round(ceil_gbps, 1)} GB/s, NCCL {round(nccl_gbps, 1)} GB/s", flush=True)
                 if opts.output:
                     write_results(rows, opts.output, quiet=True, env=env)  # partial results survive an abort
@@ -232,6 +243,25 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
     if me == 0 and opts.output:
         write_results(rows, opts.output, env=env)
     return rows
+
+
+def op_row(name: str, dtype: str, routing: str, tokens: int, rank: int, world_size: int, queued: Timing, host: Timing,
+           method: str, rows_all: int, rows_wire: int, row_bytes: int, wire_row_bytes: int, ceil_gbps: float,
+           nccl_gbps: float, geo: Geometry) -> dict:
+    """One CSV row (CSV_COLUMNS) of op ``name`` at one point: times (us) and bandwidths (GB/s)
+    from the ``queued`` Timing, ``host_launched_us`` the median of ``host``, ``timing`` =
+    ``method`` (QUEUED or SHORT_SLEEP); ``rows_all`` / ``rows_wire`` rows of ``row_bytes`` /
+    ``wire_row_bytes`` bytes (logical / wire)."""
+    w = gbps(rows_wire * wire_row_bytes, queued.median_us)
+    return {"op": name, "dtype": dtype, "routing": routing, "tokens": tokens, "rank": rank, "world_size": world_size,
+            "time_us": round(queued.median_us, 2), "mean_us": round(queued.mean_us, 2),
+            "stdev_us": round(queued.stdev_us, 2), "best_us": round(queued.best_us, 2),
+            "host_launched_us": round(host.median_us, 2), "timing": method,
+            "recv_rows": rows_all, "wire_rows": rows_wire,
+            "logical_gbps": round(gbps(rows_all * row_bytes, queued.median_us), 1), "wire_gbps": round(w, 1),
+            "p2p_ceiling_gbps": round(ceil_gbps, 1), "nccl_gbps": round(nccl_gbps, 1),
+            "ratio_ceiling": round(w / ceil_gbps, 3), "ratio_nccl": round(w / nccl_gbps, 3),
+            "blocks": geo.blocks, "warps_per_block": geo.warps_per_block, "unroll": geo.unroll}
 
 
 def run(opts: BenchOptions) -> None:
@@ -257,12 +287,13 @@ def write_results(rows: list[dict], prefix: str, quiet: bool = False, env: dict 
     if quiet:
         return
     t = Table(title=f"epgen bench (rank 0): {prefix}")
-    for c in ("op", "routing", "tokens", "us", "wire GB/s", "logical GB/s", "ceiling GB/s", "NCCL GB/s",
+    for c in ("op", "routing", "tokens", "queued us", "host-launched us", "timing", "wire GB/s", "logical GB/s", "ceiling GB/s", "NCCL GB/s",
               "x ceiling", "x NCCL", "geometry"):
         t.add_column(c, justify="right")
     for r in rows:
         if r["rank"] == 0:
-            t.add_row(r["op"], r["routing"], str(r["tokens"]), f"{r['time_us']:.1f}", f"{r['wire_gbps']:.1f}",
+            t.add_row(r["op"], r["routing"], str(r["tokens"]), f"{r['time_us']:.1f}", f"{r['host_launched_us']:.1f}",
+                      r["timing"], f"{r['wire_gbps']:.1f}",
                       f"{r['logical_gbps']:.1f}", f"{r['p2p_ceiling_gbps']:.1f}", f"{r['nccl_gbps']:.1f}",
                       f"{r['ratio_ceiling']:.2f}", f"{r['ratio_nccl']:.2f}",
                       f"{r['blocks']}x{r['warps_per_block']} u{r['unroll']}")
@@ -279,21 +310,22 @@ def _plot(rows: list[dict], path: str) -> None:
     routings = sorted({r["routing"] for r in rows})
     for routing in routings:
         for op in ("dispatch", "combine"):
-            pts = sorted((r["tokens"], r["wire_gbps"], r["time_us"]) for r in rows
+            pts = sorted((r["tokens"], r["wire_gbps"], r["time_us"], r["host_launched_us"]) for r in rows
                          if r["rank"] == 0 and r["op"] == op and r["routing"] == routing)
             if pts:
-                x, bw, us = zip(*pts)
+                x, bw, us, host_us = zip(*pts)
                 ax_bw.plot(x, bw, marker="o", label=f"{op} ({routing})")
-                ax_t.plot(x, us, marker="o", label=f"{op} ({routing})")
+                line, = ax_t.plot(x, us, marker="o", label=f"{op} ({routing}), queued")
+                ax_t.plot(x, host_us, ":", color=line.get_color(), label=f"{op} ({routing}), host-launched")
     main = "uniform" if "uniform" in routings else routings[0]
     for key, style, label in (("p2p_ceiling_gbps", "k--", "P2P ceiling"), ("nccl_gbps", "r:", "NCCL all_to_all_single")):
         pts = sorted((r["tokens"], r[key]) for r in rows if r["rank"] == 0 and r["op"] == "dispatch"
                      and r["routing"] == main)
         if pts:
             ax_bw.plot(*zip(*pts), style, label=f"{label} ({main}, same bytes)")
-    ax_bw.set(xscale="log", xlabel="tokens per rank", ylabel="wire GB/s (per rank)", title="bandwidth")
-    ax_t.set(xscale="log", yscale="log", xlabel="tokens per rank", ylabel="us (median of graph replays)",
-             title="time")
+    ax_bw.set(xscale="log", xlabel="tokens per rank", ylabel="wire GB/s (per rank, queued times)", title="bandwidth")
+    ax_t.set(xscale="log", yscale="log", xlabel="tokens per rank",
+             ylabel="us (median of graph replays queued behind a GPU-side delay)", title="time (queued)")
     for ax in (ax_bw, ax_t):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
@@ -304,7 +336,7 @@ def _plot(rows: list[dict], path: str) -> None:
 def read_csv(path: str) -> list[dict]:
     """Rows of a bench CSV with numbers parsed (to re-plot or compare runs)."""
     with open(path, newline="") as f:
-        return [{k: (v if k in ("op", "dtype", "routing") else float(v) if "." in v or "n" in v else int(v))
+        return [{k: (v if k in ("op", "dtype", "routing", "timing") else float(v) if "." in v or "n" in v else int(v))
                  for k, v in row.items()} for row in csv.DictReader(f)]
 
 

@@ -1,9 +1,10 @@
 """``epgen tune``: sweep launch geometry on the GPU and write the tuning table.
 
 For every geometry (the same one for dispatch and combine; each op is timed on its own) and token
-count: one verified round, then the median of CUDA-graph replays (``bench.measure``); the time of a
-point is the slowest rank's median. Per op and token bucket the table takes the fewest blocks
-within 3% of the best (``tuning.pick_fewest_blocks``), which leaves SMs to the compute beside it.
+count: one verified round, then the median of CUDA-graph replays queued behind a GPU-side delay
+(``bench.measure``, ``timing.time_pairs_queued``); the time of a point is the slowest rank's
+median. Per op and token bucket the table takes the fewest blocks within 3% of the best
+(``tuning.pick_fewest_blocks``), which leaves SMs to the compute beside it.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def tune_process(rank: int, world_size: int, opts: TuneOptions) -> dict:
         op = EpDispatchCombine(cfg)
         for T in opts.tokens:
             seed += 1
-            d_t, c_t = measure(op, cfg, T, opts.routing, seed, opts.iters)
-            mine = [d_t.median_us, c_t.median_us]
+            pair, _ = measure(op, cfg, T, opts.routing, seed, opts.iters)  # warns if the delay ran out
+            mine = [t.median_us for t in pair.queued]
             if dist:
                 every = [None] * world_size
                 dist.all_gather_object(every, mine)
@@ -77,7 +78,8 @@ def _report(times, opts: TuneOptions, arch: str, cfg: EpConfig):
     env = environment()
     console = Console(width=200)
     for op in (Op.DISPATCH, Op.COMBINE):
-        t = Table(title=f"epgen tune {op.value}: {opts.model}, W={cfg.world_size}, {arch}, us (slowest rank's median)")
+        t = Table(title=f"epgen tune {op.value}: {opts.model}, W={cfg.world_size}, {arch}, "
+                        f"us (slowest rank's queued median)")
         t.add_column("tokens", justify="right")
         for g in opts.geometries:
             t.add_column(str(g), justify="right")

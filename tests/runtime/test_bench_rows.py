@@ -1,9 +1,15 @@
-"""The benchmark's row counts: combine counts the rows a rank's combine gathers for its tokens."""
+"""The benchmark's rows: combine counts the rows a rank's combine gathers for its tokens; the CSV
+says which time is queued behind a GPU-side delay and which host-launched."""
+
+import csv
+import statistics
 
 import pytest
 import torch
 
-from epgen.bench import gathered_rows
+from epgen import bench
+from epgen.bench import gathered_rows, op_row
+from epgen.timing import Timing
 from epgen.reference import dispatch
 
 
@@ -44,3 +50,33 @@ def test_gathered_rows_rejects_a_rank_outside_the_world(rank):
     idx = torch.tensor([[0, 3]], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"rank=.*: must be an int in \[0, world_size=2\)"):
         gathered_rows(idx, 2, 2, rank)
+
+
+def _rows(method):
+    from epgen.codegen.config import Geometry
+
+    queued, host = Timing((8.0, 9.0, 8.5, 30.0)), Timing((11.0, 10.5, 10.0, 12.0))
+    return [op_row("dispatch", "bf16", "uniform", 1, 0, 1, queued, host, method, rows_all=8, rows_wire=8,
+                   row_bytes=14_336, wire_row_bytes=14_336, ceil_gbps=100.0, nccl_gbps=float("nan"),
+                   geo=Geometry(24, 32, 4))]
+
+
+def test_the_csv_says_which_time_is_queued_and_which_host_launched(tmp_path, monkeypatch, capsys):
+    plotted = []
+    monkeypatch.setattr(bench, "_plot", lambda rows, path: plotted.append((rows, path)))
+    rows = _rows(bench.QUEUED) + _rows(bench.SHORT_SLEEP)
+    bench.write_results(rows, str(tmp_path / "b"), env={"gpu": "test"})
+    with open(tmp_path / "b.csv", newline="") as f:
+        header = next(csv.reader(f))
+    assert tuple(header) == bench.CSV_COLUMNS
+    assert header.index("host_launched_us") == header.index("best_us") + 1 and "timing" in header
+    back = bench.read_csv(str(tmp_path / "b.csv"))
+    assert [r["timing"] for r in back] == ["queued", "queued-short-sleep"]
+    r = back[0]
+    # time_us, mean, stdev, best and the bandwidths come from the queued samples; host_launched_us is the other median
+    assert (r["time_us"], r["mean_us"], r["best_us"], r["host_launched_us"]) == (8.75, 13.88, 8.0, 10.75)
+    assert r["stdev_us"] == round(statistics.stdev((8.0, 9.0, 8.5, 30.0)), 2)
+    assert r["wire_gbps"] == round(8 * 14_336 / 8.75 / 1e3, 1) and r["ratio_ceiling"] == round(r["wire_gbps"] / 100, 3)
+    assert plotted == [(rows, str(tmp_path / "b.png"))]
+    table = capsys.readouterr().out
+    assert "queued us" in table and "host-launched us" in table and "queued-short-sleep" in table
