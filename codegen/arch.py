@@ -60,6 +60,16 @@ class ArchTraits:
         shared_bytes_per_cu: LDS per CU (AMD) / shared memory per SM (NVIDIA), bytes.
         shared_reserved_per_block: shared memory the runtime reserves per resident block, bytes.
         max_blocks_per_cu: resident blocks per CU/SM.
+        release_needs_explicit_wait: the platform layer follows every system-scope release
+            writeback with its own ``s_waitcnt vmcnt(0)`` (and emits a seq_cst fence as a
+            release fence, that wait, then an acquire fence) instead of trusting the compiler to
+            place it. LLVM's AMDGPU memory model (AMDGPUUsage, "Memory Model GFX942" table, which
+            GFX950 follows; rows "store atomic release", "fence release" and "fence acq_rel",
+            system scope) requires ``buffer_wbl2 sc0 sc1``, then ``s_waitcnt vmcnt(0)``, then the
+            store or ``buffer_inv sc0 sc1``; clang 22.1.8 omits the wait when the wave has
+            nothing else in flight (llvm/llvm-project#178316). True on gfx950; False on gfx1250,
+            whose ``global_wb scope:SCOPE_SYS`` clang follows with ``s_wait_storecnt 0`` itself
+            (tests/codegen/test_amd_assembly.py checks both), and on sm_90 (no such layer).
     """
 
     name: str
@@ -84,6 +94,7 @@ class ArchTraits:
     shared_bytes_per_cu: int
     shared_reserved_per_block: int
     max_blocks_per_cu: int
+    release_needs_explicit_wait: bool
 
     @property
     def clock_ns_per_tick(self) -> int:
@@ -101,6 +112,7 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
             shared_bytes_per_block=160 * 1024, steady_clock_hz=100_000_000, fp8_e4m3="ocp",
             hw_fp8_convert=False, registers_per_simd=512, max_threads_per_block=1024, register_granule=8, max_waves_per_simd=8,
             simds_per_cu=4, shared_bytes_per_cu=160 * 1024, shared_reserved_per_block=0, max_blocks_per_cu=32,
+            release_needs_explicit_wait=True,
         ),
         ArchTraits(
             name="gfx1250", vendor="amd", wave_size=32, platform_template="platform/amd.j2",
@@ -109,6 +121,7 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
             shared_bytes_per_block=320 * 1024, steady_clock_hz=100_000_000, fp8_e4m3="ocp",
             hw_fp8_convert=False, registers_per_simd=1024, max_threads_per_block=1024, register_granule=8, max_waves_per_simd=16,
             simds_per_cu=4, shared_bytes_per_cu=320 * 1024, shared_reserved_per_block=0, max_blocks_per_cu=32,
+            release_needs_explicit_wait=False,
         ),
         ArchTraits(
             name="sm_90", vendor="nvidia", wave_size=32, platform_template="platform/nvidia.j2",
@@ -117,6 +130,7 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
             shared_bytes_per_block=227 * 1024, steady_clock_hz=1_000_000_000, fp8_e4m3="ocp",
             hw_fp8_convert=True, registers_per_simd=65536, max_threads_per_block=1024, register_granule=256, max_waves_per_simd=64,
             simds_per_cu=1, shared_bytes_per_cu=228 * 1024, shared_reserved_per_block=1024, max_blocks_per_cu=32,
+            release_needs_explicit_wait=False,
         ),
     )
 }

@@ -2,14 +2,33 @@
 
 from __future__ import annotations
 
+from epgen.codegen.arch import ARCH_TRAITS
+
+
 def device_arch(device_index: int) -> str:
-    """Target name of a torch device: ``sm_<major><minor>`` on CUDA, the gfx name on ROCm."""
+    """Target name of torch device ``device_index``, a key of ``ARCH_TRAITS``.
+
+    CUDA: ``sm_<major><minor>`` from the compute capability. ROCm (``torch.version.hip`` set):
+    the processor of ``gcnArchName`` without its target features, e.g. ``gfx950:sramecc+:xnack-``
+    -> ``gfx950`` (a leading target triple, ``amdgcn-amd-amdhsa--gfx950``, is dropped as well).
+
+    Raises:
+        ValueError: the GPU's arch is not one epgen generates kernels for (the message names
+            the device, the arch as reported and the supported arches).
+    """
     import torch
 
     props = torch.cuda.get_device_properties(device_index)
     if getattr(torch.version, "hip", None):
-        return props.gcnArchName.split(":")[0]
-    return f"sm_{props.major}{props.minor}"
+        reported = props.gcnArchName
+        arch = reported.split(":")[0].rsplit("-", 1)[-1]
+    else:
+        reported = f"compute capability {props.major}.{props.minor}"
+        arch = f"sm_{props.major}{props.minor}"
+    if arch not in ARCH_TRAITS:
+        raise ValueError(f"GPU arch {arch!r} (device {device_index}, {reported!r}): epgen generates kernels for "
+                         f"{', '.join(ARCH_TRAITS)}")
+    return arch
 
 
 _STREAMS: dict[int, object] = {}

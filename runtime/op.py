@@ -75,6 +75,21 @@ def _rank_io(**fields: int) -> tuple[int, ...]:
 
 
 def _check_tensor(t, name: str, *, dtype, shape, device):
+    """Check one input tensor: a torch.Tensor of ``dtype``, ``shape`` (None: any size), on
+    ``device``, contiguous, and, for ``x`` and ``out`` (``name`` before its tag), starting on a
+    16-byte boundary (``ArchTraits.vector_bytes``). The kernels read the rows of x with 16-byte
+    vector loads and write the rows of out with 16-byte vector stores, which fault (sm_90) on a
+    misaligned address, e.g. a view at a storage offset that is not a multiple of 16 bytes (an
+    empty tensor is not read and passes).
+    weights and indices are read one element at a time (4-byte loads, which torch's element
+    alignment covers), scales one byte at a time, and y is copied into the arena by torch
+    unless it is ``combine_input()`` itself, so those need no more than their dtype's alignment.
+
+    Raises:
+        TypeError: ``t`` is not a tensor.
+        ValueError: naming ``name`` and the broken rule (dtype, shape, device, contiguity, or the
+            address modulo 16).
+    """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
@@ -86,6 +101,11 @@ def _check_tensor(t, name: str, *, dtype, shape, device):
         raise ValueError(f"{name}.device={t.device}: must be {device}")
     if not t.is_contiguous():
         raise ValueError(f"{name}: must be contiguous (call .contiguous() first)")
+    vector_bytes = max(a.vector_bytes for a in ARCH_TRAITS.values())
+    if name.partition("[")[0] in ("x", "out") and t.numel() and t.data_ptr() % vector_bytes:
+        raise ValueError(f"{name}.data_ptr()={t.data_ptr():#x}: {t.data_ptr() % vector_bytes} bytes past a "
+                         f"{vector_bytes}-byte boundary; the kernels move its rows with {vector_bytes}-byte vector "
+                         f"accesses, so it must start on one (a view at an odd storage offset: pass .clone())")
 
 
 def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x, weights, indices, scales, tag: str = "") -> int:
@@ -93,7 +113,9 @@ def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x, weights, indic
 
     Rules: x [T, H] of the payload dtype ([T, H / 2] uint8 for fp4) with T <= max_tokens_per_rank;
     weights [T, K] float32;
-    indices [T, K] int32; scales [T, S] uint8 iff S > 0; all on ``device`` and contiguous.
+    indices [T, K] int32; scales [T, S] uint8 iff S > 0; all on ``device`` and contiguous; x
+    starts on a 16-byte boundary (its rows are read with 16-byte vector loads; the others are
+    read per element or per byte and need only their dtype's alignment).
 
     Raises:
         TypeError: an argument is not a tensor.
@@ -115,7 +137,9 @@ def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x, weights, indic
 
 def check_combine_inputs(cfg: EpConfig, device: torch.device, y, out, tokens: int, tag: str = "") -> None:
     """Check one rank's combine inputs: y [n, H] bf16 with n <= W * Tmax; out None or [T, H] bf16
-    (T of the dispatch being combined); contiguous, on ``device``.
+    (T of the dispatch being combined); contiguous, on ``device``; out starts on a 16-byte
+    boundary (its rows are written with 16-byte vector stores; y is copied into the arena by
+    torch, so any address of it works).
 
     Raises:
         TypeError, ValueError: as ``check_dispatch_inputs``.
@@ -186,9 +210,7 @@ class EpDispatchCombine:
                                  f"{configs[differ[0]]} vs {config!r}")
             self.local_ranks = [dist.get_rank(group)]
         self.virtual = virtual
-        self.arch = device_arch(self.device.index)
-        if self.arch not in ARCH_TRAITS:
-            raise ValueError(f"GPU arch {self.arch!r}: epgen generates kernels for {', '.join(ARCH_TRAITS)}")
+        self.arch = device_arch(self.device.index)  # ValueError for an arch epgen has no kernels for
         # Every variant the op can pick is compiled here: dispatch() and combine() never compile.
         self._variants = {op: self._build_variants(op) for op in (Op.DISPATCH, Op.COMBINE)}
         self.dispatch_spec = self._variants[Op.DISPATCH][-1][1]

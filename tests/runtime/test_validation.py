@@ -109,3 +109,50 @@ def test_quantized_payload_shapes(dtype, columns, torch_dtype):
         check_dispatch_inputs(cfg, CPU, bad, ins[0].weights, ins[0].indices, ins[0].scales)
     recv = reference_dispatch(cfg, ins)
     assert sum(r.num_rows for r in recv) >= 8 and recv[0].x.dtype == torch_dtype
+
+
+def _offset_view(base: torch.Tensor, offset_elements: int, shape) -> torch.Tensor:
+    """A contiguous view of ``shape`` starting ``offset_elements`` into a flat copy of ``base``'s
+    dtype (torch's CPU allocator aligns the storage itself to at least 16 bytes)."""
+    n = 1
+    for d in shape:
+        n *= d
+    flat = torch.zeros(n + offset_elements, dtype=base.dtype)
+    assert flat.data_ptr() % 16 == 0
+    return flat[offset_elements:].view(*shape)
+
+
+def test_misaligned_x_is_rejected_naming_the_address():
+    x, w, i, s = good(8)
+    bad = _offset_view(x, 1, x.shape)  # bf16: 2 bytes past a 16-byte boundary
+    with pytest.raises(ValueError) as e:
+        check_dispatch_inputs(CFG, CPU, bad, w, i, s, tag="[rank 1]")
+    msg = str(e.value)
+    assert f"x[rank 1].data_ptr()={bad.data_ptr():#x}: 2 bytes past a 16-byte boundary" in msg
+    assert "16-byte vector" in msg
+    assert check_dispatch_inputs(CFG, CPU, _offset_view(x, 8, x.shape), w, i, s) == 8  # 16 bytes in: aligned
+    assert check_dispatch_inputs(CFG, CPU, _offset_view(x, 1, (0, CFG.hidden)), w[:0], i[:0], None) == 0
+
+
+def test_misaligned_fp8_x_is_rejected():
+    cfg = EpConfig.for_model("gpt-oss-120b", world_size=2, max_tokens_per_rank=64, dtype="fp8")
+    x, w, i, s = good(8, cfg)
+    x = _offset_view(torch.zeros(1, dtype=torch.float8_e4m3fn), 5, (8, cfg.hidden))
+    with pytest.raises(ValueError, match=r"x\.data_ptr\(\)=0x[0-9a-f]+: 5 bytes past a 16-byte boundary"):
+        check_dispatch_inputs(cfg, CPU, x, w, i, s)
+
+
+def test_weights_indices_scales_need_only_their_element_alignment():
+    # The kernels read weights and indices per 4-byte element and scales per byte.
+    x, w, i, s = good(8, SCALED)
+    w, i, s = _offset_view(w, 1, w.shape), _offset_view(i, 1, i.shape), _offset_view(s, 3, s.shape)
+    assert (w.data_ptr() % 16, i.data_ptr() % 16, s.data_ptr() % 16) == (4, 4, 3)
+    assert check_dispatch_inputs(SCALED, CPU, x, w, i, s) == 8
+
+
+def test_misaligned_out_is_rejected_and_y_is_not():
+    y = _offset_view(torch.zeros(1, dtype=torch.bfloat16), 3, (5, CFG.hidden))  # copied into the arena
+    check_combine_inputs(CFG, CPU, y, None, tokens=8)
+    out = _offset_view(y, 4, (8, CFG.hidden))
+    with pytest.raises(ValueError, match=r"out\[rank 0\]\.data_ptr\(\)=0x[0-9a-f]+: 8 bytes past a 16-byte"):
+        check_combine_inputs(CFG, CPU, torch.zeros(5, CFG.hidden, dtype=torch.bfloat16), out, tokens=8, tag="[rank 0]")
