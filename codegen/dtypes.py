@@ -156,6 +156,11 @@ class CombineQuant:
     def quantized(self) -> bool:
         return self.name != "none"
 
+    @property
+    def template(self) -> str:
+        """The template of this wire's kernel code, ``common/wire/<name>.j2`` (included by ops/combine.j2)."""
+        return f"common/wire/{self.name}.j2"
+
     def code_bytes(self, hidden: int) -> int:
         """Bytes of one row's element codes."""
         return dtype_info(self.element).row_bytes(hidden)
