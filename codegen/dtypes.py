@@ -64,6 +64,69 @@ def dtype_info(name: str) -> DTypeInfo:
         raise ValueError(f"dtype={name!r}: unknown dtype; known: {', '.join(DTYPES)}") from None
 
 
+@attrs.frozen
+class MiniFloat:
+    """Numbers of one sign-magnitude minifloat element format of the quantized wires.
+
+    The one source of these numbers: the kernels print them (``templates/common/wire/``, through
+    ``KernelSpec.template_vars()``) and the pure-torch reference (``epgen.quant``) computes with
+    them. Layout of a code: sign bit, then ``ebits`` exponent bits, then ``mbits`` mantissa bits.
+
+    Attributes:
+        name: the format's name in the OCP specifications.
+        ebits: exponent bits.
+        mbits: mantissa bits.
+        bias: exponent bias; a normal code's value is 2^(exponent field - bias) * (1 + m / 2^mbits),
+            a subnormal's (exponent field 0) 2^(1 - bias) * m / 2^mbits.
+        max: largest finite magnitude; encoders saturate to it.
+        max_code: magnitude code (sign bit clear) of ``max``.
+        has_nan: whether the format has a NaN code.
+        nan_code: magnitude code of NaN when ``has_nan``; otherwise the code the kernels' encoder
+            gives a NaN input (0; the reference rejects NaN instead).
+    """
+
+    name: str
+    ebits: int
+    mbits: int
+    bias: int
+    max: float
+    max_code: int
+    has_nan: bool
+    nan_code: int
+
+    @property
+    def bits(self) -> int:
+        """Bits per code: sign, exponent and mantissa."""
+        return 1 + self.ebits + self.mbits
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal magnitude, 2^emin (1 - bias)."""
+        return 1 - self.bias
+
+    @property
+    def sign_shift(self) -> int:
+        """Position of the sign bit in a code."""
+        return self.ebits + self.mbits
+
+
+MINIFLOATS: dict[str, MiniFloat] = {
+    "fp8": MiniFloat(name="e4m3fn", ebits=4, mbits=3, bias=7, max=448.0, max_code=0x7E, has_nan=True,
+                     nan_code=0x7F),
+    "fp4": MiniFloat(name="e2m1", ebits=2, mbits=1, bias=1, max=6.0, max_code=7, has_nan=False, nan_code=0),
+}
+"""Quantized wire element formats by dtype name (keys of ``DTYPES``): fp8 e4m3 in its OCP flavour
+e4m3fn (no infinities, ``S.1111.111`` NaN, max 448) and fp4 e2m1 (OCP MX: no NaN, max 6)."""
+
+MX_BLOCK = 32
+"""Elements sharing one e8m0 scale in the OCP MX formats (``fp4_mx``)."""
+
+COMBINE_FLUSH_LOG2 = -80
+"""Blocks of a scaled combine wire whose amax is below 2^COMBINE_FLUSH_LOG2 travel as zeros (scale 1):
+above it every quotient that can round to a nonzero code, and the kernels' division residuals, are
+normal float32, so kernels that flush subnormals still match the reference bit for bit."""
+
+
 def _align16(n: int) -> int:
     return (n + 15) // 16 * 16
 
@@ -92,6 +155,11 @@ class CombineQuant:
     @property
     def quantized(self) -> bool:
         return self.name != "none"
+
+    @property
+    def template(self) -> str:
+        """The template of this wire's kernel code, ``common/wire/<name>.j2`` (included by ops/combine.j2)."""
+        return f"common/wire/{self.name}.j2"
 
     def code_bytes(self, hidden: int) -> int:
         """Bytes of one row's element codes."""

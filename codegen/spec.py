@@ -16,6 +16,7 @@ from epgen.codegen import SCHEMA_VERSION, abi
 from epgen.codegen.abi import SIGNAL_WORDS
 from epgen.codegen.arch import ARCH_TRAITS, ArchTraits, traits
 from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES, CombineQuant, DTypeInfo, combine_quant, dtype_info
+from epgen.codegen.dtypes import COMBINE_FLUSH_LOG2, MINIFLOATS
 
 MAX_TOKENS_LIMIT = 1 << 20
 """Largest max_tokens_per_rank: keeps W x max tokens receive rows inside int32 offsets."""
@@ -312,10 +313,30 @@ class KernelSpec:
             "chunk_vectors": self.chunk_vectors,
             "chunks_per_row": self.chunks_per_row,
             "fan_in": self.fan_in,
-            "quant": self.quant,
-            "wire_row_bytes": self.quant.wire_row_bytes(self.hidden),
-            "wire_scale_offset": self.quant.scale_offset(self.hidden),
+            **self._combine_wire_vars(),
             "layout": lay,
+        }
+
+    # --- combine wire (templates/common/wire/) -----------------------------------------------------
+
+    def _combine_wire_vars(self) -> dict:
+        """The combine wire's template variables (the same keys for every spec; unquantized: zeros
+        and None): the wire format ``quant``, its row geometry in bytes, the lanes sharing one
+        scale, the element format's numbers (``MINIFLOATS``), whether the element codec is the
+        software one and the flush threshold's log2."""
+        q = self.quant
+        element = MINIFLOATS.get(q.element) if q.quantized else None
+        return {
+            "quant": q,
+            "wire_row_bytes": q.wire_row_bytes(self.hidden),
+            "wire_scale_offset": q.scale_offset(self.hidden),
+            "wire_code_bytes": q.code_bytes(self.hidden),
+            "wire_scale_count": q.scale_count(self.hidden),
+            "wire_lanes_per_scale": q.block // 8 if q.block else 0,  # a lane quantizes 8 bf16 (16 bytes)
+            "wire_element": element,
+            # fp4 has no hardware convert anywhere; fp8 takes one only where traits say it is verified
+            "wire_software_codec": element is not None and not (q.element == "fp8" and self.traits.hw_fp8_convert),
+            "wire_flush_log2": COMBINE_FLUSH_LOG2,
         }
 
     def key(self, text: str, options: tuple[str, ...] = ()) -> str:

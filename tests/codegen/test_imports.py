@@ -15,11 +15,14 @@ PACKAGES = {"runtime": "epgen", "codegen": "epgen.codegen"}  # folder -> import 
 
 
 def _modules() -> dict[str, Path]:
+    """Module name -> source of every module of the packages, subpackages (``epgen.quant``) too."""
     mods = {}
     for folder, package in PACKAGES.items():
         for path in sorted((ROOT / folder).rglob("*.py")):
             parts = path.relative_to(ROOT / folder).with_suffix("").parts
-            mods[".".join((package, *parts[:-1]) if parts[-1] == "__init__" else (package, *parts))] = path
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join((package, *parts))] = path
     return mods
 
 
@@ -50,6 +53,7 @@ def test_the_map_covers_every_module():
     mods = _modules()
     assert "epgen.op" in mods and "epgen.codegen.spec" in mods and "epgen.codegen.config" in mods
     assert "epgen.codegen.offline" in mods and "epgen.codegen.offline.nvrtc" in mods  # subpackages too
+    assert {"epgen", "epgen.quant", "epgen.quant.codecs", "epgen.quant.wire"} <= set(mods)
 
 
 def test_imports_are_absolute():

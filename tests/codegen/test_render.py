@@ -13,6 +13,7 @@ import pytest
 from epgen.codegen import SCHEMA_VERSION
 from epgen.codegen import render as render_mod
 from epgen.codegen.arch import ARCH_TRAITS, ARCHES, traits
+from epgen.codegen.dtypes import COMBINE_QUANTS
 from epgen.codegen.render import RUNTIME_OPTIONS, Source, environment, render
 from epgen.codegen.spec import SIGNAL_WORDS, KernelSpec
 
@@ -169,8 +170,9 @@ def _op_template_closure() -> list[str]:
         seen.add(name)
         refs = list(jinja2.meta.find_referenced_templates(env.parse(_source_of(name))))
         todo.extend(r for r in refs if r is not None)
-        if None in refs:  # the dynamic `{% include arch.platform_template %}`
+        if None in refs:  # the dynamic `{% include arch.platform_template %}` and `{% include quant.template %}`
             todo.extend(t.platform_template for t in ARCH_TRAITS.values())
+            todo.extend(q.template for q in COMBINE_QUANTS.values())
     return sorted(seen)
 
 
@@ -180,6 +182,8 @@ def test_op_template_closure():
         assert f"ops/{op}.j2" in names
     assert {"common/_header.j2", "common/_prelude.j2"} <= set(names)
     assert {t.platform_template for t in ARCH_TRAITS.values()} <= set(names)
+    assert {q.template for q in COMBINE_QUANTS.values()} <= set(names)
+    assert {"common/wire/_codec.j2", "common/wire/_block_scale.j2", "common/wire/_wire_read.j2"} <= set(names)
 
 
 @pytest.mark.parametrize("name", _op_template_closure())

@@ -7,10 +7,14 @@ import math
 import pytest
 import torch
 
+from epgen.codegen.dtypes import COMBINE_FLUSH_LOG2, COMBINE_QUANTS, MINIFLOATS, MX_BLOCK, dtype_info
 from epgen.quant import (
+    FP4_E2M1,
     FP4_E2M1_MAX,
+    FP8_E4M3,
     FP8_E4M3_MAX,
     MODES,
+    combine_roundtrip,
     dequantize_fp4_blockwise,
     dequantize_fp4_mx,
     dequantize_fp8_blockwise,
@@ -657,6 +661,37 @@ def test_scale_bytes_bad_inputs(args, kwargs, pattern):
 def test_constants():
     assert FP8_E4M3_MAX == fp8_e4m3_decode(torch.tensor([0x7E], dtype=U8)).item()
     assert FP4_E2M1_MAX == fp4_e2m1_decode(torch.tensor([7], dtype=U8)).item()
+
+
+def test_numbers_come_from_the_codegen_table():
+    """The reference computes with epgen.codegen.dtypes' numbers, the ones the kernels print."""
+    fp8, fp4 = MINIFLOATS["fp8"], MINIFLOATS["fp4"]
+    assert FP8_E4M3 is fp8 and FP4_E2M1 is fp4
+    assert FP8_E4M3_MAX == fp8.max == torch.finfo(torch.float8_e4m3fn).max
+    assert FP4_E2M1_MAX == fp4.max
+    for name, decode in (("fp8", fp8_e4m3_decode), ("fp4", fp4_e2m1_decode)):
+        fmt = MINIFLOATS[name]
+        assert fmt.bits == dtype_info(name).bits
+        values = decode(torch.arange(1 << fmt.bits, dtype=torch.int32).to(U8))
+        finite = values[~torch.isnan(values)]
+        assert float(finite.abs().max()) == fmt.max == decode(torch.tensor([fmt.max_code], dtype=U8)).item()
+        assert decode(torch.tensor([1 << fmt.mbits], dtype=U8)).item() == 2.0**fmt.emin  # smallest normal
+        assert math.copysign(1.0, decode(torch.tensor([1 << fmt.sign_shift], dtype=U8)).item()) == -1.0  # -0.0
+        assert bool(torch.isnan(values).any()) == fmt.has_nan
+        if fmt.has_nan:
+            assert math.isnan(decode(torch.tensor([fmt.nan_code], dtype=U8)).item())
+    for name, q in COMBINE_QUANTS.items():
+        if name in MODES:
+            assert MODES[name] == q.block
+    assert MODES["fp4_mx"] == MX_BLOCK
+
+
+@pytest.mark.parametrize("mode", ["fp8_blockwise", "fp4_blockwise"])
+def test_combine_wire_flushes_below_the_tables_threshold(mode):
+    tiny = torch.full((128,), 2.0**COMBINE_FLUSH_LOG2)
+    y = torch.stack([tiny, torch.nextafter(tiny, torch.zeros(128))])  # at the threshold, one float32 below
+    dq = combine_roundtrip(mode, y)
+    assert bool((dq[0] > 0).all()) and bool((dq[1] == 0).all())
 
 
 # --- the combine wire ----------------------------------------------------------------------------

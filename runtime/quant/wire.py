@@ -1,0 +1,127 @@
+"""Reference of the combine leg's quantized wire and its error bound (pure torch, CPU, deterministic).
+
+The combine kernels (``templates/common/wire/``) quantize each expert output row, peers decode it
+and sum in float32; ``combine_roundtrip`` is what they decode, bit for bit, and
+``combine_error_bound`` bounds its distance to the input. Wire formats, block sizes and element
+maxima: ``epgen.codegen.dtypes.COMBINE_QUANTS`` and ``MINIFLOATS``, the numbers the kernels print.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epgen.codegen.dtypes import COMBINE_FLUSH_LOG2, MINIFLOATS, MiniFloat, combine_quant
+from epgen.quant._common import BLOCK_DTYPES, amax_scale, check_2d, first_bad, padded_blocks, unblock
+from epgen.quant.quantizers import (
+    dequantize_fp4_blockwise,
+    dequantize_fp8_blockwise,
+    dequantize_fp8_direct,
+    fp8_direct_cast,
+    quantize_fp4_blockwise,
+    quantize_fp8_blockwise,
+)
+
+__all__ = ["combine_error_bound", "combine_roundtrip"]
+
+
+def _check_combine(mode: str, y) -> torch.Tensor:
+    """Validate (mode, y) of a combine wire function; return y."""
+    quant = combine_quant(mode)  # ValueError naming the known modes
+    y = check_2d("y", y, BLOCK_DTYPES)
+    if y.shape[1] == 0:
+        raise ValueError(f"y: shape {tuple(y.shape)}: hidden size H must be positive")
+    if quant.block:
+        y32 = y.to(torch.float32)
+        bad = ~torch.isfinite(y32)
+        if bool(bad.any()):
+            raise ValueError(f"{first_bad('y', bad, y32)}: must be finite for mode {mode!r} (a block holding a "
+                             f"NaN or an infinity has no defined scale)")
+    return y
+
+
+_TINY_BLOCK = 2.0**COMBINE_FLUSH_LOG2
+"""Blocks of the combine wire whose amax is below this (2^-80) travel as zeros."""
+
+
+def _flush_tiny_blocks(y: torch.Tensor, block: int) -> torch.Tensor:
+    """float32 copy of [R, H] ``y`` with every block (the last may be shorter) of amax < 2^-80 zeroed."""
+    yb = padded_blocks(y.to(torch.float32), block).clone()
+    yb[yb.abs().amax(dim=-1) < _TINY_BLOCK] = 0.0
+    return unblock(yb, y.shape[1])
+
+
+def _half_steps(fmt: MiniFloat) -> tuple[float, float]:
+    """(relative, absolute) rounding error bounds of an RNE encode into ``fmt`` below its max:
+    half a normal step relative to |x|, 2^-(mbits + 1), and half the subnormal step,
+    2^(emin - mbits - 1) (fp8 e4m3: 2^-4, 2^-10; fp4 e2m1: 2^-2, 2^-2)."""
+    return 2.0 ** -(fmt.mbits + 1), 2.0 ** (fmt.emin - fmt.mbits - 1)
+
+
+def combine_roundtrip(mode: str, y: torch.Tensor) -> torch.Tensor:
+    """What the combine wire delivers for expert outputs ``y``: dequantize(quantize(y)) of ``mode``,
+    bit for bit what the kernels decode before they sum (ascending rank, float32) and round to
+    bf16 once.
+
+    Modes (``epgen.codegen.dtypes.COMBINE_QUANTS``): "none" (y itself), "fp8_direct_cast"
+    (``fp8_direct_cast``), "fp8_blockwise" (``quantize_fp8_blockwise``, block 128),
+    "fp4_blockwise" (``quantize_fp4_blockwise``, block 32). When H is not a multiple of the block
+    the last block is shorter, as in those quantizers. A block whose amax is below 2^-80 travels
+    as zeros: above that every quotient that can round to a nonzero code, and the kernels' division
+    residuals, are normal float32, so kernels compiled with flush-to-zero still match bit for bit.
+
+    Args:
+        mode: the wire mode.
+        y: [R, H] bfloat16 or float32 (finite for the blockwise modes).
+
+    Returns:
+        float32 [R, H].
+
+    Raises:
+        ValueError: unknown mode, y not 2-D bfloat16 / float32 with H >= 1, or (blockwise) not
+            finite (naming the first bad element).
+    """
+    y = _check_combine(mode, y)
+    if mode == "none":
+        return y.to(torch.float32, copy=True)
+    if mode == "fp8_direct_cast":
+        return dequantize_fp8_direct(fp8_direct_cast(y))
+    block = combine_quant(mode).block
+    y = _flush_tiny_blocks(y, block)
+    if mode == "fp8_blockwise":
+        return dequantize_fp8_blockwise(*quantize_fp8_blockwise(y, block), block)
+    return dequantize_fp4_blockwise(*quantize_fp4_blockwise(y, block), block)
+
+
+def combine_error_bound(mode: str, y: torch.Tensor) -> torch.Tensor:
+    """Element-wise bound on |y - combine_roundtrip(mode, y)|, as each quantizer documents it.
+
+    * none: 0.
+    * fp8_direct_cast: ``max(2^-4 |y|, 2^-10)`` for |y| <= 448, ``|y| - 448`` above
+      (``fp8_direct_cast``).
+    * fp8_blockwise: ``2^-4 |y| + 2^-10 s`` (``quantize_fp8_blockwise``).
+    * fp4_blockwise: ``2^-2 |y| + 2^-2 s`` (``quantize_fp4_blockwise``).
+
+    s is the block's float32 scale (1 for a block of amax < 2^-80, which travels as zeros: its
+    error |y| < 2^-80 is inside the bound too).
+    A combined output adds the bounds of the rows it sums, plus its own bf16 rounding
+    (2^-8 relative) and the float32 sum's (W x 2^-24 of the sum of magnitudes).
+
+    Args:
+        mode, y: as ``combine_roundtrip``.
+
+    Returns:
+        float32 [R, H].
+
+    Raises:
+        ValueError: as ``combine_roundtrip``.
+    """
+    a = _check_combine(mode, y).to(torch.float32).abs()
+    quant = combine_quant(mode)
+    if not quant.quantized:
+        return torch.zeros_like(a)
+    fmt = MINIFLOATS[quant.element]
+    rel, sub = _half_steps(fmt)
+    if not quant.block:  # a saturating cast
+        return torch.where(a <= fmt.max, torch.clamp(a * rel, min=sub), a - fmt.max)
+    s = amax_scale(padded_blocks(_flush_tiny_blocks(a, quant.block), quant.block), fmt.max)
+    return rel * a + sub * s.repeat_interleave(quant.block, dim=1)[:, : a.shape[1]]

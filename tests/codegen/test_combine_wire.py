@@ -1,0 +1,87 @@
+"""CPU tests of the combine wire templates (templates/common/wire/): each wire format renders its
+own template, and every number the kernels print is the table's (``epgen.codegen.dtypes``), the
+same numbers the reference ``epgen.quant`` computes with."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from epgen.codegen.arch import ARCHES, traits
+from epgen.codegen.dtypes import COMBINE_FLUSH_LOG2, COMBINE_QUANTS, MINIFLOATS
+from epgen.codegen.render import environment, render
+from epgen.codegen.spec import KernelSpec
+
+BASE = dict(op="combine", dtype="bf16", hidden=2880, topk=4, experts_per_rank=5, world_size=3,
+            max_tokens_per_rank=77, blocks=7, warps_per_block=3, unroll=5)
+QUANTIZED = [name for name, q in COMBINE_QUANTS.items() if q.quantized]
+CASES = [(arch, mode) for arch in ARCHES for mode in QUANTIZED]
+
+
+def _render(arch: str, mode: str) -> tuple[KernelSpec, str]:
+    s = KernelSpec(arch=arch, combine_quant=mode, **BASE)
+    return s, render(s).text
+
+
+def _one(pattern: str, text: str) -> re.Match:
+    found = list(re.finditer(pattern, text, re.M))
+    assert len(found) == 1, f"{pattern!r}: {len(found)} matches"
+    return found[0]
+
+
+def _int(literal: str) -> int:
+    return int(literal, 0)
+
+
+def test_every_wire_format_has_its_template():
+    names = set(environment().list_templates())
+    for q in COMBINE_QUANTS.values():
+        assert q.template == f"common/wire/{q.name}.j2" and q.template in names
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("mode", list(COMBINE_QUANTS))
+def test_the_wire_format_renders_its_own_section(arch, mode):
+    _, text = _render(arch, mode)
+    assert _one(r"^// ---- combine wire: (\w+) ----$", text).group(1) == mode
+    if mode != "none":
+        assert f'epgen.quant.combine_roundtrip("{mode}", ...)' in text
+
+
+@pytest.mark.parametrize("arch,mode", CASES, ids=[f"{a}-{m}" for a, m in CASES])
+def test_printed_numbers_are_the_tables(arch, mode):
+    s, text = _render(arch, mode)
+    q = COMBINE_QUANTS[mode]
+    e = MINIFLOATS[q.element]
+    assert float(_one(r"^constexpr float kElementMax = ([0-9.]+)f;$", text).group(1)) == e.max
+    assert int(_one(r"^constexpr int kElementBits = (\d+);$", text).group(1)) == e.bits
+    assert int(_one(r"^constexpr int kSrcRowBytes = (\d+);$", text).group(1)) == q.wire_row_bytes(s.hidden)
+    assert int(_one(r"^constexpr int kWireScaleOffset = (\d+);$", text).group(1)) == q.scale_offset(s.hidden)
+    row = _one(r"^// peers read those\. Wire row: (\w+) codes \((\d+) bytes\)", text)
+    assert (row.group(1), int(row.group(2))) == (q.element, q.code_bytes(s.hidden))
+    if q.block:
+        assert int(_one(r"^constexpr int kLanesPerScale = (\d+);", text).group(1)) * 8 == q.block
+        scales = _one(r"^// (\d+) float32 scales at byte (\d+), one per (\d+) elements", text)
+        assert [int(g) for g in scales.groups()] == [q.scale_count(s.hidden), q.scale_offset(s.hidden), q.block]
+        header = _one(r"s = fl\(block amax / ([0-9.]+)\), 1 when amax < 2\^(-?\d+);", text)
+        assert float(header.group(1)) == e.max and int(header.group(2)) == COMBINE_FLUSH_LOG2
+        flush = _one(r"const float s = amax >= (0x1p-?\d+)f \? ep_div_rn\(amax, kElementMax\) : 1\.0f;", text)
+        assert float.fromhex(flush.group(1)) == 2.0**COMBINE_FLUSH_LOG2
+    else:
+        assert "kLanesPerScale" not in text and "(saturating cast, no scales)" in text
+    software = q.element == "fp4" or not traits(arch).hw_fp8_convert
+    encodes = re.findall(r"ep_encode_minifloat<(-?\w+), (-?\w+), (\w+), (\w+), (\w+)>\(", text)
+    decodes = re.findall(r"ep_decode_minifloat<(\w+), (\w+), (\w+)>\(", text)
+    if software:
+        assert encodes and decodes
+        assert {tuple(map(_int, a)) for a in encodes} == {(e.mbits, e.emin, e.max_code, e.nan_code, e.sign_shift)}
+        assert {tuple(map(_int, a)) for a in decodes} == {(e.mbits, e.ebits, e.bias)}
+    else:
+        assert not encodes and not decodes and "template <int kM" not in text
+        assert "ep_e4m3x2_hw(lo, hi)" in text and "ep_e4m3x2_decode_hw(codes, lo, hi)" in text
+
+
+def test_both_codec_paths_are_rendered():
+    """The catalogue's arches cover the software and the hardware fp8 codec."""
+    assert {traits(a).hw_fp8_convert for a in ARCHES} == {True, False}
