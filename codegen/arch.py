@@ -46,7 +46,7 @@ class ArchTraits:
         hw_fp8_convert: the combine wire encodes and decodes fp8 e4m3 with the platform's
             ``ep_e4m3x2_hw`` / ``ep_e4m3x2_decode_hw`` (sm_90: ``cvt.rn.satfinite.e4m3x2.f32``,
             ``cvt.rn.f16x2.e4m3x2``); otherwise with the bit-exact software encoder and decoder
-            of common/_combine_wire.j2. gfx950 and gfx1250
+            of common/wire/_codec.j2. gfx950 and gfx1250
             have converts too, but their rounding and saturation were not verified on hardware
             here, so they take the software path. fp4 is software everywhere (sm_90 has no
             e2m1 convert).
