@@ -1,7 +1,9 @@
 """The committed catalogue: every model x arch x op, rendered into ``generated/``.
 
 ``write`` updates the directory (writing only files whose bytes changed and removing files the
-catalogue no longer lists); ``check`` lists what differs, which CI turns into a failure.
+catalogue no longer lists); it touches only a directory that is new, empty of the files it would
+write, or holds the manifest it wrote itself (``read_manifest``). ``check`` lists what differs,
+which CI turns into a failure.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 from epgen.codegen.arch import ARCHES, traits
 from epgen.codegen import report
 from epgen.codegen.models import MODELS, model
-from epgen.codegen.offline import ToolchainMissing, compile_many, toolchain_status
+from epgen.codegen.offline import ToolchainMissing, compile_many, compiler_identity, toolchain_status
 from epgen.codegen.render import Source, render
 from epgen.codegen.dtypes import COMBINE_QUANTS
 from epgen.codegen.spec import KernelSpec, Op
@@ -25,9 +27,10 @@ MANIFEST = "manifest.json"
 
 def shape_specs(*, hidden: int, topk: int, num_experts: int, world_size: int = CATALOGUE_WORLD_SIZE,
                 max_tokens_per_rank: int = CATALOGUE_MAX_TOKENS, dtype: str = "bf16", combine_quant: str = "none",
-                arches=ARCHES, geometry: Geometry | None = None) -> list[KernelSpec]:
+                scale_bytes: int = 0, arches=ARCHES, geometry: Geometry | None = None) -> list[KernelSpec]:
     """Dispatch and combine specs of one shape for each arch: ``geometry`` for both ops, or the
-    tuning table's geometry at ``max_tokens_per_rank``; ``combine_quant`` is the combine wire.
+    tuning table's geometry at ``max_tokens_per_rank``; ``combine_quant`` is the combine wire,
+    ``scale_bytes`` the per-token scale bytes dispatch forwards.
 
     Raises:
         ValueError: naming the bad field (e.g. num_experts not a multiple of world_size).
@@ -36,8 +39,7 @@ def shape_specs(*, hidden: int, topk: int, num_experts: int, world_size: int = C
 
     cfg = EpConfig(world_size=world_size, hidden=hidden, topk=topk, num_experts=num_experts,
                    max_tokens_per_rank=max_tokens_per_rank, dtype=dtype, combine_quant=combine_quant,
-                   dispatch_geometry=geometry,
-                   combine_geometry=geometry)
+                   scale_bytes=scale_bytes, dispatch_geometry=geometry, combine_geometry=geometry)
     return [s for arch in arches for s in cfg.kernel_specs(arch)]
 
 
@@ -88,8 +90,13 @@ def render_files(specs: list[KernelSpec], with_report: bool = True, title: str =
 
 
 def report_rows(specs: list[KernelSpec], max_workers: int | None = None, on_done=None) -> list[dict]:
-    """Compile ``specs`` offline and return the report rows (``codegen.report``); ``on_done``
-    is called after each compile."""
+    """Compile ``specs`` offline and return the report rows (``codegen.report.rows``, each with
+    the exact release of the compiler that made it: ``compiler_identity``); ``on_done`` is called
+    after each compile.
+
+    Raises:
+        epgen.codegen.offline.ToolchainMissing: an offline compiler of one of the arches is absent.
+    """
     for arch in sorted({s.arch for s in specs}):
         reason = toolchain_status(arch)
         if reason:
@@ -97,14 +104,47 @@ def report_rows(specs: list[KernelSpec], max_workers: int | None = None, on_done
     sources = [render(s) for s in specs]
     results = compile_many([(src.text, s.arch, src.entry) for s, src in zip(specs, sources)], max_workers=max_workers,
                            on_done=on_done)
-    return report.rows(specs, results)
+    return report.rows(specs, results, {arch: compiler_identity(arch) for arch in sorted({s.arch for s in specs})})
+
+
+MANIFEST_SCHEMA = 1
+_MANIFEST_ROW = {"file", "entry", "key", "spec"}
 
 
 def manifest(sources: list[Source]) -> str:
     """JSON listing, per source: file, entry, key (sha256 of text + runtime options) and spec."""
     rows = [{"file": f"{s.spec.arch}/{s.filename}", "entry": s.entry, "key": s.key, "spec": s.spec.as_dict()}
             for s in sources]
-    return json.dumps({"schema": 1, "sources": rows}, indent=1, sort_keys=True) + "\n"
+    return json.dumps({"schema": MANIFEST_SCHEMA, "sources": rows}, indent=1, sort_keys=True) + "\n"
+
+
+class NotACatalogue(ValueError):
+    """``write`` refuses a directory it did not write: its ``manifest.json`` is not the one
+    ``manifest`` makes, or (with no manifest) a file it would write is already there. The message
+    names the file; nothing was written."""
+
+
+def read_manifest(directory: Path) -> list[str] | None:
+    """The files listed by ``<directory>/manifest.json`` when ``write`` wrote it (the object
+    ``manifest`` makes: ``schema`` and ``sources``, each row ``file``/``entry``/``key``/``spec``);
+    None when there is no manifest.
+
+    Raises:
+        NotACatalogue: the manifest exists but is another tool's (e.g. a build cache's) or unreadable.
+    """
+    path = Path(directory) / MANIFEST
+    if not path.exists() and not path.is_symlink():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise NotACatalogue(f"{path}: not a manifest epgen generate wrote ({e}); choose another directory") from None
+    rows = doc.get("sources") if isinstance(doc, dict) and doc.get("schema") == MANIFEST_SCHEMA else None
+    if set(doc if isinstance(doc, dict) else ()) != {"schema", "sources"} or not isinstance(rows, list) or not all(
+            isinstance(r, dict) and set(r) == _MANIFEST_ROW and isinstance(r["file"], str) for r in rows):
+        raise NotACatalogue(f'{path}: not a manifest epgen generate wrote (needs {{"schema": {MANIFEST_SCHEMA}, '
+                            '"sources": [{file, entry, key, spec}]}); choose another directory')
+    return [r["file"] for r in rows]
 
 
 def owned_sources(directory: Path) -> list[str]:
@@ -123,24 +163,37 @@ def _differs(path: Path, text: str) -> bool:
 
 
 def write(directory: Path, files: dict[str, str]) -> list[str]:
-    """Write ``files`` under ``directory`` where bytes differ and remove generated sources
-    (``_owned``) that ``files`` no longer lists. Returns the paths written or removed.
+    """Write ``files`` under ``directory`` where bytes differ and remove the generated sources
+    that ``files`` no longer lists: those the old manifest listed and the other
+    ``owned_sources``, only in a directory holding a manifest ``write`` wrote. In a directory
+    without one, nothing is removed and no existing file is overwritten. The manifest is written
+    first, so an interrupted write leaves a directory ``write`` takes again. Returns the paths
+    written or removed.
 
     Raises:
+        NotACatalogue: the directory is another tool's (nothing written).
         OSError: the directory or a file cannot be written.
     """
     directory = Path(directory)
+    listed = read_manifest(directory)
+    if listed is None:
+        taken = [rel for rel in files if (directory / rel).exists() or (directory / rel).is_symlink()]
+        if taken:
+            raise NotACatalogue(f"{directory / taken[0]}: exists, and {directory} has no manifest.json of epgen "
+                                "generate, so it is not a catalogue directory: choose another directory or remove it")
     touched = []
-    for rel, text in files.items():
+    for rel in sorted(files, key=lambda rel: rel != MANIFEST):
         p = directory / rel
-        if _differs(p, text):
+        if _differs(p, files[rel]):
             p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_bytes(text.encode())
+            p.write_bytes(files[rel].encode())
             touched.append(rel)
-    for rel in owned_sources(directory):
-        if rel not in files:
-            (directory / rel).unlink()
-            touched.append(rel)
+    if listed is not None:
+        for rel in dict.fromkeys([*listed, *owned_sources(directory)]):
+            arch, _, name = rel.partition("/")  # a listed path stays inside an arch folder
+            if arch in ARCHES and name and "/" not in name and rel not in files and (directory / rel).is_file():
+                (directory / rel).unlink()
+                touched.append(rel)
     return touched
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import numbers
+
 import attrs
 
 from epgen.codegen.arch import ARCH_TRAITS
 from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES, dtype_info
+from epgen.codegen.errors import FieldError
 from epgen.codegen.models import model as _model
 from epgen.codegen.spec import KernelSpec, Op
 from epgen.codegen.tuning import Geometry, TuningKey, buckets, lookup
@@ -13,7 +16,15 @@ from epgen.codegen.tuning import Geometry, TuningKey, buckets, lookup
 
 def _check(cond: bool, field: str, value, rule: str):
     if not cond:
-        raise ValueError(f"EpConfig.{field}={value!r}: {rule}")
+        raise FieldError(field, f"EpConfig.{field}={value!r}: {rule}")
+
+
+def _int(value):
+    """An integer of another type (numpy's, e.g. from ``np.int64``) as a Python int; anything
+    else, bools included, unchanged for the validation to reject."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return value
 
 
 @attrs.frozen
@@ -23,7 +34,7 @@ class EpConfig:
     Attributes:
         world_size: ranks W (processes, or virtual ranks in one process).
         hidden: elements per token row H.
-        topk: experts per token K.
+        topk: experts per token K, 1 to 16 (``KernelSpec.topk``) and at most num_experts.
         num_experts: routed experts E, a multiple of W (expert e lives on rank e // (E / W)).
         max_tokens_per_rank: the most tokens any rank passes to one dispatch.
         dtype: dispatch payload dtype.
@@ -35,18 +46,22 @@ class EpConfig:
             takes it from the tuning table per token bucket (``epgen.codegen.tuning``).
         timeout_s: bound of every in-kernel spin-wait, seconds.
 
+    The integer fields take any integer type (numpy's too) and hold a Python int; bools and
+    floats are rejected.
+
     Raises:
-        ValueError: naming the field, its value and the rule, on construction; the derived
-            KernelSpecs are validated too (e.g. a row that is not a multiple of 16 bytes).
+        epgen.codegen.errors.FieldError: a ValueError naming the field (``.field``), its value
+            and the rule, on construction; the derived KernelSpecs are validated too (e.g. a row
+            that is not a multiple of 16 bytes: the KernelSpec's field, e.g. ``hidden``).
     """
 
-    world_size: int
-    hidden: int
-    topk: int
-    num_experts: int
-    max_tokens_per_rank: int
+    world_size: int = attrs.field(converter=_int)
+    hidden: int = attrs.field(converter=_int)
+    topk: int = attrs.field(converter=_int)
+    num_experts: int = attrs.field(converter=_int)
+    max_tokens_per_rank: int = attrs.field(converter=_int)
     dtype: str = "bf16"
-    scale_bytes: int = 0
+    scale_bytes: int = attrs.field(default=0, converter=_int)
     combine_quant: str = "none"
     dispatch_geometry: Geometry | None = None
     combine_geometry: Geometry | None = None

@@ -6,6 +6,10 @@ from __future__ import annotations
 import csv
 import io
 
+from rich import box
+from rich.markup import escape
+
+from epgen.codegen.dtypes import combine_quant
 from epgen.codegen.occupancy import occupancy
 from epgen.codegen.offline import CompileError
 from epgen.codegen.spec import KernelSpec
@@ -14,12 +18,16 @@ COLUMNS = ("arch", "op", "entry", "registers", "agprs", "sgprs", "scratch_bytes"
            "occupancy", "occupancy_unit", "status")
 
 
-def rows(specs: list[KernelSpec], results: list) -> list[dict]:
-    """One row per (spec, compile result); status is 'ok', 'scratch/spill' or 'compile error: ...';
-    a number the target does not have (AGPRs, SGPRs on sm_90) or a failed compile gives None."""
+def rows(specs: list[KernelSpec], results: list, compilers: dict[str, str] | None = None) -> list[dict]:
+    """One row per (spec, compile result): ``COLUMNS``, plus ``spec`` (its fields,
+    ``KernelSpec.as_dict``) and, with ``compilers`` ({arch: exact offline compiler release}),
+    ``compiler``; status is 'ok', 'scratch/spill' or 'compile error: ...'; a number the target
+    does not have (AGPRs, SGPRs on sm_90) or a failed compile gives None."""
     out = []
     for spec, res in zip(specs, results):
-        row = {"arch": spec.arch, "op": spec.op.value, "entry": spec.name}
+        row = {"arch": spec.arch, "op": spec.op.value, "entry": spec.name, "spec": spec.as_dict()}
+        if compilers is not None:
+            row["compiler"] = compilers[spec.arch]
         if isinstance(res, CompileError):
             out.append({**row, **{c: None for c in COLUMNS[3:-1]}, "status": f"compile error: {res}"})
             continue
@@ -45,8 +53,55 @@ def to_markdown(report_rows: list[dict], title: str) -> str:
 
 
 def to_csv(report_rows: list[dict]) -> str:
+    """CSV of ``COLUMNS`` (the full entry name included; ``spec`` and ``compiler`` left out)."""
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
+    w = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n", extrasaction="ignore")
     w.writeheader()
     w.writerows(report_rows)
     return buf.getvalue()
+
+
+_SHAPE_PARTS = (("world_size", "w"), ("hidden", "h"), ("topk", "k"), ("experts_per_rank", "l"),
+                ("max_tokens_per_rank", "t"), ("scale_bytes", "s"))
+
+
+def variant_labels(specs: list[dict]) -> tuple[list[str], str]:
+    """Short labels of ``specs`` (``KernelSpec.as_dict`` dicts) for a table, and what they leave
+    out: per spec its payload (dispatch: the dtype; combine: the wire, bf16 or a quant tag such
+    as qfp8b), the shape fields that differ between the specs (w, h, k, l, t, s as in the entry
+    name) and the launch geometry BLOCKSxWARPSuUNROLL. The shape fields every spec shares form the
+    second value, e.g. ``"w8 h7168 k8 l32 t4096"``."""
+    def payload(s: dict) -> str:
+        return s["dtype"] if s["op"] == "dispatch" else combine_quant(s["combine_quant"]).tag or "bf16"
+
+    shared = [(f, tag) for f, tag in _SHAPE_PARTS if len({s[f] for s in specs}) == 1]
+    varying = [(f, tag) for f, tag in _SHAPE_PARTS if (f, tag) not in shared]
+    labels = [" ".join([payload(s), *(f"{tag}{s[f]}" for f, tag in varying),
+                        f"{s['blocks']}x{s['warps_per_block']}u{s['unroll']}"]) for s in specs]
+    common = " ".join(f"{tag}{specs[0][f]}" for f, tag in shared if not (f == "scale_bytes" and not specs[0][f]))
+    return labels, common
+
+
+def resource_table(report_rows: list[dict], title: str):
+    """A rich table of ``rows`` that reads at 80 columns: a short variant label (``variant_labels``)
+    instead of the entry name (which ``--json`` and the CSV carry), the shape every row shares and
+    the compilers in the caption."""
+    from rich.table import Table
+
+    labels, common = variant_labels([r["spec"] for r in report_rows])
+    compilers = {r["arch"]: r["compiler"] for r in report_rows if r.get("compiler")}
+    caption = [f"every row: {common}"] if common else []
+    caption += ["scratch, spill, LDS (AMD) or shared memory (NVIDIA) in bytes; occupancy in waves per SIMD (AMD) "
+                "or blocks per SM (NVIDIA)"]
+    caption += [f"{arch}: {c}" for arch, c in compilers.items()]
+    t = Table(title=title, caption="\n".join(caption), box=box.SIMPLE_HEAD, show_edge=False, padding=0,
+              pad_edge=False, caption_justify="left")
+    for c in ("arch", "op", "variant", "regs", "AGPR", "SGPR", "scratch", "spill", "LDS", "occ", "status"):
+        wraps = c in ("variant", "status")  # the rest stay one word a cell
+        t.add_column(c, overflow="fold", no_wrap=not wraps, justify="left" if c in ("arch", "op") or wraps else "right")
+    for r, label in zip(report_rows, labels):
+        status = r["status"] if r["status"] == "ok" else f"[red]{escape(r['status'])}[/red]"
+        t.add_row(r["arch"], r["op"], label, *("" if r[k] is None else str(r[k]) for k in
+                                               ("registers", "agprs", "sgprs", "scratch_bytes", "spill_bytes",
+                                                "shared_bytes", "occupancy")), status)
+    return t

@@ -17,6 +17,7 @@ from epgen.codegen.abi import SIGNAL_WORDS
 from epgen.codegen.arch import ARCH_TRAITS, ArchTraits, traits
 from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES, CombineQuant, DTypeInfo, combine_quant, dtype_info
 from epgen.codegen.dtypes import COMBINE_FLUSH_LOG2, MINIFLOATS
+from epgen.codegen.errors import FieldError
 
 MAX_TOKENS_LIMIT = 1 << 20
 """Largest max_tokens_per_rank: keeps W x max tokens receive rows inside int32 offsets."""
@@ -32,9 +33,9 @@ class Op(str, enum.Enum):
 def _positive(name: str, lo: int, hi: int):
     def check(_inst, attribute, value):
         if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"KernelSpec.{name}={value!r}: must be an int")
+            raise FieldError(name, f"KernelSpec.{name}={value!r}: must be an int")
         if not lo <= value <= hi:
-            raise ValueError(f"KernelSpec.{name}={value}: must be in [{lo}, {hi}]")
+            raise FieldError(name, f"KernelSpec.{name}={value}: must be in [{lo}, {hi}]")
 
     return check
 
@@ -43,13 +44,13 @@ def _to_op(value) -> "Op":
     try:
         return Op(value)
     except ValueError:
-        raise ValueError(f"KernelSpec.op={value!r}: must be one of {', '.join(o.value for o in Op)}") from None
+        raise FieldError("op", f"KernelSpec.op={value!r}: must be one of {', '.join(o.value for o in Op)}") from None
 
 
 def _one_of(name: str, choices):
     def check(_inst, attribute, value):
         if value not in choices:
-            raise ValueError(f"KernelSpec.{name}={value!r}: must be one of {', '.join(map(str, choices))}")
+            raise FieldError(name, f"KernelSpec.{name}={value!r}: must be one of {', '.join(map(str, choices))}")
 
     return check
 
@@ -146,7 +147,8 @@ class KernelSpec:
             specs carry it too because it sizes the shared arena.
 
     Raises:
-        ValueError: on construction, naming the field, its value and the rule broken.
+        epgen.codegen.errors.FieldError: a ValueError, on construction, naming the field, its
+            value and the rule broken (``.field`` holds the field's name).
     """
 
     op: Op = attrs.field(converter=_to_op)
@@ -168,23 +170,23 @@ class KernelSpec:
         row = self.row_bytes
         if row % t.vector_bytes:
             per = t.vector_bytes * 8 // self.dtype_info.bits
-            raise ValueError(
-                f"KernelSpec.hidden={self.hidden}: a {self.dtype} row must be a multiple of "
+            raise FieldError(
+                "hidden", f"KernelSpec.hidden={self.hidden}: a {self.dtype} row must be a multiple of "
                 f"{t.vector_bytes} bytes (hidden a multiple of {per}); it is {row} bytes"
             )
         if self.topk > t.wave_size:
-            raise ValueError(f"KernelSpec.topk={self.topk}: must be at most the {self.arch} wave size {t.wave_size}")
+            raise FieldError("topk", f"KernelSpec.topk={self.topk}: must be at most the {self.arch} wave size {t.wave_size}")
         if self.world_size > t.wave_size:
-            raise ValueError(
-                f"KernelSpec.world_size={self.world_size}: must be at most the {self.arch} wave size {t.wave_size}"
+            raise FieldError(
+                "world_size", f"KernelSpec.world_size={self.world_size}: must be at most the {self.arch} wave size {t.wave_size}"
             )
         if self.threads > t.max_threads_per_block:
-            raise ValueError(
-                f"KernelSpec.warps_per_block={self.warps_per_block}: {self.threads} threads exceed the "
+            raise FieldError(
+                "warps_per_block", f"KernelSpec.warps_per_block={self.warps_per_block}: {self.threads} threads exceed the "
                 f"{self.arch} limit of {t.max_threads_per_block} per block"
             )
         if self.op is Op.COMBINE and self.dtype != "bf16":
-            raise ValueError(f"KernelSpec.dtype={self.dtype!r}: combine takes bf16 expert outputs")
+            raise FieldError("dtype", f"KernelSpec.dtype={self.dtype!r}: combine takes bf16 expert outputs")
 
     # --- derived values (the one place each formula lives) -------------------------------------
     @property

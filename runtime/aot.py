@@ -163,3 +163,20 @@ def _update_manifest(directory: Path, rows: list[dict]) -> None:
     entries.update({r["file"]: {k: v for k, v in r.items() if k != "status"} for r in rows})
     doc = {"schema": MANIFEST_SCHEMA, "code_objects": dict(sorted(entries.items()))}
     _write_atomically(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+
+
+def build_table(rows: list[dict], directory: Path, jobs: int):
+    """A rich table of ``build``'s rows: per code object its arch, op, entry, key, bytes, cold
+    compile seconds (with ``jobs`` parallel compiles) and status; the compilers in the caption."""
+    from rich.table import Table
+
+    compilers = {r["arch"]: r["compiler"] for r in rows if r["status"] == "ok"}
+    t = Table(title=f"epgen build: {len(rows)} code objects in {directory} (cold compile seconds with {jobs} "
+                    "parallel compiles)", caption="\n".join(f"{a}: {c}" for a, c in compilers.items()))
+    for c in ("arch", "op", "entry", "key", "bytes", "compile s", "status"):
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        ok = r["status"] == "ok"
+        t.add_row(r["arch"], r["op"], r["entry"], r["key"][:16] if ok else "", str(r["bytes"]) if ok else "",
+                  f"{r['compile_s']:.2f}" if ok else "", r["status"] if ok else f"[red]{r['status']}[/red]")
+    return t

@@ -28,7 +28,6 @@ import platform
 import subprocess
 from pathlib import Path
 
-import attrs
 import torch
 
 from epgen.verify import make_inputs, op_arg, op_inputs, run_round
@@ -40,27 +39,12 @@ from epgen.device import cupy_stream
 from epgen.loader import load_kernel
 from epgen.codegen.config import EpConfig, Geometry
 from epgen.reference import route
+from epgen.options import BenchOptions
 from epgen.timing import PairTiming, Timing, gbps, time_pairs, time_pairs_queued
 
-SWEEP = (1, 8, 32, 128, 512, 1024, 4096, 8192, 16384)
 CSV_COLUMNS = ("op", "dtype", "routing", "tokens", "rank", "world_size", "time_us", "mean_us", "stdev_us", "best_us",
                "host_launched_us", "timing", "recv_rows", "wire_rows", "logical_gbps", "wire_gbps", "p2p_ceiling_gbps",
                "nccl_gbps", "ratio_ceiling", "ratio_nccl", "blocks", "warps_per_block", "unroll")
-
-
-@attrs.frozen
-class BenchOptions:
-    model: str = "deepseek-v3"
-    world_size: int = 2
-    tokens: tuple[int, ...] = SWEEP
-    routings: tuple[str, ...] = ("uniform", "skewed")
-    dtype: str = "bf16"
-    combine_quant: str = "none"  # combine wire format
-    dispatch_geometry: Geometry | None = None  # None: the tuning table per token bucket
-    combine_geometry: Geometry | None = None
-    iters: int = 30
-    virtual: bool = False
-    output: str = ""  # path prefix of the .csv/.png (rank 0 writes)
 
 
 def environment() -> dict:

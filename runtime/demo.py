@@ -8,23 +8,10 @@ from rich.table import Table
 
 from epgen.codegen.arch import ARCHES
 from epgen.codegen.catalogue import report_rows
+from epgen.codegen.report import resource_table
 from epgen.codegen.offline import toolchain_status
 from epgen.codegen.spec import Op
 from epgen.codegen.config import EpConfig
-
-
-def resource_table(rows: list[dict], title: str) -> Table:
-    """A rich table of ``codegen.report`` rows (registers, scratch, spill, LDS, occupancy)."""
-    t = Table(title=title)
-    for c in ("arch", "op", "entry", "VGPRs/regs", "AGPRs", "SGPRs", "scratch B", "spill B", "LDS/shared B",
-              "occupancy", "status"):
-        t.add_column(c, overflow="fold")  # narrow terminals wrap cells instead of cutting entry names
-    for r in rows:
-        status = r["status"] if r["status"] == "ok" else f"[red]{r['status']}[/red]"
-        t.add_row(*("" if r[k] is None else str(r[k]) for k in ("arch", "op", "entry", "registers", "agprs", "sgprs",
-                                                               "scratch_bytes", "spill_bytes", "shared_bytes")),
-                  "" if r["occupancy"] is None else f"{r['occupancy']} {r['occupancy_unit']}", status)
-    return t
 
 
 def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Console, quiet: bool = False,
@@ -49,6 +36,7 @@ def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Cons
     summary["resources"] = rows
     if rows and (not quiet or not ok):
         console.print(resource_table(rows, f"{model}: W={world_size}, Tmax={tokens}, {cfg.dtype}"))
+        console.print("entry names, in the table's order:\n  " + "\n  ".join(r["entry"] for r in rows))
     checked = "rendering and compile checks only" if rows else "rendering only (no offline compiler installed)"
     rc = 0
     if not ok:

@@ -132,3 +132,26 @@ def time_process(mode: str, job: str) -> dict:
 
 if __name__ == "__main__":
     print(json.dumps(time_process(*sys.argv[1:])))
+
+
+def import_table(timing: dict, rows: list[dict]):
+    """A rich table of ``time_imports``' result: per variant the build's CPU compile seconds
+    (``rows``: ``epgen.aot.build`` rows), render, cold compile and warm import milliseconds, the
+    speed-up, where the warm import came from and whether it met ``WARM_IMPORT_TARGET_S``."""
+    from rich.table import Table
+
+    compile_s = {r["entry"]: r["compile_s"] for r in rows}
+    t = Table(title=f"load_kernel on {timing['arch']}: median of {timing['runs']} fresh processes each, CuPy's "
+                    "kernel cache empty (CUPY_CACHE_DIR fresh)",
+              caption=f"once per process, not in the rows: {timing['warm_once_s'] * 1e3:.0f} ms for the compiler "
+                      f"identity of the cache key (warm), {timing['cold_once_s'] * 1e3:.0f} ms runtime compiler "
+                      "warm-up (cold)")
+    for c in ("op", "entry", "build s (CPU)", "render ms", "cold compile ms", "warm import ms", "speed-up",
+              "warm from", f"warm < {WARM_IMPORT_TARGET_S * 1e3:.0f} ms"):
+        t.add_column(c, overflow="fold")
+    for r in timing["rows"]:
+        met = r["warm_s"] < WARM_IMPORT_TARGET_S and r["warm_from"] == ["cache"]
+        t.add_row(r["op"], r["entry"], f"{compile_s[r['entry']]:.2f}", f"{r['render_s'] * 1e3:.1f}",
+                  f"{r['cold_s'] * 1e3:.1f}", f"{r['warm_s'] * 1e3:.1f}", f"{r['cold_s'] / r['warm_s']:.0f}x",
+                  ", ".join(r["warm_from"]), "yes" if met else "[red]no[/red]")
+    return t

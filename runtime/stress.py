@@ -1,6 +1,6 @@
 """``epgen stress``: many verified dispatch/combine rounds with random token counts and routing.
 
-Each round draws T per rank in [0, max_tokens_per_rank] and a routing kind (``check.ROUTINGS``:
+Each round draws T per rank in [0, max_tokens_per_rank] and a routing kind (``epgen.options.ROUTINGS``:
 uniform, -1 sprinkled, duplicates, skewed, all to one rank) from one seeded generator, so every
 process draws the same round; ``check.run_round`` verifies it against the reference. With one
 process per GPU the first failure ends the run (the peers cannot continue a half-done round);
@@ -13,7 +13,8 @@ import random
 
 import attrs
 
-from epgen.verify import ROUTINGS, run_round
+from epgen.options import ROUTINGS, StressOptions
+from epgen.verify import run_round
 from epgen.codegen.config import EpConfig
 
 
@@ -25,18 +26,6 @@ class StressResult:
     rounds: int
     failures: tuple
     worst_bound_ratio: float
-
-
-@attrs.frozen
-class StressOptions:
-    model: str = "deepseek-v3"
-    world_size: int = 2
-    max_tokens: int = 4096
-    rounds: int = 200
-    seed: int = 0
-    virtual: bool = False
-    dtype: str = "bf16"
-    combine_quant: str = "none"
 
 
 def stress(op, cfg: EpConfig, rounds: int, seed: int, report=print) -> StressResult:

@@ -15,9 +15,10 @@ import torch
 
 from epgen.bench import environment, measure
 from epgen.codegen.spec import Op
-from epgen.codegen.tuning import Geometry, default_geometry, pick_fewest_blocks, write_entry
+from epgen.codegen.tuning import DEFAULT_UNROLL, Geometry, default_geometry, pick_fewest_blocks, write_entry
 from epgen.device import device_arch
 from epgen.codegen.config import EpConfig
+from epgen.options import TuneOptions
 
 
 CANDIDATE_BLOCKS = (8, 16, 24, 32, 48, 64, 132)
@@ -26,19 +27,7 @@ CANDIDATE_BLOCKS = (8, 16, 24, 32, 48, 64, 132)
 def default_candidates(arch: str) -> tuple[Geometry, ...]:
     """CANDIDATE_BLOCKS blocks of 1024 threads (the arch's wave size decides the warps), unroll 4."""
     warps = default_geometry(arch).warps_per_block
-    return tuple(Geometry(b, warps, 4) for b in CANDIDATE_BLOCKS)
-
-
-@attrs.frozen
-class TuneOptions:
-    model: str = "deepseek-v3"
-    world_size: int = 2
-    tokens: tuple[int, ...] = (128, 1024, 4096, 8192)
-    geometries: tuple[Geometry, ...] | None = None  # None: CANDIDATE_BLOCKS x 1024 threads x unroll 4
-    routing: str = "uniform"
-    dtype: str = "bf16"
-    iters: int = 20
-    write: bool = True
+    return tuple(Geometry(b, warps, DEFAULT_UNROLL) for b in CANDIDATE_BLOCKS)
 
 
 def tune_process(rank: int, world_size: int, opts: TuneOptions) -> dict:

@@ -13,8 +13,8 @@ import torch
 from epgen import quant, reference
 from epgen.codegen.dtypes import dtype_info
 from epgen.codegen.config import EpConfig
+from epgen.options import ROUTINGS
 
-ROUTINGS = ("uniform", "invalid", "duplicates", "skewed", "one_rank", "shared")
 """Routing kinds: uniform random distinct experts; uniform with -1 sprinkled (and some all -1
 rows); uniform with repeated expert ids inside a row; skewed (half the tokens send every slot to
 experts of one rank); one_rank (every token sends every slot to experts of rank 0); shared (a

@@ -222,7 +222,7 @@ def test_time_imports_runs_fresh_processes_and_takes_medians(monkeypatch, tmp_pa
     import torch
     from rich.console import Console
 
-    from epgen.cli import _import_table
+    from epgen.import_timing import import_table as _import_table
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

@@ -1,5 +1,6 @@
 """The epgen command line, on the CPU."""
 
+import io
 import json
 import subprocess
 import sys
@@ -248,10 +249,10 @@ def test_missing_compiler_hint_keeps_its_brackets_and_pins(monkeypatch, capsys):
     from epgen.codegen import offline
 
     monkeypatch.setattr(offline, "toolchain_status", lambda arch: f"NVRTC unusable: pip install {offline.nvrtc.PACKAGES}")
-    assert cli._compilers_missing(["sm_90"])
+    assert cli._compilers_missing(["sm_90"], "check")
     out, text = capsys.readouterr()
     text = " ".join(text.split())  # stderr, unwrapped
-    assert out == ""
+    assert out == "" and text.startswith("epgen check: offline compilers missing")
     assert "pip install -e '.[dev]'" in text and "'nvidia-cuda-nvrtc==13.0.88'" in text
     assert "'cuda-bindings>=13,<14'" in text
 
@@ -263,20 +264,46 @@ def test_diff_keeps_its_status_when_the_reader_stops_early():
     assert r.returncode == 1 and r.stdout.startswith("=== dispatch sm_90") and "Traceback" not in r.stderr
 
 
-def test_report_rows_use_null_and_tables_keep_entry_names_at_80_columns(capsys):
+def test_report_rows_use_null_and_tables_read_at_80_and_120_columns(capsys):
+    """The table shows a short variant label per row (payload, the shape fields that differ,
+    geometry) on one line, nothing cut; the full entry names are in --json and the CSV."""
     from rich.console import Console
 
-    from epgen.demo import resource_table
+    from epgen.codegen.report import resource_table, to_csv
 
     assert main(["check", "--model", "mixtral-8x7b", "--arch", "sm_90", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert all(r["agprs"] is None and r["sgprs"] is None for r in rows)
+    assert all(r["entry"] in to_csv(rows) for r in rows)
+    for width in (80, 120):
+        console = Console(width=width, record=True)
+        console.print(resource_table(rows, "t"))
+        text = console.export_text()
+        assert "…" not in text and all(len(line) <= width for line in text.splitlines())
+        lines = [line for line in text.splitlines() if line.startswith("sm_90 ")]
+        assert [line.split()[1:4] for line in lines] == [["dispatch", "bf16", "24x32u4"], ["combine", "bf16", "24x32u4"]]
+        assert "every row: w8 h4096 k2 l1 t4096" in text
+
+
+def test_catalogue_table_labels_stay_short_at_80_columns():
+    """Across models the label adds the shape fields that differ; a row takes at most two lines."""
+    from rich.console import Console
+
+    from epgen.codegen.catalogue import catalogue_specs
+    from epgen.codegen.report import resource_table, variant_labels
+
+    specs = [s.as_dict() for s in catalogue_specs(arches=("sm_90",))]
+    labels, common = variant_labels(specs)
+    told = {(s["op"], label) for s, label in zip(specs, labels)}
+    assert common == "w8 t4096" and len(told) == len(specs)  # the op and the label tell every variant apart
+    assert labels[0] == "bf16 h7168 k8 l32 24x32u4"
+    rows = [{"arch": "sm_90", "op": s["op"], "entry": "x", "spec": s, "registers": 1, "agprs": None, "sgprs": None,
+             "scratch_bytes": 0, "spill_bytes": 0, "shared_bytes": 0, "occupancy": 1, "occupancy_unit": "blocks/SM",
+             "status": "ok"} for s in specs]
     console = Console(width=80, record=True)
     console.print(resource_table(rows, "t"))
-    text = console.export_text()
-    assert "…" not in text  # cells wrap (fold) instead of being cut
-    cells = "".join(line.split("│")[3].strip() for line in text.splitlines() if line.count("│") > 3)
-    assert all(r["entry"] in cells for r in rows)  # the entry column, read down, holds whole names
+    body = [line for line in console.export_text().splitlines()[3:] if not line.startswith(("every", "scratch"))]
+    assert len(body) <= 2 * len(rows) + 2
 
 
 def _matplotlib(monkeypatch, present: bool) -> None:
@@ -314,6 +341,10 @@ def test_gpu_verbs_without_a_gpu_say_so_on_stderr(capsys, monkeypatch, tmp_path)
 
 
 def test_bench_without_matplotlib_names_the_extra(capsys, monkeypatch, tmp_path):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU is asked for first
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     _matplotlib(monkeypatch, present=False)
     assert main(["bench", "-o", str(tmp_path / "b")]) == 2
     assert "the plot needs matplotlib: pip install -e '.[bench]'" in capsys.readouterr().err
@@ -362,3 +393,142 @@ def test_bench_output_is_a_prefix_not_a_folder(capsys, tmp_path):
     for out in (str(tmp_path), str(tmp_path) + "/"):
         err = _usage_error(["bench", "-o", out], capsys)
         assert f"-o {out}: a path prefix for the .csv/.png/.env.txt files, not a folder" in err
+
+
+def test_help_and_cpu_verbs_load_neither_torch_nor_cupy(tmp_path):
+    code = f"""
+import contextlib, io, sys
+from epgen.cli import main
+for argv in (["--help"], ["bench", "--help"], ["generate", "--model", "mixtral-8x7b", "--arch", "sm_90", "-o",
+             {str(tmp_path / 'g')!r}, "--quiet"], ["check", "--model", "mixtral-8x7b", "--arch", "sm_90", "--json"],
+             ["report", "--model", "mixtral-8x7b", "--arch", "sm_90", "--quiet"],
+             ["diff", "--model", "mixtral-8x7b", "--arch", "sm_90", "--a", "unroll=2", "--b", "unroll=8", "--quiet"]):
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main(argv)
+        except SystemExit:
+            pass
+print(sorted(m for m in ("torch", "cupy") if m in sys.modules))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_check_report_and_demo_print_the_compiler_releases(capsys):
+    from epgen.codegen.offline import compiler_identity, toolchain_status
+
+    if toolchain_status("sm_90"):
+        pytest.skip(toolchain_status("sm_90"))
+    release = compiler_identity("sm_90")
+    for verb in ("check", "report"):
+        assert main([verb, "--model", "mixtral-8x7b", "--arch", "sm_90"]) == 0
+        assert f"sm_90: {release}" in " ".join(capsys.readouterr().out.split())
+    assert main(["check", "--model", "mixtral-8x7b", "--arch", "sm_90", "--json"]) == 0
+    assert {r["compiler"] for r in json.loads(capsys.readouterr().out)} == {release}
+    from epgen.demo import run_demo  # the demo prints the same table
+    from rich.console import Console
+
+    console = Console(width=120, record=True, file=io.StringIO())
+    run_demo("mixtral-8x7b", 8, 4096, 1, console, quiet=False)
+    assert f"sm_90: {release}" in " ".join(console.export_text().split())
+
+
+@pytest.mark.parametrize("verb", ["generate", "check", "report", "diff", "build", "demo", "bench", "tune", "stress"])
+def test_an_empty_model_is_an_error_not_no_model(verb, capsys):
+    assert "argument --model: '': must name a catalogue model" in _usage_error([verb, "--model", ""], capsys)
+
+
+def _generate(out, *extra) -> int:
+    return main(["generate", "--model", "mixtral-8x7b", "--arch", "sm_90", "-o", str(out), "--quiet", *extra])
+
+
+def test_generate_leaves_files_it_did_not_write(tmp_path, capsys):
+    foreign = tmp_path / "foreign"
+    (foreign / "sm_90").mkdir(parents=True)
+    (foreign / "manifest.json").write_text('{"schema": 1, "code_objects": {}}\n')  # a build cache's manifest
+    (foreign / "sm_90" / "epgen_mine.cu").write_text("// someone's file")
+    assert _generate(foreign) == 2
+    assert "not a manifest epgen generate wrote" in capsys.readouterr().err
+    assert (foreign / "manifest.json").read_text() == '{"schema": 1, "code_objects": {}}\n'
+    assert sorted(p.name for p in (foreign / "sm_90").iterdir()) == ["epgen_mine.cu"]
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "REPORT.md").write_text("my notes")
+    assert _generate(bare) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("epgen generate: -o ") and "REPORT.md: exists" in " ".join(err.split())
+    assert (bare / "REPORT.md").read_text() == "my notes" and not (bare / "manifest.json").exists()
+    ours = tmp_path / "ours"
+    assert _generate(ours) == 0
+    (ours / "sm_90" / "epgen_mine.txt").write_text("not a source")
+    assert main(["generate", "--model", "gpt-oss-120b", "--arch", "sm_90", "-o", str(ours), "--quiet"]) == 0
+    names = sorted(p.name for p in (ours / "sm_90").iterdir())
+    assert len(names) == 3 and "epgen_mine.txt" in names and all("_h2880_" in n for n in names if n.endswith(".cu"))
+
+
+def test_a_repeated_arch_counts_once(tmp_path, capsys):
+    assert _generate(tmp_path, "--arch", "sm_90") == 0
+    assert len(json.loads((tmp_path / "manifest.json").read_text())["sources"]) == 2
+    from epgen.codegen.offline import toolchain_status
+
+    if not toolchain_status("sm_90"):
+        assert main(["check", "--model", "mixtral-8x7b", "--arch", "sm_90", "--arch", "sm_90", "--json"]) == 0
+        assert len(json.loads(capsys.readouterr().out)) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["check", "--hidden", "4096", "--topk", "8", "--num-experts", "99999992"],
+     "KernelSpec.experts_per_rank=12499999: must be in [1, 65536] (--num-experts 99999992 / --world-size 8)"),
+    (["generate", "--model", "deepseek-v3", "--scale-bytes", "-2", "-o", "/tmp/x"],
+     "EpConfig.scale_bytes=-2: must be an int >= 0 (--scale-bytes)"),
+    (["check", "--scale-bytes", "16"], "--scale-bytes 16: the catalogue is fixed"),
+    (["report", "--topk", "99999", "--arch", "sm_90"], "--topk 99999: no catalogue model has that many experts"),
+    (["check", "--hidden", "4096", "--topk", "17", "--num-experts", "32"], "KernelSpec.topk=17: must be in [1, 16] (--topk)"),
+])
+def test_errors_of_derived_values_name_the_flag_given(argv, message, capsys):
+    assert message in _usage_error(argv, capsys).splitlines()[-1]
+
+
+def test_scale_bytes_reach_check_report_and_generate(tmp_path, capsys):
+    assert _generate(tmp_path, "--scale-bytes", "16") == 0
+    assert all(p.name.endswith("_s16.cu") for p in (tmp_path / "sm_90").iterdir())
+    from epgen.codegen.offline import toolchain_status
+
+    if not toolchain_status("sm_90"):
+        assert main(["report", "--model", "mixtral-8x7b", "--arch", "sm_90", "--scale-bytes", "16", "--json"]) == 0
+        assert {r["spec"]["scale_bytes"] for r in json.loads(capsys.readouterr().out)} == {16}
+
+
+def test_gpu_verbs_ask_for_a_gpu_before_matplotlib(capsys, monkeypatch, tmp_path):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _matplotlib(monkeypatch, present=False)
+    assert main(["bench", "-o", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "epgen bench: needs a GPU" in err and "matplotlib" not in err
+
+
+def test_time_import_without_a_gpu_errs_on_stderr_with_the_verb(capsys, monkeypatch, tmp_path):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["build", "--arch", "sm_90", "-o", str(tmp_path / "c"), "--time-import"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("epgen build: --time-import: needs a GPU and CuPy")
+
+
+def test_ep_config_takes_numpy_integers_and_still_rejects_bools_and_floats():
+    import numpy as np
+
+    from epgen.codegen.config import EpConfig
+    from epgen.codegen.errors import FieldError
+
+    cfg = EpConfig(world_size=np.int64(8), hidden=np.int32(4096), topk=np.uint8(2), num_experts=np.int64(8),
+                   max_tokens_per_rank=np.int16(128), scale_bytes=np.int64(16))
+    assert cfg == EpConfig(world_size=8, hidden=4096, topk=2, num_experts=8, max_tokens_per_rank=128, scale_bytes=16)
+    assert all(type(getattr(cfg, f)) is int for f in ("world_size", "hidden", "topk", "max_tokens_per_rank"))
+    for bad in (True, np.bool_(True), 8.0, np.float64(8)):
+        with pytest.raises(FieldError, match="EpConfig.world_size=.*: must be a positive int") as e:
+            EpConfig(world_size=bad, hidden=4096, topk=2, num_experts=8, max_tokens_per_rank=128)
+        assert e.value.field == "world_size"

@@ -1,0 +1,419 @@
+"""Command-line flags to configs: the shape flags, their argparse types, the ``EpConfig`` and
+``KernelSpec`` lists they describe, and errors that name the flag the user gave.
+
+Every default comes from where it is defined: the catalogue's W and Tmax
+(``CATALOGUE_WORLD_SIZE``, ``CATALOGUE_MAX_TOKENS``), ``EpConfig``'s attrs defaults, the tuning
+table's ``DEFAULT_UNROLL``. Errors are ``parser.error`` calls (exit 2, ``epgen VERB: error:``).
+Nothing here imports torch or CuPy but ``gpu_preflight``, for the GPU verbs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from pathlib import Path
+
+import attrs
+
+from epgen.codegen.arch import ARCHES, traits
+from epgen.codegen.catalogue import CATALOGUE_MAX_TOKENS, CATALOGUE_WORLD_SIZE, model_specs
+from epgen.codegen.config import EpConfig
+from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES
+from epgen.codegen.models import MODELS, model
+from epgen.codegen.spec import Op
+from epgen.codegen.tuning import DEFAULT_UNROLL, Geometry
+from epgen.options import ROUTINGS, BenchOptions, DemoOptions, StressOptions, TuneOptions
+
+CONFIG_DEFAULTS = {f.name: f.default for f in attrs.fields(EpConfig) if f.default is not attrs.NOTHING}
+"""EpConfig's defaults by field (dtype, scale_bytes, combine_quant, ...)."""
+
+FLAGS = {"hidden": "--hidden", "topk": "--topk", "num_experts": "--num-experts", "world_size": "--world-size",
+         "max_tokens_per_rank": "--max-tokens", "dtype": "--dtype", "scale_bytes": "--scale-bytes",
+         "dispatch_geometry": "--dispatch-geometry", "combine_geometry": "--combine-geometry",
+         "combine_quant": "--quant"}
+"""The flag of each EpConfig / KernelSpec field the shape flags set directly."""
+
+_GEOMETRY_FIELDS = ("blocks", "warps_per_block", "unroll")
+
+
+def int_at_least(low: int):
+    """An argparse type: an int >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{v}: must be at least {low}")
+        return v
+
+    return parse
+
+
+positive = int_at_least(1)
+non_negative = int_at_least(0)
+
+
+def path(text: str) -> str:
+    """An argparse type: a non-empty path (an empty -o would silently mean the default)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: must name a path")
+    return text
+
+
+def model_name(text: str) -> str:
+    """An argparse type: a non-empty model name (``--model "$UNSET"`` must not mean "no model")."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: must name a catalogue model ({', '.join(MODELS)})")
+    return text
+
+
+def geometry(text: str) -> Geometry:
+    """'24x16u4' -> Geometry(blocks=24, warps_per_block=16, unroll=4); the unroll defaults to
+    the tuning table's ``DEFAULT_UNROLL``."""
+    m = re.fullmatch(r"(\d+)x(\d+)(?:u(\d+))?", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"geometry {text!r}: write BLOCKSxWARPS[uUNROLL], e.g. 24x16u4")
+    b, w, u = m.groups()
+    try:
+        return Geometry(blocks=int(b), warps_per_block=int(w), unroll=int(u) if u else DEFAULT_UNROLL)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"geometry {text!r}: {e}") from None
+
+
+def add_shape_args(p: argparse.ArgumentParser, *, model_help: str = "") -> None:
+    """--model, --hidden/--topk/--num-experts, --world-size, --max-tokens, --dtype, --quant,
+    --scale-bytes and --arch (repeatable)."""
+    catalogue = f"the catalogue is fixed at W={CATALOGUE_WORLD_SIZE}/Tmax={CATALOGUE_MAX_TOKENS}"
+    p.add_argument("--model", type=model_name, help=f"catalogue model ({', '.join(MODELS)}){model_help}")
+    p.add_argument("--hidden", type=positive, help="hidden size H (instead of --model)")
+    p.add_argument("--topk", type=positive, help="experts per token K, 1 to 16 (with --hidden; alone: every "
+                   "catalogue model with at least K experts, at top-k K)")
+    p.add_argument("--num-experts", type=positive, help="routed experts E (with --hidden)")
+    p.add_argument("--world-size", type=positive, help=f"ranks W (default {CATALOGUE_WORLD_SIZE}; needs --model, "
+                   f"--hidden or a selector: {catalogue})")
+    p.add_argument("--max-tokens", type=positive, help=f"max tokens per rank (default {CATALOGUE_MAX_TOKENS}; "
+                   f"needs --model, --hidden or a selector: {catalogue})")
+    p.add_argument("--dtype", choices=list(DTYPES), help=f"dispatch payload dtype (default {CONFIG_DEFAULTS['dtype']}; "
+                   "alone: the catalogue's dispatch variants of that dtype)")
+    p.add_argument("--quant", choices=list(COMBINE_QUANTS), help="combine wire format (default "
+                   f"{CONFIG_DEFAULTS['combine_quant']}; alone: the catalogue's combine variants of that wire)")
+    p.add_argument("--scale-bytes", type=int, help="opaque per-token scale bytes dispatch forwards "
+                   f"(EpConfig.scale_bytes; default {CONFIG_DEFAULTS['scale_bytes']}; needs a shape or a selector)")
+    p.add_argument("--arch", action="append", choices=list(ARCHES), help="target (repeatable; default all)")
+
+
+def add_geometry_args(p: argparse.ArgumentParser) -> None:
+    for op in Op:
+        p.add_argument(f"--{op.value}-geometry", type=geometry, default=None,
+                       help="BLOCKSxWARPS[uUNROLL] (default: the tuning table per token bucket)")
+
+
+def add_jobs_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--jobs", type=positive, default=None, help="parallel compiles (default: CPU count)")
+
+
+def add_gpu_verb_args(p, defaults, *, virtual: bool, quant: bool) -> None:
+    """--model, --world-size (, --virtual), --dtype (, --quant) of a GPU verb, defaults from its options."""
+    p.add_argument("--model", type=model_name, default=defaults.model,
+                   help=f"catalogue model (default {defaults.model})")
+    p.add_argument("--world-size", type=positive, default=defaults.world_size, help="ranks; one process per GPU"
+                   f"{' unless --virtual' if virtual else ''} (default {defaults.world_size})")
+    if virtual:
+        p.add_argument("--virtual", action="store_true", help="all ranks in one process on one GPU")
+    p.add_argument("--dtype", default=defaults.dtype, choices=list(DTYPES),
+                   help=f"dispatch payload dtype (default {defaults.dtype})")
+    if quant:
+        p.add_argument("--quant", default=defaults.combine_quant, choices=list(COMBINE_QUANTS),
+                       help=f"combine wire format (default {defaults.combine_quant})")
+
+
+def add_demo_args(d) -> None:
+    """``epgen demo``'s flags, defaults from ``DemoOptions``."""
+    demo = DemoOptions()
+    d.add_argument("--model", type=model_name, default=demo.model, help=f"catalogue model (default {demo.model})")
+    d.add_argument("--world-size", type=positive, default=demo.world_size,
+                   help=f"virtual ranks on the GPU (default {demo.world_size})")
+    d.add_argument("--tokens", type=positive, default=demo.tokens, help=f"tokens per rank (default {demo.tokens})")
+    d.add_argument("--iters", type=positive, default=demo.iters, help=f"timed iterations (default {demo.iters})")
+
+
+def add_bench_args(b) -> None:
+    """``epgen bench``'s flags, defaults from ``BenchOptions``."""
+    bench = BenchOptions()
+    add_gpu_verb_args(b, bench, virtual=True, quant=True)
+    b.add_argument("--tokens", type=positive, nargs="+", default=list(bench.tokens), help="tokens per rank to "
+                   f"sweep (default {' '.join(map(str, bench.tokens))})")
+    b.add_argument("--routing", nargs="+", default=list(bench.routings), choices=ROUTINGS,
+                   help=f"routing kinds (default {' '.join(bench.routings)})")
+    add_geometry_args(b)
+    b.add_argument("--iters", type=positive, default=bench.iters,
+                   help=f"timed graph replays per point (default {bench.iters})")
+    b.add_argument("-o", "--output", type=path, help="path prefix of the .csv/.png (default "
+                   "tools/results/bench-ep<W>-<gpu>)")
+
+
+def add_tune_args(t) -> None:
+    """``epgen tune``'s flags, defaults from ``TuneOptions``."""
+    tune = TuneOptions()
+    add_gpu_verb_args(t, tune, virtual=False, quant=False)
+    t.add_argument("--tokens", type=positive, nargs="+", default=list(tune.tokens),
+                   help=f"token buckets (default {' '.join(map(str, tune.tokens))})")
+    t.add_argument("--geometry", type=geometry, nargs="+", default=None, help="candidates "
+                   f"BLOCKSxWARPS[uUNROLL] (default 8..132 blocks of 1024 threads, unroll {DEFAULT_UNROLL})")
+    t.add_argument("--routing", default=tune.routing, choices=ROUTINGS, help=f"routing kind (default {tune.routing})")
+    t.add_argument("--iters", type=positive, default=tune.iters,
+                   help=f"graph replays per point (default {tune.iters})")
+    t.add_argument("--dry-run", action="store_true", help="print the table, write nothing")
+
+
+def add_stress_args(st) -> None:
+    """``epgen stress``'s flags, defaults from ``StressOptions``."""
+    stress = StressOptions()
+    add_gpu_verb_args(st, stress, virtual=True, quant=True)
+    st.add_argument("--max-tokens", type=positive, default=stress.max_tokens,
+                    help=f"max tokens per rank (default {stress.max_tokens})")
+    st.add_argument("--rounds", type=positive, default=stress.rounds, help=f"rounds (default {stress.rounds})")
+    st.add_argument("--seed", type=int, default=stress.seed, help=f"seed of the rounds (default {stress.seed})")
+
+
+def arches(args) -> tuple[str, ...]:
+    """The --arch values in order without repeats, or every arch."""
+    return tuple(dict.fromkeys(args.arch or ARCHES))
+
+
+def check_model(name: str, parser) -> None:
+    """A parser error naming --model when ``name`` is not a catalogue model (with suggestions)."""
+    try:
+        model(name)
+    except ValueError as e:
+        parser.error(f"--model {name}: {e}")
+
+
+def check_wave_size(world_size: int, targets, parser, flag: str = "--world-size", arch_flag: bool = True) -> None:
+    """World size W is at most the wave size of every target arch (one lane per destination rank):
+    a parser error naming ``flag``, the arches over the limit and (with ``arch_flag``) the --arch
+    that would allow it."""
+    if all(world_size <= traits(a).wave_size for a in targets):
+        return
+    limit = min(traits(a).wave_size for a in targets)
+    fits = [a for a in ARCHES if world_size <= traits(a).wave_size]
+    hint = f"; --arch {' --arch '.join(fits)} allows more" if fits and arch_flag else ""
+    parser.error(f"{flag} {world_size}: must be at most {limit}, the smallest wave size of the target arches (one "
+                 f"lane per destination rank; {', '.join(f'{a}: {traits(a).wave_size}' for a in targets)}){hint}")
+
+
+def flag_error(e: ValueError, args) -> str:
+    """A config or spec error plus the flags its field came from: ``e.field`` (a FieldError) mapped
+    to the flags the user gave (--model for the shape, the geometry flags for blocks/warps/unroll,
+    --num-experts and --world-size for experts_per_rank = E / W)."""
+    field = getattr(e, "field", None)
+    model_ = getattr(args, "model", None)
+    if field == "num_experts" and "multiple of world_size" in str(e):
+        return (f"{e} (--world-size {args.world_size} with --model {model_})" if model_
+                else f"{e} (--num-experts, --world-size)")
+    if model_ and field in ("hidden", "topk", "num_experts", "experts_per_rank"):
+        return f"{e} (--model {model_})"
+    if field == "experts_per_rank":
+        return f"{e} (--num-experts {args.num_experts} / --world-size {args.world_size})"
+    if field in _GEOMETRY_FIELDS:
+        geo = [FLAGS[f"{op.value}_geometry"] for op in Op if getattr(args, f"{op.value}_geometry", None)]
+        return f"{e} ({' or '.join(geo) if geo else 'the tuning table geometry'})"
+    return f"{e} ({FLAGS.get(field, 'from the shape flags')})"
+
+
+def _resolve_sizes(args, parser) -> None:
+    """--world-size/--max-tokens/--scale-bytes: defaults the catalogue's W and Tmax and EpConfig's
+    scale_bytes; given without a shape (--model, --hidden) or a selector (--topk, --dtype,
+    --quant), a parser error, since the catalogue is fixed."""
+    if getattr(args, "_sizes_resolved", False):
+        return
+    given = [f"{flag} {v}" for flag, v in (("--world-size", args.world_size), ("--max-tokens", args.max_tokens),
+                                           ("--scale-bytes", args.scale_bytes)) if v is not None]
+    shape = args.model or any(v is not None for v in (args.hidden, args.topk, args.dtype, args.quant))
+    if given and not shape:
+        parser.error(f"{' '.join(given)}: the catalogue is fixed at W={CATALOGUE_WORLD_SIZE} / "
+                     f"Tmax={CATALOGUE_MAX_TOKENS}; name --model or --hidden (or a selector --dtype/--topk/--quant) "
+                     "to choose the shape")
+    args.world_size = CATALOGUE_WORLD_SIZE if args.world_size is None else args.world_size
+    args.max_tokens = CATALOGUE_MAX_TOKENS if args.max_tokens is None else args.max_tokens
+    args.scale_bytes = CONFIG_DEFAULTS["scale_bytes"] if args.scale_bytes is None else args.scale_bytes
+    args._sizes_resolved = True
+
+
+def _layer_kw(args) -> dict:
+    """The EpConfig fields beyond the shape that the flags set (defaults: EpConfig's)."""
+    return dict(world_size=args.world_size, max_tokens_per_rank=args.max_tokens,
+                dtype=args.dtype or CONFIG_DEFAULTS["dtype"], combine_quant=args.quant or CONFIG_DEFAULTS["combine_quant"],
+                scale_bytes=args.scale_bytes)
+
+
+def config_from(args, parser) -> EpConfig | None:
+    """The EpConfig the shape flags (and, where the verb has them, the geometry flags) describe,
+    or None when they name no shape. Errors name the flag."""
+    _resolve_sizes(args, parser)
+    shape = [f for f, v in (("--hidden", args.hidden), ("--topk", args.topk), ("--num-experts", args.num_experts))
+             if v is not None]
+    if args.model and shape:
+        parser.error(f"--model {args.model} fixes the shape: drop {' '.join(shape)} (or drop --model)")
+    if args.hidden is None and args.num_experts is not None:
+        parser.error("--num-experts needs --hidden (or name a --model)")
+    if args.hidden is None and not args.model:
+        return None  # --topk alone is a catalogue selector
+    if args.model:
+        check_model(args.model, parser)
+    check_wave_size(args.world_size, arches(args), parser)
+    kw = dict(_layer_kw(args), dispatch_geometry=getattr(args, "dispatch_geometry", None),
+              combine_geometry=getattr(args, "combine_geometry", None))
+    missing = [f"--{n}" for n, v in (("topk", args.topk), ("num-experts", args.num_experts)) if v is None]
+    if args.hidden is not None and missing:
+        parser.error(f"--hidden needs {' and '.join(missing)}")
+    try:
+        if args.hidden is None:
+            return EpConfig.for_model(args.model, **kw)
+        return EpConfig(hidden=args.hidden, topk=args.topk, num_experts=args.num_experts, **kw)
+    except ValueError as e:
+        parser.error(flag_error(e, args))
+
+
+def specs_from(args, parser) -> list | None:
+    """Dispatch and combine specs at max tokens of the shape flags for each ``--arch`` (default
+    all), the selected catalogue variants (``selected_catalogue_specs``), or None when no flag
+    names any (the whole catalogue)."""
+    cfg = config_from(args, parser)
+    if cfg is None:
+        return selected_catalogue_specs(args, parser)  # None: every selector unset (sizes checked above)
+    try:
+        return [s for arch in arches(args) for s in cfg.kernel_specs(arch)]
+    except ValueError as e:  # the spec's own message, plus the flag it came from
+        parser.error(flag_error(e, args))
+
+
+def selected_catalogue_specs(args, parser) -> list | None:
+    """With only the selectors --dtype/--topk/--quant: those variants of every catalogue model
+    (--dtype: dispatch, --quant: combine, --topk: both unless one of the others narrows it); None
+    when no selector is given."""
+    if args.topk is None and args.dtype is None and args.quant is None:
+        return None
+    ops = {op for op, flag in ((Op.DISPATCH, args.dtype), (Op.COMBINE, args.quant)) if flag} or set(Op)
+    names = [m.name for m in MODELS.values() if m.num_experts >= (args.topk or 1)]  # top-k <= experts
+    if not names:
+        parser.error(f"--topk {args.topk}: no catalogue model has that many experts")
+    check_wave_size(args.world_size, arches(args), parser)
+    for name in names:
+        if MODELS[name].num_experts % args.world_size:
+            parser.error(f"--world-size {args.world_size}: catalogue model {name} has {MODELS[name].num_experts} "
+                         f"experts, not a multiple of {args.world_size} (the selectors cover every model; "
+                         "name one with --model)")
+    try:
+        return [s for name in names for s in model_specs(name, arches(args), topk=args.topk, **_layer_kw(args))
+                if s.op in ops]
+    except ValueError as e:
+        parser.error(flag_error(e, args))
+
+
+def catalogue_dir(args, parser) -> Path:
+    """-o, or ./generated inside an epgen checkout (never a stray folder elsewhere)."""
+    if args.output:
+        return Path(args.output)
+    pyproject = Path("pyproject.toml")
+    if not (pyproject.is_file() and 'name = "epgen"' in pyproject.read_text(errors="replace")):
+        parser.error("the catalogue lives in generated/ of an epgen checkout: run from the checkout's root or "
+                     "give -o DIR")
+    return Path("generated")
+
+
+def not_a_directory(path: Path) -> str | None:
+    """Why ``path`` cannot be (made) a directory: it, or its nearest existing ancestor, is not one."""
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if p.exists() and not p.is_dir():
+        return "exists and is not a directory" if p == path else f"{p} exists and is not a directory"
+    return None
+
+
+def check_output_files(outputs, parser) -> None:
+    """``outputs``: (flag, Path) of files to write later; a parser error now (before minutes of
+    compiling) when one is a directory or its parent is missing."""
+    for flag, file in outputs:
+        if file.is_dir():
+            parser.error(f"{flag} {file}: is a directory; name a file")
+        if not file.parent.is_dir():
+            parser.error(f"{flag} {file}: parent directory {file.parent} "
+                         f"{'is not a directory' if file.parent.exists() else 'does not exist'}")
+
+
+def gpu_preflight(args, parser, error, verb: str, *, max_tokens: int, virtual: bool = False,
+                  output: str | None = None, geometries: dict | None = None) -> EpConfig | None:
+    """Everything about a GPU verb's arguments that can be checked without a GPU, first (parser
+    errors naming the flag), then that there is a GPU, enough of them, and (with ``output``, a
+    plot) matplotlib, then the specs for this GPU's arch (``geometries``: flag -> Geometry, or a
+    list of them, or None). Returns the config, or None after ``error(verb, line)``."""
+    import importlib.util
+
+    import torch
+
+    from epgen.device import device_arch
+
+    check_model(args.model, parser)
+    try:
+        cfg = EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=max_tokens,
+                                 dtype=args.dtype, combine_quant=getattr(args, "quant", CONFIG_DEFAULTS["combine_quant"]))
+    except ValueError as e:
+        parser.error(f"{e} (--world-size {args.world_size}, tokens up to {max_tokens}, with --model {args.model})")
+    if output is not None:
+        if output.endswith(os.sep) or os.path.isdir(output):
+            parser.error(f"-o {output}: a path prefix for the .csv/.png/.env.txt files, not a folder")
+        folder = os.path.dirname(os.path.abspath(output))
+        if not os.path.isdir(folder):
+            parser.error(f"-o {output}: folder {folder} does not exist")
+        if not os.access(folder, os.W_OK):
+            parser.error(f"-o {output}: folder {folder} is not writable")
+    if not torch.cuda.is_available():
+        return error(verb, "needs a GPU (torch.cuda.is_available() is False)")
+    gpus = torch.cuda.device_count()
+    if not virtual and args.world_size > gpus:
+        hint = "; --virtual runs all ranks on one GPU" if hasattr(args, "virtual") else ""
+        return error(verb, f"--world-size {args.world_size} needs {args.world_size} GPUs (one process per GPU), "
+                           f"this machine has {gpus}{hint}")
+    if output is not None and importlib.util.find_spec("matplotlib") is None:
+        return error(verb, "the plot needs matplotlib: pip install -e '.[bench]'")
+    arch = device_arch(torch.cuda.current_device())
+    try:  # the tuning table's geometries: the world size and sizes against this arch's limits
+        for op in Op:
+            cfg.variants(arch, op)
+    except ValueError as e:
+        parser.error(f"{e} (--world-size {args.world_size} on this GPU's arch {arch})")
+    for flag, given in (geometries or {}).items():
+        for g in given if isinstance(given, (list, tuple)) else [given]:
+            try:
+                if g is not None:
+                    for op in Op:
+                        cfg.spec(arch, op, g)
+            except ValueError as e:
+                parser.error(f"{e} ({flag} {g} on this GPU's arch {arch})")
+    return cfg
+
+
+def import_timing_arch(args, parser, error, arches) -> str:
+    """This GPU's arch for ``epgen build --time-import``, or "" after ``error("build", line)`` (no
+    GPU or no CuPy); a parser error when the GPU's arch is not among ``arches``."""
+    import importlib.util
+
+    import torch
+
+    from epgen.device import device_arch
+
+    has_cupy = importlib.util.find_spec("cupy") is not None
+    if not torch.cuda.is_available() or not has_cupy:
+        error("build", f"--time-import: needs a GPU and CuPy; here torch.cuda.is_available() is "
+                        f"{torch.cuda.is_available()} and CuPy is {'' if has_cupy else 'not '}installed")
+        return ""
+    gpu_arch = device_arch(torch.cuda.current_device())
+    if gpu_arch not in arches:
+        parser.error(f"--time-import: this GPU is {gpu_arch}, not among --arch {' '.join(arches)}; "
+                     f"add --arch {gpu_arch}")
+    return gpu_arch
