@@ -9,6 +9,8 @@
 #   fp8     the fp8 dispatch beside it (24 x 32, uniform, tokens $BENCH_TOKENS) -> bench-ep2-h200-fp8.*
 #   sweep   geometry exploration at 128/4096/8192 tokens ($GEOS: "DISPATCH:COMBINE" pairs)
 #   tests   GPU tests (pytest -m "gpu or multigpu" over $TESTS, default every tests/ file; $K narrows with -k)
+#   small   epgen bench W=1 and virtual W=2 at 1, 128, 4096 tokens, uniform, 50 queued replays a
+#           point -> tools/results/$SMALL_TAG-w{1,2}.{csv,png} (issue 13's before/after of the spin-waits)
 #   stress  epgen stress: 200 rounds with W=2 on two GPUs, then 200 with 8 virtual ranks
 #   probe   tools/p2p_probe.py: copy mechanisms (LSU vs bulk copies) at 16-132 blocks, both directions
 #   build   epgen build W=2 Tmax=8192 for sm_90 into a fresh cache, then time load_kernel per variant:
@@ -44,6 +46,10 @@ for step in ${STEPS:-demo tune bench bench24 fp8 tests}; do
     build) rm -rf /tmp/epgen-aot
            python -m epgen build --world-size 2 --max-tokens 8192 --arch sm_90 -o /tmp/epgen-aot --time-import --runs ${RUNS:-5} \
              | tee tools/results/aot-import-ep2-h200.txt ;;
+    small) for w in 1 2; do
+             timeout ${BENCH_TIMEOUT:-300} python -m epgen bench --world-size $w $([ $w -gt 1 ] && echo --virtual) \
+               --tokens 1 128 4096 --routing uniform --iters 50 -o tools/results/${SMALL_TAG:-small}-w$w
+           done ;;
     probe) timeout ${PROBE_TIMEOUT:-200} python tools/p2p_probe.py ;;
     tests) timeout ${TEST_TIMEOUT:-400} python -m pytest ${TESTS:-tests} -m "gpu or multigpu" -q -rA --durations=15 \
              ${K:+-k "$K"} ;;
