@@ -128,8 +128,9 @@ def _host_op(cfg: EpConfig) -> EpDispatchCombine:
     op.config, op.virtual, op.local_ranks = cfg, True, list(range(cfg.world_size))
     op.dispatch_spec = cfg.spec("sm_90", Op.DISPATCH, cfg.dispatch_geometry)
     op.layout = op.dispatch_spec.layout
-    op.arenas = types.SimpleNamespace(local={r: torch.zeros(op.layout.total_bytes, dtype=torch.uint8)
-                                             for r in op.local_ranks})
+    local = {r: torch.zeros(op.layout.total_bytes, dtype=torch.uint8) for r in op.local_ranks}
+    sig = slice(op.layout.signals, op.layout.signals + 4 * abi.SIGNAL_WORDS)  # CUDA: the arena's region
+    op.arenas = types.SimpleNamespace(local=local, local_signals={r: t[sig] for r, t in local.items()})
     return op
 
 
