@@ -36,8 +36,8 @@ EP_DEVICE ep_u64 ep_shfl64(ep_u64 v, int src) {
 }
 EP_DEVICE int ep_ctz(ep_mask m) { return __builtin_ctzll(m); }
 
-// Atomics and ordering: signal words live in fine-grained memory and are reached from peers,
-// so they use system scope.
+// Atomics and ordering: signal words live in fine-grained (uncached) memory and are reached
+// from peers, so they use system scope; a signal word is never written with a plain store.
 EP_DEVICE ep_u32 ep_atomic_add_shared(ep_u32* p, ep_u32 v) {
   return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP);
 }
@@ -49,6 +49,9 @@ EP_DEVICE ep_u32 ep_atomic_add_system(ep_u32* p, ep_u32 v) {
 }
 EP_DEVICE void ep_store_release_system(ep_u32* p, ep_u32 v) {
   __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+EP_DEVICE void ep_store_relaxed_system(ep_u32* p, ep_u32 v) {
+  __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
 }
 EP_DEVICE ep_u32 ep_load_acquire_system(const ep_u32* p) {
   return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
@@ -368,10 +371,13 @@ EP_KERNEL(kThreads) epgen_dispatch_gfx950_bf16_w8_h4096_k8_l16_t4096_24x16_u4(co
   if (tid == 0) {
     ep_fence_system();
     const ep_u32 received = ep_load_acquire_system(sig + kSigRecvCount);
-    sig[kSigNumRecv] = received;
-    sig[kSigRecvCount] = 0u;
-    sig[kSigDispatchArrive] = 0u;
-    sig[kSigDispatchDepart] = 0u;
-    sig[kSigDispatchCalls] = gen;
+    // System-scope stores, not plain ones: peers add to kSigRecvCount in the next call, and on
+    // ROCm the end of this kernel does not order plain stores for them; the generation's
+    // release covers the words before it.
+    ep_store_relaxed_system(sig + kSigNumRecv, received);
+    ep_store_relaxed_system(sig + kSigRecvCount, 0u);
+    ep_store_relaxed_system(sig + kSigDispatchArrive, 0u);
+    ep_store_relaxed_system(sig + kSigDispatchDepart, 0u);
+    ep_store_release_system(sig + kSigDispatchCalls, gen);
   }
 }

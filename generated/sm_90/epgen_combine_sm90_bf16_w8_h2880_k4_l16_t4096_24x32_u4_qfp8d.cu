@@ -37,6 +37,9 @@ EP_DEVICE ep_u32 ep_atomic_add_system(ep_u32* p, ep_u32 v) { return atomicAdd_sy
 EP_DEVICE void ep_store_release_system(ep_u32* p, ep_u32 v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+EP_DEVICE void ep_store_relaxed_system(ep_u32* p, ep_u32 v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 EP_DEVICE ep_u32 ep_load_acquire_system(const ep_u32* p) {
   ep_u32 v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -400,8 +403,8 @@ EP_KERNEL(kThreads) epgen_combine_sm90_bf16_w8_h2880_k4_l16_t4096_24x32_u4_qfp8d
   if (tid == 0) s_last = ep_atomic_add_device(&sig[kSigCombineDepart], 1u) == (ep_u32)(kBlocks - 1);
   ep_sync_block();
   if (s_last && tid == 0) {
-    sig[kSigCombineArrive] = 0u;
-    sig[kSigCombineDepart] = 0u;
-    sig[kSigCombineCalls] = gen;
+    ep_store_relaxed_system(sig + kSigCombineArrive, 0u);  // system scope, as dispatch's phase 4
+    ep_store_relaxed_system(sig + kSigCombineDepart, 0u);
+    ep_store_release_system(sig + kSigCombineCalls, gen);
   }
 }

@@ -37,6 +37,9 @@ EP_DEVICE ep_u32 ep_atomic_add_system(ep_u32* p, ep_u32 v) { return atomicAdd_sy
 EP_DEVICE void ep_store_release_system(ep_u32* p, ep_u32 v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+EP_DEVICE void ep_store_relaxed_system(ep_u32* p, ep_u32 v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 EP_DEVICE ep_u32 ep_load_acquire_system(const ep_u32* p) {
   ep_u32 v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -397,10 +400,13 @@ EP_KERNEL(kThreads) epgen_dispatch_sm90_fp4_w8_h2880_k4_l16_t4096_24x32_u4(const
   if (tid == 0) {
     ep_fence_system();
     const ep_u32 received = ep_load_acquire_system(sig + kSigRecvCount);
-    sig[kSigNumRecv] = received;
-    sig[kSigRecvCount] = 0u;
-    sig[kSigDispatchArrive] = 0u;
-    sig[kSigDispatchDepart] = 0u;
-    sig[kSigDispatchCalls] = gen;
+    // System-scope stores, not plain ones: peers add to kSigRecvCount in the next call, and on
+    // ROCm the end of this kernel does not order plain stores for them; the generation's
+    // release covers the words before it.
+    ep_store_relaxed_system(sig + kSigNumRecv, received);
+    ep_store_relaxed_system(sig + kSigRecvCount, 0u);
+    ep_store_relaxed_system(sig + kSigDispatchArrive, 0u);
+    ep_store_relaxed_system(sig + kSigDispatchDepart, 0u);
+    ep_store_release_system(sig + kSigDispatchCalls, gen);
   }
 }

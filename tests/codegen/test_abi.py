@@ -170,3 +170,13 @@ def test_every_error_code_has_a_message_that_formats():
 ])
 def test_the_op_words_error_records_from_the_table(record, message):
     assert _host_op(CFG)._describe(1, *record) == message
+
+
+def test_no_signal_word_is_written_with_a_plain_store(case):
+    """Peers read (and add to) the signal words in later calls; on ROCm the end of a kernel does
+    not order plain stores for them, so every write is a system-scope atomic or store."""
+    _, text = case
+    body = text[text.index("EP_KERNEL("):]
+    assert not re.findall(r"\bsig\s*\[[^\]]*\]\s*=(?!=)", body)
+    assert not re.findall(r"ep_signals\([^)]*\)\s*\[[^\]]*\]\s*=(?!=)", body)
+    assert "ep_store_relaxed_system(sig + kSig" in body
