@@ -28,8 +28,9 @@ import ctypes
 
 import torch
 
-HIP_LIBRARY = "libamdhip64.so"
-"""The HIP runtime library that CuPy's ROCm build links; ``hipExtMallocWithFlags`` comes from it."""
+HIP_LIBRARIES = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6")
+"""The HIP runtime library that CuPy's ROCm build links (``hipExtMallocWithFlags`` comes from it),
+by the names tried in order: the development link, then the ROCm 7 and 6 sonames."""
 
 HIP_DEVICE_MALLOC_UNCACHED = 0x3
 """``hipDeviceMallocUncached`` (hip/hip_runtime_api.h): device memory the caches do not keep, so
@@ -200,7 +201,7 @@ class Platform:
     # ---- HIP through ctypes ------------------------------------------------------------------
     def _hip_library(self):
         if self._hip is None:
-            hip = ctypes.CDLL(HIP_LIBRARY)
+            hip = _load_first(HIP_LIBRARIES)
             # hip/hip_runtime_api.h: hipError_t hipExtMallocWithFlags(void** ptr, size_t sizeBytes,
             # unsigned int flags); hipError_t hipFree(void* ptr); const char* hipGetErrorString(hipError_t).
             hip.hipExtMallocWithFlags.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint)
@@ -217,3 +218,19 @@ class Platform:
             text = self._hip_library().hipGetErrorString(status)
             raise HipError(f"{call} returned hipError_t {status} "
                            f"({text.decode(errors='replace') if text else 'no description'})")
+
+
+def _load_first(names: tuple[str, ...]) -> ctypes.CDLL:
+    """The first of ``names`` that ``ctypes.CDLL`` loads.
+
+    Raises:
+        OSError: none loads (naming each with its loader error).
+    """
+    errors = []
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError as e:
+            errors.append(f"{name}: {e}")
+    raise OSError(f"the HIP runtime library could not be loaded ({'; '.join(errors)}); ROCm's lib directory "
+                  "must be on the loader path (LD_LIBRARY_PATH or ldconfig)")

@@ -357,14 +357,19 @@ def test_the_cached_code_objects_load_without_a_compile_and_feed_the_occupancy(r
         assert r["combine_blocks"] == 4
 
 
-def test_a_failed_hip_call_raises_naming_the_call_the_code_and_its_text(monkeypatch):
+def test_a_failed_hip_call_raises_naming_the_call_the_code_and_its_text_and_the_library_is_found_by_soname(monkeypatch):
     from epgen.platform import HipError, Platform
 
     hip = types.SimpleNamespace(hipExtMallocWithFlags=_CFunction(lambda ptr_ref, nbytes, flags: 2),
                                 hipFree=_CFunction(lambda ptr: 1),
                                 hipGetErrorString=_CFunction(lambda status: {1: b"invalid argument",
                                                                              2: b"out of memory"}[status]))
-    monkeypatch.setattr(ctypes, "CDLL", lambda name: hip if name == "libamdhip64.so" else None)
+    def cdll(name):
+        if name != "libamdhip64.so.7":
+            raise OSError(f"{name}: cannot open shared object file")
+        return hip
+
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
     rocm = Platform(rocm=True)
     with pytest.raises(HipError, match=r"^hipExtMallocWithFlags returned hipError_t 2 \(out of memory\)$"):
         rocm.alloc_signals(SIGNAL_BYTES)
@@ -372,3 +377,8 @@ def test_a_failed_hip_call_raises_naming_the_call_the_code_and_its_text(monkeypa
         rocm.free_signals(0x1000)
     with pytest.raises(RuntimeError, match=r"Platform\(cuda\)\.alloc_signals: CUDA keeps the signal words in the arena"):
         Platform(rocm=False).alloc_signals(SIGNAL_BYTES)
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: cdll("none"))
+    with pytest.raises(OSError, match=r"^the HIP runtime library could not be loaded \(libamdhip64\.so: .*"
+                                      r"libamdhip64\.so\.6: .*\); ROCm's lib directory must be on the loader path"):
+        Platform(rocm=True).free_signals(0x1000)
