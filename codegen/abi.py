@@ -56,17 +56,25 @@ RANK_IO = (
 
 ARGS = (
     Field("arena", "ep_u64", "every rank's arena, as mapped in this process", per_rank=True),
+    Field("signals", "ep_u64", "every rank's signal words (CUDA: arena + kOffSignals; ROCm: uncached)", per_rank=True),
     Field("io", "EpRankIO", "[0, gridDim.y) used", per_rank=True),
     Field("errors", "ep_u64", f"ep_u32[W][{len(ERROR_RECORD)}] host-mapped error records"),
     Field("rank_base", "ep_i64", "rank of blockIdx.y == 0"),
     Field("timeout_ns", "ep_i64", "bound of every spin-wait"),
 )
-"""struct EpArgs: the one launch argument, passed by value."""
+"""struct EpArgs: the one launch argument, passed by value.
+
+``arena`` holds the bulk data (ordinary device memory: ``cudaMalloc`` / ``hipMalloc``, which on
+ROCm is coarse-grained, coherent only at kernel boundaries). ``signals`` holds each rank's
+``SIGNAL_WORDS`` signal words: on CUDA the region at ``ArenaLayout.signals`` of that rank's arena
+(one allocation); on ROCm a separate ``hipExtMallocWithFlags(hipDeviceMallocUncached)``
+allocation, so that peers' stores and atomics are seen while the kernels run
+(``epgen.platform``)."""
 
 
 @attrs.frozen
 class Signal:
-    """A uint32 word (``per_peer``: W words, one per peer rank) of the arena's signal region.
+    """A uint32 word (``per_peer``: W words, one per peer rank) of a rank's signal region.
 
     Attributes:
         name: snake-case name; C constant ``kSig<Name>``.
@@ -91,7 +99,7 @@ class Signal:
 
 
 SIGNAL_WORDS = 256
-"""32-bit words in the signal region at the start of every arena (see ArenaLayout)."""
+"""32-bit words in each rank's signal region (``ARGS`` field ``signals``; see ArenaLayout)."""
 
 SIGNALS = (
     Signal("dispatch_calls", 0, "last finished dispatch generation (this rank)"),

@@ -84,6 +84,13 @@ class ArenaLayout:
       recv_x       [cap, H] dispatch dtype
 
     ``cap`` = W x Tmax receive rows (the worst case). All sizes in bytes.
+
+    Where the signal words live: on CUDA in the ``signals`` region of this arena (one
+    allocation; the host passes ``arena + signals`` as the launch argument ``signals``). On ROCm
+    the arena is ordinary ``hipMalloc`` memory (coarse-grained) and the signal words live in a
+    separate uncached (fine-grained) allocation of ``SIGNAL_WORDS`` words passed the same way;
+    the arena's own ``signals`` region is then unused. Every other region is bulk data in the
+    arena on both vendors (``epgen.platform``, ``epgen.codegen.abi.ARGS``).
     """
 
     signals: int

@@ -1,8 +1,10 @@
-"""Symmetric arenas: one device allocation per rank, mapped into every process that drives a rank.
+"""Symmetric arenas: one device allocation per rank (and on ROCm a separate one for its signal
+words), mapped into every process that drives a rank.
 
 Real ranks (one process per GPU) exchange CUDA/HIP IPC handles over a torch.distributed process
 group; virtual ranks (W ranks in one process on one GPU) allocate all W arenas locally. Error
 records live in host-mapped memory so the host reads them without a device synchronization.
+Every vendor-specific call goes through ``epgen.platform.Platform``.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import ctypes
 
 import torch
 
-from epgen.codegen.abi import ERROR_RECORD
+from epgen.codegen.abi import ERROR_RECORD, SIGNAL_WORDS
+from epgen.codegen.spec import ArenaLayout
+from epgen.platform import Platform
 
 
 class ErrorRecords:
@@ -21,14 +25,12 @@ class ErrorRecords:
     ``epgen.codegen.abi.ERRORS``); the host reads them with plain loads.
     """
 
-    def __init__(self, world_size: int):
-        import cupy
-
+    def __init__(self, world_size: int, platform: Platform):
         self.world_size = world_size
+        self._platform = platform
         words = world_size * len(ERROR_RECORD)
         self.nbytes = words * 4
-        flags = cupy.cuda.runtime.hostAllocMapped | cupy.cuda.runtime.hostAllocPortable
-        self.ptr = cupy.cuda.runtime.hostAlloc(self.nbytes, flags)  # unified addressing: same pointer on device
+        self.ptr = platform.host_alloc_mapped(self.nbytes)  # unified addressing: same pointer on device
         self._words = (ctypes.c_uint32 * words).from_address(self.ptr)
         ctypes.memset(self.ptr, 0, self.nbytes)
 
@@ -38,57 +40,91 @@ class ErrorRecords:
         return tuple(self._words[n * rank:n * (rank + 1)])
 
     def close(self):
-        import cupy
-
         if self.ptr:
-            cupy.cuda.runtime.freeHost(self.ptr)
+            self._platform.free_host(self.ptr)
             self.ptr = 0
 
 
+SIGNAL_BYTES = SIGNAL_WORDS * 4
+"""Bytes of one rank's signal words."""
+
+
 class Arenas:
-    """The arenas of all W ranks as seen from this process.
+    """The arenas and signal words of all W ranks as seen from this process.
+
+    On CUDA a rank's signal words are the ``layout.signals`` region of its arena; on ROCm they
+    are a separate uncached allocation (``Platform.alloc_signals``), exchanged with a second IPC
+    handle (see ``epgen.codegen.spec.ArenaLayout``).
+
+    Args:
+        layout: the arena layout (``layout.total_bytes`` per arena).
+        world_size: W.
+        local_ranks: the ranks this process drives (one with ``group``).
+        device: the torch device of the local ranks.
+        group: process group of the W ranks (one per process), or None when every rank is local.
+        platform: the vendor's calls.
 
     Attributes:
         pointers: W device addresses (this process's mapping of every rank's arena).
+        signals: W device addresses of every rank's signal words, as mapped here.
         local: {rank: uint8 torch tensor over that rank's arena} for the ranks this process drives.
+        local_signals: {rank: uint8 torch tensor [SIGNAL_BYTES] over that rank's signal words}.
     """
 
-    def __init__(self, nbytes: int, world_size: int, local_ranks: list[int], device: torch.device, group=None):
-        import cupy
-
+    def __init__(self, layout: ArenaLayout, world_size: int, local_ranks: list[int], device: torch.device,
+                 group=None, *, platform: Platform):
+        nbytes = layout.total_bytes
         self.nbytes = nbytes
+        self._platform = platform
         self._memory = {}
+        self._signal_memory = []  # ROCm: this process's alloc_signals allocations
         self._opened = []
         self.local = {}
-        with cupy.cuda.Device(device.index):
+        self.local_signals = {}
+        pointers, signals = {}, {}
+        with platform.use_device(device.index):
             for r in local_ranks:
-                mem = cupy.cuda.Memory(nbytes)
-                cupy.cuda.runtime.memset(mem.ptr, 0, nbytes)
+                mem = platform.alloc_device(nbytes)
                 self._memory[r] = mem
-                arr = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
-                self.local[r] = torch.as_tensor(arr, device=device)
-            cupy.cuda.runtime.deviceSynchronize()
-            pointers = {r: m.ptr for r, m in self._memory.items()}
+                pointers[r] = mem.ptr
+                self.local[r] = platform.tensor(mem.ptr, nbytes, mem, device)
+                if platform.rocm:
+                    signals[r] = platform.alloc_signals(SIGNAL_BYTES)
+                    self._signal_memory.append(signals[r])
+                    self.local_signals[r] = platform.tensor(signals[r], SIGNAL_BYTES, None, device)
+                else:
+                    signals[r] = mem.ptr + layout.signals
+                    self.local_signals[r] = self.local[r][layout.signals:layout.signals + SIGNAL_BYTES]
+            platform.synchronize()
             if group is not None:
                 import torch.distributed as dist
 
                 (rank,) = local_ranks
-                handle = cupy.cuda.runtime.ipcGetMemHandle(pointers[rank])
+                mine = (platform.ipc_handle(pointers[rank]),
+                        platform.ipc_handle(signals[rank]) if platform.rocm else None)
                 handles = [None] * world_size
-                dist.all_gather_object(handles, handle, group=group)
-                for peer, h in enumerate(handles):
-                    if peer != rank:
-                        p = cupy.cuda.runtime.ipcOpenMemHandle(h, cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
-                        self._opened.append(p)
-                        pointers[peer] = p
+                dist.all_gather_object(handles, mine, group=group)  # both regions' handles at once
+                for peer, (arena_handle, signal_handle) in enumerate(handles):
+                    if peer == rank:
+                        continue
+                    pointers[peer] = self._open(arena_handle)
+                    signals[peer] = self._open(signal_handle) if platform.rocm else pointers[peer] + layout.signals
                 dist.barrier(group=group)  # every arena is zeroed before any peer signals into it
         self.pointers = [pointers[r] for r in range(world_size)]
+        self.signals = [signals[r] for r in range(world_size)]
+
+    def _open(self, handle: bytes) -> int:
+        p = self._platform.ipc_open(handle)
+        self._opened.append(p)
+        return p
 
     def close(self):
-        import cupy
-
         for p in self._opened:
-            cupy.cuda.runtime.ipcCloseMemHandle(p)
+            self._platform.ipc_close(p)
         self._opened = []
         self.local = {}
+        self.local_signals = {}
+        for p in self._signal_memory:
+            self._platform.free_signals(p)
+        self._signal_memory = []
         self._memory = {}

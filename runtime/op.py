@@ -21,9 +21,8 @@ from epgen.codegen.dtypes import dtype_info
 from epgen.codegen.occupancy import resident_blocks
 from epgen.codegen.render import render
 from epgen.codegen.spec import KernelSpec, Op
-from epgen.device import cupy_stream, device_arch
-from epgen.loader import load_kernel
 from epgen.codegen.config import EpConfig
+from epgen.platform import Platform
 
 class EpError(RuntimeError):
     """A kernel reported a fault (bad expert id, spin-wait timeout, receive overflow).
@@ -210,7 +209,8 @@ class EpDispatchCombine:
                                  f"{configs[differ[0]]} vs {config!r}")
             self.local_ranks = [dist.get_rank(group)]
         self.virtual = virtual
-        self.arch = device_arch(self.device.index)  # ValueError for an arch epgen has no kernels for
+        self.platform = Platform.current()  # every vendor-specific host call goes through it
+        self.arch = self.platform.arch(self.device.index)  # ValueError for an arch epgen has no kernels for
         # Every variant the op can pick is compiled here: dispatch() and combine() never compile.
         self._variants = {op: self._build_variants(op) for op in (Op.DISPATCH, Op.COMBINE)}
         self.dispatch_spec = self._variants[Op.DISPATCH][-1][1]
@@ -222,12 +222,13 @@ class EpDispatchCombine:
                              f"{need / 2**30:.1f} GiB ({len(self.local_ranks)} x {self.layout.total_bytes / 2**30:.2f} GiB:"
                              f" W x Tmax receive rows of payload and combine input) but {self.device} has "
                              f"{free / 2**30:.1f} GiB free; lower max_tokens_per_rank")
-        self.arenas = Arenas(self.layout.total_bytes, W, self.local_ranks, self.device, group)
-        self.errors = ErrorRecords(W)
+        self.arenas = Arenas(self.layout, W, self.local_ranks, self.device, group, platform=self.platform)
+        self.errors = ErrorRecords(W, self.platform)
         self._args = {}
         for op in (Op.DISPATCH, Op.COMBINE):
             a = np.zeros((), dtype=_args_dtype(W))
             a["arena"] = self.arenas.pointers
+            a["signals"] = self.arenas.signals
             a["errors"] = self.errors.ptr
             a["rank_base"] = self.local_ranks[0]
             a["timeout_ns"] = int(config.timeout_s * 1e9)
@@ -252,8 +253,13 @@ class EpDispatchCombine:
             recv_scales=(self._view(rank, lay.recv_scales, (cap, cfg.scale_bytes), torch.uint8)
                          if cfg.scale_bytes else None),
             recv_src=self._view(rank, lay.recv_src, (cap, 2), torch.int32),
-            num_recv=self._view(rank, lay.signals + abi.signal("num_recv").byte_offset, (1,), torch.int32),
+            num_recv=self._signal_view(rank, "num_recv"),
         )
+
+    def _signal_view(self, rank: int, name: str) -> torch.Tensor:
+        """[1] int32 view of signal word ``name`` of ``rank`` (its own region on ROCm)."""
+        offset = abi.signal(name).byte_offset
+        return self.arenas.local_signals[rank][offset:offset + 4].view(torch.int32)
 
     def combine_input(self, rank: int | None = None) -> torch.Tensor:
         """[W*Tmax, H] bf16 view of ``rank``'s combine input: an expert stage that writes its
@@ -425,19 +431,13 @@ class EpDispatchCombine:
         return variants
 
     def _compile(self, spec: KernelSpec):
-        import cupy
-
         src = render(spec)
-        with cupy.cuda.Device(self.device.index):
-            return load_kernel(src.text, src.entry)
+        return self.platform.load_kernel(src.text, src.entry, self.device.index)
 
     def _launch(self, op: Op, tokens: int, args: np.ndarray):
-        import cupy
-
         spec, fn = self._pick(op, tokens)
-        with cupy.cuda.Device(self.device.index):
-            fn((spec.blocks, len(self.local_ranks), 1), (spec.threads, 1, 1),
-               (cupy.cuda.function.CPointer(args.ctypes.data),), stream=cupy_stream(self.device))
+        self.platform.launch(fn, (spec.blocks, len(self.local_ranks), 1), (spec.threads, 1, 1), args.ctypes.data,
+                             self.device)
         if self.validate:
             self.synchronize()
 

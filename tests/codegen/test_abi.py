@@ -128,8 +128,9 @@ def _host_op(cfg: EpConfig) -> EpDispatchCombine:
     op.config, op.virtual, op.local_ranks = cfg, True, list(range(cfg.world_size))
     op.dispatch_spec = cfg.spec("sm_90", Op.DISPATCH, cfg.dispatch_geometry)
     op.layout = op.dispatch_spec.layout
-    op.arenas = types.SimpleNamespace(local={r: torch.zeros(op.layout.total_bytes, dtype=torch.uint8)
-                                             for r in op.local_ranks})
+    local = {r: torch.zeros(op.layout.total_bytes, dtype=torch.uint8) for r in op.local_ranks}
+    sig = slice(op.layout.signals, op.layout.signals + 4 * abi.SIGNAL_WORDS)  # CUDA: the arena's region
+    op.arenas = types.SimpleNamespace(local=local, local_signals={r: t[sig] for r, t in local.items()})
     return op
 
 
@@ -169,3 +170,13 @@ def test_every_error_code_has_a_message_that_formats():
 ])
 def test_the_op_words_error_records_from_the_table(record, message):
     assert _host_op(CFG)._describe(1, *record) == message
+
+
+def test_no_signal_word_is_written_with_a_plain_store(case):
+    """Peers read (and add to) the signal words in later calls; on ROCm the end of a kernel does
+    not order plain stores for them, so every write is a system-scope atomic or store."""
+    _, text = case
+    body = text[text.index("EP_KERNEL("):]
+    assert not re.findall(r"\bsig\s*\[[^\]]*\]\s*=(?!=)", body)
+    assert not re.findall(r"ep_signals\([^)]*\)\s*\[[^\]]*\]\s*=(?!=)", body)
+    assert "ep_store_relaxed_system(sig + kSig" in body

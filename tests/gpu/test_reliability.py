@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from epgen.codegen import abi
 from epgen.codegen.spec import Op
 from epgen.op import EpDispatchCombine, EpError, _args_dtype
 from epgen.verify import (ROUTINGS, check_exact_combine, check_exact_dispatch, expect, integer_expert_stage,
@@ -494,9 +495,10 @@ class EmulatedOp(EpDispatchCombine):
         self.local_ranks = list(range(config.world_size))
         self.dispatch_spec = config.spec("sm_90", Op.DISPATCH, config.dispatch_geometry or GEO)
         self.layout = self.dispatch_spec.layout
-        self.arenas = types.SimpleNamespace(
-            local={r: torch.zeros(self.layout.total_bytes, dtype=torch.uint8) for r in self.local_ranks},
-            close=lambda: None)
+        local = {r: torch.zeros(self.layout.total_bytes, dtype=torch.uint8) for r in self.local_ranks}
+        sig = slice(self.layout.signals, self.layout.signals + 4 * abi.SIGNAL_WORDS)  # CUDA: the arena's region
+        self.arenas = types.SimpleNamespace(local=local, local_signals={r: t[sig] for r, t in local.items()},
+                                            close=lambda: None)
         self.errors = _Records(config.world_size)
         self._args = {op: np.zeros((), dtype=_args_dtype(config.world_size)) for op in (Op.DISPATCH, Op.COMBINE)}
         self._pending_tokens = None

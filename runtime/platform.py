@@ -1,0 +1,236 @@
+"""The platform seam: every host call of the op that differs between CUDA and ROCm, in one object.
+
+``Platform.current()`` picks the vendor from ``torch.version.hip`` (set by torch's ROCm build).
+On ROCm the GPU runtime is CuPy's ROCm build (e.g. ``cupy-rocm-7-0``): ``cupy.cuda.runtime.*``
+map to HIP (CuPy ``cupy_backends/hip/cupy_hip_runtime.h``: ``cudaMalloc`` -> ``hipMalloc``,
+``cudaHostAlloc`` -> ``hipHostMalloc`` with the flags passed through, ``cudaIpc*MemHandle`` ->
+``hipIpc*MemHandle``, ``cudaMemset`` -> ``hipMemset``), so most calls are the same on both
+vendors and only their memory differs:
+
+* bulk data (the arena, ``epgen.codegen.spec.ArenaLayout``): ``cupy.cuda.Memory`` on both
+  (``hipMalloc`` on ROCm: coarse-grained, coherent only at kernel boundaries);
+* signal words (``epgen.codegen.abi.SIGNALS``), which peers store to and add to while the kernels
+  run: on CUDA the ``signals`` region of the arena; on ROCm a separate allocation made with
+  ``hipExtMallocWithFlags(..., hipDeviceMallocUncached)`` through ctypes on ``libamdhip64.so``
+  (CuPy has no binding for it), as mori allocates its symmetric buffers;
+* error records: host-mapped pinned memory (``hostAllocMapped | hostAllocPortable``, the same
+  bits as ``hipHostMallocMapped | hipHostMallocPortable``).
+
+The kernels are loaded through ``epgen.loader.load_kernel`` on both vendors (the ahead-of-time
+cache through ``cupy.RawModule(path=...)``, which loads without compiling, CuPy
+``cupy/_core/raw.pyx`` ``_get_raw_module``; else a runtime compile: NVRTC, or hiprtc on ROCm)
+and launched on CuPy's view of torch's current stream (``epgen.device.cupy_stream``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+HIP_LIBRARIES = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6")
+"""The HIP runtime library that CuPy's ROCm build links (``hipExtMallocWithFlags`` comes from it),
+by the names tried in order: the development link, then the ROCm 7 and 6 sonames."""
+
+HIP_DEVICE_MALLOC_UNCACHED = 0x3
+"""``hipDeviceMallocUncached`` (hip/hip_runtime_api.h): device memory the caches do not keep, so
+stores and atomics from peers are seen while a kernel runs (fine-grained)."""
+
+HIP_SUCCESS = 0
+"""``hipSuccess``: the ``hipError_t`` of a call that worked."""
+
+
+class HipError(RuntimeError):
+    """A HIP runtime call made through ctypes returned an error (the message names the call, the
+    ``hipError_t`` code and ``hipGetErrorString``'s text)."""
+
+
+class Platform:
+    """The vendor's host calls for the op (``epgen.op``) and its arenas (``epgen.arena``).
+
+    Attributes:
+        rocm: True on ROCm (torch's and CuPy's ROCm builds), False on CUDA.
+        name: ``"rocm"`` or ``"cuda"``.
+    """
+
+    def __init__(self, rocm: bool):
+        self.rocm = rocm
+        self.name = "rocm" if rocm else "cuda"
+        self._hip = None
+
+    @classmethod
+    def current(cls) -> Platform:
+        """The platform of this process's torch: ROCm when ``torch.version.hip`` is set."""
+        return cls(rocm=bool(getattr(torch.version, "hip", None)))
+
+    def __repr__(self) -> str:
+        return f"Platform({self.name})"
+
+    # ---- device ------------------------------------------------------------------------------
+    def arch(self, device_index: int) -> str:
+        """Target name of the torch device (``sm_90``, ``gfx950``): ``epgen.device.device_arch``."""
+        from epgen.device import device_arch
+
+        return device_arch(device_index)
+
+    def use_device(self, device_index: int):
+        """Context manager making ``device_index`` CuPy's (and the runtime's) current device."""
+        import cupy
+
+        return cupy.cuda.Device(device_index)
+
+    def synchronize(self) -> None:
+        """Wait for all work on the current device (``cudaDeviceSynchronize`` / ``hipDeviceSynchronize``)."""
+        import cupy
+
+        cupy.cuda.runtime.deviceSynchronize()
+
+    # ---- memory ------------------------------------------------------------------------------
+    def alloc_device(self, nbytes: int):
+        """``nbytes`` of ordinary device memory on the current device, zeroed.
+
+        Returns:
+            The ``cupy.cuda.Memory`` (its ``ptr`` is the address; freed when released).
+        """
+        import cupy
+
+        mem = cupy.cuda.Memory(nbytes)
+        cupy.cuda.runtime.memset(mem.ptr, 0, nbytes)
+        return mem
+
+    def alloc_signals(self, nbytes: int) -> int:
+        """``nbytes`` of uncached (fine-grained) device memory on the current device, zeroed
+        (ROCm only: ``hipExtMallocWithFlags(&p, nbytes, hipDeviceMallocUncached)``). Free it with
+        ``free_signals``.
+
+        Returns:
+            The device address.
+
+        Raises:
+            RuntimeError: called on CUDA (its signal words stay in the arena).
+            HipError: the allocation failed (e.g. hipErrorOutOfMemory).
+        """
+        if not self.rocm:
+            raise RuntimeError("Platform(cuda).alloc_signals: CUDA keeps the signal words in the arena")
+        hip = self._hip_library()
+        ptr = ctypes.c_void_p()
+        self._check("hipExtMallocWithFlags",
+                    hip.hipExtMallocWithFlags(ctypes.byref(ptr), nbytes, HIP_DEVICE_MALLOC_UNCACHED))
+        import cupy
+
+        try:
+            cupy.cuda.runtime.memset(ptr.value, 0, nbytes)  # hipMemset
+        except Exception:
+            self.free_signals(ptr.value)
+            raise
+        return ptr.value
+
+    def free_signals(self, ptr: int) -> None:
+        """Free an ``alloc_signals`` allocation (``hipFree``).
+
+        Raises:
+            HipError: hipFree failed.
+        """
+        self._check("hipFree", self._hip_library().hipFree(ctypes.c_void_p(ptr)))
+
+    def tensor(self, ptr: int, nbytes: int, owner, device: torch.device) -> torch.Tensor:
+        """A uint8 torch tensor [nbytes] over the device memory at ``ptr`` (no copy).
+
+        Args:
+            owner: the ``cupy.cuda.Memory`` at ``ptr`` (the tensor keeps it alive), or None for
+                memory freed elsewhere (``alloc_signals``; wrapped in ``cupy.cuda.UnownedMemory``).
+        """
+        import cupy
+
+        mem = owner if owner is not None else cupy.cuda.UnownedMemory(ptr, nbytes, None, device.index)
+        arr = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+        return torch.as_tensor(arr, device=device)
+
+    def host_alloc_mapped(self, nbytes: int) -> int:
+        """``nbytes`` of pinned host memory mapped into every device's address space (unified
+        addressing: the same address on host and device); free with ``free_host``."""
+        import cupy
+
+        rt = cupy.cuda.runtime
+        return rt.hostAlloc(nbytes, rt.hostAllocMapped | rt.hostAllocPortable)
+
+    def free_host(self, ptr: int) -> None:
+        import cupy
+
+        cupy.cuda.runtime.freeHost(ptr)
+
+    # ---- IPC ---------------------------------------------------------------------------------
+    def ipc_handle(self, ptr: int) -> bytes:
+        """The IPC handle (64 bytes) of the device allocation at ``ptr``."""
+        import cupy
+
+        return cupy.cuda.runtime.ipcGetMemHandle(ptr)
+
+    def ipc_open(self, handle: bytes) -> int:
+        """This process's address of a peer's allocation (lazy peer access); close with ``ipc_close``."""
+        import cupy
+
+        rt = cupy.cuda.runtime
+        return rt.ipcOpenMemHandle(handle, rt.cudaIpcMemLazyEnablePeerAccess)
+
+    def ipc_close(self, ptr: int) -> None:
+        import cupy
+
+        cupy.cuda.runtime.ipcCloseMemHandle(ptr)
+
+    # ---- kernels -----------------------------------------------------------------------------
+    def load_kernel(self, text: str, entry: str, device_index: int):
+        """The kernel ``entry`` of ``text`` on ``device_index``: ``epgen.loader.load_kernel`` (the
+        ahead-of-time cache first, else a runtime compile with ``RUNTIME_OPTIONS``)."""
+        from epgen.loader import load_kernel
+
+        with self.use_device(device_index):
+            return load_kernel(text, entry)
+
+    def launch(self, fn, grid: tuple[int, int, int], block: tuple[int, int, int], args_address: int,
+               device: torch.device) -> None:
+        """Launch ``fn`` with one by-value struct argument (at host address ``args_address``) on
+        torch's current stream of ``device`` (``epgen.device.cupy_stream``)."""
+        import cupy
+
+        from epgen.device import cupy_stream
+
+        with self.use_device(device.index):
+            fn(grid, block, (cupy.cuda.function.CPointer(args_address),), stream=cupy_stream(device))
+
+    # ---- HIP through ctypes ------------------------------------------------------------------
+    def _hip_library(self):
+        if self._hip is None:
+            hip = _load_first(HIP_LIBRARIES)
+            # hip/hip_runtime_api.h: hipError_t hipExtMallocWithFlags(void** ptr, size_t sizeBytes,
+            # unsigned int flags); hipError_t hipFree(void* ptr); const char* hipGetErrorString(hipError_t).
+            hip.hipExtMallocWithFlags.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint)
+            hip.hipExtMallocWithFlags.restype = ctypes.c_int
+            hip.hipFree.argtypes = (ctypes.c_void_p,)
+            hip.hipFree.restype = ctypes.c_int
+            hip.hipGetErrorString.argtypes = (ctypes.c_int,)
+            hip.hipGetErrorString.restype = ctypes.c_char_p
+            self._hip = hip
+        return self._hip
+
+    def _check(self, call: str, status: int) -> None:
+        if status != HIP_SUCCESS:
+            text = self._hip_library().hipGetErrorString(status)
+            raise HipError(f"{call} returned hipError_t {status} "
+                           f"({text.decode(errors='replace') if text else 'no description'})")
+
+
+def _load_first(names: tuple[str, ...]) -> ctypes.CDLL:
+    """The first of ``names`` that ``ctypes.CDLL`` loads.
+
+    Raises:
+        OSError: none loads (naming each with its loader error).
+    """
+    errors = []
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError as e:
+            errors.append(f"{name}: {e}")
+    raise OSError(f"the HIP runtime library could not be loaded ({'; '.join(errors)}); ROCm's lib directory "
+                  "must be on the loader path (LD_LIBRARY_PATH or ldconfig)")

@@ -1,0 +1,384 @@
+"""The op's ROCm host path on the CPU, against a recording stand-in for CuPy's ROCm build.
+
+Two processes (W = 2) joined by a gloo process group each build an ``EpDispatchCombine`` with
+torch's ROCm build faked (``torch.version.hip``, ``torch.cuda`` properties with a gfx950
+``gcnArchName``), a fake ``cupy`` module in ``sys.modules`` that records every attribute the op
+touches and offers only calls CuPy's ROCm build has, and a fake ``libamdhip64.so`` behind
+``ctypes.CDLL``. Device memory is host memory here; no kernel runs (the fake kernel records its
+launch arguments). The ahead-of-time cache holds the gfx950 code objects (built here with the
+offline clang), so the op must load them with ``RawModule(path=...)`` and compile nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from epgen.aot import build, config_specs
+from epgen.cache import CACHE_ENV
+from epgen.codegen import offline
+from epgen.codegen.config import EpConfig, Geometry
+from epgen.codegen.spec import Op
+from epgen.ranks import start_and_join
+
+ARCH = "gfx950"
+GCN_ARCH_NAME = "gfx950:sramecc+:xnack-"
+CFG = EpConfig(world_size=2, hidden=2048, topk=4, num_experts=8, max_tokens_per_rank=16,
+               combine_quant="fp8_direct_cast",  # a quantized combine: the op computes resident blocks
+               dispatch_geometry=Geometry(4, 4, 2), combine_geometry=Geometry(4, 4, 2), timeout_s=2.5)
+
+HIP_UNCACHED = 0x3  # hipDeviceMallocUncached, hip/hip_runtime_api.h
+HIP_IPC_LAZY = 0x1  # hipIpcMemLazyEnablePeerAccess, hip/hip_runtime_api.h
+HIP_HOST_MAPPED_PORTABLE = 0x2 | 0x1  # hipHostMallocMapped | hipHostMallocPortable
+SIGNAL_BYTES = 1024
+
+# What the fake offers: CuPy names whose calls CuPy's ROCm build maps to HIP
+# (cupy_backends/hip/cupy_hip_runtime.h: cudaGetDevice, cudaMalloc, cudaMemset, cudaHostAlloc
+# -> hipHostMalloc with the flags passed through, cudaFreeHost, cudaDeviceSynchronize,
+# cudaIpcGetMemHandle / cudaIpcOpenMemHandle / cudaIpcCloseMemHandle; the rest is CuPy's own
+# Python-level memory, stream and module objects, cupy/_core/raw.pyx RawModule(path=...) loading
+# with Module.load_file). cupy.cuda.driver (cupy_backends.cuda.api.driver) is not offered.
+HIP_SURFACE = {
+    "cupy.uint8", "cupy.ndarray", "cupy.RawModule", "cupy.cuda",
+    "cupy.cuda.Device", "cupy.cuda.Memory", "cupy.cuda.MemoryPointer", "cupy.cuda.UnownedMemory",
+    "cupy.cuda.ExternalStream", "cupy.cuda.runtime", "cupy.cuda.function", "cupy.cuda.function.CPointer",
+    "cupy.cuda.runtime.getDevice", "cupy.cuda.runtime.memset", "cupy.cuda.runtime.deviceSynchronize",
+    "cupy.cuda.runtime.hostAlloc", "cupy.cuda.runtime.freeHost", "cupy.cuda.runtime.hostAllocMapped",
+    "cupy.cuda.runtime.hostAllocPortable", "cupy.cuda.runtime.ipcGetMemHandle",
+    "cupy.cuda.runtime.ipcOpenMemHandle", "cupy.cuda.runtime.ipcCloseMemHandle",
+    "cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess",
+}
+
+
+class _Recorded:
+    """A namespace that logs every attribute read as ``<prefix>.<name>`` and has only ``attrs``."""
+
+    def __init__(self, log: list, prefix: str, **attrs):
+        object.__setattr__(self, "_log", log)
+        object.__setattr__(self, "_prefix", prefix)
+        object.__setattr__(self, "_attrs", attrs)
+
+    def __getattr__(self, name):
+        self._log.append(f"{self._prefix}.{name}")
+        try:
+            return self._attrs[name]
+        except KeyError:
+            raise AttributeError(f"{self._prefix}.{name}: not offered by the CuPy-ROCm stand-in") from None
+
+
+class _Memory:
+    """Host bytes playing device memory (kept alive by the fake)."""
+
+    def __init__(self, fake, nbytes: int):
+        self.buffer = (ctypes.c_uint8 * nbytes)()
+        self.ptr, self.size = ctypes.addressof(self.buffer), nbytes
+        fake.buffers[self.ptr] = self.buffer
+
+
+class _FakeCupyRocm:
+    """The stand-in: ``module`` goes into ``sys.modules["cupy"]``; calls are logged in ``calls``."""
+
+    def __init__(self):
+        self.touched, self.calls, self.buffers, self.launches = [], [], {}, []
+        log, fake = self.touched, self
+
+        def memset(ptr, value, nbytes):
+            self.calls.append(["memset", ptr, value, nbytes])
+            ctypes.memset(ptr, value, nbytes)
+
+        def host_alloc(nbytes, flags):
+            self.calls.append(["hostAlloc", nbytes, flags])
+            return _Memory(self, nbytes).ptr
+
+        def ipc_get(ptr):
+            self.calls.append(["ipcGetMemHandle", ptr])
+            return f"{os.getpid()}:{ptr:x}".encode().ljust(64, b"\0")
+
+        def ipc_open(handle, flags):
+            mapped = _Memory(self, SIGNAL_BYTES).ptr  # a peer's memory is not reachable here
+            self.calls.append(["ipcOpenMemHandle", handle.rstrip(b"\0").decode(), flags, mapped])
+            return mapped
+
+        class Device:
+            def __init__(self, index):
+                self.index = index
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+        class Memory(_Memory):
+            def __init__(self, nbytes):
+                super().__init__(fake, nbytes)
+                fake.calls.append(["Memory", nbytes, self.ptr])
+
+        class UnownedMemory:
+            def __init__(self, ptr, size, owner, device_id=-1):
+                self.ptr, self.size = ptr, size
+
+        class MemoryPointer:
+            def __init__(self, mem, offset):
+                self.mem, self.ptr = mem, mem.ptr + offset
+
+        class ndarray:
+            def __init__(self, shape, dtype, memptr):
+                (self.nbytes,) = shape
+                self.ptr = memptr.ptr
+
+        class Kernel:
+            def __init__(self, path, entry):
+                self.path, self.entry = path, entry
+
+            kernel = property(lambda self: self)
+
+            def __getattr__(self, name):  # num_regs / shared_size_bytes: what the occupancy reads
+                log.append(f"kernel.{name}")
+                return {"num_regs": 64, "shared_size_bytes": 1024}[name]
+
+            def __call__(self, grid, block, args, stream):
+                (arg,) = args
+                fake.launches.append({"entry": self.entry, "grid": list(grid), "block": list(block),
+                                      "address": arg.address, "stream": stream.ptr})
+
+        class RawModule:
+            def __init__(self, *, code=None, path=None, options=()):
+                fake.calls.append(["RawModule", "path" if path is not None else "code", path])
+                self.path = path
+
+            def get_function(self, entry):
+                return Kernel(self.path, entry)
+
+        rt = _Recorded(log, "cupy.cuda.runtime", getDevice=lambda: torch.cuda.current_device(), memset=memset,
+                       deviceSynchronize=lambda: None, hostAlloc=host_alloc,
+                       freeHost=lambda p: self.calls.append(["freeHost", p]), hostAllocPortable=1, hostAllocMapped=2,
+                       ipcGetMemHandle=ipc_get, ipcOpenMemHandle=ipc_open,
+                       ipcCloseMemHandle=lambda p: self.calls.append(["ipcCloseMemHandle", p]),
+                       cudaIpcMemLazyEnablePeerAccess=HIP_IPC_LAZY)
+        cuda = _Recorded(log, "cupy.cuda", Device=Device, Memory=Memory, UnownedMemory=UnownedMemory,
+                         MemoryPointer=MemoryPointer, runtime=rt,
+                         ExternalStream=lambda ptr, device_id: types.SimpleNamespace(ptr=ptr, device_id=device_id),
+                         function=_Recorded(log, "cupy.cuda.function",
+                                            CPointer=lambda address: types.SimpleNamespace(address=address)))
+        surface = {"uint8": np.uint8, "ndarray": ndarray, "RawModule": RawModule, "cuda": cuda}
+        self.module = types.ModuleType("cupy")
+        self.module.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
+
+        def module_getattr(name):  # PEP 562: every attribute but the module's own dunders
+            log.append(f"cupy.{name}")
+            try:
+                return surface[name]
+            except KeyError:
+                raise AttributeError(f"cupy.{name}: not offered by the CuPy-ROCm stand-in") from None
+
+        self.module.__getattr__ = module_getattr
+
+
+class _FakeHip:
+    """``libamdhip64.so``: hipExtMallocWithFlags / hipFree / hipGetErrorString, logged."""
+
+    def __init__(self, fake: _FakeCupyRocm):
+        def ext_malloc(ptr_ref, nbytes, flags):
+            p = _Memory(fake, nbytes).ptr
+            ptr_ref._obj.value = p  # ctypes.byref(c_void_p): the out-parameter
+            fake.calls.append(["hipExtMallocWithFlags", nbytes, flags, p])
+            return 0
+
+        def free(ptr):
+            fake.calls.append(["hipFree", ptr.value])
+            return 0
+
+        self.hipExtMallocWithFlags = _CFunction(ext_malloc)
+        self.hipFree = _CFunction(free)
+        self.hipGetErrorString = _CFunction(lambda status: b"fake error")
+
+
+class _CFunction:
+    def __init__(self, fn):
+        self._fn, self.argtypes, self.restype = fn, None, None
+
+    def __call__(self, *args):
+        return self._fn(*args)
+
+
+def _fake_rocm(rank: int) -> _FakeCupyRocm:
+    """Install the stand-ins in this (spawned) process: CuPy-ROCm, torch's ROCm build, libamdhip64."""
+    fake = _FakeCupyRocm()
+    sys.modules["cupy"] = fake.module
+    torch.version.hip = "7.0.51831"
+    props = types.SimpleNamespace(gcnArchName=GCN_ARCH_NAME, name="AMD Instinct MI355X", multi_processor_count=256,
+                                  major=9, minor=5, total_memory=288 << 30)
+    torch.cuda.is_available = lambda: True
+    torch.cuda.current_device = lambda: rank
+    torch.cuda.get_device_properties = lambda index: props
+    torch.cuda.mem_get_info = lambda device=None: (200 << 30, 288 << 30)
+    torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(cuda_stream=0x5000 + rank, device=device)
+    real_as_tensor, real_cdll = torch.as_tensor, ctypes.CDLL
+
+    def as_tensor(obj, *args, device=None, **kwargs):  # torch's view of "device" memory: the host bytes
+        if isinstance(obj, fake.module.ndarray):
+            fake.calls.append(["as_tensor", obj.ptr, obj.nbytes, str(device)])
+            return torch.frombuffer((ctypes.c_uint8 * obj.nbytes).from_address(obj.ptr), dtype=torch.uint8)
+        return real_as_tensor(obj, *args, device=device, **kwargs)
+
+    def cdll(name, *args, **kwargs):
+        fake.calls.append(["CDLL", name])
+        return _FakeHip(fake) if name == "libamdhip64.so" else real_cdll(name, *args, **kwargs)
+
+    torch.as_tensor, ctypes.CDLL = as_tensor, cdll
+    return fake
+
+
+def _rank(rank: int, world_size: int, store: str, cache: str, out: str):
+    import warnings
+
+    import torch.distributed as dist
+
+    fake = _fake_rocm(rank)
+    os.environ[CACHE_ENV] = cache
+    warnings.simplefilter("error")  # a cache miss or a rejected file warns: fail instead
+    dist.init_process_group(backend="gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        from epgen.op import EpDispatchCombine
+
+        op = EpDispatchCombine(CFG)
+        record = {"platform": repr(op.platform), "arch": op.arch, "layout_signals": op.layout.signals,
+                  "pointers": op.arenas.pointers, "signals": op.arenas.signals,
+                  "combine_blocks": op.variant(Op.COMBINE, 1).blocks}
+        word = op.arenas.signals[rank] + 16  # kSigNumRecv (index 4) in this rank's signal words
+        ctypes.c_uint32.from_address(word).value = 7
+        record["num_recv"] = op.recv_buffers().num_recv.tolist()
+        for which in (Op.DISPATCH, Op.COMBINE):
+            op._launch(which, 1, op._args[which])  # the host half of dispatch()/combine(): no tensors here
+        record["launch_args"] = []
+        for launch in fake.launches:
+            a = np.frombuffer((ctypes.c_uint8 * op._args[Op.DISPATCH].nbytes).from_address(launch["address"]),
+                              dtype=op._args[Op.DISPATCH].dtype)[0]
+            record["launch_args"].append({"arena": a["arena"].tolist(), "signals": a["signals"].tolist(),
+                                          "errors": int(a["errors"]), "rank_base": int(a["rank_base"])})
+        op.close()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    record.update(calls=fake.calls, touched=sorted(set(fake.touched)), launches=fake.launches,
+                  modules=sorted(m for m in sys.modules if m.split(".")[0] in ("cupy", "cupy_backends")))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """The ahead-of-time cache with CFG's gfx950 code objects (``epgen build``'s compile)."""
+    if offline.toolchain_status(ARCH):
+        pytest.skip(offline.toolchain_status(ARCH))
+    directory = tmp_path_factory.mktemp("aot")
+    build(config_specs(CFG, ARCH), directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def records(cache, tmp_path_factory) -> list[dict]:
+    """Each rank's record of the host path (two gloo processes)."""
+    out = tmp_path_factory.mktemp("ranks")
+    start_and_join(_rank, (2, str(out / "store"), str(cache), str(out)), 2, timeout_s=240)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _calls(record, name):
+    return [c[1:] for c in record["calls"] if c[0] == name]
+
+
+def test_the_rocm_platform_and_arch_are_chosen(records):
+    for r in records:
+        assert r["platform"] == "Platform(rocm)" and r["arch"] == ARCH
+
+
+def test_only_calls_cupy_rocm_has_are_touched(records):
+    for r in records:
+        cupy_names = {t for t in r["touched"] if t.startswith("cupy.")}
+        assert cupy_names <= HIP_SURFACE, sorted(cupy_names - HIP_SURFACE)
+        assert not any(t.startswith("cupy.cuda.driver") for t in r["touched"])  # cupy_backends.cuda.api.driver
+        assert r["modules"] == ["cupy"]  # the stand-in alone: nothing imported cupy_backends or a cupy submodule
+        assert _calls(r, "hostAlloc") == [[2 * 4 * 4, HIP_HOST_MAPPED_PORTABLE]]  # flags HIP has
+
+
+def test_the_signal_words_are_a_separate_uncached_allocation_freed_at_close(records):
+    for rank, r in enumerate(records):
+        assert ["libamdhip64.so"] in _calls(r, "CDLL")
+        (alloc,) = _calls(r, "hipExtMallocWithFlags")
+        nbytes, flags, ptr = alloc
+        assert (nbytes, flags) == (SIGNAL_BYTES, HIP_UNCACHED) and r["signals"][rank] == ptr
+        assert [ptr, 0, SIGNAL_BYTES] in _calls(r, "memset")  # zeroed
+        assert ptr != r["pointers"][rank] + r["layout_signals"]
+        assert [[m[1]] for m in _calls(r, "Memory")] == [[r["pointers"][rank]]]  # the arena: ordinary memory
+        assert _calls(r, "hipFree") == [[ptr]]
+        assert r["num_recv"] == [7]  # recv_buffers reads num_recv from the signal allocation
+
+
+def test_both_regions_ipc_handles_are_exchanged_opened_and_closed(records):
+    for rank, r in enumerate(records):
+        peer = records[1 - rank]
+        assert _calls(r, "ipcGetMemHandle") == [[r["pointers"][rank]], [r["signals"][rank]]]
+        opened = _calls(r, "ipcOpenMemHandle")
+        peer_pid_handles = [f"{h.split(':')[0]}" for h, _, _ in opened]
+        assert len(set(peer_pid_handles)) == 1 and peer_pid_handles[0] != str(os.getpid())
+        assert [h.split(":")[1] for h, _, _ in opened] == [f"{peer['pointers'][1 - rank]:x}",
+                                                            f"{peer['signals'][1 - rank]:x}"]
+        assert all(flags == HIP_IPC_LAZY for _, flags, _ in opened)
+        arena_mapped, signals_mapped = (p for _, _, p in opened)
+        assert r["pointers"][1 - rank] == arena_mapped and r["signals"][1 - rank] == signals_mapped
+        assert sorted(_calls(r, "ipcCloseMemHandle")) == sorted([[arena_mapped], [signals_mapped]])
+
+
+def test_every_launch_passes_every_ranks_signal_words_on_torchs_stream(records):
+    for rank, r in enumerate(records):
+        assert [x["entry"] for x in r["launches"]] == [s.name for s in config_specs(CFG, ARCH)]
+        for launch, args in zip(r["launches"], r["launch_args"]):
+            assert args["arena"] == r["pointers"] and args["signals"] == r["signals"] and args["rank_base"] == rank
+            assert launch["grid"] == [4, 1, 1] and launch["block"] == [4 * 64, 1, 1]  # gfx950: wave 64
+            assert launch["stream"] == 0x5000 + rank
+
+
+def test_the_cached_code_objects_load_without_a_compile_and_feed_the_occupancy(records, cache):
+    for r in records:
+        loads = _calls(r, "RawModule")
+        assert [kind for kind, _ in loads] == ["path", "path"]  # no RawModule(code=...): no hipcc/hiprtc
+        assert all(Path(p).parent == cache / ARCH and p.endswith(".hsaco") for _, p in loads)
+        assert {"kernel.num_regs", "kernel.shared_size_bytes"} <= set(r["touched"])
+        assert r["combine_blocks"] == 4
+
+
+def test_a_failed_hip_call_raises_naming_the_call_the_code_and_its_text_and_the_library_is_found_by_soname(monkeypatch):
+    from epgen.platform import HipError, Platform
+
+    hip = types.SimpleNamespace(hipExtMallocWithFlags=_CFunction(lambda ptr_ref, nbytes, flags: 2),
+                                hipFree=_CFunction(lambda ptr: 1),
+                                hipGetErrorString=_CFunction(lambda status: {1: b"invalid argument",
+                                                                             2: b"out of memory"}[status]))
+    def cdll(name):
+        if name != "libamdhip64.so.7":
+            raise OSError(f"{name}: cannot open shared object file")
+        return hip
+
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    rocm = Platform(rocm=True)
+    with pytest.raises(HipError, match=r"^hipExtMallocWithFlags returned hipError_t 2 \(out of memory\)$"):
+        rocm.alloc_signals(SIGNAL_BYTES)
+    with pytest.raises(HipError, match=r"^hipFree returned hipError_t 1 \(invalid argument\)$"):
+        rocm.free_signals(0x1000)
+    with pytest.raises(RuntimeError, match=r"Platform\(cuda\)\.alloc_signals: CUDA keeps the signal words in the arena"):
+        Platform(rocm=False).alloc_signals(SIGNAL_BYTES)
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: cdll("none"))
+    with pytest.raises(OSError, match=r"^the HIP runtime library could not be loaded \(libamdhip64\.so: .*"
+                                      r"libamdhip64\.so\.6: .*\); ROCm's lib directory must be on the loader path"):
+        Platform(rocm=True).free_signals(0x1000)
