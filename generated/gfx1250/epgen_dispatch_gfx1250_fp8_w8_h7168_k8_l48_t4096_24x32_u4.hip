@@ -47,14 +47,14 @@ EP_DEVICE ep_u32 ep_atomic_add_device(ep_u32* p, ep_u32 v) {
 EP_DEVICE ep_u32 ep_atomic_add_system(ep_u32* p, ep_u32 v) {
   return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
 }
-EP_DEVICE void ep_store_release_system(ep_u32* p, ep_u32 v) {
-  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
-}
 EP_DEVICE void ep_store_relaxed_system(ep_u32* p, ep_u32 v) {
   __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
 }
 EP_DEVICE ep_u32 ep_load_acquire_system(const ep_u32* p) {
   return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+EP_DEVICE void ep_store_release_system(ep_u32* p, ep_u32 v) {
+  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
 }
 EP_DEVICE void ep_fence_system() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, ""); }
 EP_DEVICE ep_u64 ep_clock_ns() { return __builtin_readsteadycounter() * 10ull; }

@@ -47,6 +47,12 @@ EP_DEVICE ep_u32 ep_atomic_add_device(ep_u32* p, ep_u32 v) {
 EP_DEVICE ep_u32 ep_atomic_add_system(ep_u32* p, ep_u32 v) {
   return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
 }
+EP_DEVICE void ep_store_relaxed_system(ep_u32* p, ep_u32 v) {
+  __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+EP_DEVICE ep_u32 ep_load_acquire_system(const ep_u32* p) {
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+}
 // A system-scope release is buffer_wbl2 sc0 sc1, s_waitcnt vmcnt(0), then the store, atomic or
 // buffer_inv sc0 sc1 (LLVM AMDGPUUsage, "Memory Model GFX942" table, rows "store atomic
 // release", "fence release" and "fence acq_rel" at system scope). clang 22.1.8 drops the wait
@@ -58,10 +64,7 @@ EP_DEVICE void ep_release_fence_system() {
 }
 EP_DEVICE void ep_store_release_system(ep_u32* p, ep_u32 v) {
   ep_release_fence_system();  // a release fence then a relaxed store: at least a release store
-  __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
-}
-EP_DEVICE ep_u32 ep_load_acquire_system(const ep_u32* p) {
-  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+  ep_store_relaxed_system(p, v);
 }
 // The table lowers a seq_cst fence as an acq_rel one (writeback, wait, invalidate); its release
 // half and acquire half are emitted apart so that the wait sits between them.
