@@ -10,8 +10,8 @@ assembly assembled by the same clang and linked by its ``ld.lld`` into an ELF sh
 ``tempfile.TemporaryDirectory``.
 
 ``compile_as_hiprtc`` compiles a source as CuPy-ROCm's hiprtc would (``HIPRTC_DEFAULTS``, then the
-runtime's options, under a reproduction of hiprtc's built-in header from the HIP runtime headers
-that ``hip_runtime_headers`` finds), which proves that the source defines nothing the predefined
+runtime's options, under a reproduction of hiprtc's built-in header, ``_PREAMBLE_TEXT``, over the
+HIP runtime headers that ``hip_runtime_headers`` finds), which proves that the source defines nothing the predefined
 HIP runtime also defines.
 """
 
@@ -98,14 +98,17 @@ def compile_kernel(text: str, t: ArchTraits, entry: str, code_object: bool) -> t
     return _compile(text, t, entry, compile_options(t), code_object)
 
 
-def _compile(text: str, t: ArchTraits, entry: str, options: tuple[str, ...],
-             code_object: bool) -> tuple[Resources, bytes | None]:
-    """``compile_kernel`` with the compile step's ``options``."""
+def _compile(text: str, t: ArchTraits, entry: str, options: tuple[str, ...], code_object: bool,
+             beside: dict[str, str] | None = None) -> tuple[Resources, bytes | None]:
+    """``compile_kernel`` with the compile step's ``options``; ``beside`` maps file names to the
+    texts written next to the source (the compile's working directory)."""
     arch = t.name
     image = None
     with tempfile.TemporaryDirectory(prefix="epgen-offline-") as tmp:
         src = Path(tmp) / f"{_SOURCE_STEM}.hip"
         src.write_text(text)
+        for name, content in (beside or {}).items():
+            (Path(tmp) / name).write_text(content)
         asm_name, obj_name, hsaco_name = (f"{_SOURCE_STEM}{s}" for s in (".s", ".o", ".hsaco"))
         steps = [[*_CLANG, *options, "-S", src.name, "-o", asm_name]]
         if code_object:
@@ -159,8 +162,36 @@ them, and clang keeps the last of clashing options, so:
 HIP_INCLUDE_ENV = "EPGEN_HIP_INCLUDE"
 _ROCM_INCLUDE = Path("/opt/rocm/include")
 _VENDORED_HEADERS = Path(__file__).resolve().parents[3] / "shared" / "vendor" / "hip-headers"
-_PREAMBLE = "hiprtc_preamble.h"  # the vendored reproduction of hiprtc's built-in header
-_RUNTIME_HEADERS = ("hip/hip_runtime.h", "hip/hip_bfloat16.h")  # what hiprtc's built-in header is made of
+_RUNTIME_HEADER = "hip/hip_runtime.h"
+_PREAMBLE = "hiprtc_preamble.h"
+_PREAMBLE_TEXT = """\
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Weverything"
+#define __device__ __attribute__((device))
+#define __host__ __attribute__((host))
+#define __global__ __attribute__((global))
+#define __constant__ __attribute__((constant))
+#define __shared__ __attribute__((shared))
+#define __align__(x) __attribute__((aligned(x)))
+#define __noinline__ __attribute__((noinline))
+#define __forceinline__ inline __attribute__((always_inline))
+#define __hip_img_chk__
+typedef __SIZE_TYPE__ size_t;
+typedef __SIZE_TYPE__ __hip_size_t;
+#define __CLANG_HIP_RUNTIME_WRAPPER_INCLUDED__ 1
+#define CHAR_BIT __CHAR_BIT__
+#define INT_MAX __INTMAX_MAX__
+#include "hip/hip_runtime.h"
+#include "hip/hip_bfloat16.h"
+#undef CHAR_BIT
+#undef INT_MAX
+#pragma clang diagnostic pop
+"""
+"""hiprtc's built-in header as clr's HIPRTC.cmake generates it: the macros hiprtc predefines,
+``size_t``, then the HIP runtime preprocessed under ``__HIPCC_RTC__`` (here: included from the
+headers folder). As ``shared/vendor/hip-headers/hiprtc_preamble.h`` with ``hiprtc_macros.h``,
+less its push/pop of macros it leaves as they were; written beside each source, so any HIP
+include folder (a ROCm install's too, which has no such file) can be used."""
 
 
 def hip_runtime_headers() -> Path:
@@ -174,34 +205,32 @@ def hip_runtime_headers() -> Path:
     env = os.environ.get(HIP_INCLUDE_ENV)
     places = ([Path(env)] if env else []) + [_ROCM_INCLUDE, _VENDORED_HEADERS]
     for place in places:
-        if (place / _RUNTIME_HEADERS[0]).is_file():
+        if (place / _RUNTIME_HEADER).is_file():
             return place
-    raise ToolchainMissing(f"HIP runtime headers ({_RUNTIME_HEADERS[0]}) not found in "
+    raise ToolchainMissing(f"HIP runtime headers ({_RUNTIME_HEADER}) not found in "
                            f"{', '.join(map(str, places))}: set ${HIP_INCLUDE_ENV} to a HIP include folder")
 
 
 def hiprtc_options(t: ArchTraits, headers: Path) -> tuple[str, ...]:
     """The compile step of ``compile_as_hiprtc``: hiprtc's defaults, then the runtime's options
-    and CuPy's, clang's HIP device-only mode without GPU libraries, ``__HIPCC_RTC__`` and the
-    HIP runtime of ``headers`` included first (``hiprtc_preamble.h`` where that folder has it,
-    else ``hip/hip_runtime.h`` and ``hip/hip_bfloat16.h``)."""
-    includes = (_PREAMBLE,) if (headers / _PREAMBLE).is_file() else _RUNTIME_HEADERS
+    and CuPy's, clang's HIP device-only mode without GPU libraries, ``__HIPCC_RTC__``, and
+    ``_PREAMBLE_TEXT`` (which includes the HIP runtime of ``headers``) included first."""
     return ("-x", "hip", *HIPRTC_DEFAULTS, *RUNTIME_OPTIONS, *RUNTIME_ADDED_OPTIONS, "--cuda-device-only",
             "-nogpulib", "-nogpuinc", "-D__HIPCC_RTC__", "-D__HIP_PLATFORM_AMD__=1", f"-I{headers}",
-            *(o for h in includes for o in ("-include", h)), f"--offload-arch={t.offload_arch}",
-            f"-mcode-object-version={CODE_OBJECT_VERSION}")
+            "-include", _PREAMBLE, f"--offload-arch={t.offload_arch}", f"-mcode-object-version={CODE_OBJECT_VERSION}")
 
 
 def compile_as_hiprtc(text: str, t: ArchTraits, entry: str) -> Resources:
     """Compile ``text`` to assembly as hiprtc would (``hiprtc_options`` with
     ``hip_runtime_headers()``) and report ``entry``'s resources. A source that defines what the
-    HIP runtime defines (``__device__``, ``size_t``, ...) fails here although it compiles bare.
+    HIP runtime defines (``size_t``, ``dim3``, ...) fails here although it compiles bare.
 
     Raises:
         ToolchainMissing: no HIP runtime headers were found.
         CompileError: clang rejected ``text``, or ``entry`` is not a kernel of the assembly.
     """
-    return _compile(text, t, entry, hiprtc_options(t, hip_runtime_headers()), False)[0]
+    options = hiprtc_options(t, hip_runtime_headers())
+    return _compile(text, t, entry, options, False, {_PREAMBLE: _PREAMBLE_TEXT})[0]
 
 
 _METADATA_BLOCK = re.compile(
