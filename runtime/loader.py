@@ -67,6 +67,12 @@ def _load_cached(text: str, entry: str, arch: str):
     path = find_code_object(text, arch)
     if path is None:
         return None
+    # Loading a file compiles nothing and needs no hipcc, which a ROCm image may lack (CuPy's
+    # source, 6b6d956): cupy/_core/raw.pyx RawModule.__init__ with path= keeps no options, and
+    # _get_raw_module's path branch is `mod = Module(); mod.load_file(path)` (cupy/cuda/function.pyx
+    # Module.load_file: driver.moduleLoad). Only the code= branch compiles: compile_with_cache ->
+    # cupy/cuda/compiler.py _compile_with_cache_hip, which runs `hipcc -x hip -E -v /dev/null` for
+    # include folders (cupy/_environment.py _get_hipcc_include_dirs, RuntimeError without hipcc).
     try:
         fn = cupy.RawModule(path=str(path)).get_function(entry)
         fn.kernel  # noqa: B018  (loads the module now, so a bad file shows here, not at a launch)

@@ -12,7 +12,9 @@ Both compile with the runtime's options (``RUNTIME_OPTIONS`` plus what CuPy appe
 ``RUNTIME_ADDED_OPTIONS``), so that the report describes the code the runtime builds.
 ``compile_code_object`` also keeps the loadable code object, which ``epgen build`` writes into
 the ahead-of-time cache under ``code_object_key`` (text, options and ``compiler_identity``);
-``code_object_problem`` (``elf``) checks one before it is cached or loaded.
+``code_object_problem`` (``elf``) checks one before it is cached or loaded; an AMD one must be
+code object version ``clang_amd.CODE_OBJECT_VERSION``. ``compile_as_hiprtc`` compiles an AMD source
+as CuPy-ROCm's hiprtc would (its default options first, the HIP runtime predefined).
 
 Sources must be self-contained: no GPU runtime headers are on the include path.
 """
@@ -33,8 +35,8 @@ from epgen.codegen.spec import sha256_key
 
 __all__ = [
     "RUNTIME_ADDED_OPTIONS", "CodeObject", "CompileError", "Resources", "ToolchainMissing", "code_object_key",
-    "code_object_options", "code_object_problem", "compile_code_object", "compile_many", "compile_offline",
-    "compile_options", "compiler_identity", "toolchain_status",
+    "code_object_options", "code_object_problem", "compile_as_hiprtc", "compile_code_object", "compile_many",
+    "compile_offline", "compile_options", "compiler_identity", "toolchain_status",
 ]
 
 _TOOLCHAINS = {"amd": clang_amd, "nvidia": nvrtc}
@@ -67,7 +69,8 @@ def toolchain_status(arch: str) -> str | None:
 def compile_options(arch: str) -> tuple[str, ...]:
     """Options of the offline compile for ``arch``: the runtime's (``RUNTIME_OPTIONS`` and
     ``RUNTIME_ADDED_OPTIONS``), the target, and the toolchain's own (clang: HIP device code
-    only, no GPU libraries or headers, -O3; NVRTC: ptxas -v, which only adds the resource lines
+    only, no GPU libraries or headers, -O3, code object
+    ``clang_amd.CODE_OBJECT_VERSION``; NVRTC: ptxas -v, which only adds the resource lines
     to the log).
 
     Raises:
@@ -192,6 +195,28 @@ def compile_offline(text: str, arch: str, entry: str) -> Resources:
     """
     _require_toolchain(arch)
     return _toolchain(arch).compile_kernel(text, traits(arch), entry, False)[0]
+
+
+def compile_as_hiprtc(text: str, arch: str, entry: str) -> Resources:
+    """Compile AMD kernel source ``text`` for ``arch`` as CuPy-ROCm's hiprtc would and report
+    ``entry``'s resources: hiprtc's defaults (``clang_amd.HIPRTC_DEFAULTS``) before the runtime's
+    options, ``__HIPCC_RTC__`` and the HIP runtime headers included first
+    (``clang_amd.hiprtc_options``), to assembly. A source that defines what the HIP runtime
+    defines fails here although ``compile_offline`` accepts it. Usable as ``compile_many``'s
+    ``compile_fn``.
+
+    Raises:
+        ValueError: ``arch`` is not a known AMD target.
+        ToolchainMissing: clang is not installed, or no HIP runtime headers were found
+            (``clang_amd.hip_runtime_headers``: ``$EPGEN_HIP_INCLUDE``, ``/opt/rocm/include``,
+            ``shared/vendor/hip-headers`` beside the checkout).
+        CompileError: clang rejected ``text``, or ``entry`` is not a kernel in its output.
+    """
+    t = traits(arch)
+    if t.vendor != "amd":
+        raise ValueError(f"arch={arch!r}: compile_as_hiprtc needs an AMD target (vendor 'amd'), not {t.vendor!r}")
+    _require_toolchain(arch)
+    return clang_amd.compile_as_hiprtc(text, t, entry)
 
 
 def _require_toolchain(arch: str) -> None:

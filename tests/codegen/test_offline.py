@@ -234,3 +234,25 @@ def test_cubin_target_in_both_cuda_elf_abis() -> None:
     assert code_object_problem(bytes(image), "sm_90") is None
     image[48] = 80
     assert code_object_problem(bytes(image), "sm_90") == "built for ELF target 0x50, not sm_90 (0x5a)"
+
+
+@pytest.mark.parametrize("amd", ["gfx950", "gfx1250"])
+def test_amd_code_objects_are_v5_and_clangs_default_v6_is_refused(amd: str) -> None:
+    """clang 22 writes code object v6 unless told; the offline compile asks for v5 (what the ROCm
+    6.x and 7.x loaders accept), the key covers that option, and the check before a load refuses
+    any other version (EI_ABIVERSION: 2 = v4, 3 = v5, 4 = v6)."""
+    if toolchain_status(amd):
+        pytest.skip(toolchain_status(amd))
+    from epgen.codegen.offline import clang_amd
+
+    assert clang_amd.CODE_OBJECT_VERSION == 5 and "-mcode-object-version=5" in code_object_options(amd)
+    image = compile_code_object(_valid(amd), amd, "k").image
+    assert image[7] == 64 and image[8] == 3  # ELFOSABI_AMDGPU_HSA, ELFABIVERSION_AMDGPU_HSA_V5
+    t = traits(amd)
+    unversioned = tuple(o for o in clang_amd.compile_options(t) if not o.startswith("-mcode-object-version="))
+    default = clang_amd._compile(_valid(amd), t, "k", unversioned, True)[1]
+    assert default[8] == 4
+    assert code_object_problem(default, amd) == (
+        "ELF ABI version 4 (code object v6), not 3 (code object v5, the version epgen builds)")
+    assert code_object_problem(image[:8] + b"\x02" + image[9:], amd).startswith("ELF ABI version 2 (code object v4)")
+    assert code_object_problem(image[:8] + b"\x09" + image[9:], amd).startswith("ELF ABI version 9 (unknown)")

@@ -143,6 +143,8 @@ class _StandInCupy(types.ModuleType):
 
         @property
         def kernel(self):
+            if self._module.path is None and self._module.owner.compile_error is not None:
+                raise self._module.owner.compile_error
             if self._module.path is not None and self._module.owner.reject:
                 raise self._module.owner.cuda.driver.CUDADriverError("CUDA_ERROR_INVALID_IMAGE")
             return self
@@ -152,6 +154,7 @@ class _StandInCupy(types.ModuleType):
     def __init__(self):
         super().__init__("cupy")
         self.reject = False
+        self.compile_error = None  # raised by a runtime compile (RawModule(code=...)) when set
         self.calls = []
         driver = types.SimpleNamespace(CUDADriverError=type("CUDADriverError", (RuntimeError,), {}))
         self.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0), driver=driver)
@@ -169,12 +172,12 @@ class _StandInCupy(types.ModuleType):
         self.RawModule = RawModule
 
 
-def _stand_in_cupy(monkeypatch, cache: Path) -> _StandInCupy:
+def _stand_in_cupy(monkeypatch, cache: Path, arch: str = "sm_90") -> _StandInCupy:
     cupy = _StandInCupy()
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setattr(loader, "_FUNCTIONS", {})
     for module in (loader, import_timing):
-        monkeypatch.setattr(module, "device_arch", lambda device: "sm_90")
+        monkeypatch.setattr(module, "device_arch", lambda device: arch)
     monkeypatch.setenv(CACHE_ENV, str(cache))
     return cupy
 
@@ -199,6 +202,31 @@ def test_load_kernel_lookup_order(built, monkeypatch):
 
     assert loader.load_kernel_from("// not built", "k")[1] == "compiled"  # a miss: no warning
     assert cupy.calls[-1] == ("code", RUNTIME_OPTIONS)
+
+
+@pytest.mark.parametrize("arch", ["gfx950", "gfx1250"])
+def test_rocm_without_hipcc_loads_the_op_kernels_from_the_cache(built, monkeypatch, arch):
+    """CuPy-ROCm's runtime compile runs hipcc for include folders (cupy/_environment.py
+    _get_hipcc_include_dirs), so on a ROCm image without hipcc it fails; the cache loads through
+    RawModule(path=...), which compiles nothing: the op's kernels load, only a miss needs hipcc."""
+    cupy = _stand_in_cupy(monkeypatch, built[0], arch)
+    cupy.compile_error = RuntimeError("Subprocess command 'hipcc -x hip -E -v /dev/null' failed: hipcc not found")
+    sources = [render(s) for s in config_specs(CFG, (arch,))]
+    assert [loader.load_kernel_from(src.text, src.entry)[1] for src in sources] == ["cache"] * len(sources)
+    assert cupy.calls == [("path", str(find_code_object(src.text, arch, built[0]))) for src in sources]
+    with pytest.raises(RuntimeError, match="hipcc not found"):
+        loader.load_kernel("// not built", "k")
+
+
+def test_a_cached_amd_file_of_another_code_object_version_warns_and_misses(built, tmp_path):
+    out = tmp_path / "cache"
+    shutil.copytree(built[0], out)
+    text = render(config_specs(CFG, ("gfx950",))[0]).text
+    path = find_code_object(text, "gfx950", out)
+    image = path.read_bytes()
+    path.write_bytes(image[:8] + b"\x04" + image[9:])  # EI_ABIVERSION 4: clang 22's default, code object v6
+    with pytest.warns(RuntimeWarning, match=rf"{re.escape(str(path))}: ELF ABI version 4 \(code object v6\), not 3"):
+        assert find_code_object(text, "gfx950", out) is None
 
 
 def test_timing_process_loads_warm_from_the_cache_and_compiles_cold(built, monkeypatch, tmp_path):
