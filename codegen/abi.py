@@ -170,6 +170,19 @@ ERRORS = (
 UNKNOWN_ERROR = "unknown kernel fault code {code} ({a}, {b}, {c})"
 """The host's text for a code ``ERRORS`` lacks."""
 
+ERROR_CLAIMED = 0xFFFFFFFF
+"""The code word of a record a kernel has claimed (compare-and-swap from 0) and is still writing:
+it writes a, b and c next, then the real code with a release. No ``ErrorCode`` uses it; C
+constant ``kErrClaimed``."""
+
+CLAIM_REREADS = 10_000
+"""How many more times the host reads a claimed record for its real code before it reports the
+fault with its details unwritten (the kernel writes them microseconds after the claim)."""
+
+CLAIMED_ERROR = ("a kernel fault is being recorded: its code and details were still unwritten after "
+                 "{rereads} reads of the error record")
+"""The host's text for a record whose code stayed ``ERROR_CLAIMED``."""
+
 
 @attrs.frozen
 class Phase:
@@ -202,10 +215,13 @@ def fault_message(code: int, a: int, b: int, c: int, *, num_experts: int, timeou
     """The host's text for the error record (code, a, b, c), without the "rank r: " prefix.
 
     Args:
-        code, a, b, c: the record's uint32 words (code > 0).
+        code, a, b, c: the record's uint32 words (code > 0; ``ERROR_CLAIMED``: a record whose
+            details were never written).
         num_experts, timeout_s, capacity_rows: the op's values the messages quote (E, the
             spin-wait bound in seconds, receive rows per rank).
     """
+    if code == ERROR_CLAIMED:
+        return CLAIMED_ERROR.format(rereads=CLAIM_REREADS)
     err = next((e for e in ERRORS if e.code == code), None)
     if err is None:
         return UNKNOWN_ERROR.format(code=code, a=a, b=b, c=c)

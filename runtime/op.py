@@ -370,11 +370,23 @@ class EpDispatchCombine:
         if self._fault is None:
             for rank in self.local_ranks:
                 code, a, b, c = self.errors.read(rank)
+                if code == abi.ERROR_CLAIMED:
+                    code, a, b, c = self._reread_claimed(rank)
                 if code:
                     self._fault = self._describe(rank, code, a, b, c)
                     raise EpError(self._fault)
             return
         raise EpError(f"{self._fault} [this op is unusable after that fault; build a new EpDispatchCombine]")
+
+    def _reread_claimed(self, rank) -> tuple[int, ...]:
+        """The record of ``rank`` once its kernel has stored the real code after claiming it
+        (``abi.ERROR_CLAIMED``), re-read at most ``abi.CLAIM_REREADS`` times; still claimed
+        after that, the claimed record itself (worded as a fault whose details are unwritten)."""
+        for _ in range(abi.CLAIM_REREADS):
+            record = self.errors.read(rank)
+            if record[0] != abi.ERROR_CLAIMED:
+                break
+        return record
 
     def _describe(self, rank, code, a, b, c) -> str:
         return f"rank {rank}: " + abi.fault_message(code, a, b, c, num_experts=self.config.num_experts,

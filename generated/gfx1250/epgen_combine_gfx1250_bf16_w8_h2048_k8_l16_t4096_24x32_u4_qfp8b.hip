@@ -50,13 +50,35 @@ EP_DEVICE ep_u32 ep_atomic_add_system(ep_u32* p, ep_u32 v) {
 EP_DEVICE void ep_store_relaxed_system(ep_u32* p, ep_u32 v) {
   __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
 }
+EP_DEVICE ep_u32 ep_atomic_cas_system(ep_u32* p, ep_u32 expected, ep_u32 desired) {  // the old value
+  __hip_atomic_compare_exchange_strong(p, &expected, desired, __ATOMIC_RELAXED, __ATOMIC_RELAXED,
+                                       __HIP_MEMORY_SCOPE_SYSTEM);
+  return expected;
+}
+// A relaxed system-scope load: never hoisted out of a spin loop, no cache invalidate (GFX942
+// table, "load atomic monotonic - system": a load with sc0 sc1 that bypasses the caches); a spin
+// loop polls with it and acquires once after it (ep_fence_acquire_system).
+EP_DEVICE ep_u32 ep_load_relaxed_system(const ep_u32* p) {
+  return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
 EP_DEVICE ep_u32 ep_load_acquire_system(const ep_u32* p) {
   return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
 }
+// After a relaxed load that saw a peer's release: s_waitcnt vmcnt(0), then buffer_inv sc0 sc1
+// (GFX942 table, "fence acquire - system").
+EP_DEVICE void ep_fence_acquire_system() { __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, ""); }
+EP_DEVICE void ep_fence_release_system() { __builtin_amdgcn_fence(__ATOMIC_RELEASE, ""); }
 EP_DEVICE void ep_store_release_system(ep_u32* p, ep_u32 v) {
   __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
 }
 EP_DEVICE void ep_fence_system() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, ""); }
+// A block barrier after which ONE thread's ep_fence_release_system covers the stores of every
+// thread of the block. Not reviewed against this target's memory-model table (GFX12: whether the
+// workgroup release waits for the stores of other waves): every thread still fences itself.
+EP_DEVICE void ep_sync_block_for_release() {
+  ep_fence_system();
+  ep_sync_block();
+}
 EP_DEVICE ep_u64 ep_clock_ns() { return __builtin_readsteadycounter() * 10ull; }
 EP_DEVICE void ep_backoff() { __builtin_amdgcn_s_sleep(1); }
 
@@ -138,6 +160,7 @@ constexpr int kSigCombineReadyFrom = 192;  // [W] peer's combine-g expert output
 constexpr ep_u32 kErrBadExpert = 1;  // a = top-k slot, b = token, c = expert id
 constexpr ep_u32 kErrTimeout = 2;    // a = phase, b = peer, c = generation waited for
 constexpr ep_u32 kErrOverflow = 3;   // a = 0, b = destination rank, c = rows it would need
+constexpr ep_u32 kErrClaimed = 4294967295;  // a claimed record being written (no code uses it)
 constexpr ep_u32 kPhaseDispatchReady = 1;
 constexpr ep_u32 kPhaseDispatchDone = 2;
 constexpr ep_u32 kPhaseCombineReady = 3;
@@ -163,29 +186,36 @@ struct EpArgs {
 // Rank's signal words: the launch argument (CUDA: arena + kOffSignals; ROCm: an uncached allocation).
 EP_DEVICE ep_u32* ep_signals(const EpArgs& a, int rank) { return (ep_u32*)a.signals[rank]; }
 
+// The first fault of a rank wins its record: a compare-and-swap claims the empty record (code 0
+// -> kErrClaimed, which no error code uses), a, b and c are written, then the code is stored with
+// a release, so two faults never mix their words and the host, which reads a, b and c only once
+// the code is neither 0 nor kErrClaimed, reads the words of one fault.
 EP_DEVICE void ep_report(const EpArgs& a, int rank, ep_u32 code, ep_u32 x, ep_u32 y, ep_u32 z) {
-  volatile ep_u32* rec = (volatile ep_u32*)a.errors + rank * 4;
-  if (rec[0] != 0u) return;  // keep the first error
-  rec[1] = x;
-  rec[2] = y;
-  rec[3] = z;
-  ep_fence_system();
-  rec[0] = code;
-  ep_fence_system();
+  ep_u32* rec = (ep_u32*)a.errors + rank * 4;
+  if (ep_atomic_cas_system(rec, 0u, kErrClaimed) != 0u) return;  // keep the first error
+  volatile ep_u32* words = rec;
+  words[1] = x;
+  words[2] = y;
+  words[3] = z;
+  ep_store_release_system(rec, code);
 }
 
-// Bounded spin-wait until *flag reaches generation g (wrap-safe); on expiry report a timeout
-// naming the phase and the peer and return false.
+// Bounded spin-wait until *flag reaches generation g (wrap-safe), then an acquire: the loop
+// polls with relaxed loads (no cache invalidate per poll) and one acquire fence orders what
+// follows after the peer's release. On expiry report a timeout naming the phase and the peer
+// and return false.
 EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag, ep_u32 g, ep_u32 phase, int peer) {
-  if ((int)(ep_load_acquire_system(flag) - g) >= 0) return true;
-  const ep_u64 start = ep_clock_ns();
-  while ((int)(ep_load_acquire_system(flag) - g) < 0) {
-    if (ep_clock_ns() - start > (ep_u64)a.timeout_ns) {
-      ep_report(a, rank, kErrTimeout, phase, (ep_u32)peer, g);
-      return false;
+  if ((int)(ep_load_relaxed_system(flag) - g) < 0) {
+    const ep_u64 start = ep_clock_ns();
+    while ((int)(ep_load_relaxed_system(flag) - g) < 0) {
+      if (ep_clock_ns() - start > (ep_u64)a.timeout_ns) {
+        ep_report(a, rank, kErrTimeout, phase, (ep_u32)peer, g);
+        return false;
+      }
+      ep_backoff();
     }
-    ep_backoff();
   }
+  ep_fence_acquire_system();
   return true;
 }
 // ---- combine wire: fp8_blockwise ----
@@ -364,11 +394,11 @@ EP_KERNEL(kThreads) epgen_combine_gfx1250_bf16_w8_h2048_k8_l16_t4096_24x32_u4_qf
       }
     }
   }
-  ep_sync_block();
+  ep_sync_block_for_release();  // every thread's wire rows before thread 0's release
   if (tid == 0) {
-    ep_fence_system();  // this block's wire rows before its arrival
+    ep_fence_release_system();  // this block's wire rows before its arrival
     if (ep_atomic_add_device(&sig[kSigCombineArrive], 1u) == kReadyAfter - 1u) {
-      ep_fence_system();  // every block's wire rows before the flags
+      ep_fence_acquire_system();  // every block's wire rows (their releases) before the flags
       for (int d = 0; d < kWorld; ++d) ep_store_release_system(ep_signals(a, d) + kSigCombineReadyFrom + rank, gen);
     }
   }

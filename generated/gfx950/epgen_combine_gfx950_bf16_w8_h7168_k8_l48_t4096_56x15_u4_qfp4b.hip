@@ -50,27 +50,54 @@ EP_DEVICE ep_u32 ep_atomic_add_system(ep_u32* p, ep_u32 v) {
 EP_DEVICE void ep_store_relaxed_system(ep_u32* p, ep_u32 v) {
   __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
 }
+EP_DEVICE ep_u32 ep_atomic_cas_system(ep_u32* p, ep_u32 expected, ep_u32 desired) {  // the old value
+  __hip_atomic_compare_exchange_strong(p, &expected, desired, __ATOMIC_RELAXED, __ATOMIC_RELAXED,
+                                       __HIP_MEMORY_SCOPE_SYSTEM);
+  return expected;
+}
+// A relaxed system-scope load: never hoisted out of a spin loop, no cache invalidate (GFX942
+// table, "load atomic monotonic - system": a load with sc0 sc1 that bypasses the caches); a spin
+// loop polls with it and acquires once after it (ep_fence_acquire_system).
+EP_DEVICE ep_u32 ep_load_relaxed_system(const ep_u32* p) {
+  return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
 EP_DEVICE ep_u32 ep_load_acquire_system(const ep_u32* p) {
   return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
 }
+// After a relaxed load that saw a peer's release: s_waitcnt vmcnt(0), then buffer_inv sc0 sc1
+// (GFX942 table, "fence acquire - system").
+EP_DEVICE void ep_fence_acquire_system() { __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, ""); }
 // A system-scope release is buffer_wbl2 sc0 sc1, s_waitcnt vmcnt(0), then the store, atomic or
 // buffer_inv sc0 sc1 (LLVM AMDGPUUsage, "Memory Model GFX942" table, rows "store atomic
 // release", "fence release" and "fence acq_rel" at system scope). clang 22.1.8 drops the wait
 // when the wave has nothing else in flight (llvm/llvm-project#178316), so it is written out
 // here; the "memory" clobber also keeps the compiler from moving accesses across it.
-EP_DEVICE void ep_release_fence_system() {
+EP_DEVICE void ep_fence_release_system() {
   __builtin_amdgcn_fence(__ATOMIC_RELEASE, "");
   asm volatile("s_waitcnt vmcnt(0)" ::: "memory");
 }
 EP_DEVICE void ep_store_release_system(ep_u32* p, ep_u32 v) {
-  ep_release_fence_system();  // a release fence then a relaxed store: at least a release store
+  ep_fence_release_system();  // a release fence then a relaxed store: at least a release store
   ep_store_relaxed_system(p, v);
 }
 // The table lowers a seq_cst fence as an acq_rel one (writeback, wait, invalidate); its release
 // half and acquire half are emitted apart so that the wait sits between them.
 EP_DEVICE void ep_fence_system() {
-  ep_release_fence_system();
-  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "");
+  ep_fence_release_system();
+  ep_fence_acquire_system();
+}
+// A block barrier after which ONE thread's ep_fence_release_system covers the stores of every
+// thread of the block (each wave waits for its own stores, then the barrier). On gfx950 the
+// barrier's workgroup release/acquire is s_waitcnt lgkmcnt(0) only (GFX942 table, "fence
+// release - workgroup", not in threadgroup-split mode: vector memory needs no wait for the waves
+// of one CU): the waves' stores may still be in flight when the releasing thread's buffer_wbl2
+// issues, and its s_waitcnt vmcnt(0) covers only its own wave ("Memory Model GFX942": vmcnt
+// counts a wave's own operations). With every wave's stores complete (in L2) before the barrier,
+// buffer_wbl2 sc0 sc1, which writes back the whole L2, and its wait make all of them visible at
+// system scope before the releasing store: one writeback per block instead of one per wave.
+EP_DEVICE void ep_sync_block_for_release() {
+  asm volatile("s_waitcnt vmcnt(0)" ::: "memory");
+  ep_sync_block();
 }
 EP_DEVICE ep_u64 ep_clock_ns() { return __builtin_readsteadycounter() * 10ull; }
 EP_DEVICE void ep_backoff() { __builtin_amdgcn_s_sleep(1); }
@@ -153,6 +180,7 @@ constexpr int kSigCombineReadyFrom = 192;  // [W] peer's combine-g expert output
 constexpr ep_u32 kErrBadExpert = 1;  // a = top-k slot, b = token, c = expert id
 constexpr ep_u32 kErrTimeout = 2;    // a = phase, b = peer, c = generation waited for
 constexpr ep_u32 kErrOverflow = 3;   // a = 0, b = destination rank, c = rows it would need
+constexpr ep_u32 kErrClaimed = 4294967295;  // a claimed record being written (no code uses it)
 constexpr ep_u32 kPhaseDispatchReady = 1;
 constexpr ep_u32 kPhaseDispatchDone = 2;
 constexpr ep_u32 kPhaseCombineReady = 3;
@@ -178,29 +206,36 @@ struct EpArgs {
 // Rank's signal words: the launch argument (CUDA: arena + kOffSignals; ROCm: an uncached allocation).
 EP_DEVICE ep_u32* ep_signals(const EpArgs& a, int rank) { return (ep_u32*)a.signals[rank]; }
 
+// The first fault of a rank wins its record: a compare-and-swap claims the empty record (code 0
+// -> kErrClaimed, which no error code uses), a, b and c are written, then the code is stored with
+// a release, so two faults never mix their words and the host, which reads a, b and c only once
+// the code is neither 0 nor kErrClaimed, reads the words of one fault.
 EP_DEVICE void ep_report(const EpArgs& a, int rank, ep_u32 code, ep_u32 x, ep_u32 y, ep_u32 z) {
-  volatile ep_u32* rec = (volatile ep_u32*)a.errors + rank * 4;
-  if (rec[0] != 0u) return;  // keep the first error
-  rec[1] = x;
-  rec[2] = y;
-  rec[3] = z;
-  ep_fence_system();
-  rec[0] = code;
-  ep_fence_system();
+  ep_u32* rec = (ep_u32*)a.errors + rank * 4;
+  if (ep_atomic_cas_system(rec, 0u, kErrClaimed) != 0u) return;  // keep the first error
+  volatile ep_u32* words = rec;
+  words[1] = x;
+  words[2] = y;
+  words[3] = z;
+  ep_store_release_system(rec, code);
 }
 
-// Bounded spin-wait until *flag reaches generation g (wrap-safe); on expiry report a timeout
-// naming the phase and the peer and return false.
+// Bounded spin-wait until *flag reaches generation g (wrap-safe), then an acquire: the loop
+// polls with relaxed loads (no cache invalidate per poll) and one acquire fence orders what
+// follows after the peer's release. On expiry report a timeout naming the phase and the peer
+// and return false.
 EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag, ep_u32 g, ep_u32 phase, int peer) {
-  if ((int)(ep_load_acquire_system(flag) - g) >= 0) return true;
-  const ep_u64 start = ep_clock_ns();
-  while ((int)(ep_load_acquire_system(flag) - g) < 0) {
-    if (ep_clock_ns() - start > (ep_u64)a.timeout_ns) {
-      ep_report(a, rank, kErrTimeout, phase, (ep_u32)peer, g);
-      return false;
+  if ((int)(ep_load_relaxed_system(flag) - g) < 0) {
+    const ep_u64 start = ep_clock_ns();
+    while ((int)(ep_load_relaxed_system(flag) - g) < 0) {
+      if (ep_clock_ns() - start > (ep_u64)a.timeout_ns) {
+        ep_report(a, rank, kErrTimeout, phase, (ep_u32)peer, g);
+        return false;
+      }
+      ep_backoff();
     }
-    ep_backoff();
   }
+  ep_fence_acquire_system();
   return true;
 }
 // ---- combine wire: fp4_blockwise ----
@@ -377,11 +412,11 @@ EP_KERNEL(kThreads) epgen_combine_gfx950_bf16_w8_h7168_k8_l48_t4096_56x15_u4_qfp
       }
     }
   }
-  ep_sync_block();
+  ep_sync_block_for_release();  // every thread's wire rows before thread 0's release
   if (tid == 0) {
-    ep_fence_system();  // this block's wire rows before its arrival
+    ep_fence_release_system();  // this block's wire rows before its arrival
     if (ep_atomic_add_device(&sig[kSigCombineArrive], 1u) == kReadyAfter - 1u) {
-      ep_fence_system();  // every block's wire rows before the flags
+      ep_fence_acquire_system();  // every block's wire rows (their releases) before the flags
       for (int d = 0; d < kWorld; ++d) ep_store_release_system(ep_signals(a, d) + kSigCombineReadyFrom + rank, gen);
     }
   }

@@ -40,12 +40,32 @@ EP_DEVICE void ep_store_release_system(ep_u32* p, ep_u32 v) {
 EP_DEVICE void ep_store_relaxed_system(ep_u32* p, ep_u32 v) {
   asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+EP_DEVICE ep_u32 ep_atomic_cas_system(ep_u32* p, ep_u32 expected, ep_u32 desired) {  // the old value
+  return atomicCAS_system(p, expected, desired);
+}
 EP_DEVICE ep_u32 ep_load_acquire_system(const ep_u32* p) {
   ep_u32 v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+// A spin loop polls with relaxed loads (volatile asm: re-issued every iteration) and acquires
+// once after it: ld.relaxed then fence.acq_rel is the PTX memory model's acquire pattern
+// ("Memory Consistency Model", release and acquire patterns), as fence.acq_rel then a store is
+// its release pattern.
+EP_DEVICE ep_u32 ep_load_relaxed_system(const ep_u32* p) {
+  ep_u32 v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+EP_DEVICE void ep_fence_acquire_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+EP_DEVICE void ep_fence_release_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 EP_DEVICE void ep_fence_system() { __threadfence_system(); }
+// A block barrier after which ONE thread's ep_fence_release_system covers the stores of every
+// thread of the block: bar.sync orders the block's prior accesses at CTA scope, and causality
+// order is transitive across scopes, so a store ordered before the barrier precedes the one
+// thread's fence.acq_rel.sys and the store after it for every observer (PTX memory model,
+// "Causality Order": base causality order composes synchronizes-with at any scope).
+EP_DEVICE void ep_sync_block_for_release() { __syncthreads(); }
 EP_DEVICE ep_u64 ep_clock_ns() {
   ep_u64 t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -167,6 +187,7 @@ constexpr int kSigCombineReadyFrom = 192;  // [W] peer's combine-g expert output
 constexpr ep_u32 kErrBadExpert = 1;  // a = top-k slot, b = token, c = expert id
 constexpr ep_u32 kErrTimeout = 2;    // a = phase, b = peer, c = generation waited for
 constexpr ep_u32 kErrOverflow = 3;   // a = 0, b = destination rank, c = rows it would need
+constexpr ep_u32 kErrClaimed = 4294967295;  // a claimed record being written (no code uses it)
 constexpr ep_u32 kPhaseDispatchReady = 1;
 constexpr ep_u32 kPhaseDispatchDone = 2;
 constexpr ep_u32 kPhaseCombineReady = 3;
@@ -192,29 +213,36 @@ struct EpArgs {
 // Rank's signal words: the launch argument (CUDA: arena + kOffSignals; ROCm: an uncached allocation).
 EP_DEVICE ep_u32* ep_signals(const EpArgs& a, int rank) { return (ep_u32*)a.signals[rank]; }
 
+// The first fault of a rank wins its record: a compare-and-swap claims the empty record (code 0
+// -> kErrClaimed, which no error code uses), a, b and c are written, then the code is stored with
+// a release, so two faults never mix their words and the host, which reads a, b and c only once
+// the code is neither 0 nor kErrClaimed, reads the words of one fault.
 EP_DEVICE void ep_report(const EpArgs& a, int rank, ep_u32 code, ep_u32 x, ep_u32 y, ep_u32 z) {
-  volatile ep_u32* rec = (volatile ep_u32*)a.errors + rank * 4;
-  if (rec[0] != 0u) return;  // keep the first error
-  rec[1] = x;
-  rec[2] = y;
-  rec[3] = z;
-  ep_fence_system();
-  rec[0] = code;
-  ep_fence_system();
+  ep_u32* rec = (ep_u32*)a.errors + rank * 4;
+  if (ep_atomic_cas_system(rec, 0u, kErrClaimed) != 0u) return;  // keep the first error
+  volatile ep_u32* words = rec;
+  words[1] = x;
+  words[2] = y;
+  words[3] = z;
+  ep_store_release_system(rec, code);
 }
 
-// Bounded spin-wait until *flag reaches generation g (wrap-safe); on expiry report a timeout
-// naming the phase and the peer and return false.
+// Bounded spin-wait until *flag reaches generation g (wrap-safe), then an acquire: the loop
+// polls with relaxed loads (no cache invalidate per poll) and one acquire fence orders what
+// follows after the peer's release. On expiry report a timeout naming the phase and the peer
+// and return false.
 EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag, ep_u32 g, ep_u32 phase, int peer) {
-  if ((int)(ep_load_acquire_system(flag) - g) >= 0) return true;
-  const ep_u64 start = ep_clock_ns();
-  while ((int)(ep_load_acquire_system(flag) - g) < 0) {
-    if (ep_clock_ns() - start > (ep_u64)a.timeout_ns) {
-      ep_report(a, rank, kErrTimeout, phase, (ep_u32)peer, g);
-      return false;
+  if ((int)(ep_load_relaxed_system(flag) - g) < 0) {
+    const ep_u64 start = ep_clock_ns();
+    while ((int)(ep_load_relaxed_system(flag) - g) < 0) {
+      if (ep_clock_ns() - start > (ep_u64)a.timeout_ns) {
+        ep_report(a, rank, kErrTimeout, phase, (ep_u32)peer, g);
+        return false;
+      }
+      ep_backoff();
     }
-    ep_backoff();
   }
+  ep_fence_acquire_system();
   return true;
 }
 
@@ -385,13 +413,22 @@ EP_KERNEL(kThreads) epgen_dispatch_sm90_fp4_w8_h4096_k2_l1_t4096_24x32_u4(const 
     }
   }
 
-  // Phase 4: departure. Every thread orders its own remote stores before the block counts.
-  ep_fence_system();
-  ep_sync_block();
-  if (tid == 0) s_last = ep_atomic_add_device(&sig[kSigDispatchDepart], 1u) == (ep_u32)(kBlocks - 1);
+  // Phase 4: departure. One release per block: the barrier makes every thread's remote stores
+  // precede thread 0's system-scope release fence (ep_sync_block_for_release says why on each
+  // platform), which precedes the block's count. The last block to count acquires every other
+  // block's release through the counter (fence-to-fence synchronization: the release fence, the
+  // relaxed increment it reads, its acquire fence), and its barrier passes that on to the threads
+  // that release the done flags; happens-before is transitive across the scopes of the barrier
+  // and the fences (LLVM AMDGPUUsage "Memory Model" section; PTX "Memory Consistency Model").
+  ep_sync_block_for_release();
+  if (tid == 0) {
+    ep_fence_release_system();
+    const bool last = ep_atomic_add_device(&sig[kSigDispatchDepart], 1u) == (ep_u32)(kBlocks - 1);
+    if (last) ep_fence_acquire_system();
+    s_last = last;
+  }
   ep_sync_block();
   if (!s_last) return;
-  ep_fence_system();
   if (tid < kWorld) {
     ep_store_release_system(ep_signals(a, tid) + kSigDoneFrom + rank, gen);
     ep_wait_generation(a, rank, sig + kSigDoneFrom + tid, gen, kPhaseDispatchDone, tid);

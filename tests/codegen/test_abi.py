@@ -109,10 +109,12 @@ def test_signal_words_do_not_overlap_for_the_widest_wave():
 
 def test_error_codes_phases_and_record_are_the_table(case):
     _, text = case
-    assert _consts(text, "kErr", "ep_u32") == {e.c_name: (e.code, e.comment) for e in abi.ERRORS}
+    claimed = {"kErrClaimed": (abi.ERROR_CLAIMED, "a claimed record being written (no code uses it)")}
+    assert _consts(text, "kErr", "ep_u32") == {e.c_name: (e.code, e.comment) for e in abi.ERRORS} | claimed
     assert _consts(text, "kPhase", "ep_u32") == {p.c_name: (p.code, "") for p in abi.PHASES}
     assert f"in host-mapped memory: {', '.join(abi.ERROR_RECORD)}." in text
-    assert f"(volatile ep_u32*)a.errors + rank * {len(abi.ERROR_RECORD)};" in text
+    assert f"ep_u32* rec = (ep_u32*)a.errors + rank * {len(abi.ERROR_RECORD)};" in text
+    assert "if (ep_atomic_cas_system(rec, 0u, kErrClaimed) != 0u) return;" in text
     assert f"ep_u32[W][{len(abi.ERROR_RECORD)}] host-mapped error records" in text
 
 
@@ -120,6 +122,7 @@ def test_codes_are_distinct_and_nonzero():
     for table in (abi.ERRORS, abi.PHASES):
         codes = [x.code for x in table]
         assert len(set(codes)) == len(codes) and min(codes) > 0
+    assert abi.ERROR_CLAIMED not in [e.code for e in abi.ERRORS]
 
 
 def _host_op(cfg: EpConfig) -> EpDispatchCombine:

@@ -11,10 +11,16 @@ every catalogue kernel of both AMD targets to assembly and check every writeback
 
 The scan is straight-line: after a writeback, the wait must come before the next ordered
 instruction, label or branch (a wait placed in another basic block does not count).
+
+The spin-waits poll with relaxed system-scope loads and acquire once after the loop
+(``ep_wait_generation``), so no loop of a gfx950 kernel invalidates the caches: the loop scan
+finds loops by their backward branches (``s_branch`` or ``s_cbranch_*`` to an earlier label) and
+checks that no ``buffer_inv`` lies between the label and the branch.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
@@ -149,6 +155,27 @@ def scan(asm: str, rule: Rule) -> tuple[int, list[Finding]]:
     return covered, findings
 
 
+def loops(asm: str) -> list[tuple[str, list[tuple[int, str, str]]]]:
+    """The loops of ``asm`` as laid out: ``(label, body)`` for each backward branch (``s_branch``
+    or ``s_cbranch_*`` to a label above it), body the instructions from the label to the branch
+    (``_instructions`` tuples). A loop whose blocks lie below its back branch has another back
+    branch to its header, whose body covers them."""
+    items = list(_instructions(asm))
+    where = {mnemonic[:-1]: i for i, (_, mnemonic, _) in enumerate(items) if mnemonic.endswith(":")}
+    found = []
+    for i, (_, mnemonic, operands) in enumerate(items):
+        if mnemonic == "s_branch" or mnemonic.startswith("s_cbranch_"):
+            target = operands.split()[0] if operands else ""
+            if where.get(target, i) < i:
+                found.append((target, items[where[target]:i + 1]))
+    return found
+
+
+def invalidates_in_loops(asm: str) -> list[tuple[str, int]]:
+    """``(loop label, line)`` of each ``buffer_inv`` inside a loop of ``asm`` (``loops``)."""
+    return [(label, n) for label, body in loops(asm) for n, mnemonic, _ in body if mnemonic == "buffer_inv"]
+
+
 def assembly(text: str, arch: str, entry: str) -> str:
     """Assembly of ``text`` for ``arch`` as the offline compile builds it (``compile_options``)."""
     with tempfile.TemporaryDirectory(prefix="epgen-asm-") as tmp:
@@ -207,18 +234,51 @@ def test_scanner_gfx12_rule():
     assert [f.line for f in findings] == [5, 8]
 
 
+def test_loop_scan_finds_an_invalidate_in_a_spin_loop():
+    # The shape of ep_wait_generation's loop when every poll was an acquire load (gfx950, before
+    # the polls became relaxed): the back edge is an s_branch below the invalidate.
+    asm = """
+\tflat_load_dword v6, v[4:5] sc0 sc1
+\ts_waitcnt vmcnt(0) lgkmcnt(0)
+\tbuffer_inv sc0 sc1
+\ts_branch .LBB0_27
+.LBB0_26:
+\ts_andn2_b64 exec, exec, s[8:9]
+\ts_cbranch_execz .LBB0_29
+.LBB0_27:
+\tv_cmp_lt_i32_e32 vcc, v6, v7
+\ts_cbranch_vccz .LBB0_26
+\ts_sleep 1
+\tflat_load_dword v6, v[4:5] sc0 sc1
+\ts_waitcnt vmcnt(0) lgkmcnt(0)
+\tbuffer_inv sc0 sc1
+\ts_branch .LBB0_26
+.LBB0_29:
+\tbuffer_inv sc0 sc1
+\ts_endpgm
+"""
+    assert [label for label, _ in loops(asm)] == [".LBB0_26", ".LBB0_26"]
+    assert invalidates_in_loops(asm) == [(".LBB0_26", 15)]
+
+
+@functools.lru_cache(maxsize=None)
+def _catalogue_assembly(arch: str, models: tuple[str, ...] | None) -> tuple[tuple[str, str], ...]:
+    """``(entry, assembly)`` of every catalogue kernel of ``arch`` (of ``models``; None: all)."""
+    sources = [render(s) for s in catalogue_specs(models=None if models is None else list(models), arches=(arch,))]
+    assert sources, arch
+    results = compile_many([(src.text, arch, src.entry) for src in sources], compile_fn=assembly)
+    return tuple((src.entry, asm) for src, asm in zip(sources, results))
+
+
 def _check_catalogue(arch: str, models=None) -> None:
     reason = toolchain_status(arch)
     if reason:
         pytest.skip(reason)
-    sources = [render(s) for s in catalogue_specs(models=models, arches=(arch,))]
-    assert sources, arch
-    results = compile_many([(src.text, arch, src.entry) for src in sources], compile_fn=assembly)
     bad = {}
-    for src, asm in zip(sources, results):
+    for entry, asm in _catalogue_assembly(arch, None if models is None else tuple(models)):
         covered, findings = scan(asm, RULES[arch])
         if findings or covered == 0:  # every kernel publishes at least one flag with a release
-            bad[src.entry] = dict(covered=covered, missing=len(findings),
+            bad[entry] = dict(covered=covered, missing=len(findings),
                                   first=[(f.line, f.instead) for f in findings[:4]])
     assert not bad, bad
 
@@ -232,3 +292,17 @@ def test_gfx1250_releases_wait_for_their_writeback():
     """gfx1250's own waits, on one model's kernels (every payload dtype and combine wire; the
     whole gfx1250 catalogue, 721 writebacks, passed when this test was written)."""
     _check_catalogue("gfx1250", models=["deepseek-v3"])
+
+
+def test_gfx950_spin_loops_never_invalidate():
+    """No loop of a gfx950 catalogue kernel holds a ``buffer_inv``: the spin-waits poll with
+    relaxed loads and acquire once after the loop (every kernel has a spin-wait loop)."""
+    reason = toolchain_status("gfx950")
+    if reason:
+        pytest.skip(reason)
+    bad = {}
+    for entry, asm in _catalogue_assembly("gfx950", None):
+        found = invalidates_in_loops(asm)
+        if found or not loops(asm):
+            bad[entry] = dict(loops=len(loops(asm)), invalidates=found[:4])
+    assert not bad, bad

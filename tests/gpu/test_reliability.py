@@ -469,15 +469,35 @@ def _at(ptr: int, nbytes: int) -> torch.Tensor:
 
 
 class _Records:
+    """The error records as ep_report writes them: claim (code 0 -> abi.ERROR_CLAIMED), then a, b,
+    c, then the code. ``report(..., unwritten_reads=n)`` leaves the record claimed for the host's
+    next n reads, as a kernel still writing it would."""
+
     def __init__(self, world_size):
         self.words = [[0, 0, 0, 0] for _ in range(world_size)]
+        self.reads = 0
+        self._pending = {}  # rank -> [reads left while claimed, code, a, b, c]
 
     def read(self, rank):
+        self.reads += 1
+        pending = self._pending.get(rank)
+        if pending is not None:
+            if pending[0] == 0:
+                self.words[rank][1:] = pending[2:]
+                self.words[rank][0] = pending[1]  # the code last, after a, b and c
+                del self._pending[rank]
+            else:
+                pending[0] -= 1
         return tuple(self.words[rank])
 
-    def report(self, rank, code, a, b, c):
-        if self.words[rank][0] == 0:  # the kernels keep the first error
-            self.words[rank] = [code, a, b, c & 0xFFFFFFFF]
+    def report(self, rank, code, a, b, c, unwritten_reads=0):
+        if self.words[rank][0] != 0:  # the compare-and-swap fails: the kernels keep the first error
+            return
+        self.words[rank][0] = abi.ERROR_CLAIMED
+        self._pending[rank] = [unwritten_reads, code, a, b, c & 0xFFFFFFFF]
+        if unwritten_reads == 0:
+            self.read(rank)  # written at once
+            self.reads -= 1
 
     def close(self):
         pass
@@ -617,3 +637,28 @@ def test_a_rejected_call_launches_nothing_and_a_fault_refuses_every_later_call()
         with pytest.raises(EpError, match=r"rank 6: indices\[3, 1\]=99.*build a new EpDispatchCombine"):
             call()
     assert op.launches == launches
+
+
+def test_a_record_claimed_but_unwritten_is_reread_until_its_code_is_there():
+    cfg = edge_config(8)
+    op = EmulatedOp(cfg, validate=False)
+    op.errors.report(5, 3, 0, 2, 70000, unwritten_reads=40)  # an overflow still being written
+    assert op.errors.words[5] == [abi.ERROR_CLAIMED, 0, 0, 0]
+    with pytest.raises(EpError, match=r"^rank 5: receive buffer of rank 2 would need 70000 rows; capacity \d+$"):
+        op.check()
+    assert op.errors.reads == 5 + 40 + 1  # ranks 0-4, rank 5 claimed 40 times, then its code
+    op.errors.report(5, 1, 0, 0, 0)  # a second fault finds the record taken
+    with pytest.raises(EpError, match=r"rank 5: receive buffer of rank 2 .*build a new EpDispatchCombine"):
+        op.check()
+
+
+def test_a_record_that_stays_claimed_is_reported_as_a_fault_whose_details_are_unwritten():
+    cfg = edge_config(8)
+    op = EmulatedOp(cfg, validate=False)
+    op.errors.report(3, 2, 1, 4, 9, unwritten_reads=abi.CLAIM_REREADS + 1)
+    with pytest.raises(EpError, match=rf"^rank 3: a kernel fault is being recorded: its code and details were "
+                                      rf"still unwritten after {abi.CLAIM_REREADS} reads of the error record$"):
+        op.check()
+    assert op.errors.reads == 3 + 1 + abi.CLAIM_REREADS
+    with pytest.raises(EpError, match=r"rank 3: a kernel fault is being recorded.*build a new EpDispatchCombine"):
+        op.synchronize()
