@@ -67,6 +67,10 @@ EP_DEVICE ep_u32 ep_load_acquire_system(const ep_u32* p) {
 // After a relaxed load that saw a peer's release: s_waitcnt vmcnt(0), then buffer_inv sc0 sc1
 // (GFX942 table, "fence acquire - system").
 EP_DEVICE void ep_fence_acquire_system() { __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, ""); }
+// Spin-wait polls (ep_wait_generation): relaxed loads, then one acquire fence after the loop, so
+// a poll costs no buffer_inv.
+EP_DEVICE ep_u32 ep_load_poll_system(const ep_u32* p) { return ep_load_relaxed_system(p); }
+EP_DEVICE void ep_fence_after_poll() { ep_fence_acquire_system(); }
 // A system-scope release is buffer_wbl2 sc0 sc1, s_waitcnt vmcnt(0), then the store, atomic or
 // buffer_inv sc0 sc1 (LLVM AMDGPUUsage, "Memory Model GFX942" table, rows "store atomic
 // release", "fence release" and "fence acq_rel" at system scope). clang 22.1.8 drops the wait
@@ -221,13 +225,14 @@ EP_DEVICE void ep_report(const EpArgs& a, int rank, ep_u32 code, ep_u32 x, ep_u3
 }
 
 // Bounded spin-wait until *flag reaches generation g (wrap-safe), then an acquire: the loop
-// polls with relaxed loads (no cache invalidate per poll) and one acquire fence orders what
-// follows after the peer's release. On expiry report a timeout naming the phase and the peer
+// polls with ep_load_poll_system and ep_fence_after_poll orders what follows after the peer's
+// release (each platform picks the cheaper pair: AMD relaxed polls and one acquire fence, NVIDIA
+// acquire polls and nothing after). On expiry report a timeout naming the phase and the peer
 // and return false.
 EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag, ep_u32 g, ep_u32 phase, int peer) {
-  if ((int)(ep_load_relaxed_system(flag) - g) < 0) {
+  if ((int)(ep_load_poll_system(flag) - g) < 0) {
     const ep_u64 start = ep_clock_ns();
-    while ((int)(ep_load_relaxed_system(flag) - g) < 0) {
+    while ((int)(ep_load_poll_system(flag) - g) < 0) {
       if (ep_clock_ns() - start > (ep_u64)a.timeout_ns) {
         ep_report(a, rank, kErrTimeout, phase, (ep_u32)peer, g);
         return false;
@@ -235,7 +240,7 @@ EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag,
       ep_backoff();
     }
   }
-  ep_fence_acquire_system();
+  ep_fence_after_poll();
   return true;
 }
 

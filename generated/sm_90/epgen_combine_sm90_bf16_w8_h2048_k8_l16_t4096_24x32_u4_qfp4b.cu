@@ -58,6 +58,11 @@ EP_DEVICE ep_u32 ep_load_relaxed_system(const ep_u32* p) {
   return v;
 }
 EP_DEVICE void ep_fence_acquire_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+// Spin-wait polls (ep_wait_generation): acquire loads (ld.acquire.sys costs no more than a relaxed
+// one on sm_90, while a fence.acq_rel.sys after the loop sits on the critical path of every
+// wait), so nothing follows the loop.
+EP_DEVICE ep_u32 ep_load_poll_system(const ep_u32* p) { return ep_load_acquire_system(p); }
+EP_DEVICE void ep_fence_after_poll() {}
 EP_DEVICE void ep_fence_release_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 EP_DEVICE void ep_fence_system() { __threadfence_system(); }
 // A block barrier after which ONE thread's ep_fence_release_system covers the stores of every
@@ -228,13 +233,14 @@ EP_DEVICE void ep_report(const EpArgs& a, int rank, ep_u32 code, ep_u32 x, ep_u3
 }
 
 // Bounded spin-wait until *flag reaches generation g (wrap-safe), then an acquire: the loop
-// polls with relaxed loads (no cache invalidate per poll) and one acquire fence orders what
-// follows after the peer's release. On expiry report a timeout naming the phase and the peer
+// polls with ep_load_poll_system and ep_fence_after_poll orders what follows after the peer's
+// release (each platform picks the cheaper pair: AMD relaxed polls and one acquire fence, NVIDIA
+// acquire polls and nothing after). On expiry report a timeout naming the phase and the peer
 // and return false.
 EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag, ep_u32 g, ep_u32 phase, int peer) {
-  if ((int)(ep_load_relaxed_system(flag) - g) < 0) {
+  if ((int)(ep_load_poll_system(flag) - g) < 0) {
     const ep_u64 start = ep_clock_ns();
-    while ((int)(ep_load_relaxed_system(flag) - g) < 0) {
+    while ((int)(ep_load_poll_system(flag) - g) < 0) {
       if (ep_clock_ns() - start > (ep_u64)a.timeout_ns) {
         ep_report(a, rank, kErrTimeout, phase, (ep_u32)peer, g);
         return false;
@@ -242,7 +248,7 @@ EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag,
       ep_backoff();
     }
   }
-  ep_fence_acquire_system();
+  ep_fence_after_poll();
   return true;
 }
 // ---- combine wire: fp4_blockwise ----
