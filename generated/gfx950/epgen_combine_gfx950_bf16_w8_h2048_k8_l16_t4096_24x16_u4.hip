@@ -373,8 +373,8 @@ EP_KERNEL(kThreads) epgen_combine_gfx950_bf16_w8_h2048_k8_l16_t4096_24x16_u4(con
   if (tid == 0) s_last = ep_atomic_add_device(&sig[kSigCombineDepart], 1u) == (ep_u32)(kBlocks - 1);
   ep_sync_block();
   if (s_last && tid == 0) {
-    ep_store_relaxed_system(sig + kSigCombineArrive, 0u);  // system scope, as dispatch's phase 4
+    ep_store_relaxed_system(sig + kSigCombineArrive, 0u);  // system-scope atomics, as dispatch's phase 4
     ep_store_relaxed_system(sig + kSigCombineDepart, 0u);
-    ep_store_release_system(sig + kSigCombineCalls, gen);
+    ep_store_relaxed_system(sig + kSigCombineCalls, gen);
   }
 }

@@ -58,9 +58,9 @@ EP_DEVICE ep_u32 ep_load_relaxed_system(const ep_u32* p) {
   return v;
 }
 EP_DEVICE void ep_fence_acquire_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-// Spin-wait polls (ep_wait_generation): acquire loads (ld.acquire.sys costs no more than a relaxed
-// one on sm_90, while a fence.acq_rel.sys after the loop sits on the critical path of every
-// wait), so nothing follows the loop.
+// Spin-wait polls (ep_wait_generation): acquire loads and nothing after the loop; relaxed polls
+// with a fence.acq_rel.sys after the loop measured 0.4-1.1 us slower a call on the H200 at 1-128
+// tokens (tools/NOTES.md, session 4 run 4).
 EP_DEVICE ep_u32 ep_load_poll_system(const ep_u32* p) { return ep_load_acquire_system(p); }
 EP_DEVICE void ep_fence_after_poll() {}
 EP_DEVICE void ep_fence_release_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -486,8 +486,8 @@ EP_KERNEL(kThreads) epgen_combine_sm90_bf16_w8_h2880_k4_l16_t4096_24x32_u4_qfp4b
   if (tid == 0) s_last = ep_atomic_add_device(&sig[kSigCombineDepart], 1u) == (ep_u32)(kBlocks - 1);
   ep_sync_block();
   if (s_last && tid == 0) {
-    ep_store_relaxed_system(sig + kSigCombineArrive, 0u);  // system scope, as dispatch's phase 4
+    ep_store_relaxed_system(sig + kSigCombineArrive, 0u);  // system-scope atomics, as dispatch's phase 4
     ep_store_relaxed_system(sig + kSigCombineDepart, 0u);
-    ep_store_release_system(sig + kSigCombineCalls, gen);
+    ep_store_relaxed_system(sig + kSigCombineCalls, gen);
   }
 }

@@ -58,9 +58,9 @@ EP_DEVICE ep_u32 ep_load_relaxed_system(const ep_u32* p) {
   return v;
 }
 EP_DEVICE void ep_fence_acquire_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-// Spin-wait polls (ep_wait_generation): acquire loads (ld.acquire.sys costs no more than a relaxed
-// one on sm_90, while a fence.acq_rel.sys after the loop sits on the critical path of every
-// wait), so nothing follows the loop.
+// Spin-wait polls (ep_wait_generation): acquire loads and nothing after the loop; relaxed polls
+// with a fence.acq_rel.sys after the loop measured 0.4-1.1 us slower a call on the H200 at 1-128
+// tokens (tools/NOTES.md, session 4 run 4).
 EP_DEVICE ep_u32 ep_load_poll_system(const ep_u32* p) { return ep_load_acquire_system(p); }
 EP_DEVICE void ep_fence_after_poll() {}
 EP_DEVICE void ep_fence_release_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -443,13 +443,15 @@ EP_KERNEL(kThreads) epgen_dispatch_sm90_bf16_w8_h2880_k4_l16_t4096_24x32_u4(cons
   if (tid == 0) {
     ep_fence_system();
     const ep_u32 received = ep_load_acquire_system(sig + kSigRecvCount);
-    // System-scope stores, not plain ones: peers add to kSigRecvCount in the next call, and on
-    // ROCm the end of this kernel does not order plain stores for them; the generation's
-    // release covers the words before it.
+    // System-scope atomic stores, not plain ones: peers add to kSigRecvCount in the next call, and
+    // on ROCm the end of this kernel does not order plain stores for them. Relaxed is enough: the
+    // next call on this stream runs after this kernel, and a peer touches kSigRecvCount only after
+    // that call's kSigReadyFrom release (a release here would put a system fence on every call's
+    // critical path: +0.5-0.8 us a combine on the H200, tools/NOTES.md session 4 run 4).
     ep_store_relaxed_system(sig + kSigNumRecv, received);
     ep_store_relaxed_system(sig + kSigRecvCount, 0u);
     ep_store_relaxed_system(sig + kSigDispatchArrive, 0u);
     ep_store_relaxed_system(sig + kSigDispatchDepart, 0u);
-    ep_store_release_system(sig + kSigDispatchCalls, gen);
+    ep_store_relaxed_system(sig + kSigDispatchCalls, gen);
   }
 }
