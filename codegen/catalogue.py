@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from epgen.codegen.arch import ARCHES, traits
+from epgen.codegen.arch import ARCHES
+from epgen.codegen.atomic import write_atomically
 from epgen.codegen import report
 from epgen.codegen.models import MODELS, model
 from epgen.codegen.offline import ToolchainMissing, compile_many, compiler_identity, toolchain_status
@@ -147,28 +148,34 @@ def read_manifest(directory: Path) -> list[str] | None:
     return [r["file"] for r in rows]
 
 
-def owned_sources(directory: Path) -> list[str]:
-    """Generated sources under ``directory``: ``<arch>/epgen_*`` files with the arch's suffix.
-    Nothing else there is ever removed or reported."""
-    found = []
-    for arch in ARCHES:
-        folder = directory / arch
-        if folder.is_dir():
-            found += [f"{arch}/{p.name}" for p in sorted(folder.glob(f"epgen_*{traits(arch).suffix}")) if p.is_file()]
-    return found
+def _listed(directory: Path) -> list[str]:
+    """The generated sources ``directory``'s own manifest lists, inside an arch folder (none when
+    it has no manifest or another tool's): the only files ``write`` removes and ``check`` reports
+    as extra. Nothing else there is ever removed or reported."""
+    try:
+        listed = read_manifest(directory) or []
+    except NotACatalogue:
+        return []
+    return [rel for rel in dict.fromkeys(listed) if _in_arch_folder(rel)]
+
+
+def _in_arch_folder(rel: str) -> bool:
+    arch, _, name = rel.partition("/")
+    return arch in ARCHES and bool(name) and "/" not in name
 
 
 def _differs(path: Path, text: str) -> bool:
-    return not path.is_file() or path.read_bytes() != text.encode()
+    return path.is_symlink() or not path.is_file() or path.read_bytes() != text.encode()
 
 
 def write(directory: Path, files: dict[str, str]) -> list[str]:
     """Write ``files`` under ``directory`` where bytes differ and remove the generated sources
-    that ``files`` no longer lists: those the old manifest listed and the other
-    ``owned_sources``, only in a directory holding a manifest ``write`` wrote. In a directory
-    without one, nothing is removed and no existing file is overwritten. The manifest is written
-    first, so an interrupted write leaves a directory ``write`` takes again. Returns the paths
-    written or removed.
+    that ``files`` no longer lists: only those the old manifest listed, only in a directory
+    holding a manifest ``write`` wrote. In a directory without one, nothing is removed and no
+    existing file is overwritten. Each file is written atomically (``write_atomically``: a
+    symlink in its place is replaced, never followed). The manifest is written first, so an
+    interrupted write leaves a directory ``write`` takes again. Returns the paths written or
+    removed.
 
     Raises:
         NotACatalogue: the directory is another tool's (nothing written).
@@ -185,15 +192,12 @@ def write(directory: Path, files: dict[str, str]) -> list[str]:
     for rel in sorted(files, key=lambda rel: rel != MANIFEST):
         p = directory / rel
         if _differs(p, files[rel]):
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_bytes(files[rel].encode())
+            write_atomically(p, files[rel].encode())
             touched.append(rel)
-    if listed is not None:
-        for rel in dict.fromkeys([*listed, *owned_sources(directory)]):
-            arch, _, name = rel.partition("/")  # a listed path stays inside an arch folder
-            if arch in ARCHES and name and "/" not in name and rel not in files and (directory / rel).is_file():
-                (directory / rel).unlink()
-                touched.append(rel)
+    for rel in [rel for rel in dict.fromkeys(listed or ()) if _in_arch_folder(rel)]:
+        if rel not in files and (directory / rel).is_file():
+            (directory / rel).unlink()
+            touched.append(rel)
     return touched
 
 
@@ -204,5 +208,5 @@ def check(directory: Path, files: dict[str, str]) -> list[str]:
         return [f"missing directory: {directory}"]
     problems = [f"{'missing' if not (directory / rel).exists() else 'stale'}: {rel}"
                 for rel, text in files.items() if _differs(directory / rel, text)]
-    problems += [f"extra: {rel}" for rel in owned_sources(directory) if rel not in files]
+    problems += [f"extra: {rel}" for rel in _listed(directory) if rel not in files and (directory / rel).is_file()]
     return problems

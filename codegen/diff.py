@@ -11,7 +11,7 @@ from pathlib import Path
 
 import attrs
 
-from epgen.codegen.catalogue import owned_sources, read_manifest
+from epgen.codegen.catalogue import read_manifest
 from epgen.codegen.render import render
 from epgen.codegen.spec import KernelSpec
 
@@ -96,7 +96,7 @@ def spec_pair_chunks(specs: list[KernelSpec], a_changes: dict, b_changes: dict) 
 
 def catalogue_chunks(directory: Path, files: dict[str, str]) -> list[Chunk]:
     """The files of ``directory`` (a committed catalogue) against ``files`` (``render_files``),
-    where they differ, and the generated sources there that ``files`` no longer has."""
+    where they differ, and the generated sources its manifest lists that ``files`` no longer has."""
     chunks = []
     for rel, text in files.items():
         p = directory / rel
@@ -104,7 +104,7 @@ def catalogue_chunks(directory: Path, files: dict[str, str]) -> list[Chunk]:
         if old != text:
             chunks.append(Chunk(rel, f"{directory}/{rel} (committed)", f"{rel} (templates now)", old, text))
     listed = read_manifest(directory) or []
-    for rel in dict.fromkeys([*listed, *owned_sources(directory)]):
+    for rel in dict.fromkeys(listed):
         if rel not in files and (directory / rel).is_file():
             chunks.append(Chunk(rel, f"{directory}/{rel} (committed)", "(not rendered any more)",
                                 (directory / rel).read_text(errors="replace"), ""))

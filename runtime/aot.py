@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from epgen.cache import cache_dir, code_object_path
+from epgen.codegen.atomic import write_atomically
 from epgen.codegen.config import EpConfig
 from epgen.codegen.offline import CodeObject, CompileError, ToolchainMissing, compile_code_object, compile_many, toolchain_status
 from epgen.codegen.render import render
@@ -92,7 +91,7 @@ def build(specs: list[KernelSpec], directory: Path | None = None, max_workers: i
             rows.append({**row, "status": str(result)})
             continue
         path = code_object_path(directory, spec.arch, result.key)
-        _write_atomically(path, result.image)
+        write_atomically(path, result.image)
         rows.append({**row, **_manifest_entry(directory, path, spec, result)})
     _update_manifest(directory, [r for r in rows if r["status"] == "ok"])
     return rows
@@ -102,19 +101,6 @@ def _manifest_entry(directory: Path, path: Path, spec: KernelSpec, co: CodeObjec
     return {"file": path.relative_to(directory).as_posix(), "key": co.key, "compiler": co.compiler,
             "options": list(co.options), "compile_s": round(co.compile_s, 4), "bytes": len(co.image),
             "sha256": hashlib.sha256(co.image).hexdigest(), "spec": spec.as_dict()}
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a shared cache must be readable as open() would make it
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class ManifestError(ValueError):
@@ -148,12 +134,6 @@ def read_manifest(directory: Path) -> dict:
     return entries
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)  # reading the umask means setting it; set it straight back
-    os.umask(mask)
-    return mask
-
-
 def _update_manifest(directory: Path, rows: list[dict]) -> None:
     """Merge ``rows`` into ``manifest.json``, dropping entries whose file is gone (``ManifestError``
     when the existing file is not an epgen manifest)."""
@@ -162,7 +142,7 @@ def _update_manifest(directory: Path, rows: list[dict]) -> None:
     entries = {f: e for f, e in entries.items() if (directory / f).is_file()}
     entries.update({r["file"]: {k: v for k, v in r.items() if k != "status"} for r in rows})
     doc = {"schema": MANIFEST_SCHEMA, "code_objects": dict(sorted(entries.items()))}
-    _write_atomically(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+    write_atomically(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
 
 
 def build_table(rows: list[dict], directory: Path, jobs: int):

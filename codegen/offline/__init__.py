@@ -43,6 +43,9 @@ _TOOLCHAINS = {"amd": clang_amd, "nvidia": nvrtc}
 """Vendor (``ArchTraits.vendor``) -> its toolchain module: ``status``, ``identity``,
 ``compile_options``, ``code_object_options``, ``compile_kernel``, ``ELF``, ``RUNTIME_ADDED_OPTIONS``."""
 
+_PACKAGES = {"amd": clang_amd.PACKAGE, "nvidia": nvrtc.PACKAGES}
+"""Vendor -> the pip package(s) of its toolchain, as pyproject.toml's dev extra pins them."""
+
 RUNTIME_ADDED_OPTIONS = {vendor: tc.RUNTIME_ADDED_OPTIONS for vendor, tc in _TOOLCHAINS.items()}
 """Options CuPy appends to every runtime compile, per vendor (cupy/cuda/compiler.py:
 ``-ftz=true`` always and ``--device-as-default-execution-space`` with NVRTC >= 12;
@@ -55,7 +58,9 @@ def _toolchain(arch: str):
 
 
 def toolchain_status(arch: str) -> str | None:
-    """Say whether the offline compiler for ``arch`` is usable.
+    """Say whether the offline compiler for ``arch`` is usable: installed, and it reports its
+    release (``compiler_identity``; e.g. a broken ``ziglang`` whose ``clang --version`` fails
+    counts as missing).
 
     Returns:
         None when usable, else a one-line reason naming the pip package(s) to install.
@@ -63,7 +68,13 @@ def toolchain_status(arch: str) -> str | None:
     Raises:
         ValueError: ``arch`` is not a known target.
     """
-    return _toolchain(arch).status()
+    reason = _toolchain(arch).status()
+    if reason is None:
+        try:
+            _vendor_identity(traits(arch).vendor)
+        except (ToolchainMissing, RuntimeError) as exc:
+            return f"offline compiler unusable ({exc}): pip install --force-reinstall {_PACKAGES[traits(arch).vendor]}"
+    return reason
 
 
 def compile_options(arch: str) -> tuple[str, ...]:

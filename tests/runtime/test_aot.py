@@ -22,6 +22,7 @@ from epgen.cache import CACHE_ENV, cache_dir, code_object_path, find_code_object
 from epgen.cli import main
 from epgen.codegen import offline
 from epgen.codegen.arch import ARCHES, traits
+from epgen.codegen.atomic import write_atomically
 from epgen.codegen.render import RUNTIME_OPTIONS, render
 from epgen.codegen.spec import KernelSpec, Op
 from epgen.codegen.config import EpConfig
@@ -425,7 +426,7 @@ def test_cache_files_honour_the_umask(tmp_path):
 
     old = os.umask(0o027)
     try:
-        aot._write_atomically(tmp_path / "a" / "x.cubin", b"data")
+        write_atomically(tmp_path / "a" / "x.cubin", b"data")
         aot._update_manifest(tmp_path, [])
     finally:
         os.umask(old)

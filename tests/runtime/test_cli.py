@@ -532,3 +532,40 @@ def test_ep_config_takes_numpy_integers_and_still_rejects_bools_and_floats():
         with pytest.raises(FieldError, match="EpConfig.world_size=.*: must be a positive int") as e:
             EpConfig(world_size=bad, hidden=4096, topk=2, num_experts=8, max_tokens_per_rank=128)
         assert e.value.field == "world_size"
+
+
+def test_a_broken_compiler_reads_as_missing(monkeypatch, capsys, tmp_path):
+    """A ``ziglang`` whose ``clang --version`` fails (exit 126) is reported like an absent one:
+    the one-line ``offline compilers missing`` error or the skipped report, the same exit status,
+    no traceback."""
+    from epgen.codegen import offline
+    from epgen.codegen.offline import ToolchainMissing, clang_amd, toolchain_status
+
+    def outcomes():
+        results = []
+        for argv in (["check", "--model", "mixtral-8x7b", "--arch", "gfx950"],
+                     ["generate", "--model", "mixtral-8x7b", "--arch", "gfx950", "-o", str(tmp_path / str(len(results)))]):
+            rc = main(argv)
+            out, err = capsys.readouterr()
+            results.append((rc, " ".join((out + err).split())))
+        return results
+
+    monkeypatch.setattr(clang_amd, "status", lambda: f"AMD offline compiler (clang) missing: pip install {clang_amd.PACKAGE}")
+    absent = outcomes()
+    monkeypatch.undo()
+    real = offline._vendor_identity
+
+    def broken(vendor):
+        if vendor == "amd":
+            raise ToolchainMissing("clang --version failed (126): permission denied")
+        return real(vendor)
+
+    monkeypatch.setattr(offline, "_vendor_identity", broken)
+    reason = toolchain_status("gfx950")
+    assert "clang --version failed (126)" in reason and clang_amd.PACKAGE in reason
+    broken_runs = outcomes()
+    assert [rc for rc, _ in broken_runs] == [rc for rc, _ in absent]
+    check_text, generate_text = (text for _, text in broken_runs)
+    assert "epgen check: offline compilers missing" in check_text and "(126)" in check_text
+    assert "resource report skipped: gfx950:" in generate_text and "(126)" in generate_text
+    assert absent[0][1].startswith("epgen check: offline compilers missing")
