@@ -159,14 +159,19 @@ def time_pairs(first, second, iters: int = 20, warmup: int = 3) -> tuple[Timing,
     Raises:
         ValueError: ``iters`` not an int >= 1 or ``warmup`` not an int >= 0.
     """
+    return _host_pass(first, second, iters, warmup)[0]
+
+
+def _host_pass(first, second, iters: int, warmup: int):
+    """The host-launched pass after ``warmup`` untimed pairs: (the two Timings, host enqueue us)."""
     _check_iters(iters, warmup)
     for _ in range(warmup):
         first()
         second()
     torch.cuda.synchronize()
-    evs, _ = _enqueue(first, second, iters)
+    evs, enqueue_us = _enqueue(first, second, iters)
     torch.cuda.synchronize()
-    return _read(evs)
+    return _read(evs), enqueue_us
 
 
 def time_pairs_queued(first, second, iters: int = 20, warmup: int = 3) -> PairTiming:
@@ -177,14 +182,7 @@ def time_pairs_queued(first, second, iters: int = 20, warmup: int = 3) -> PairTi
     Raises:
         ValueError: ``iters`` not an int >= 1 or ``warmup`` not an int >= 0.
     """
-    _check_iters(iters, warmup)
-    for _ in range(warmup):
-        first()
-        second()
-    torch.cuda.synchronize()
-    evs, enqueue_us = _enqueue(first, second, iters)
-    torch.cuda.synchronize()
-    host = _read(evs)
+    host, enqueue_us = _host_pass(first, second, iters, warmup)
     rate = sleep_rate()
     for _ in range(2):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
