@@ -258,7 +258,7 @@ def cmd_demo(args, parser, console) -> int:
 def cmd_bench(args, parser, console) -> int:
     from epgen.bench import default_output
 
-    output = args.output or default_output(args.world_size, args.virtual)
+    output = args.output or default_output(args.world_size, args.virtual, flags.in_checkout())
     if flags.gpu_preflight(args, parser, _error, "bench", max_tokens=max(args.tokens), virtual=args.virtual,
                            output=output, geometries={"--dispatch-geometry": args.dispatch_geometry,
                                                       "--combine-geometry": args.combine_geometry}) is None:

@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -569,3 +570,26 @@ def test_a_broken_compiler_reads_as_missing(monkeypatch, capsys, tmp_path):
     assert "epgen check: offline compilers missing" in check_text and "(126)" in check_text
     assert "resource report skipped: gfx950:" in generate_text and "(126)" in generate_text
     assert absent[0][1].startswith("epgen check: offline compilers missing")
+
+
+def test_bench_outside_a_checkout_defaults_to_the_current_directory(capsys, monkeypatch, tmp_path):
+    """Without -o, outside an epgen checkout, bench asks for the GPU (not for tools/results/) and,
+    with one, writes bench-ep<W>-<gpu>.* in the current directory; in the checkout, under tools/results/."""
+    import torch
+
+    from epgen.bench import default_output
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _matplotlib(monkeypatch, present=True)
+    assert main(["bench"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "epgen bench: needs a GPU (torch.cuda.is_available() is False)" in err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
+    _matplotlib(monkeypatch, present=False)  # past the -o checks: the next thing asked for
+    assert main(["bench"]) == 2
+    assert "the plot needs matplotlib" in capsys.readouterr().err
+    assert default_output(2, False, in_checkout=False) == "bench-ep2-h200"
+    assert default_output(8, True, in_checkout=True) == os.path.join("tools", "results", "bench-ep8v-h200")
