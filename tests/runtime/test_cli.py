@@ -307,6 +307,53 @@ def test_catalogue_table_labels_stay_short_at_80_columns():
     assert len(body) <= 2 * len(rows) + 2
 
 
+def _fake_report_rows(specs) -> list[dict]:
+    """Report rows of ``specs`` (KernelSpecs) from made-up resources shaped like the offline
+    compilers' (3-digit VGPRs, AGPRs on gfx950, SGPRs on AMD), so no compiler is needed."""
+    return [{"arch": s.arch, "op": s.op.value, "entry": s.name, "spec": s.as_dict(), "compiler": f"{s.arch} compiler 1.0",
+             "registers": 100 + i % 28, "agprs": 0 if s.arch == "gfx950" else None,
+             "sgprs": None if s.arch == "sm_90" else 40 + i % 30, "scratch_bytes": 0, "spill_bytes": 0,
+             "shared_bytes": 104, "occupancy": 1 + i % 16, "occupancy_unit": "blocks/SM", "status": "ok"}
+            for i, s in enumerate(specs)]
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_whole_catalogue_table_reads_at_80_and_120_columns(width, capsys, monkeypatch):
+    """COLUMNS=80 (or 120) epgen check over the whole catalogue: every line fits, nothing cut, one
+    line a row; scratch, spill and status, the same on every row, move to the caption. A row that
+    spills brings its columns back and still fits, its label folding onto a second line."""
+    from rich.console import Console
+
+    from epgen import cli
+    from epgen.codegen import catalogue
+    from epgen.codegen.report import resource_table
+
+    specs = catalogue.catalogue_specs()
+    rows = _fake_report_rows(specs)
+    monkeypatch.setenv("COLUMNS", str(width))
+    monkeypatch.setattr(cli, "_compilers_missing", lambda arches, verb: False)
+    monkeypatch.setattr(catalogue, "report_rows", lambda specs, max_workers=None, on_done=None: rows)
+    assert main(["check", "--quiet"]) == 0 and capsys.readouterr().out == ""  # quiet and ok: no table
+    assert main(["check"]) == 0
+    text = capsys.readouterr().out
+    assert "…" not in text and all(len(line) <= width for line in text.splitlines())
+    assert "every row: w8 t4096, scratch 0, spill 0, status ok" in " ".join(text.split())
+    head = next(line for line in text.splitlines() if line.startswith("arch "))
+    assert head.split() == ["arch", "op", "variant", "regs", "AGPR", "SGPR", "LDS", "occ"]
+    body = [line for line in text.splitlines() if line.startswith(("gfx950 ", "gfx1250 ", "sm_90 "))]
+    assert len(body) == len(rows)
+    assert body[0].split()[:7] == ["gfx950", "dispatch", "bf16", "h7168", "k8", "l32", "2048x16u2"]
+
+    rows[0] = {**rows[0], "spill_bytes": 8, "scratch_bytes": 16, "status": "scratch/spill"}
+    console = Console(width=width, record=True, file=io.StringIO())
+    console.print(resource_table(rows, "t"))
+    text = console.export_text()
+    assert "…" not in text and all(len(line) <= width for line in text.splitlines())
+    head = next(line for line in text.splitlines() if line.startswith("arch "))
+    assert head.split() == ["arch", "op", "variant", "regs", "AGPR", "SGPR", "scratch", "spill", "LDS", "occ", "status"]
+    assert "scratch/spill" in text and "every row: w8 t4096" in text and "status ok" not in text
+
+
 def _matplotlib(monkeypatch, present: bool) -> None:
     """Make ``importlib.util.find_spec('matplotlib')`` find it (or not), whatever is installed."""
     import importlib.util
