@@ -640,3 +640,34 @@ def test_bench_outside_a_checkout_defaults_to_the_current_directory(capsys, monk
     assert "the plot needs matplotlib" in capsys.readouterr().err
     assert default_output(2, False, in_checkout=False) == "bench-ep2-h200"
     assert default_output(8, True, in_checkout=True) == os.path.join("tools", "results", "bench-ep8v-h200")
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_build_table_honours_the_console_width(width, capsys, monkeypatch, tmp_path):
+    """COLUMNS=80 (or 120) epgen build: the table fits, in the resource report's style (a rule under
+    the header, no frame), every entry name whole once the folds are joined, a compile error in red."""
+    from epgen import aot, cli
+
+    built = []
+
+    def fake_build(specs, directory, max_workers=None, on_done=None):
+        built.extend(specs)
+        rows = [{"status": "ok", "arch": s.arch, "op": s.op.value, "entry": s.name, "key": f"{i:064x}",
+                 "compiler": f"{s.arch} compiler 1.0", "bytes": 12345, "compile_s": 0.25} for i, s in enumerate(specs)]
+        rows[-1] = {**{k: rows[-1][k] for k in ("arch", "op", "entry")}, "status": "error: x.cu(1): expected a ';'"}
+        return rows
+
+    monkeypatch.setenv("COLUMNS", str(width))
+    monkeypatch.setattr(cli, "_compilers_missing", lambda arches, verb: False)
+    monkeypatch.setattr(aot, "build", fake_build)
+    assert main(["build", "--model", "mixtral-8x7b", "-o", str(tmp_path / "c")]) == 1
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert "…" not in text and all(len(line) <= width for line in lines)
+    head = next(i for i, line in enumerate(lines) if line.startswith("arch "))  # the title may take two lines
+    assert not any(c in text for c in "┏┃│└") and set(lines[head + 1].strip()) == {"─"}  # report.styled_table's look
+    assert lines[head].split() == ["arch", "entry", "key", "bytes", "compile", "s", "status"]
+    entries = "".join(line.split()[1] if line.startswith(("gfx", "sm_")) else line.split()[0]
+                      for line in lines[head + 2:] if line.startswith(("gfx", "sm_", " ")) and line.split())
+    assert len(built) == 6 and all(s.name in entries for s in built)
+    assert "00000000" in text and "compiles in parallel" in text and "expected a ';'" in " ".join(text.split())
