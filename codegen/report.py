@@ -82,26 +82,55 @@ def variant_labels(specs: list[dict]) -> tuple[list[str], str]:
     return labels, common
 
 
-def resource_table(report_rows: list[dict], title: str):
-    """A rich table of ``rows`` that reads at 80 columns: a short variant label (``variant_labels``)
-    instead of the entry name (which ``--json`` and the CSV carry), the shape every row shares and
-    the compilers in the caption."""
+def styled_table(title: str, caption: str):
+    """An empty rich table in the style of epgen's console tables: a rule under the header, no
+    frame, one space between columns, the caption left-aligned under it."""
     from rich.table import Table
 
+    return Table(title=title, caption=caption, box=box.SIMPLE_HEAD, show_edge=False, padding=0, pad_edge=False,
+                 caption_justify="left")
+
+
+# (header, row key, caption name): columns that leave the table for the caption when every row has the same value
+_FOLDABLE = (("AGPR", "agprs", "AGPRs"), ("SGPR", "sgprs", "SGPRs"), ("scratch", "scratch_bytes", "scratch"),
+             ("spill", "spill_bytes", "spill"), ("status", "status", "status"))
+
+
+_NUMBERS = ("regs", "AGPR", "SGPR", "scratch", "spill", "LDS", "occ")
+
+
+def resource_table(report_rows: list[dict], title: str):
+    """A rich table of ``rows`` that reads at 80 columns: a short variant label (``variant_labels``)
+    instead of the entry name (which ``--json`` and the CSV carry); the shape every row shares, the
+    AGPR, SGPR, scratch, spill and status values every row shares (with more than one row, e.g.
+    ``scratch 0``, ``SGPRs none``) and the compilers in the caption instead of in columns."""
     labels, common = variant_labels([r["spec"] for r in report_rows])
     compilers = {r["arch"]: r["compiler"] for r in report_rows if r.get("compiler")}
-    caption = [f"every row: {common}"] if common else []
+    shared = [(head, key, name) for head, key, name in _FOLDABLE
+              if len(report_rows) > 1 and len({r[key] for r in report_rows}) == 1]
+    every = [common] if common else []
+    every += [f"{name} {'none' if report_rows[0][key] is None else report_rows[0][key]}" for _, key, name in shared]
+    caption = [f"every row: {', '.join(every)}"] if every else []
     caption += ["scratch, spill, LDS (AMD) or shared memory (NVIDIA) in bytes; occupancy in waves per SIMD (AMD) "
                 "or blocks per SM (NVIDIA)"]
     caption += [f"{arch}: {c}" for arch, c in compilers.items()]
-    t = Table(title=title, caption="\n".join(caption), box=box.SIMPLE_HEAD, show_edge=False, padding=0,
-              pad_edge=False, caption_justify="left")
-    for c in ("arch", "op", "variant", "regs", "AGPR", "SGPR", "scratch", "spill", "LDS", "occ", "status"):
-        wraps = c in ("variant", "status")  # the rest stay one word a cell
-        t.add_column(c, overflow="fold", no_wrap=not wraps, justify="left" if c in ("arch", "op") or wraps else "right")
+    t = styled_table(title, "\n".join(caption))
+    columns = [("arch", "arch"), ("op", "op"), ("variant", None), ("regs", "registers"), ("AGPR", "agprs"),
+               ("SGPR", "sgprs"), ("scratch", "scratch_bytes"), ("spill", "spill_bytes"), ("LDS", "shared_bytes"),
+               ("occ", "occupancy"), ("status", "status")]
+    columns = [(head, key) for head, key in columns if head not in {h for h, _, _ in shared}]
+    errors = any(r["status"] not in ("ok", "scratch/spill") for r in report_rows)  # compile errors wrap
+    for c, _ in columns:
+        wraps = c == "variant" or c == "status" and errors  # the rest stay one word a cell
+        t.add_column(c, overflow="fold", no_wrap=not wraps, justify="right" if c in _NUMBERS else "left")
     for r, label in zip(report_rows, labels):
-        status = r["status"] if r["status"] == "ok" else f"[red]{escape(r['status'])}[/red]"
-        t.add_row(r["arch"], r["op"], label, *("" if r[k] is None else str(r[k]) for k in
-                                               ("registers", "agprs", "sgprs", "scratch_bytes", "spill_bytes",
-                                                "shared_bytes", "occupancy")), status)
+        cells = []
+        for c, key in columns:
+            if c == "variant":
+                cells.append(label)
+            elif c == "status":
+                cells.append(r["status"] if r["status"] == "ok" else f"[red]{escape(r['status'])}[/red]")
+            else:
+                cells.append("" if r[key] is None else str(r[key]))
+        t.add_row(*cells)
     return t

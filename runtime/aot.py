@@ -146,17 +146,24 @@ def _update_manifest(directory: Path, rows: list[dict]) -> None:
 
 
 def build_table(rows: list[dict], directory: Path, jobs: int):
-    """A rich table of ``build``'s rows: per code object its arch, op, entry, key, bytes, cold
-    compile seconds (with ``jobs`` parallel compiles) and status; the compilers in the caption."""
-    from rich.table import Table
+    """A rich table of ``build``'s rows in the resource report's style (``styled_table``), reading at
+    80 columns: per code object its arch, entry name (folding onto a second line where narrow),
+    the first 8 hex digits of its key, bytes, cold compile seconds (with ``jobs`` parallel
+    compiles) and status; the units and the compilers in the caption."""
+    from rich.markup import escape
+
+    from epgen.codegen.report import styled_table
 
     compilers = {r["arch"]: r["compiler"] for r in rows if r["status"] == "ok"}
-    t = Table(title=f"epgen build: {len(rows)} code objects in {directory} (cold compile seconds with {jobs} "
-                    "parallel compiles)", caption="\n".join(f"{a}: {c}" for a, c in compilers.items()))
-    for c in ("arch", "op", "entry", "key", "bytes", "compile s", "status"):
-        t.add_column(c, overflow="fold")
+    caption = [f"compile s: cold compile wall seconds, {jobs} compiles in parallel; key: the file's name under "
+               "<arch>/ (first 8 hex digits)", *(f"{a}: {c}" for a, c in compilers.items())]
+    t = styled_table(f"epgen build: {len(rows)} code objects in {directory}", "\n".join(caption))
+    errors = any(r["status"] != "ok" for r in rows)
+    for c in ("arch", "entry", "key", "bytes", "compile s", "status"):
+        wraps = c == "entry" or c == "status" and errors  # the rest stay one word a cell
+        t.add_column(c, overflow="fold", no_wrap=not wraps, justify="right" if c in ("bytes", "compile s") else "left")
     for r in rows:
         ok = r["status"] == "ok"
-        t.add_row(r["arch"], r["op"], r["entry"], r["key"][:16] if ok else "", str(r["bytes"]) if ok else "",
-                  f"{r['compile_s']:.2f}" if ok else "", r["status"] if ok else f"[red]{r['status']}[/red]")
+        t.add_row(r["arch"], r["entry"], r["key"][:8] if ok else "", str(r["bytes"]) if ok else "",
+                  f"{r['compile_s']:.2f}" if ok else "", "ok" if ok else f"[red]{escape(r['status'])}[/red]")
     return t

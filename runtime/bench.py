@@ -324,6 +324,11 @@ def read_csv(path: str) -> list[dict]:
                  for k, v in row.items()} for row in csv.DictReader(f)]
 
 
-def default_output(world_size: int, virtual: bool) -> str:
+def default_output(world_size: int, virtual: bool, in_checkout: bool) -> str:
+    """The path prefix of bench's files without ``-o``: ``bench-ep<W>[v]-<gpu>`` (``<gpu>``: the
+    last word of GPU 0's name, lowercased; "cpu" without a GPU) under ``tools/results/`` when
+    ``in_checkout`` (the current directory is an epgen checkout's root), else in the current
+    directory."""
     gpu = torch.cuda.get_device_name(0).split()[-1].lower() if torch.cuda.is_available() else "cpu"
-    return os.path.join("tools", "results", f"bench-ep{world_size}{'v' if virtual else ''}-{gpu}")
+    name = f"bench-ep{world_size}{'v' if virtual else ''}-{gpu}"
+    return os.path.join("tools", "results", name) if in_checkout else name

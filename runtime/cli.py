@@ -258,7 +258,7 @@ def cmd_demo(args, parser, console) -> int:
 def cmd_bench(args, parser, console) -> int:
     from epgen.bench import default_output
 
-    output = args.output or default_output(args.world_size, args.virtual)
+    output = args.output or default_output(args.world_size, args.virtual, flags.in_checkout())
     if flags.gpu_preflight(args, parser, _error, "bench", max_tokens=max(args.tokens), virtual=args.virtual,
                            output=output, geometries={"--dispatch-geometry": args.dispatch_geometry,
                                                       "--combine-geometry": args.combine_geometry}) is None:
@@ -372,7 +372,9 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     stream = sys.stderr if args.json else sys.stdout
-    console = Console(stderr=args.json, width=None if stream.isatty() else 200)
+    # a terminal's width, else $COLUMNS (rich reads it when width is None), else 200 for pipes and files
+    console = Console(stderr=args.json, width=None if stream.isatty() or os.environ.get("COLUMNS", "").isdigit()
+                      else 200)
     try:
         return args.fn(args, args.parser, console)
     except BrokenPipeError:  # output piped into head & co.

@@ -152,7 +152,7 @@ def add_bench_args(b) -> None:
     b.add_argument("--iters", type=positive, default=bench.iters,
                    help=f"timed graph replays per point (default {bench.iters})")
     b.add_argument("-o", "--output", type=path, help="path prefix of the .csv/.png (default "
-                   "tools/results/bench-ep<W>-<gpu>)")
+                   "tools/results/bench-ep<W>-<gpu> in an epgen checkout's root, else ./bench-ep<W>-<gpu>)")
 
 
 def add_tune_args(t) -> None:
@@ -318,11 +318,17 @@ def catalogue_dir(args, parser) -> Path:
     """-o, or ./generated inside an epgen checkout (never a stray folder elsewhere)."""
     if args.output:
         return Path(args.output)
-    pyproject = Path("pyproject.toml")
-    if not (pyproject.is_file() and 'name = "epgen"' in pyproject.read_text(errors="replace")):
+    if not in_checkout():
         parser.error("the catalogue lives in generated/ of an epgen checkout: run from the checkout's root or "
                      "give -o DIR")
     return Path("generated")
+
+
+def in_checkout() -> bool:
+    """Whether the current directory is the root of an epgen checkout (its pyproject.toml names
+    the project epgen): there the catalogue is generated/ and bench writes under tools/results/."""
+    pyproject = Path("pyproject.toml")
+    return pyproject.is_file() and 'name = "epgen"' in pyproject.read_text(errors="replace")
 
 
 def not_a_directory(path: Path) -> str | None:

@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -306,6 +307,53 @@ def test_catalogue_table_labels_stay_short_at_80_columns():
     assert len(body) <= 2 * len(rows) + 2
 
 
+def _fake_report_rows(specs) -> list[dict]:
+    """Report rows of ``specs`` (KernelSpecs) from made-up resources shaped like the offline
+    compilers' (3-digit VGPRs, AGPRs on gfx950, SGPRs on AMD), so no compiler is needed."""
+    return [{"arch": s.arch, "op": s.op.value, "entry": s.name, "spec": s.as_dict(), "compiler": f"{s.arch} compiler 1.0",
+             "registers": 100 + i % 28, "agprs": 0 if s.arch == "gfx950" else None,
+             "sgprs": None if s.arch == "sm_90" else 40 + i % 30, "scratch_bytes": 0, "spill_bytes": 0,
+             "shared_bytes": 104, "occupancy": 1 + i % 16, "occupancy_unit": "blocks/SM", "status": "ok"}
+            for i, s in enumerate(specs)]
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_whole_catalogue_table_reads_at_80_and_120_columns(width, capsys, monkeypatch):
+    """COLUMNS=80 (or 120) epgen check over the whole catalogue: every line fits, nothing cut, one
+    line a row; scratch, spill and status, the same on every row, move to the caption. A row that
+    spills brings its columns back and still fits, its label folding onto a second line."""
+    from rich.console import Console
+
+    from epgen import cli
+    from epgen.codegen import catalogue
+    from epgen.codegen.report import resource_table
+
+    specs = catalogue.catalogue_specs()
+    rows = _fake_report_rows(specs)
+    monkeypatch.setenv("COLUMNS", str(width))
+    monkeypatch.setattr(cli, "_compilers_missing", lambda arches, verb: False)
+    monkeypatch.setattr(catalogue, "report_rows", lambda specs, max_workers=None, on_done=None: rows)
+    assert main(["check", "--quiet"]) == 0 and capsys.readouterr().out == ""  # quiet and ok: no table
+    assert main(["check"]) == 0
+    text = capsys.readouterr().out
+    assert "…" not in text and all(len(line) <= width for line in text.splitlines())
+    assert "every row: w8 t4096, scratch 0, spill 0, status ok" in " ".join(text.split())
+    head = next(line for line in text.splitlines() if line.startswith("arch "))
+    assert head.split() == ["arch", "op", "variant", "regs", "AGPR", "SGPR", "LDS", "occ"]
+    body = [line for line in text.splitlines() if line.startswith(("gfx950 ", "gfx1250 ", "sm_90 "))]
+    assert len(body) == len(rows)
+    assert body[0].split()[:7] == ["gfx950", "dispatch", "bf16", "h7168", "k8", "l32", "2048x16u2"]
+
+    rows[0] = {**rows[0], "spill_bytes": 8, "scratch_bytes": 16, "status": "scratch/spill"}
+    console = Console(width=width, record=True, file=io.StringIO())
+    console.print(resource_table(rows, "t"))
+    text = console.export_text()
+    assert "…" not in text and all(len(line) <= width for line in text.splitlines())
+    head = next(line for line in text.splitlines() if line.startswith("arch "))
+    assert head.split() == ["arch", "op", "variant", "regs", "AGPR", "SGPR", "scratch", "spill", "LDS", "occ", "status"]
+    assert "scratch/spill" in text and "every row: w8 t4096" in text and "status ok" not in text
+
+
 def _matplotlib(monkeypatch, present: bool) -> None:
     """Make ``importlib.util.find_spec('matplotlib')`` find it (or not), whatever is installed."""
     import importlib.util
@@ -569,3 +617,57 @@ def test_a_broken_compiler_reads_as_missing(monkeypatch, capsys, tmp_path):
     assert "epgen check: offline compilers missing" in check_text and "(126)" in check_text
     assert "resource report skipped: gfx950:" in generate_text and "(126)" in generate_text
     assert absent[0][1].startswith("epgen check: offline compilers missing")
+
+
+def test_bench_outside_a_checkout_defaults_to_the_current_directory(capsys, monkeypatch, tmp_path):
+    """Without -o, outside an epgen checkout, bench asks for the GPU (not for tools/results/) and,
+    with one, writes bench-ep<W>-<gpu>.* in the current directory; in the checkout, under tools/results/."""
+    import torch
+
+    from epgen.bench import default_output
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _matplotlib(monkeypatch, present=True)
+    assert main(["bench"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "epgen bench: needs a GPU (torch.cuda.is_available() is False)" in err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
+    _matplotlib(monkeypatch, present=False)  # past the -o checks: the next thing asked for
+    assert main(["bench"]) == 2
+    assert "the plot needs matplotlib" in capsys.readouterr().err
+    assert default_output(2, False, in_checkout=False) == "bench-ep2-h200"
+    assert default_output(8, True, in_checkout=True) == os.path.join("tools", "results", "bench-ep8v-h200")
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_build_table_honours_the_console_width(width, capsys, monkeypatch, tmp_path):
+    """COLUMNS=80 (or 120) epgen build: the table fits, in the resource report's style (a rule under
+    the header, no frame), every entry name whole once the folds are joined, a compile error in red."""
+    from epgen import aot, cli
+
+    built = []
+
+    def fake_build(specs, directory, max_workers=None, on_done=None):
+        built.extend(specs)
+        rows = [{"status": "ok", "arch": s.arch, "op": s.op.value, "entry": s.name, "key": f"{i:064x}",
+                 "compiler": f"{s.arch} compiler 1.0", "bytes": 12345, "compile_s": 0.25} for i, s in enumerate(specs)]
+        rows[-1] = {**{k: rows[-1][k] for k in ("arch", "op", "entry")}, "status": "error: x.cu(1): expected a ';'"}
+        return rows
+
+    monkeypatch.setenv("COLUMNS", str(width))
+    monkeypatch.setattr(cli, "_compilers_missing", lambda arches, verb: False)
+    monkeypatch.setattr(aot, "build", fake_build)
+    assert main(["build", "--model", "mixtral-8x7b", "-o", str(tmp_path / "c")]) == 1
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert "…" not in text and all(len(line) <= width for line in lines)
+    head = next(i for i, line in enumerate(lines) if line.startswith("arch "))  # the title may take two lines
+    assert not any(c in text for c in "┏┃│└") and set(lines[head + 1].strip()) == {"─"}  # report.styled_table's look
+    assert lines[head].split() == ["arch", "entry", "key", "bytes", "compile", "s", "status"]
+    entries = "".join(line.split()[1] if line.startswith(("gfx", "sm_")) else line.split()[0]
+                      for line in lines[head + 2:] if line.startswith(("gfx", "sm_", " ")) and line.split())
+    assert len(built) == 6 and all(s.name in entries for s in built)
+    assert "00000000" in text and "compiles in parallel" in text and "expected a ';'" in " ".join(text.split())
