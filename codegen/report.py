@@ -82,13 +82,18 @@ def variant_labels(specs: list[dict]) -> tuple[list[str], str]:
     return labels, common
 
 
+CAPTION_WIDTH = 80
+"""Narrowest console table: its caption wraps at the table's width, so a table of few columns
+would fold its caption into a narrow column."""
+
+
 def styled_table(title: str, caption: str):
     """An empty rich table in the style of epgen's console tables: a rule under the header, no
     frame, one space between columns, the caption left-aligned under it."""
     from rich.table import Table
 
     return Table(title=title, caption=caption, box=box.SIMPLE_HEAD, show_edge=False, padding=0, pad_edge=False,
-                 caption_justify="left")
+                 caption_justify="left", min_width=CAPTION_WIDTH)
 
 
 # (header, row key, caption name): columns that leave the table for the caption when every row has the same value
@@ -103,13 +108,13 @@ def resource_table(report_rows: list[dict], title: str):
     """A rich table of ``rows`` that reads at 80 columns: a short variant label (``variant_labels``)
     instead of the entry name (which ``--json`` and the CSV carry); the shape every row shares, the
     AGPR, SGPR, scratch, spill and status values every row shares (with more than one row, e.g.
-    ``scratch 0``, ``SGPRs none``) and the compilers in the caption instead of in columns."""
+    ``scratch 0``; a value no target of the rows has, such as SGPRs on sm_90, is left out) and the compilers in the caption instead of in columns."""
     labels, common = variant_labels([r["spec"] for r in report_rows])
     compilers = {r["arch"]: r["compiler"] for r in report_rows if r.get("compiler")}
     shared = [(head, key, name) for head, key, name in _FOLDABLE
               if len(report_rows) > 1 and len({r[key] for r in report_rows}) == 1]
     every = [common] if common else []
-    every += [f"{name} {'none' if report_rows[0][key] is None else report_rows[0][key]}" for _, key, name in shared]
+    every += [f"{name} {report_rows[0][key]}" for _, key, name in shared if report_rows[0][key] is not None]
     caption = [f"every row: {', '.join(every)}"] if every else []
     caption += ["scratch, spill, LDS (AMD) or shared memory (NVIDIA) in bytes; occupancy in waves per SIMD (AMD) "
                 "or blocks per SM (NVIDIA)"]
