@@ -24,6 +24,7 @@ from epgen.codegen.spec import KernelSpec, Op
 from epgen.codegen.config import EpConfig
 from epgen.platform import Platform
 
+
 class EpError(RuntimeError):
     """A kernel reported a fault (bad expert id, spin-wait timeout, receive overflow).
 
@@ -73,10 +74,10 @@ def _rank_io(**fields: int) -> tuple[int, ...]:
     return tuple(fields.get(f.name, 0) for f in abi.RANK_IO)
 
 
-def _check_tensor(t, name: str, *, dtype, shape, device):
+def _check_tensor(t, name: str, *, dtype, shape, device, vectors: bool = False):
     """Check one input tensor: a torch.Tensor of ``dtype``, ``shape`` (None: any size), on
-    ``device``, contiguous, and, for ``x`` and ``out`` (``name`` before its tag), starting on a
-    16-byte boundary (``ArchTraits.vector_bytes``). The kernels read the rows of x with 16-byte
+    ``device``, contiguous, and with ``vectors`` (x and out) starting on a 16-byte boundary
+    (``ArchTraits.vector_bytes``). The kernels read the rows of x with 16-byte
     vector loads and write the rows of out with 16-byte vector stores, which fault (sm_90) on a
     misaligned address, e.g. a view at a storage offset that is not a multiple of 16 bytes (an
     empty tensor is not read and passes).
@@ -101,7 +102,7 @@ def _check_tensor(t, name: str, *, dtype, shape, device):
     if not t.is_contiguous():
         raise ValueError(f"{name}: must be contiguous (call .contiguous() first)")
     vector_bytes = max(a.vector_bytes for a in ARCH_TRAITS.values())
-    if name.partition("[")[0] in ("x", "out") and t.numel() and t.data_ptr() % vector_bytes:
+    if vectors and t.numel() and t.data_ptr() % vector_bytes:
         raise ValueError(f"{name}.data_ptr()={t.data_ptr():#x}: {t.data_ptr() % vector_bytes} bytes past a "
                          f"{vector_bytes}-byte boundary; the kernels move its rows with {vector_bytes}-byte vector "
                          f"accesses, so it must start on one (a view at an odd storage offset: pass .clone())")
@@ -121,7 +122,8 @@ def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x, weights, indic
         ValueError: naming the argument (with ``tag``, e.g. "[rank 3]"), its value and the rule.
     """
     info = dtype_info(cfg.dtype)
-    _check_tensor(x, f"x{tag}", dtype=info.torch_dtype, shape=(None, info.columns(cfg.hidden)), device=device)
+    _check_tensor(x, f"x{tag}", dtype=info.torch_dtype, shape=(None, info.columns(cfg.hidden)), device=device,
+                  vectors=True)
     T = x.shape[0]
     if T > cfg.max_tokens_per_rank:
         raise ValueError(f"x{tag}.shape[0]={T}: more tokens than max_tokens_per_rank={cfg.max_tokens_per_rank}")
@@ -149,7 +151,8 @@ def check_combine_inputs(cfg: EpConfig, device: torch.device, y, out, tokens: in
         raise ValueError(f"y{tag}.shape[0]={y.shape[0]}: more rows than the receive capacity {capacity} "
                          f"(world_size x max_tokens_per_rank)")
     if out is not None:
-        _check_tensor(out, f"out{tag}", dtype=torch.bfloat16, shape=(tokens, cfg.hidden), device=device)
+        _check_tensor(out, f"out{tag}", dtype=torch.bfloat16, shape=(tokens, cfg.hidden), device=device,
+                      vectors=True)
 
 
 class EpDispatchCombine:
