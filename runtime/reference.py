@@ -327,36 +327,50 @@ def combine(ys: list[torch.Tensor], recv: list[RecvRows], num_tokens: list[int])
     return [out[offsets[r] : offsets[r + 1]].clone() for r in range(world)]
 
 
-def _lex_order(src: torch.Tensor) -> torch.Tensor:
-    """Permutation sorting [R, 2] rows by (column 0, column 1)."""
-    order = torch.argsort(src[:, 1], stable=True)
-    return order[torch.argsort(src[order, 0], stable=True)]
+def _lex_order(keys: torch.Tensor) -> torch.Tensor:
+    """Permutation sorting [R, C] rows lexicographically (column 0 first, then column 1, ...)."""
+    order = torch.arange(keys.shape[0], device=keys.device)
+    for c in reversed(range(keys.shape[1])):
+        order = order[torch.argsort(keys[order, c], stable=True)]
+    return order
 
 
 def _has_duplicates(sorted_src: torch.Tensor) -> bool:
     return bool((sorted_src[1:] == sorted_src[:-1]).all(dim=1).any())
 
 
+_KEY_LABELS = {2: "(rank, token)", 3: "(rank, token, slot)"}
+"""How align_rows' messages name a key of 2 columns (receive rows) or 3 (expanded rows)."""
+
+
 def align_rows(ref_src: torch.Tensor, test_src: torch.Tensor) -> torch.Tensor:
-    """Map a kernel's receive rows onto the reference's (the orders may differ).
+    """Map a kernel's rows onto the reference's by their integer keys (the orders may differ).
+
+    The keys are the receive rows' (source rank, source token) pairs ([R, 2], ``RecvRows.src``) or
+    the expanded rows' (source rank, source token, slot) triples ([R, 3], the non-padding rows of
+    ``ExpertRows.src``); any C >= 2 columns work.
 
     Args:
-        ref_src: [R, 2] int32 (source rank, source token) of the reference rows.
-        test_src: [R', 2] int32 (source rank, source token) of the rows under test.
+        ref_src: [R, C] integer keys of the reference rows.
+        test_src: [R', C] integer keys of the rows under test (the same C).
 
     Returns:
         perm, int64 [R], with ``test_src[perm] == ref_src`` row for row.
 
     Raises:
-        ValueError: an argument is not a [N, 2] integer tensor.
-        AssertionError: the two sets of pairs differ or either holds duplicates; the message gives
-            both row counts, up to 5 missing pairs (in ref, not in test), up to 5 extra pairs (in
-            test, not in ref) and up to 5 duplicated pairs of each side.
+        ValueError: an argument is not a 2-D integer tensor with C >= 2 columns, or the two have
+            different column counts.
+        AssertionError: the two sets of keys differ or either holds duplicates; the message gives
+            both row counts, up to 5 missing keys (in ref, not in test), up to 5 extra keys (in
+            test, not in ref) and up to 5 duplicated keys of each side.
     """
     for name, value in (("ref_src", ref_src), ("test_src", test_src)):
         t = _check_2d(name, value)
-        if t.shape[1] != 2 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise ValueError(f"{name}: shape {tuple(t.shape)} {t.dtype} must be [R, 2] integer")
+        if t.shape[1] < 2 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"{name}: shape {tuple(t.shape)} {t.dtype} must be [R, C] integer with C >= 2")
+    cols = ref_src.shape[1]
+    if test_src.shape[1] != cols:
+        raise ValueError(f"test_src: shape {tuple(test_src.shape)} must have the {cols} columns of ref_src")
     ref = ref_src.to(torch.int64).cpu()
     test = test_src.to(torch.int64).cpu()
     ref_order, test_order = _lex_order(ref), _lex_order(test)
@@ -376,16 +390,18 @@ def align_rows(ref_src: torch.Tensor, test_src: torch.Tensor) -> torch.Tensor:
     extra = sorted(set(test_count) - set(ref_count))
     dup_ref = sorted(p for p, n in ref_count.items() if n > 1)
     dup_test = sorted(p for p, n in test_count.items() if n > 1)
-    lines = [f"receive rows differ: reference has {ref.shape[0]} rows, test has {test.shape[0]} rows"]
-    for label, pairs in (
-        ("missing from test (rank, token)", missing),
-        ("extra in test (rank, token)", extra),
-        ("duplicated in test (rank, token)", dup_test),
-        ("duplicated in reference (rank, token)", dup_ref),
+    key = _KEY_LABELS.get(cols, f"({cols}-column key)")
+    what = "receive rows" if cols == 2 else "rows"
+    lines = [f"{what} differ: reference has {ref.shape[0]} rows, test has {test.shape[0]} rows"]
+    for label, keys in (
+        (f"missing from test {key}", missing),
+        (f"extra in test {key}", extra),
+        (f"duplicated in test {key}", dup_test),
+        (f"duplicated in reference {key}", dup_ref),
     ):
-        if pairs:
-            more = f" ... ({len(pairs)} in all)" if len(pairs) > 5 else ""
-            lines.append(f"  {label}: {pairs[:5]}{more}")
+        if keys:
+            more = f" ... ({len(keys)} in all)" if len(keys) > 5 else ""
+            lines.append(f"  {label}: {keys[:5]}{more}")
     raise AssertionError("\n".join(lines))
 
 
