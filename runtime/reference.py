@@ -10,6 +10,9 @@ row, the source token (bit-equal), the sender's full weights / indices / scales 
 ``(source rank, source token)`` pair. Here rows are ordered by (source rank, source token); a
 kernel may order them differently, and ``align_rows`` maps its rows onto these.
 
+``max_recv_tokens`` caps the rows one rank may receive; a dispatch over the cap raises before
+producing anything.
+
 combine: ``out_r[t]`` = sum over the distinct ranks ``d`` that token ``t`` of rank ``r`` reached of
 that rank's expert-output row for ``(r, t)``, accumulated in float32 in ascending ``d`` and cast
 once to the output dtype; a token that reached no rank gets zeros.
@@ -198,6 +201,7 @@ def dispatch(
     *,
     experts_per_rank: int,
     scales: list[torch.Tensor] | None = None,
+    max_recv_tokens: int | None = None,
 ) -> list[RecvRows]:
     """Simulate dispatch on all ranks; W = len(xs).
 
@@ -207,6 +211,7 @@ def dispatch(
         indices: per rank, [T_r, K] int32 top-k expert ids (-1 = no expert).
         experts_per_rank: L (>= 1).
         scales: None, or per rank [T_r, S] (any dtype, the same S and dtype on every rank).
+        max_recv_tokens: None (no cap), or N >= 1: the most rows one rank may receive.
 
     Returns:
         One RecvRows per destination rank d, rows ordered by (source rank, source token): every
@@ -216,11 +221,26 @@ def dispatch(
     Raises:
         ValueError: list lengths differ from W; a tensor not 2-D; shapes, dtypes or devices
             inconsistent (the message names argument, rank, value and rule); an expert id that is
-            neither -1 nor in [0, W * L) (names argument, rank, token, slot, value and rule).
+            neither -1 nor in [0, W * L) (names argument, rank, token, slot, value and rule);
+            max_recv_tokens not None nor an int >= 1; some rank would receive more than
+            max_recv_tokens rows (names the first such rank, the rows it needs and the cap; raised
+            before any row is gathered).
     """
     _validate_dispatch(xs, weights, indices, scales, experts_per_rank)
+    if max_recv_tokens is not None:
+        _check_positive_int("max_recv_tokens", max_recv_tokens)
     world = len(xs)
     slots = [_route(indices[r], experts_per_rank, world) for r in range(world)]  # per rank [T_r, W]
+    if max_recv_tokens is not None:
+        needed = sum((s >= 0).sum(dim=0) for s in slots).tolist()  # [W] rows each rank receives
+        over = [d for d in range(world) if needed[d] > max_recv_tokens]
+        if over:
+            d = over[0]
+            more = f" (ranks over the cap: {over})" if len(over) > 1 else ""
+            raise ValueError(
+                f"max_recv_tokens={max_recv_tokens}: rank {d} would receive {needed[d]} rows, more than "
+                f"the cap{more}"
+            )
     out = []
     for d in range(world):
         parts = {"x": [], "weights": [], "indices": [], "scales": [], "src": []}
