@@ -25,7 +25,6 @@ import numbers
 import attrs
 import torch
 
-from epgen import reference
 from epgen.codegen.config import EpConfig
 from epgen.codegen.dtypes import COMBINE_QUANTS
 from epgen.quant import FP8_E4M3_MAX, combine_error_bound, combine_roundtrip
@@ -226,6 +225,15 @@ def _check_expert_stage(x, offsets, w, out) -> None:
                              f"contiguous on {x.device} (like x)")
 
 
+def _host_offsets(offsets: torch.Tensor, rows: int) -> list[int]:
+    """The group offsets on the host (one synchronization), checked: offsets[0] = 0, never
+    decreasing, offsets[L] <= R."""
+    bounds = offsets.tolist()
+    if bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])) or bounds[-1] > rows:
+        raise ValueError(f"offsets={bounds}: must start at 0, never decrease and end at most at R={rows}")
+    return bounds
+
+
 def swiglu_experts(x: torch.Tensor, offsets: torch.Tensor, w: ExpertWeights, *, grouped: bool | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Every expert's SwiGLU FFN on its group of rows of the expert-major layout.
@@ -285,10 +293,7 @@ def swiglu_experts(x: torch.Tensor, offsets: torch.Tensor, w: ExpertWeights, *, 
         if out is None:
             return y
         return out.copy_(y)
-    bounds = offsets.tolist()  # the loop path's one host synchronization
-    rows = x.shape[0]
-    if bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])) or bounds[-1] > rows:
-        raise ValueError(f"offsets={bounds}: must start at 0, never decrease and end at most at R={rows}")
+    bounds = _host_offsets(offsets, x.shape[0])  # the loop path's one host synchronization
     y = out if out is not None else torch.empty_like(x)
     for e in range(w.num_experts):
         start, end = bounds[e], bounds[e + 1]
@@ -361,9 +366,7 @@ def swiglu_reference(x: torch.Tensor, offsets: torch.Tensor, w: ExpertWeights):
     """
     _check_expert_stage(x, offsets, w, None)
     _check_fp32_matmul_precision()
-    bounds = offsets.tolist()
-    if bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])) or bounds[-1] > x.shape[0]:
-        raise ValueError(f"offsets={bounds}: must start at 0, never decrease and end at most at R={x.shape[0]}")
+    bounds = _host_offsets(offsets, x.shape[0])
     ys, es = [], []
     for e in range(w.num_experts):
         y, E_y = _swiglu_rows(x[bounds[e]:bounds[e + 1]], w.gate[e], w.up[e], w.down[e])
@@ -417,7 +420,11 @@ def _check_dense_inputs(xs, topk_weights, topk_ids, weights, combine_quant):
             if tuple(t.shape) != (x.shape[0], topk) or t.device != x.device:
                 raise ValueError(f"{name}: shape {tuple(t.shape)} on {t.device} must be [T, K] = "
                                  f"{[x.shape[0], topk]} on {x.device} (T of xs[rank {r}], K of rank 0)")
-        reference.route(ids, experts_per_rank=w0.num_experts, world_size=world)  # raises on a bad id
+        bad = (ids != -1) & ((ids < 0) | (ids >= world * w0.num_experts))
+        if bool(bad.any()):
+            t, k = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(f"topk_ids[rank {r}][token {t}, slot {k}]={int(ids[t, k])}: expert ids must be -1 or "
+                             f"in [0, {world * w0.num_experts})")
     return world, topk
 
 
@@ -498,8 +505,8 @@ def dense_moe(xs: list[torch.Tensor], topk_weights: list[torch.Tensor], topk_ids
     Raises:
         TypeError: a weights entry not an ExpertWeights, a tensor argument not a tensor.
         ValueError: list lengths differ from W; shapes, dtypes or devices inconsistent (naming
-            the argument and rank); an expert id neither -1 nor in [0, W * L) (``reference.route``'s
-            message); an unknown combine_quant; float32 matmul precision not 'highest'.
+            the argument and rank); an expert id neither -1 nor in [0, W * L) (naming rank, token,
+            slot and value); an unknown combine_quant; float32 matmul precision not 'highest'.
     """
     world, topk = _check_dense_inputs(xs, topk_weights, topk_ids, weights, combine_quant)
     _check_fp32_matmul_precision()
