@@ -7,8 +7,8 @@ e is global expert d * L + e):
 1. dispatch: ``EpDispatchCombine.dispatch`` with ``EpConfig(layout="expert")`` returns the rank's
    received rows expanded per distinct local expert, grouped by expert: ``x`` [R_max, H] bf16 and
    ``offsets`` [L + 1] int32 (expert e owns rows [offsets[e], offsets[e + 1]), padding rows zero);
-2. experts: ``swiglu_experts`` computes y = down_e(silu(x @ gate_e) * (x @ up_e)) for every row
-   of expert e and writes y into ``op.combine_input(d)``, so combine does not copy it;
+2. experts: ``swiglu_experts`` computes y = (silu(x @ gate_e) * (x @ up_e)) @ down_e for every
+   row of expert e (combine reads y in place: no copy);
 3. combine: ``EpDispatchCombine.combine`` folds each received row's experts with their routing
    weights (fp32), sends the folded rows back over the combine wire and sums them per token in
    ascending rank: out [T, H] bf16.
@@ -700,23 +700,32 @@ class MoELayer(torch.nn.Module):
         return self.op.dispatch(x, topk_weights, topk_ids)
 
     def experts(self, dispatched):
-        """Run each rank's experts on its dispatched rows, writing y into ``op.combine_input(rank)``.
+        """Run each rank's experts on its dispatched rows.
+
+        The expert layout's combine reads y in place (any 16-byte aligned [n, H] bf16 tensor), so
+        neither path copies: the grouped path returns the tensor ``torch._grouped_mm`` allocated
+        (it has no output argument), the loop writes into ``op.combine_input(rank)``.
 
         Args:
             dispatched: what ``dispatch`` returned (per rank: ``x`` [R, H] bf16, ``offsets`` [L + 1]
                 int32).
 
         Returns:
-            y [R, H] bf16 per rank (a list in virtual mode), a view of the op's combine input (so
-            combine does not copy it); rows >= offsets[L] undefined.
+            y [R, H] bf16 per rank (a list in virtual mode); rows >= offsets[L] undefined.
+
+        Raises:
+            ValueError: not one entry per rank this process drives; as ``swiglu_experts``.
         """
         outs = list(dispatched) if self.op.virtual else [dispatched]
         if len(outs) != len(self.ranks):
             raise ValueError(f"dispatched: {len(outs)} entries, this process drives ranks {self.ranks}")
         ys = []
         for rank, w, d in zip(self.ranks, self.weights, outs):
-            buf = self.op.combine_input(rank)[: d.x.shape[0]]
-            ys.append(swiglu_experts(d.x, d.offsets, w, grouped=self.grouped_mm, out=buf))
+            if self.grouped_mm:  # torch._grouped_mm allocates its output: combine reads it in place
+                ys.append(swiglu_experts(d.x, d.offsets, w, grouped=True))
+            else:
+                buf = self.op.combine_input(rank)[: d.x.shape[0]]
+                ys.append(swiglu_experts(d.x, d.offsets, w, grouped=False, out=buf))
         return ys if self.op.virtual else ys[0]
 
     def combine(self, y):
