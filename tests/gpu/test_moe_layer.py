@@ -8,9 +8,10 @@ graph of the whole forward replayed with fresh inputs. Shape: H = 256, E = 32, K
 
 import pytest
 
-from epgen.codegen.config import EpConfig
+from epgen.codegen.config import EpConfig, Geometry
 
 HIDDEN, EXPERTS, TOPK, INTERMEDIATE, TMAX = 256, 32, 4, 128, 256
+GEO = Geometry(blocks=8, warps_per_block=8, unroll=2)  # W x 8 blocks resident at once (tests/gpu/test_expert_layout.py)
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +29,7 @@ def fp32_accumulating_gemms():
 def _config(world_size, alignment=1, combine_quant="none"):
     return EpConfig(world_size=world_size, hidden=HIDDEN, topk=TOPK, num_experts=EXPERTS,
                     max_tokens_per_rank=TMAX, layout="expert", expert_alignment=alignment,
-                    combine_quant=combine_quant, timeout_s=10.0)
+                    combine_quant=combine_quant, timeout_s=10.0, dispatch_geometry=GEO, combine_geometry=GEO)
 
 
 def _weights(world_size, seed):
