@@ -45,6 +45,35 @@ class HipError(RuntimeError):
     ``hipError_t`` code and ``hipGetErrorString``'s text)."""
 
 
+class DeviceAllocation:
+    """One device allocation (a ``cupy.cuda.Memory``, attribute ``mem``; ``ptr`` its address),
+    owned by the torch views over it (``Platform.tensor``) and freed when the last of them dies,
+    except while this thread's current stream is capturing a graph: a free there fails and
+    invalidates the capture (``cudaErrorStreamCaptureUnsupported``), and the garbage collector
+    may drop an old op's last view in the middle of another graph's capture (seen on the H200:
+    a cycle through a test's ``pytest.raises`` record held one). Such a free waits in
+    ``deferred`` for the next allocation made outside a capture."""
+
+    deferred: list = []
+
+    def __init__(self, mem):
+        self.mem = mem
+        self.ptr = mem.ptr
+
+    def __del__(self):
+        if _capturing():
+            DeviceAllocation.deferred.append(self.mem)
+        self.mem = None
+
+
+def _capturing() -> bool:
+    """This thread's current stream is capturing a CUDA/HIP graph."""
+    try:
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    except RuntimeError:  # no usable device: nothing can be capturing
+        return False
+
+
 class Platform:
     """The vendor's host calls for the op (``epgen.op``) and its arenas (``epgen.arena``).
 
@@ -90,13 +119,16 @@ class Platform:
         """``nbytes`` of ordinary device memory on the current device, zeroed.
 
         Returns:
-            The ``cupy.cuda.Memory`` (its ``ptr`` is the address; freed when released).
+            A ``DeviceAllocation`` (its ``ptr`` is the address; freed when released, never during
+            a graph capture).
         """
         import cupy
 
+        if not _capturing():
+            DeviceAllocation.deferred.clear()  # frees a capture put off
         mem = cupy.cuda.Memory(nbytes)
         cupy.cuda.runtime.memset(mem.ptr, 0, nbytes)
-        return mem
+        return DeviceAllocation(mem)
 
     def alloc_signals(self, nbytes: int) -> int:
         """``nbytes`` of uncached (fine-grained) device memory on the current device, zeroed
@@ -137,12 +169,12 @@ class Platform:
         """A uint8 torch tensor [nbytes] over the device memory at ``ptr`` (no copy).
 
         Args:
-            owner: the ``cupy.cuda.Memory`` at ``ptr`` (the tensor keeps it alive), or None for
-                memory freed elsewhere (``alloc_signals``; wrapped in ``cupy.cuda.UnownedMemory``).
+            owner: the ``DeviceAllocation`` at ``ptr`` (the tensor keeps it alive), or None for
+                memory freed elsewhere (``alloc_signals``).
         """
         import cupy
 
-        mem = owner if owner is not None else cupy.cuda.UnownedMemory(ptr, nbytes, None, device.index)
+        mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device.index)
         arr = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
         return torch.as_tensor(arr, device=device)
 

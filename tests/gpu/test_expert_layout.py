@@ -267,3 +267,26 @@ def test_graph_of_dispatch_expert_stage_and_combine_replays_with_fresh_inputs():
         for r, (o, e) in enumerate(zip(outs, expect)):
             assert torch.equal(o.cpu(), e), (seed, r)
     op.close()
+
+
+@pytest.mark.gpu
+def test_an_arena_freed_during_another_graphs_capture_leaves_the_capture_valid():
+    """The last view of a closed op's arena dies inside another op's capture: its free waits."""
+    cfg = _config(4)
+    old = _op(cfg)
+    views = _dispatch(old, cfg, _inputs(cfg, [8] * 4, 0))
+    old.close()
+    del old
+    op = _op(cfg, validate=False)
+    static = [[t.to(op.device) for t in row[:3]] for row in _inputs(cfg, [8] * 4, 1)]
+    op.dispatch(*([s[j] for s in static] for j in range(3)))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op.dispatch(*([s[j] for s in static] for j in range(3)))
+        del views  # frees the old arenas' memory now, were it not deferred
+    graph.replay()
+    torch.cuda.synchronize()
+    op.check()
+    assert int(out[0].offsets[-1]) > 0
+    op.close()
