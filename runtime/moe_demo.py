@@ -84,40 +84,43 @@ def _per_rank(virtual: bool, values: list):
     return list(values) if virtual else values[0]
 
 
-def _inputs(cfg: EpConfig, device: torch.device, seed: int) -> tuple[list, list, list]:
-    """Per rank: x [Tmax, H] bf16 normal samples, and (weights f32, ids i32) [Tmax, K] from
-    ``route_topk`` on normal logits [Tmax, E]."""
+def rank_inputs(cfg: EpConfig, tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One rank's fresh layer inputs on ``gen``'s device: x [tokens, H] bf16 normal samples, and
+    (weights float32, ids int32) [tokens, K] from ``route_topk`` on normal logits [tokens, E]."""
     from epgen.moe import route_topk
 
-    gen = torch.Generator(device=device).manual_seed(seed)
-    T, xs, ws, ids = cfg.max_tokens_per_rank, [], [], []
-    for _ in range(cfg.world_size):
-        xs.append(torch.randn(T, cfg.hidden, generator=gen, device=device).to(torch.bfloat16))
-        w, i = route_topk(torch.randn(T, cfg.num_experts, generator=gen, device=device), cfg.topk)
-        ws.append(w)
-        ids.append(i)
-    return xs, ws, ids
+    x = torch.randn(tokens, cfg.hidden, generator=gen, device=gen.device).to(torch.bfloat16)
+    w, ids = route_topk(torch.randn(tokens, cfg.num_experts, generator=gen, device=gen.device), cfg.topk)
+    return x, w, ids
 
 
-def _check(layer, cfg: EpConfig, weights: list, virtual: bool, device: torch.device) -> dict:
-    """One forward on fresh inputs against ``dense_moe`` (in chunks of DENSE_CHUNK_TOKENS tokens):
-    the worst error / bound ratio and error over all ranks."""
+def dense_error(outs: list, xs: list, ws: list, ids: list, weights: list, combine_quant: str) -> tuple[float, float]:
+    """(worst error / bound ratio, worst error) of the per-rank outputs ``outs`` against
+    ``epgen.moe.dense_moe`` of the per-rank inputs (one entry per rank; a rank's entry may hold 0
+    tokens, then it costs nothing), computed DENSE_CHUNK_TOKENS tokens at a time (every rank's
+    tokens of a chunk together); ``weights`` is every rank's ExpertWeights."""
     from epgen.moe import dense_moe
 
-    xs, ws, ids = _inputs(cfg, device, seed=1)
-    outs = layer.forward(_per_rank(virtual, xs), _per_rank(virtual, ws), _per_rank(virtual, ids))
-    outs = outs if virtual else [outs]
-    T, W = cfg.max_tokens_per_rank, cfg.world_size
-    step = max(1, DENSE_CHUNK_TOKENS // W)
+    T = max(x.shape[0] for x in xs)
+    step = max(1, DENSE_CHUNK_TOKENS // len(xs))
     worst_ratio = worst_err = 0.0
     for a in range(0, T, step):
-        b = min(T, a + step)
+        b = a + step
         refs, bounds = dense_moe([x[a:b] for x in xs], [w[a:b] for w in ws], [i[a:b] for i in ids], weights,
-                                 combine_quant=cfg.combine_quant)
+                                 combine_quant=combine_quant)
         for out, ref, bound in zip(outs, refs, bounds):
             ratio, err = error_ratio(out[a:b], ref, bound)
             worst_ratio, worst_err = max(worst_ratio, ratio), max(worst_err, err)
-    return {"bound_ratio": worst_ratio, "max_err": worst_err, "passed": worst_ratio <= 1.0}
+    return worst_ratio, worst_err
+
+
+def _check(layer, cfg: EpConfig, weights: list, virtual: bool, device: torch.device) -> dict:
+    """One forward of every rank on fresh inputs against ``dense_moe`` (``dense_error``)."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    xs, ws, ids = zip(*(rank_inputs(cfg, cfg.max_tokens_per_rank, gen) for _ in range(cfg.world_size)))
+    outs = layer.forward(_per_rank(virtual, xs), _per_rank(virtual, ws), _per_rank(virtual, ids))
+    ratio, err = dense_error(outs if virtual else [outs], xs, ws, ids, weights, cfg.combine_quant)
+    return {"bound_ratio": ratio, "max_err": err, "passed": ratio <= 1.0}
 
 
 def _run_gpu(cfg: EpConfig, model: str, intermediate: int, iters: int, console: Console, quiet: bool) -> dict:
@@ -144,7 +147,8 @@ def _run_gpu(cfg: EpConfig, model: str, intermediate: int, iters: int, console: 
                       f"{check['bound_ratio']:.3f} of its bound (max error {check['max_err']:.3e})")
 
     op = layer.op
-    xs, ws, ids = (_per_rank(virtual, v) for v in _inputs(cfg, device, seed=2))  # fresh inputs for the timing
+    gen = torch.Generator(device=device).manual_seed(2)  # fresh inputs for the timing
+    xs, ws, ids = (_per_rank(virtual, v) for v in zip(*(rank_inputs(cfg, T, gen) for _ in range(W))))
     state = {"d": layer.dispatch(xs, ws, ids)}
     y = layer.experts(state["d"])
     layer.combine(y)
@@ -186,14 +190,14 @@ def _run_gpu(cfg: EpConfig, model: str, intermediate: int, iters: int, console: 
         s = stages[name]
         table.add_row(name, what[name], f"{s['median_us']:.1f}", f"{s['mean_us']:.1f} ± {s['stdev_us']:.1f}",
                       f"{s['best_us']:.1f}", f"{s['host_launched_us']:.1f}")
-    send = stages["dispatch"]["median_us"] - stages["expand"]["median_us"]
-    gather = stages["combine"]["median_us"] - stages["fold"]["median_us"]
+    med = {name: s["median_us"] for name, s in stages.items()}
+    send, gather = med["dispatch"] - med["expand"], med["combine"] - med["fold"]
     if not quiet:
         console.print(table)
         console.print(f"derived from the medians: rank-major send = dispatch - expand = {send:.1f} us; gather = "
                       f"combine - fold = {gather:.1f} us; dispatch + experts + combine = "
-                      f"{stages['dispatch']['median_us'] + stages['experts']['median_us'] + stages['combine']['median_us']:.1f}"
-                      f" us against forward {stages['forward']['median_us']:.1f} us.")
+                      f"{med['dispatch'] + med['experts'] + med['combine']:.1f} us against forward "
+                      f"{med['forward']:.1f} us.")
         if virtual:
             console.print("virtual ranks share one GPU: every stage runs all ranks; the dispatch and combine move "
                           "rows through local memory, not a link.")
