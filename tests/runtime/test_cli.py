@@ -718,3 +718,13 @@ def test_demo_moe_defaults(monkeypatch):
 ])
 def test_demo_moe_flag_errors_name_the_flag(argv, message, capsys):
     assert message in " ".join(_usage_error(argv, capsys).split())
+
+
+@pytest.mark.gpu
+def test_demo_moe_on_the_gpu_passes_and_times_every_stage(capsys):
+    assert main(["demo", "--moe", "--experts", "16", "--intermediate", "256", "--tokens", "64", "--world-size", "2",
+                 "--iters", "5", "--json"]) == 0
+    gpu = json.loads(capsys.readouterr().out)["gpu"]
+    assert gpu["passed"] and gpu["bound_ratio"] <= 1.0 and gpu["expanded_rows"] > 0
+    assert set(gpu["stages"]) == {"dispatch", "expand", "experts", "fold", "combine", "forward"}
+    assert all(s["median_us"] > 0 for s in gpu["stages"].values())

@@ -104,3 +104,31 @@ def test_needs_a_process_group():
     w = ExpertWeights.random(L, H, I, generator=torch.Generator().manual_seed(0), device="cpu")
     with pytest.raises(RuntimeError, match="needs torch.distributed initialized"):
         AllToAllMoE(w, num_experts=L, topk=2)
+
+
+def _nccl_rank(rank: int, world_size: int, tokens: list[int], seed: int) -> None:
+    """On cuda:rank with the NCCL group epgen.ranks made: the layer against dense_moe."""
+    from epgen.moe_a2a import AllToAllMoE
+
+    dev = torch.device("cuda", rank)
+    xs, ws, ids, experts = _inputs(world_size, tokens, seed)
+    xs, ws, ids = ([t.to(dev) for t in v] for v in (xs, ws, ids))
+    experts = [ExpertWeights(gate=e.gate.to(dev), up=e.up.to(dev), down=e.down.to(dev)) for e in experts]
+    out = AllToAllMoE(experts[rank], num_experts=world_size * L, topk=K).forward(xs[rank], ws[rank], ids[rank])
+    refs, bounds = dense_moe(xs, ws, ids, experts, combine_quant="none")
+    err = (out.float() - refs[rank].float()).abs()
+    assert out.device == dev and bool((err <= bounds[rank]).all()), f"rank {rank}: worst excess {(err - bounds[rank]).max()}"
+
+
+@pytest.mark.gpu
+def test_one_rank_nccl_group_meets_dense_moe():
+    from epgen.ranks import run_ranks
+
+    run_ranks(1, _nccl_rank, [40], 7, timeout_s=240)
+
+
+@pytest.mark.multigpu
+def test_two_nccl_ranks_meet_dense_moe():
+    from epgen.ranks import run_ranks
+
+    run_ranks(2, _nccl_rank, [33, 0], 8, timeout_s=240)
