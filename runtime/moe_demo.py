@@ -49,10 +49,10 @@ def memory_bytes(cfg: EpConfig, intermediate: int) -> dict[str, int]:
 
 
 def error_ratio(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> tuple[float, float]:
-    """(worst |out - ref| / bound, worst |out - ref|) over the elements; an element with bound 0
-    counts 0 when exact, inf otherwise."""
-    err = (out.float() - ref.float()).abs()
-    ratio = torch.where(bound > 0, err / bound.clamp(min=torch.finfo(torch.float32).tiny),
+    """(worst |out - ref| / bound, worst |out - ref|) over the elements, in float64 (``dense_moe``'s
+    bounds are float64); an element with bound 0 counts 0 when exact, inf otherwise."""
+    err = (out.double() - ref.double()).abs()
+    ratio = torch.where(bound > 0, err / bound.clamp(min=torch.finfo(torch.float64).tiny),
                         torch.where(err > 0, float("inf"), 0.0))
     return (float(ratio.max()), float(err.max())) if err.numel() else (0.0, 0.0)
 

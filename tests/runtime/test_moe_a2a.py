@@ -40,7 +40,7 @@ def _check_rank(rank: int, world_size: int, tokens: list[int], seed: int) -> Non
     out = layer.forward(xs[rank], ws[rank], ids[rank])
     refs, bounds = dense_moe(xs, ws, ids, experts, combine_quant="none")
     assert out.shape == (tokens[rank], H) and out.dtype == torch.bfloat16
-    err = (out.float() - refs[rank].float()).abs()
+    err = (out.double() - refs[rank].double()).abs()
     worst = float((err - bounds[rank]).max()) if err.numel() else 0.0
     assert worst <= 0, f"rank {rank}: error exceeds dense_moe's bound by {worst}"
     if tokens[rank] >= 3:
@@ -116,7 +116,7 @@ def _nccl_rank(rank: int, world_size: int, tokens: list[int], seed: int) -> None
     experts = [ExpertWeights(gate=e.gate.to(dev), up=e.up.to(dev), down=e.down.to(dev)) for e in experts]
     out = AllToAllMoE(experts[rank], num_experts=world_size * L, topk=K).forward(xs[rank], ws[rank], ids[rank])
     refs, bounds = dense_moe(xs, ws, ids, experts, combine_quant="none")
-    err = (out.float() - refs[rank].float()).abs()
+    err = (out.double() - refs[rank].double()).abs()
     assert out.device == dev
     assert bool((err <= bounds[rank]).all()), f"rank {rank}: worst excess {(err - bounds[rank]).max()}"
 
