@@ -50,6 +50,8 @@ RANK_IO = (
     Field("indices", "ep_u64", "dispatch: [T, K] int32"),
     Field("scales", "ep_u64", "dispatch: [T, S] bytes (0 when S = 0)"),
     Field("out", "ep_u64", "combine: [T, H] bf16 output"),
+    Field("y", "ep_u64", "fold: [y_rows, H] bf16 expert outputs in the expert layout"),
+    Field("y_rows", "ep_u64", "combine, fold: rows of the caller's y (checked against the rows used)"),
     Field("num_tokens", "ep_u64", "T of this rank"),
 )
 """struct EpRankIO: the buffers of one rank launched by the grid (addresses, 0 when unused)."""
@@ -110,6 +112,7 @@ SIGNALS = (
     Signal("combine_calls", 8),
     Signal("combine_arrive", 9),
     Signal("combine_depart", 10),
+    Signal("expand_arrive", 11, "blocks of the running expand plan that counted their rows"),
     Signal("ready_from", 64, "peer entered dispatch g: its receive buffers are free", per_peer=True),
     Signal("done_from", 128, "peer finished writing its dispatch-g rows here", per_peer=True),
     Signal("combine_ready_from", 192, "peer's combine-g expert outputs are complete", per_peer=True),
@@ -140,6 +143,9 @@ class ErrorCode:
         message: the host's text, ``str.format`` fields: ``a``, ``b``, ``c``, ``c_int32`` (c read as
             int32), ``phase_a`` (description of phase a) and the op's ``num_experts``,
             ``timeout_s`` and ``capacity_rows``.
+        recoverable: the kernel that records it still completes every signal of its call, so once
+            the stream is synchronized the op may run again (its next call must be a dispatch: the
+            faulted call's outputs are invalid); False: peers may be out of step (a timeout).
     """
 
     name: str
@@ -148,6 +154,7 @@ class ErrorCode:
     b: str
     c: str
     message: str
+    recoverable: bool
 
     @property
     def c_name(self) -> str:
@@ -160,11 +167,15 @@ class ErrorCode:
 
 ERRORS = (
     ErrorCode("bad_expert", 1, "top-k slot", "token", "expert id",
-              "indices[{b}, {a}]={c_int32}: expert ids must be -1 or in [0, {num_experts})"),
+              "indices[{b}, {a}]={c_int32}: expert ids must be -1 or in [0, {num_experts})", recoverable=True),
     ErrorCode("timeout", 2, "phase", "peer", "generation waited for",
-              "timed out after {timeout_s} s in {phase_a} on rank {b} (call {c})"),
+              "timed out after {timeout_s} s in {phase_a} on rank {b} (call {c})", recoverable=False),
     ErrorCode("overflow", 3, "0", "destination rank", "rows it would need",
-              "receive buffer of rank {b} would need {c} rows; capacity {capacity_rows}"),
+              "receive buffer of rank {b} would need {c} rows, more than its {capacity_rows} "
+              "(EpConfig.max_recv_tokens); the rows that did not fit were not sent", recoverable=True),
+    ErrorCode("short_input", 4, "rows of y", "0", "rows the last dispatch produced",
+              "combine: y has {a} rows but this rank's last dispatch produced {c} (num_recv, or expert_offsets[L] "
+              "in the expert layout); the rows beyond y would have been read stale", recoverable=True),
 )
 
 UNKNOWN_ERROR = "unknown kernel fault code {code} ({a}, {b}, {c})"

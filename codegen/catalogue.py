@@ -28,10 +28,12 @@ MANIFEST = "manifest.json"
 
 def shape_specs(*, hidden: int, topk: int, num_experts: int, world_size: int = CATALOGUE_WORLD_SIZE,
                 max_tokens_per_rank: int = CATALOGUE_MAX_TOKENS, dtype: str = "bf16", combine_quant: str = "none",
-                scale_bytes: int = 0, arches=ARCHES, geometry: Geometry | None = None) -> list[KernelSpec]:
-    """Dispatch and combine specs of one shape for each arch: ``geometry`` for both ops, or the
-    tuning table's geometry at ``max_tokens_per_rank``; ``combine_quant`` is the combine wire,
-    ``scale_bytes`` the per-token scale bytes dispatch forwards.
+                scale_bytes: int = 0, arches=ARCHES, geometry: Geometry | None = None, layout: str = "rank",
+                expert_alignment: int = 1) -> list[KernelSpec]:
+    """Dispatch and combine specs of one shape for each arch (and the expert layout's kernels with
+    ``layout="expert"``): ``geometry`` for both transport ops, or the tuning table's geometry at
+    ``max_tokens_per_rank``; ``combine_quant`` is the combine wire, ``scale_bytes`` the per-token
+    scale bytes dispatch forwards.
 
     Raises:
         ValueError: naming the bad field (e.g. num_experts not a multiple of world_size).
@@ -40,7 +42,8 @@ def shape_specs(*, hidden: int, topk: int, num_experts: int, world_size: int = C
 
     cfg = EpConfig(world_size=world_size, hidden=hidden, topk=topk, num_experts=num_experts,
                    max_tokens_per_rank=max_tokens_per_rank, dtype=dtype, combine_quant=combine_quant,
-                   scale_bytes=scale_bytes, dispatch_geometry=geometry, combine_geometry=geometry)
+                   scale_bytes=scale_bytes, dispatch_geometry=geometry, combine_geometry=geometry, layout=layout,
+                   expert_alignment=expert_alignment)
     return [s for arch in arches for s in cfg.kernel_specs(arch)]
 
 
@@ -52,17 +55,24 @@ def model_specs(name: str, arches=ARCHES, topk: int | None = None, **kw) -> list
 
 
 CATALOGUE_DTYPES = ("bf16", "fp8", "fp4")
+CATALOGUE_EXPERT_LAYOUT = ("deepseek-v3", 16)
+"""The model and expert alignment whose expert-layout kernels the catalogue holds (16: what
+torch's grouped GEMM reads best, README "Expert layout")."""
 
 
 def catalogue_specs(models=None, arches=ARCHES, dtypes=CATALOGUE_DTYPES) -> list[KernelSpec]:
     """The committed catalogue (W = 8, Tmax = 4096, table geometry): for every model and arch,
     dispatch of every payload dtype, the bf16-wire combine and the combine of every quantized wire
-    (``COMBINE_QUANTS``), in a fixed order without repeats."""
+    (``COMBINE_QUANTS``), in a fixed order without repeats; then the bf16 expert layout of
+    ``CATALOGUE_EXPERT_LAYOUT`` (when that model is among ``models``)."""
     specs = []
     for name in models or MODELS:
         specs += [s for d in dtypes for s in model_specs(name, arches, dtype=d)]
         specs += [s for q in COMBINE_QUANTS if q != "none"
                   for s in model_specs(name, arches, combine_quant=q) if s.op is Op.COMBINE]
+    name, alignment = CATALOGUE_EXPERT_LAYOUT
+    if name in (models or MODELS) and "bf16" in dtypes:
+        specs += model_specs(name, arches, layout="expert", expert_alignment=alignment)
     return list(dict.fromkeys(specs))
 
 

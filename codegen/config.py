@@ -10,8 +10,11 @@ from epgen.codegen.arch import ARCH_TRAITS
 from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES, dtype_info
 from epgen.codegen.errors import FieldError
 from epgen.codegen.models import model as _model
-from epgen.codegen.spec import KernelSpec, Op
-from epgen.codegen.tuning import Geometry, TuningKey, buckets, lookup
+from epgen.codegen.spec import EXPERT_ALIGNMENTS, EXPERT_OPS, PLAN_BLOCKS, PLAN_SHARED_LIMIT, TRANSPORT_OPS, KernelSpec, Op
+from epgen.codegen.tuning import Geometry, TuningKey, buckets, local_geometry, lookup
+
+LAYOUTS = ("rank", "expert")
+"""``EpConfig.layout`` values."""
 
 
 def _check(cond: bool, field: str, value, rule: str):
@@ -45,6 +48,13 @@ class EpConfig:
         dispatch_geometry, combine_geometry: launch geometry of the two kernels; None (default)
             takes it from the tuning table per token bucket (``epgen.codegen.tuning``).
         timeout_s: bound of every in-kernel spin-wait, seconds.
+        layout: "rank" (default): dispatch returns rank-major receive rows and combine sums one
+            row per (token, rank); "expert": the received rows are also expanded into per-expert
+            groups and combine applies the routing weights (README, "Expert layout").
+        expert_alignment: the expert layout's groups start at multiples of this many rows (a power
+            of two, 1 to 256; 1 with the rank layout).
+        max_recv_tokens: receive rows of each rank, N (None: W x max_tokens_per_rank, the worst
+            case); a dispatch that would need more raises ``EpError`` naming the rank and the rows.
 
     The integer fields take any integer type (numpy's too) and hold a Python int; bools and
     floats are rejected.
@@ -66,6 +76,9 @@ class EpConfig:
     dispatch_geometry: Geometry | None = None
     combine_geometry: Geometry | None = None
     timeout_s: float = 5.0
+    layout: str = "rank"
+    expert_alignment: int = attrs.field(default=1, converter=_int)
+    max_recv_tokens: int | None = attrs.field(default=None, converter=_int)
 
     def __attrs_post_init__(self):
         for f in ("world_size", "hidden", "topk", "num_experts", "max_tokens_per_rank"):
@@ -86,6 +99,18 @@ class EpConfig:
                and self.scale_bytes >= 0, "scale_bytes", self.scale_bytes, "must be an int >= 0")
         _check(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)
                and 0 < self.timeout_s <= 3600, "timeout_s", self.timeout_s, "must be in (0, 3600] seconds")
+        _check(isinstance(self.layout, str) and self.layout in LAYOUTS, "layout", self.layout,
+               f"must be one of {', '.join(LAYOUTS)}")
+        _check(self.expert_alignment in EXPERT_ALIGNMENTS[1:] and not isinstance(self.expert_alignment, bool),
+               "expert_alignment", self.expert_alignment, "must be a power of two from 1 to 256 rows")
+        _check(self.expert_alignment == 1 or self.layout == "expert", "expert_alignment", self.expert_alignment,
+               "applies to layout='expert' only (the rank layout has no expert groups)")
+        worst = self.world_size * self.max_tokens_per_rank if isinstance(self.max_tokens_per_rank, int) else None
+        _check(self.max_recv_tokens is None or (isinstance(self.max_recv_tokens, int)
+                                                and not isinstance(self.max_recv_tokens, bool)
+                                                and worst is not None and 1 <= self.max_recv_tokens <= worst),
+               "max_recv_tokens", self.max_recv_tokens,
+               f"must be None or an int in [1, world_size x max_tokens_per_rank = {worst}]")
         # Shape rules fail here, not at first use: the specs must build for at least one arch (the
         # op builds them again for its GPU's arch, whose limits may be narrower, e.g. wave 32).
         errors = []
@@ -117,25 +142,47 @@ class EpConfig:
         """L = E / W."""
         return self.num_experts // self.world_size
 
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        """The kernels an op of this config compiles: dispatch and combine, and in the expert
+        layout its three local kernels (``EXPERT_OPS``)."""
+        return TRANSPORT_OPS + (EXPERT_OPS if self.layout == "expert" else ())
+
     def tuning_key(self, arch: str, op: Op) -> TuningKey:
         """Key of this layer's ``op`` in the tuning tables."""
-        dtype = self.dtype if op is Op.DISPATCH else "bf16"
+        dtype = self.dtype if op.payload else "bf16"
         return TuningKey(arch=arch, world_size=self.world_size, row_bytes=dtype_info(dtype).row_bytes(self.hidden),
                          topk=self.topk, dtype=dtype, op=op.value)
 
+    def _explicit(self, op: Op) -> Geometry | None:
+        return {Op.DISPATCH: self.dispatch_geometry, Op.COMBINE: self.combine_geometry}.get(op)
+
     def geometry(self, arch: str, op: Op, tokens: int) -> Geometry:
-        """Explicit geometry if given, else the tuning table's bucket for ``tokens``."""
-        explicit = self.dispatch_geometry if op is Op.DISPATCH else self.combine_geometry
-        return explicit or lookup(self.tuning_key(arch, op), tokens)
+        """Explicit geometry if given, else the tuning table's bucket for ``tokens``. The expert
+        layout's expand and fold take the table's entry, else ``local_geometry``; expand at most
+        ``PLAN_BLOCKS`` blocks and as many warps as its per-warp expert counts fit in shared memory;
+        the plan splits the rows as expand does, so it takes expand's geometry."""
+        if op is Op.EXPAND_PLAN:  # splits the rows as expand does: the same blocks and warps
+            op = Op.EXPAND
+        key = self.tuning_key(arch, op)
+        if op is Op.FOLD:
+            return lookup(key, tokens) if buckets(key)[0][0] < 1 << 30 else local_geometry(arch)
+        if op is Op.EXPAND:
+            g = lookup(key, tokens) if buckets(key)[0][0] < 1 << 30 else local_geometry(arch)
+            fit = (PLAN_SHARED_LIMIT // 4 - self.experts_per_rank - 1) // self.experts_per_rank  # expand's counts
+            return attrs.evolve(g, blocks=min(g.blocks, PLAN_BLOCKS), warps_per_block=max(1, min(g.warps_per_block, fit)))
+        return self._explicit(op) or lookup(key, tokens)
 
     def spec(self, arch: str, op: Op, geometry: Geometry) -> KernelSpec:
         """The KernelSpec of ``op`` on ``arch`` with ``geometry``; all of one layer's specs share
         one arena layout."""
-        return KernelSpec(op=op, arch=arch, dtype=self.dtype if op is Op.DISPATCH else "bf16",
+        return KernelSpec(op=op, arch=arch, dtype=self.dtype if op.payload else "bf16",
                           hidden=self.hidden, topk=self.topk, experts_per_rank=self.experts_per_rank,
                           world_size=self.world_size, max_tokens_per_rank=self.max_tokens_per_rank,
                           scale_bytes=self.scale_bytes, combine_quant=self.combine_quant, blocks=geometry.blocks,
-                          warps_per_block=geometry.warps_per_block, unroll=geometry.unroll)
+                          warps_per_block=geometry.warps_per_block, unroll=geometry.unroll,
+                          recv_tokens=self.max_recv_tokens or 0,
+                          expert_alignment=self.expert_alignment if self.layout == "expert" else 0)
 
     def variants(self, arch: str, op: Op) -> tuple[tuple[int, KernelSpec], ...]:
         """Every ``(max_tokens, spec)`` an ``EpDispatchCombine`` of this config compiles for
@@ -148,7 +195,9 @@ class EpConfig:
         Raises:
             ValueError: a spec breaks an ``arch`` limit (naming the field).
         """
-        explicit = self.dispatch_geometry if op is Op.DISPATCH else self.combine_geometry
+        explicit = self._explicit(op)
+        if op in EXPERT_OPS:  # one variant: their work follows the rows received, not T
+            explicit = self.geometry(arch, op, self.max_tokens_per_rank)
         table = ((self.max_tokens_per_rank, explicit),) if explicit else buckets(self.tuning_key(arch, op))
         out = []
         for max_tokens, geometry in table:
@@ -157,7 +206,8 @@ class EpConfig:
                 break
         return tuple(out)
 
-    def kernel_specs(self, arch: str, tokens: int | None = None) -> tuple[KernelSpec, KernelSpec]:
-        """(dispatch spec, combine spec) for ``arch`` at ``tokens`` (default max_tokens_per_rank)."""
+    def kernel_specs(self, arch: str, tokens: int | None = None) -> tuple[KernelSpec, ...]:
+        """The spec of each of ``ops`` (dispatch, combine, then the expert layout's) for ``arch``
+        at ``tokens`` (default max_tokens_per_rank)."""
         t = self.max_tokens_per_rank if tokens is None else tokens
-        return tuple(self.spec(arch, op, self.geometry(arch, op, t)) for op in (Op.DISPATCH, Op.COMBINE))
+        return tuple(self.spec(arch, op, self.geometry(arch, op, t)) for op in self.ops)

@@ -24,10 +24,37 @@ MAX_TOKENS_LIMIT = 1 << 20
 
 
 class Op(str, enum.Enum):
-    """Which kernel a spec renders."""
+    """Which kernel a spec renders.
+
+    DISPATCH and COMBINE cross ranks; the expert layout (``KernelSpec.expert_alignment`` > 0) adds
+    three local kernels: EXPAND_PLAN (one block per rank: per-expert counts and offsets, each
+    expanded row's source, weight and position), EXPAND (copies received rows to their expanded
+    positions) and FOLD (sums a token's weighted expert outputs of one rank into the row combine
+    sends)."""
 
     DISPATCH = "dispatch"
     COMBINE = "combine"
+    EXPAND_PLAN = "expand_plan"
+    EXPAND = "expand"
+    FOLD = "fold"
+
+    @property
+    def remote(self) -> bool:
+        """The kernel reads or writes peers' arenas and waits for them (dispatch, combine)."""
+        return self in TRANSPORT_OPS
+
+    @property
+    def payload(self) -> bool:
+        """The kernel's dtype is the dispatch payload's (dispatch, expand_plan, expand); the others
+        take bf16 expert outputs."""
+        return self in (Op.DISPATCH, Op.EXPAND_PLAN, Op.EXPAND)
+
+
+TRANSPORT_OPS = (Op.DISPATCH, Op.COMBINE)
+"""The ops of every layout, the two that cross ranks (geometry flags and tuning tables name them)."""
+EXPERT_OPS = (Op.EXPAND_PLAN, Op.EXPAND, Op.FOLD)
+"""The local ops the expert layout adds, in launch order (plan and expand after dispatch, fold
+before combine)."""
 
 
 def _positive(name: str, lo: int, hi: int):
@@ -58,6 +85,17 @@ def _one_of(name: str, choices):
 ALIGN = 256
 """Alignment of every arena region, bytes."""
 
+EXPERT_ALIGNMENTS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+"""``KernelSpec.expert_alignment`` values: 0 (rank layout) or a power of two up to 256 rows."""
+
+PLAN_BLOCKS = 256
+"""Most blocks of the expand plan and expand kernels (they split the received rows alike); sizes
+the arena's ``expert_block_base``."""
+
+PLAN_SHARED_LIMIT = 48 * 1024
+"""Static shared memory the expand plan may use: the 48 KiB every target gives a block without
+opting in (sm_90 needs ``cudaFuncSetAttribute`` beyond it)."""
+
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
@@ -78,12 +116,29 @@ class ArenaLayout:
       recv_weights [cap, K] float32
       recv_indices [cap, K] int32
       recv_scales  [cap, S] uint8  (absent when S = 0)
-      combine_in   [cap, H] bf16  expert outputs that combine gathers (zero-copy target)
+      combine_in   [cap, H] bf16  expert outputs that combine gathers (zero-copy target; in the
+                   expert layout the folded rows)
       combine_wire [cap, wire row] the quantized combine rows peers read (absent when the
                    combine wire is bf16: peers then read combine_in)
+    and in the expert layout (absent otherwise; local to the rank, peers never touch them):
+      slot_row     [cap, K] int32  expanded row of receive row i's top-k slot k, or -1 (a slot
+                   naming another rank's expert, or a local expert an earlier slot named)
+      expert_counts [L] int32  rows of each local expert
+      expert_offsets [L + 1] int32  group starts, multiples of A
+      expert_weights [R] float32  summed routing weight of each expanded row
+      expert_src   [R, 3] int32  (source rank, source token, first top-k slot)
+      expert_block_base [PLAN_BLOCKS, L] int32  per (expand block, expert): how many of the
+                   block's rows name the expert (plan), then where they start (the plan's last
+                   block rewrites it; expand reads it)
+      expert_scales [R, S] uint8
+      expert_y     [R, H] bf16  the expert outputs fold reads (the expert layout's zero-copy target)
+    then the payload rows, last because their row size is the dispatch dtype's, which combine
+    and fold specs do not know (they are built with ``payload_row_bytes`` 0 and never use them):
       recv_x       [cap, H] dispatch dtype
+      expert_x     [R, H] dispatch dtype (expert layout)
 
-    ``cap`` = W x Tmax receive rows (the worst case). All sizes in bytes.
+    ``cap`` = ``KernelSpec.capacity_rows`` receive rows (W x Tmax unless capped), ``R`` =
+    ``KernelSpec.expert_rows``. All sizes in bytes.
 
     Where the signal words live: on CUDA in the ``signals`` region of this arena (one
     allocation; the host passes ``arena + signals`` as the launch argument ``signals``). On ROCm
@@ -102,18 +157,30 @@ class ArenaLayout:
     recv_scales: int
     combine_in: int
     combine_wire: int
+    slot_row: int
+    expert_counts: int
+    expert_offsets: int
+    expert_weights: int
+    expert_src: int
+    expert_block_base: int
+    expert_scales: int
+    expert_y: int
     recv_x: int
-    recv_x_row_bytes: int
+    expert_x: int
+    payload_row_bytes: int
     capacity_rows: int
+    expert_rows: int
 
     @property
     def total_bytes(self) -> int:
         """Bytes to allocate for one arena."""
-        return _align(self.recv_x + self.capacity_rows * self.recv_x_row_bytes)
+        return _align(self.expert_x + self.expert_rows * self.payload_row_bytes)
 
     @classmethod
-    def build(cls, *, world_size, max_tokens_per_rank, hidden, topk, scale_bytes, wire_row_bytes, recv_x_row_bytes):
-        cap = world_size * max_tokens_per_rank
+    def build(cls, *, world_size, max_tokens_per_rank, capacity_rows, expert_rows, experts_per_rank, hidden, topk,
+              scale_bytes, wire_row_bytes, payload_row_bytes):
+        cap, R = capacity_rows, expert_rows
+        expert = R > 0
         off = 0
         fields = {}
         for name, size in (
@@ -126,11 +193,20 @@ class ArenaLayout:
             ("recv_scales", cap * scale_bytes),
             ("combine_in", cap * hidden * 2),
             ("combine_wire", cap * wire_row_bytes),
-            ("recv_x", 0),
+            ("slot_row", cap * topk * 4 if expert else 0),
+            ("expert_counts", experts_per_rank * 4 if expert else 0),
+            ("expert_offsets", (experts_per_rank + 1) * 4 if expert else 0),
+            ("expert_weights", R * 4),
+            ("expert_src", R * 12),
+            ("expert_block_base", PLAN_BLOCKS * experts_per_rank * 4 if expert else 0),
+            ("expert_scales", R * scale_bytes),
+            ("expert_y", R * hidden * 2),
+            ("recv_x", cap * payload_row_bytes),
+            ("expert_x", 0),
         ):
             fields[name] = off
             off = _align(off + size)
-        return cls(**fields, recv_x_row_bytes=recv_x_row_bytes, capacity_rows=cap)
+        return cls(**fields, payload_row_bytes=payload_row_bytes, capacity_rows=cap, expert_rows=R)
 
 
 @attrs.frozen
@@ -152,6 +228,10 @@ class KernelSpec:
         scale_bytes: opaque per-token scale bytes forwarded by dispatch, S (0 = none).
         combine_quant: wire format of the combine leg (a key of ``COMBINE_QUANTS``); dispatch
             specs carry it too because it sizes the shared arena.
+        recv_tokens: receive rows of each rank, N (``EpConfig.max_recv_tokens``); 0 = the worst
+            case W x Tmax. A dispatch that would need more records an overflow.
+        expert_alignment: 0 = rank-major receive rows only; A >= 1 (a power of two, at most 256) =
+            the expert layout, whose expert groups start at multiples of A rows.
 
     Raises:
         epgen.codegen.errors.FieldError: a ValueError, on construction, naming the field, its
@@ -171,9 +251,26 @@ class KernelSpec:
     unroll: int = attrs.field(validator=_positive("unroll", 1, 16))
     scale_bytes: int = attrs.field(default=0, validator=_positive("scale_bytes", 0, 4096))
     combine_quant: str = attrs.field(default="none", validator=_one_of("combine_quant", list(COMBINE_QUANTS)))
+    recv_tokens: int = attrs.field(default=0, validator=_positive("recv_tokens", 0, 64 * MAX_TOKENS_LIMIT))
+    expert_alignment: int = attrs.field(default=0, validator=_one_of("expert_alignment", EXPERT_ALIGNMENTS))
 
     def __attrs_post_init__(self):
         t = self.traits
+        worst = self.world_size * self.max_tokens_per_rank
+        if self.recv_tokens > worst:
+            raise FieldError("recv_tokens", f"KernelSpec.recv_tokens={self.recv_tokens}: at most world_size x "
+                             f"max_tokens_per_rank = {worst} (the most rows a rank can receive)")
+        if self.op in EXPERT_OPS and not self.expert_alignment:
+            raise FieldError("expert_alignment", f"KernelSpec.expert_alignment=0: op {self.op.value!r} belongs to "
+                             "the expert layout (expert_alignment >= 1)")
+        if self.op in (Op.EXPAND_PLAN, Op.EXPAND) and self.blocks > PLAN_BLOCKS:
+            raise FieldError("blocks", f"KernelSpec.blocks={self.blocks}: {self.op.value} runs at most "
+                             f"{PLAN_BLOCKS} blocks (the arena's per-block expert counts)")
+        if self.op in (Op.EXPAND_PLAN, Op.EXPAND) and self.plan_shared_bytes > PLAN_SHARED_LIMIT:
+            raise FieldError("experts_per_rank", f"KernelSpec.experts_per_rank={self.experts_per_rank}: the "
+                             f"expert layout's plan counts {self.warps_per_block} warps x {self.experts_per_rank} "
+                             f"experts in {self.plan_shared_bytes} bytes of shared memory, more than "
+                             f"{PLAN_SHARED_LIMIT}; at most {PLAN_SHARED_LIMIT // 4 - 2} local experts (one warp)")
         row = self.row_bytes
         if row % t.vector_bytes:
             per = t.vector_bytes * 8 // self.dtype_info.bits
@@ -192,8 +289,8 @@ class KernelSpec:
                 "warps_per_block", f"KernelSpec.warps_per_block={self.warps_per_block}: {self.threads} threads exceed the "
                 f"{self.arch} limit of {t.max_threads_per_block} per block"
             )
-        if self.op is Op.COMBINE and self.dtype != "bf16":
-            raise FieldError("dtype", f"KernelSpec.dtype={self.dtype!r}: combine takes bf16 expert outputs")
+        if not self.op.payload and self.dtype != "bf16":
+            raise FieldError("dtype", f"KernelSpec.dtype={self.dtype!r}: {self.op.value} takes bf16 expert outputs")
 
     # --- derived values (the one place each formula lives) -------------------------------------
     @property
@@ -249,8 +346,30 @@ class KernelSpec:
 
     @property
     def capacity_rows(self) -> int:
-        """Receive rows each rank can hold: W x Tmax."""
-        return self.world_size * self.max_tokens_per_rank
+        """Receive rows each rank can hold: ``recv_tokens``, or W x Tmax when 0."""
+        return self.recv_tokens or self.world_size * self.max_tokens_per_rank
+
+    @property
+    def expert_rows(self) -> int:
+        """Rows of the expert layout's buffers, R = N x min(K, L) + L x (A - 1): every receive row
+        expands to at most min(K, L) rows (one per distinct local expert), and each of the L
+        groups is padded by fewer than A rows; 0 in the rank layout."""
+        if not self.expert_alignment:
+            return 0
+        return (self.capacity_rows * min(self.topk, self.experts_per_rank)
+                + self.experts_per_rank * (self.expert_alignment - 1))
+
+    @property
+    def plan_shared_bytes(self) -> int:
+        """Shared memory of expand (the plan uses less): a count per (warp, local expert) and L + 1
+        offsets, bytes."""
+        return 4 * (self.warps_per_block * self.experts_per_rank + self.experts_per_rank + 1)
+
+    @property
+    def segment_lanes(self) -> int:
+        """Lanes one receive row occupies in the expand plan: top-k rounded up to a power of two
+        (a wave holds wave size / segment rows)."""
+        return 1 << (self.topk - 1).bit_length()
 
     @property
     def layout(self) -> ArenaLayout:
@@ -258,11 +377,14 @@ class KernelSpec:
         return ArenaLayout.build(
             world_size=self.world_size,
             max_tokens_per_rank=self.max_tokens_per_rank,
+            capacity_rows=self.capacity_rows,
+            expert_rows=self.expert_rows,
+            experts_per_rank=self.experts_per_rank,
             hidden=self.hidden,
             topk=self.topk,
             scale_bytes=self.scale_bytes,
             wire_row_bytes=self.quant.wire_row_bytes(self.hidden) if self.quant.quantized else 0,
-            recv_x_row_bytes=self.row_bytes if self.op is Op.DISPATCH else 0,
+            payload_row_bytes=self.row_bytes if self.op.payload else 0,
         )
 
     @property
@@ -271,6 +393,8 @@ class KernelSpec:
         arch = self.arch.replace("_", "")
         s = f"_s{self.scale_bytes}" if self.scale_bytes else ""
         s += f"_{self.quant.tag}" if self.quant.quantized else ""
+        s += f"_r{self.recv_tokens}" if self.recv_tokens else ""
+        s += f"_a{self.expert_alignment}" if self.expert_alignment else ""
         return (
             f"epgen_{self.op.value}_{arch}_{self.dtype}_w{self.world_size}_h{self.hidden}_k{self.topk}"
             f"_l{self.experts_per_rank}_t{self.max_tokens_per_rank}"
@@ -312,6 +436,9 @@ class KernelSpec:
             "world_size": self.world_size,
             "max_tokens_per_rank": self.max_tokens_per_rank,
             "capacity_rows": self.capacity_rows,
+            "expert_rows": self.expert_rows,
+            "expert_alignment": self.expert_alignment,
+            "segment_lanes": self.segment_lanes,
             "scale_bytes": self.scale_bytes,
             "blocks": self.blocks,
             "warps_per_block": self.warps_per_block,

@@ -67,6 +67,19 @@ def default_geometry(arch: str) -> Geometry:
                     unroll=DEFAULT_UNROLL)
 
 
+LOCAL_BLOCKS = 256
+LOCAL_THREADS = 256
+LOCAL_UNROLL = 2
+
+
+def local_geometry(arch: str) -> Geometry:
+    """Geometry of the expert layout's row copies (expand, fold) without a table entry: 256 blocks of
+    256 threads, unroll 2: enough 16-byte accesses in flight for HBM on every target while the
+    fold's per-slot loads (top-k x unroll vectors a lane) stay in registers. A starting point, not a
+    measurement."""
+    return Geometry(blocks=LOCAL_BLOCKS, warps_per_block=LOCAL_THREADS // traits(arch).wave_size, unroll=LOCAL_UNROLL)
+
+
 @functools.lru_cache(maxsize=None)
 def _table(arch: str) -> dict[TuningKey, tuple[tuple[int, Geometry], ...]]:
     path = TABLE_DIR / f"{arch}.json"

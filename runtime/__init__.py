@@ -19,10 +19,10 @@ from epgen.codegen.config import EpConfig
 from epgen.codegen.models import MODELS
 from epgen.codegen.spec import KernelSpec, Op
 
-__all__ = ["MODELS", "DispatchOutput", "EpConfig", "EpDispatchCombine", "EpError", "KernelSpec", "Op"]
+__all__ = ["MODELS", "DispatchOutput", "EpConfig", "EpDispatchCombine", "EpError", "ExpertDispatchOutput", "KernelSpec", "Op"]
 __version__ = "0.1.0"
 
-_FROM_OP = ("DispatchOutput", "EpDispatchCombine", "EpError")
+_FROM_OP = ("DispatchOutput", "EpDispatchCombine", "EpError", "ExpertDispatchOutput")
 
 
 def __getattr__(name: str):

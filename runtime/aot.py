@@ -34,7 +34,7 @@ from epgen.codegen.atomic import write_atomically
 from epgen.codegen.config import EpConfig
 from epgen.codegen.offline import CodeObject, CompileError, ToolchainMissing, compile_code_object, compile_many, toolchain_status
 from epgen.codegen.render import render
-from epgen.codegen.spec import KernelSpec, Op
+from epgen.codegen.spec import KernelSpec
 
 MANIFEST = "manifest.json"
 MANIFEST_SCHEMA = 1
@@ -50,7 +50,7 @@ def config_specs(cfg: EpConfig, arches) -> list[KernelSpec]:
     """
     if isinstance(arches, str):  # one arch, e.g. "sm_90"
         arches = (arches,)
-    return list(dict.fromkeys(s for arch in arches for op in Op for _, s in cfg.variants(arch, op)))
+    return list(dict.fromkeys(s for arch in arches for op in cfg.ops for _, s in cfg.variants(arch, op)))
 
 
 def build(specs: list[KernelSpec], directory: Path | None = None, max_workers: int | None = None,

@@ -39,6 +39,10 @@ class ErrorRecords:
         n = len(ERROR_RECORD)
         return tuple(self._words[n * rank:n * (rank + 1)])
 
+    def clear(self):
+        """Zero every record (only while no kernel of the op can be running)."""
+        ctypes.memset(self.ptr, 0, self.nbytes)
+
     def close(self):
         if self.ptr:
             self._platform.free_host(self.ptr)

@@ -21,7 +21,7 @@ from epgen.codegen.catalogue import CATALOGUE_MAX_TOKENS, CATALOGUE_WORLD_SIZE, 
 from epgen.codegen.config import EpConfig
 from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES
 from epgen.codegen.models import MODELS, model
-from epgen.codegen.spec import Op
+from epgen.codegen.spec import TRANSPORT_OPS, Op
 from epgen.codegen.tuning import DEFAULT_UNROLL, Geometry
 from epgen.options import ROUTINGS, BenchOptions, DemoOptions, StressOptions, TuneOptions
 
@@ -106,7 +106,7 @@ def add_shape_args(p: argparse.ArgumentParser, *, model_help: str = "") -> None:
 
 
 def add_geometry_args(p: argparse.ArgumentParser) -> None:
-    for op in Op:
+    for op in TRANSPORT_OPS:
         p.add_argument(f"--{op.value}-geometry", type=geometry, default=None,
                        help="BLOCKSxWARPS[uUNROLL] (default: the tuning table per token bucket)")
 
@@ -219,7 +219,7 @@ def flag_error(e: ValueError, args) -> str:
     if field == "experts_per_rank":
         return f"{e} (--num-experts {args.num_experts} / --world-size {args.world_size})"
     if field in _GEOMETRY_FIELDS:
-        geo = [FLAGS[f"{op.value}_geometry"] for op in Op if getattr(args, f"{op.value}_geometry", None)]
+        geo = [FLAGS[f"{op.value}_geometry"] for op in TRANSPORT_OPS if getattr(args, f"{op.value}_geometry", None)]
         return f"{e} ({' or '.join(geo) if geo else 'the tuning table geometry'})"
     return f"{e} ({FLAGS.get(field, 'from the shape flags')})"
 
@@ -297,7 +297,7 @@ def selected_catalogue_specs(args, parser) -> list | None:
     when no selector is given."""
     if args.topk is None and args.dtype is None and args.quant is None:
         return None
-    ops = {op for op, flag in ((Op.DISPATCH, args.dtype), (Op.COMBINE, args.quant)) if flag} or set(Op)
+    ops = {op for op, flag in ((Op.DISPATCH, args.dtype), (Op.COMBINE, args.quant)) if flag} or set(TRANSPORT_OPS)
     names = [m.name for m in MODELS.values() if m.num_experts >= (args.topk or 1)]  # top-k <= experts
     if not names:
         parser.error(f"--topk {args.topk}: no catalogue model has that many experts")
@@ -389,7 +389,7 @@ def gpu_preflight(args, parser, error, verb: str, *, max_tokens: int, virtual: b
         return error(verb, "the plot needs matplotlib: pip install -e '.[bench]'")
     arch = device_arch(torch.cuda.current_device())
     try:  # the tuning table's geometries: the world size and sizes against this arch's limits
-        for op in Op:
+        for op in cfg.ops:
             cfg.variants(arch, op)
     except ValueError as e:
         parser.error(f"{e} (--world-size {args.world_size} on this GPU's arch {arch})")
@@ -397,7 +397,7 @@ def gpu_preflight(args, parser, error, verb: str, *, max_tokens: int, virtual: b
         for g in given if isinstance(given, (list, tuple)) else [given]:
             try:
                 if g is not None:
-                    for op in Op:
+                    for op in TRANSPORT_OPS:
                         cfg.spec(arch, op, g)
             except ValueError as e:
                 parser.error(f"{e} ({flag} {g} on this GPU's arch {arch})")

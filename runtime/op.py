@@ -20,16 +20,26 @@ from epgen.codegen.arch import ARCH_TRAITS
 from epgen.codegen.dtypes import dtype_info
 from epgen.codegen.occupancy import resident_blocks
 from epgen.codegen.render import render
-from epgen.codegen.spec import KernelSpec, Op
+from epgen.codegen.spec import EXPERT_OPS, KernelSpec, Op
 from epgen.codegen.config import EpConfig
 from epgen.platform import Platform
 
 
 class EpError(RuntimeError):
-    """A kernel reported a fault (bad expert id, spin-wait timeout, receive overflow).
+    """A kernel reported a fault (bad expert id, spin-wait timeout, receive overflow, a combine
+    input shorter than the rows received).
 
-    The op refuses further calls after it; build a new op.
+    Attributes:
+        recoverable: the faulted kernel still completed its call's signals
+            (``epgen.codegen.abi.ErrorCode.recoverable``: all but a timeout). The op keeps raising
+            it until ``synchronize()`` has raised it once; after that the op runs again, starting
+            with a dispatch (the faulted call's outputs are invalid). A timeout is not
+            recoverable: the op refuses further calls; build a new op.
     """
+
+    def __init__(self, message: str, recoverable: bool = False):
+        super().__init__(message)
+        self.recoverable = recoverable
 
 
 @attrs.frozen
@@ -52,6 +62,38 @@ class DispatchOutput:
     recv_scales: torch.Tensor | None
     recv_src: torch.Tensor
     num_recv: torch.Tensor
+
+
+@attrs.frozen
+class ExpertDispatchOutput:
+    """What one rank receives from a dispatch in the expert layout (``EpConfig(layout="expert")``):
+    one row per (received token, distinct local expert), grouped by local expert. Views into the
+    rank's arena, valid until its next dispatch; device tensors throughout (no host sync).
+
+    Expert e's rows are ``[offsets[e], offsets[e] + counts[e])``, in the order the tokens were
+    received; ``offsets[e]`` is a multiple of ``EpConfig.expert_alignment``. The padding rows
+    ``[offsets[e] + counts[e], offsets[e + 1])`` hold zeros (x, scales), weight 0 and source
+    (-1, -1, -1); rows from ``offsets[L]`` on are never written and never read by combine.
+
+    Attributes:
+        x: [R, H] payload dtype ([R, H/2] uint8 for fp4), R = ``KernelSpec.expert_rows`` =
+            N x min(K, L) + L x (A - 1), bit-equal to the token's row.
+        scales: [R, S] uint8, or None when S = 0.
+        weights: [R] float32: the routing weight of the (token, expert) pair; a token naming the
+            expert in several top-k slots gets one row with their sum (ascending slot, fp32).
+        src: [R, 3] int32: (source rank, source token, first top-k slot naming the expert).
+        counts: [L] int32 rows of each local expert.
+        offsets: [L + 1] int32 group starts; ``offsets[L]`` rows are used in all.
+        recv: the rank-major receive rows the expansion read (``DispatchOutput``).
+    """
+
+    x: torch.Tensor
+    scales: torch.Tensor | None
+    weights: torch.Tensor
+    src: torch.Tensor
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    recv: DispatchOutput
 
 
 def _args_dtype(world_size: int) -> np.dtype:
@@ -136,20 +178,24 @@ def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x, weights, indic
     return T
 
 
-def check_combine_inputs(cfg: EpConfig, device: torch.device, y, out, tokens: int, tag: str = "") -> None:
-    """Check one rank's combine inputs: y [n, H] bf16 with n <= W * Tmax; out None or [T, H] bf16
-    (T of the dispatch being combined); contiguous, on ``device``; out starts on a 16-byte
-    boundary (its rows are written with 16-byte vector stores; y is copied into the arena by
-    torch, so any address of it works).
+def check_combine_inputs(cfg: EpConfig, device: torch.device, y, out, tokens: int, capacity: int,
+                         tag: str = "") -> None:
+    """Check one rank's combine inputs: y [n, H] bf16 with n <= ``capacity`` (the receive rows, or
+    in the expert layout its R rows); out None or [T, H] bf16 (T of the dispatch being combined);
+    contiguous, on ``device``; out, and y in the expert layout (which the fold reads in place),
+    start on a 16-byte boundary (16-byte vector accesses; the rank layout copies y into the arena
+    with torch, so any address of it works). Whether y holds every row the dispatch produced is
+    known on the device only: the kernels check it and raise ``EpError`` (short input).
 
     Raises:
         TypeError, ValueError: as ``check_dispatch_inputs``.
     """
-    _check_tensor(y, f"y{tag}", dtype=torch.bfloat16, shape=(None, cfg.hidden), device=device)
-    capacity = cfg.world_size * cfg.max_tokens_per_rank
+    expert = cfg.layout == "expert"
+    _check_tensor(y, f"y{tag}", dtype=torch.bfloat16, shape=(None, cfg.hidden), device=device, vectors=expert)
     if y.shape[0] > capacity:
-        raise ValueError(f"y{tag}.shape[0]={y.shape[0]}: more rows than the receive capacity {capacity} "
-                         f"(world_size x max_tokens_per_rank)")
+        what = ("the expert layout's rows (max_recv_tokens x min(topk, experts per rank) + padding)" if expert
+                else "the receive capacity (max_recv_tokens, or world_size x max_tokens_per_rank)")
+        raise ValueError(f"y{tag}.shape[0]={y.shape[0]}: more rows than {what}, {capacity}")
     if out is not None:
         _check_tensor(out, f"out{tag}", dtype=torch.bfloat16, shape=(tokens, cfg.hidden), device=device,
                       vectors=True)
@@ -215,20 +261,23 @@ class EpDispatchCombine:
         self.platform = Platform.current()  # every vendor-specific host call goes through it
         self.arch = self.platform.arch(self.device.index)  # ValueError for an arch epgen has no kernels for
         # Every variant the op can pick is compiled here: dispatch() and combine() never compile.
-        self._variants = {op: self._build_variants(op) for op in (Op.DISPATCH, Op.COMBINE)}
+        self._variants = {op: self._build_variants(op) for op in config.ops}
         self.dispatch_spec = self._variants[Op.DISPATCH][-1][1]
         self.layout = self.dispatch_spec.layout
+        self.expert_layout = config.layout == "expert"
         free, _ = torch.cuda.mem_get_info(self.device)
         need = self.layout.total_bytes * len(self.local_ranks)
         if need > free:
             raise ValueError(f"EpConfig.max_tokens_per_rank={config.max_tokens_per_rank}: the arenas need "
                              f"{need / 2**30:.1f} GiB ({len(self.local_ranks)} x {self.layout.total_bytes / 2**30:.2f} GiB:"
-                             f" W x Tmax receive rows of payload and combine input) but {self.device} has "
-                             f"{free / 2**30:.1f} GiB free; lower max_tokens_per_rank")
+                             f" {self.layout.capacity_rows} receive rows of payload and combine input"
+                             f"{f', {self.layout.expert_rows} expert layout rows' if self.expert_layout else ''}) but "
+                             f"{self.device} has {free / 2**30:.1f} GiB free; lower max_tokens_per_rank or set "
+                             "EpConfig.max_recv_tokens")
         self.arenas = Arenas(self.layout, W, self.local_ranks, self.device, group, platform=self.platform)
         self.errors = ErrorRecords(W, self.platform)
         self._args = {}
-        for op in (Op.DISPATCH, Op.COMBINE):
+        for op in config.ops:
             a = np.zeros((), dtype=_args_dtype(W))
             a["arena"] = self.arenas.pointers
             a["signals"] = self.arenas.signals
@@ -259,15 +308,40 @@ class EpDispatchCombine:
             num_recv=self._signal_view(rank, "num_recv"),
         )
 
+    def expert_buffers(self, rank: int | None = None) -> ExpertDispatchOutput:
+        """The expert layout's views of ``rank`` (default: this process's rank).
+
+        Raises:
+            RuntimeError: the op's layout is "rank".
+        """
+        if not self.expert_layout:
+            raise RuntimeError("expert_buffers: needs EpConfig(layout='expert'); this op's layout is 'rank'")
+        rank = self._local(rank)
+        lay, cfg, R, L = self.layout, self.config, self.layout.expert_rows, self.config.experts_per_rank
+        info = self.dispatch_spec.dtype_info
+        return ExpertDispatchOutput(
+            x=self._view(rank, lay.expert_x, (R, info.columns(cfg.hidden)), info.torch_dtype),
+            scales=self._view(rank, lay.expert_scales, (R, cfg.scale_bytes), torch.uint8) if cfg.scale_bytes else None,
+            weights=self._view(rank, lay.expert_weights, (R,), torch.float32),
+            src=self._view(rank, lay.expert_src, (R, 3), torch.int32),
+            counts=self._view(rank, lay.expert_counts, (L,), torch.int32),
+            offsets=self._view(rank, lay.expert_offsets, (L + 1,), torch.int32),
+            recv=self.recv_buffers(rank),
+        )
+
     def _signal_view(self, rank: int, name: str) -> torch.Tensor:
         """[1] int32 view of signal word ``name`` of ``rank`` (its own region on ROCm)."""
         offset = abi.signal(name).byte_offset
         return self.arenas.local_signals[rank][offset:offset + 4].view(torch.int32)
 
     def combine_input(self, rank: int | None = None) -> torch.Tensor:
-        """[W*Tmax, H] bf16 view of ``rank``'s combine input: an expert stage that writes its
-        outputs here (row i for received row i) makes combine skip its copy (zero-copy)."""
+        """[N, H] bf16 view of ``rank``'s combine input (N receive rows; in the expert layout
+        [R, H], row p for expanded row p): an expert stage that writes its outputs here makes
+        combine skip its copy (zero-copy)."""
         rank = self._local(rank)
+        if self.expert_layout:
+            return self._view(rank, self.layout.expert_y, (self.layout.expert_rows, self.config.hidden),
+                              torch.bfloat16)
         return self._view(rank, self.layout.combine_in, (self.layout.capacity_rows, self.config.hidden),
                           torch.bfloat16)
 
@@ -292,7 +366,9 @@ class EpDispatchCombine:
             scales: [T, S] uint8 opaque per-token scale bytes, required iff S > 0.
 
         Returns:
-            DispatchOutput (a list of them in virtual mode).
+            DispatchOutput, or in the expert layout ExpertDispatchOutput (its ``recv`` the
+            rank-major rows; the expansion runs right after the dispatch kernel, see ``expand``);
+            a list of them in virtual mode.
 
         Raises:
             TypeError, ValueError: an input breaks the rules above (before any launch).
@@ -312,16 +388,67 @@ class EpDispatchCombine:
             tokens.append(T)
         self._launch(Op.DISPATCH, max(tokens), a)
         self._pending_tokens = tokens
-        outs = [self.recv_buffers(r) for r in self.local_ranks]
+        if self.expert_layout:
+            self.expand()
+        outs = [self.expert_buffers(r) if self.expert_layout else self.recv_buffers(r) for r in self.local_ranks]
         return outs if self.virtual else outs[0]
+
+    def expand(self):
+        """Expert layout: expand the last dispatch's received rows into per-expert groups (the plan
+        kernel, then the copy kernel; local HBM traffic only). ``dispatch()`` runs it; calling it
+        again recomputes the same rows, which times the expansion alone.
+
+        Raises:
+            RuntimeError: the op's layout is "rank", or no dispatch preceded it.
+            EpError: an earlier call faulted in a kernel.
+        """
+        self._raise_if_faulted()
+        if not self.expert_layout:
+            raise RuntimeError("expand: needs EpConfig(layout='expert'); this op's layout is 'rank'")
+        if self._pending_tokens is None:
+            raise RuntimeError("expand: needs a dispatch first (it expands that dispatch's rows)")
+        for op in (Op.EXPAND_PLAN, Op.EXPAND):
+            self._launch(op, 0, self._args[op])
+
+    def fold(self, y):
+        """Expert layout: sum each received token's weighted expert outputs into the row combine
+        sends (``combine()`` runs it first; calling it alone times the fold).
+
+        Args:
+            y: as ``combine``'s (a list in virtual mode).
+
+        Raises:
+            RuntimeError: the op's layout is "rank", or no dispatch preceded it.
+            TypeError, ValueError: bad y (before any launch).
+            EpError: an earlier call faulted in a kernel.
+        """
+        self._raise_if_faulted()
+        if not self.expert_layout:
+            raise RuntimeError("fold: needs EpConfig(layout='expert'); this op's layout is 'rank'")
+        if self._pending_tokens is None:
+            raise RuntimeError("fold: needs a dispatch first (it folds that dispatch's rows)")
+        ys = self._per_rank(y, "y")
+        for i, rank in enumerate(self.local_ranks):
+            check_combine_inputs(self.config, self.device, ys[i], None, self._pending_tokens[i],
+                                 self.layout.expert_rows, f"[rank {rank}]" if self.virtual else "")
+        self._fold(ys)
+
+    def _fold(self, ys):
+        a = self._args[Op.FOLD]
+        for i, y in enumerate(ys):
+            a["io"][i] = _rank_io(y=y.data_ptr(), y_rows=y.shape[0])
+        self._launch(Op.FOLD, 0, a)
 
     def combine(self, y, out=None):
         """Sum, for each token of the last dispatch, the expert outputs of the ranks it reached.
 
         Args:
-            y: [n, H] bf16 with n <= W*Tmax rows, row i the expert output of received row i (rows
-                >= num_recv are ignored). ``combine_input()`` itself is used without a copy. A
-                list with one entry per rank in virtual mode.
+            y: [n, H] bf16, row i the expert output of received row i, n <= the receive rows
+                (rows >= num_recv are ignored; n < num_recv raises EpError: short input). In the
+                expert layout: row p the output of expanded row p, n <= R, n >= offsets[L]
+                (checked on the device likewise), read in place (16-byte aligned).
+                ``combine_input()`` itself is used without a copy. A list with one entry per rank
+                in virtual mode.
             out: optional [T, H] bf16 contiguous output (T of the last dispatch); a new tensor
                 when None. A list in virtual mode.
 
@@ -329,7 +456,9 @@ class EpDispatchCombine:
             [T, H] bf16 per rank (a list in virtual mode): the expert outputs as the combine wire
             delivers them (``EpConfig.combine_quant``; bit-equal to
             ``epgen.quant.combine_roundtrip``), summed in fp32 in ascending rank and rounded once;
-            a token that reached no rank gets zeros.
+            a token that reached no rank gets zeros. In the expert layout each rank first folds
+            a token's rows: bf16(sum in ascending first top-k slot of weight x y, fp32, each product
+            rounded before its sum), and that folded row travels (``epgen.reference.combine_weighted``).
 
         Raises:
             RuntimeError: no dispatch precedes this combine.
@@ -342,18 +471,23 @@ class EpDispatchCombine:
         ys, given = self._per_rank(y, "y"), self._per_rank(out, "out", optional=True)
         cfg = self.config
         a = self._args[Op.COMBINE]
+        capacity = self.layout.expert_rows if self.expert_layout else self.layout.capacity_rows
         for i, rank in enumerate(self.local_ranks):  # every rank's inputs before any copy or launch
-            check_combine_inputs(cfg, self.device, ys[i], given[i], self._pending_tokens[i],
+            check_combine_inputs(cfg, self.device, ys[i], given[i], self._pending_tokens[i], capacity,
                                  f"[rank {rank}]" if self.virtual else "")
+        if self.expert_layout:
+            self._fold(ys)  # fills combine_in with every received row: combine reads no y rows
         outs = []
         for i, rank in enumerate(self.local_ranks):
             T = self._pending_tokens[i]
-            dst = self.combine_input(rank)
-            if ys[i].data_ptr() != dst.data_ptr():
-                dst[: ys[i].shape[0]].copy_(ys[i])
+            if not self.expert_layout:
+                dst = self.combine_input(rank)
+                if ys[i].data_ptr() != dst.data_ptr():
+                    dst[: ys[i].shape[0]].copy_(ys[i])
             o = given[i] if given[i] is not None else torch.empty((T, cfg.hidden), dtype=torch.bfloat16,
                                                                   device=self.device)
-            a["io"][i] = _rank_io(out=o.data_ptr(), num_tokens=T)
+            rows = self.layout.capacity_rows if self.expert_layout else ys[i].shape[0]
+            a["io"][i] = _rank_io(out=o.data_ptr(), num_tokens=T, y_rows=rows)
             outs.append(o)
         self._launch(Op.COMBINE, max(self._pending_tokens), a)
         self._pending_tokens = None
@@ -365,21 +499,34 @@ class EpDispatchCombine:
         self._raise_if_faulted()
 
     def synchronize(self):
-        """Wait for this op's work on the current stream, then raise EpError on a fault."""
+        """Wait for this op's work on the current stream, then raise EpError on a fault. A
+        recoverable fault (``EpError.recoverable``) is cleared once raised here: the op runs
+        again, starting with a dispatch."""
         torch.cuda.current_stream(self.device).synchronize()
-        self._raise_if_faulted()
+        self._raise_if_faulted(synchronized=True)
 
-    def _raise_if_faulted(self):
+    def _raise_if_faulted(self, synchronized: bool = False):
         if self._fault is None:
             for rank in self.local_ranks:
                 code, a, b, c = self.errors.read(rank)
                 if code == abi.ERROR_CLAIMED:
                     code, a, b, c = self._reread_claimed(rank)
                 if code:
-                    self._fault = self._describe(rank, code, a, b, c)
-                    raise EpError(self._fault)
-            return
-        raise EpError(f"{self._fault} [this op is unusable after that fault; build a new EpDispatchCombine]")
+                    known = next((e for e in abi.ERRORS if e.code == code), None)
+                    self._fault = (self._describe(rank, code, a, b, c), bool(known and known.recoverable))
+                    break
+            else:
+                return
+        text, recoverable = self._fault
+        if not recoverable:
+            raise EpError(f"{text} [this op is unusable after that fault; build a new EpDispatchCombine]")
+        if not synchronized:
+            raise EpError(f"{text} [the faulted call's outputs are invalid; op.synchronize() clears the fault, "
+                          "then dispatch again]", recoverable=True)
+        self.errors.clear()  # the stream is idle: no kernel of this op can write a record now
+        self._fault = None
+        self._pending_tokens = None
+        raise EpError(f"{text} [cleared: the op runs again from the next dispatch]", recoverable=True)
 
     def _reread_claimed(self, rank) -> tuple[int, ...]:
         """The record of ``rank`` once its kernel has stored the real code after claiming it
@@ -429,7 +576,7 @@ class EpDispatchCombine:
             # each other: virtual ranks (one rank's blocks wait for another's on the same GPU) and
             # the quantized combine (the last of a rank's blocks to finish its wire rows releases
             # the peers, whose blocks wait for it).
-            if self.virtual or (op is Op.COMBINE and spec.quant.quantized):
+            if op.remote and (self.virtual or (op is Op.COMBINE and spec.quant.quantized)):
                 ranks = len(self.local_ranks)
                 fits = self._resident_blocks(fn, spec) // ranks
                 if fits < spec.blocks:
@@ -450,6 +597,7 @@ class EpDispatchCombine:
         return self.platform.load_kernel(src.text, src.entry, self.device.index)
 
     def _launch(self, op: Op, tokens: int, args: np.ndarray):
+        """Launch the variant of ``op`` for ``tokens`` (local ops have one) over the local ranks."""
         spec, fn = self._pick(op, tokens)
         self.platform.launch(fn, (spec.blocks, len(self.local_ranks), 1), (spec.threads, 1, 1), args.ctypes.data,
                              self.device)

@@ -10,9 +10,25 @@ row, the source token (bit-equal), the sender's full weights / indices / scales 
 ``(source rank, source token)`` pair. Here rows are ordered by (source rank, source token); a
 kernel may order them differently, and ``align_rows`` maps its rows onto these.
 
+``max_recv_tokens`` caps the rows one rank may receive; a dispatch over the cap raises before
+producing anything.
+
 combine: ``out_r[t]`` = sum over the distinct ranks ``d`` that token ``t`` of rank ``r`` reached of
 that rank's expert-output row for ``(r, t)``, accumulated in float32 in ascending ``d`` and cast
 once to the output dtype; a token that reached no rank gets zeros.
+
+Expert-major layout (``expand``): on rank ``d`` every received row becomes one row per DISTINCT
+local expert ``e`` (global id ``d * L + e``) it names; slots naming the same expert merge into one
+row whose weight is their float32 sum in ascending slot order and whose slot is the first. Expert
+``e`` owns rows ``[offsets[e], offsets[e] + counts[e])`` in ascending receive row, and
+``offsets[e + 1] = offsets[e] + roundup(counts[e], A)`` for the alignment ``A``; padding rows hold
+zeros, weight 0.0 and src (-1, -1, -1). A kernel's receive rows, and so each group's order, may
+differ; ``align_rows`` on the (source rank, source token, slot) triples maps them.
+
+Weighted combine (``fold``, ``combine_weighted``): per receive row, ``acc = 0.0`` and for each of
+its expanded rows in ascending first slot ``acc = acc + (w * float32(y))`` (product and sum each
+rounded to float32, no fused multiply-add), rounded to bf16 once: ``F``. The combine wire's
+``epgen.quant.combine_roundtrip`` of ``F`` is then summed over ranks exactly like ``combine``.
 """
 
 from __future__ import annotations
@@ -23,7 +39,20 @@ from collections import Counter
 import attrs
 import torch
 
-__all__ = ["RecvRows", "align_rows", "combine", "dispatch", "relative_l2", "route"]
+from epgen.quant import combine_roundtrip
+
+__all__ = [
+    "ExpertRows",
+    "RecvRows",
+    "align_rows",
+    "combine",
+    "combine_weighted",
+    "dispatch",
+    "expand",
+    "fold",
+    "relative_l2",
+    "route",
+]
 
 
 # --- validation helpers --------------------------------------------------------------------------
@@ -198,6 +227,7 @@ def dispatch(
     *,
     experts_per_rank: int,
     scales: list[torch.Tensor] | None = None,
+    max_recv_tokens: int | None = None,
 ) -> list[RecvRows]:
     """Simulate dispatch on all ranks; W = len(xs).
 
@@ -207,6 +237,7 @@ def dispatch(
         indices: per rank, [T_r, K] int32 top-k expert ids (-1 = no expert).
         experts_per_rank: L (>= 1).
         scales: None, or per rank [T_r, S] (any dtype, the same S and dtype on every rank).
+        max_recv_tokens: None (no cap), or N >= 1: the most rows one rank may receive.
 
     Returns:
         One RecvRows per destination rank d, rows ordered by (source rank, source token): every
@@ -216,11 +247,26 @@ def dispatch(
     Raises:
         ValueError: list lengths differ from W; a tensor not 2-D; shapes, dtypes or devices
             inconsistent (the message names argument, rank, value and rule); an expert id that is
-            neither -1 nor in [0, W * L) (names argument, rank, token, slot, value and rule).
+            neither -1 nor in [0, W * L) (names argument, rank, token, slot, value and rule);
+            max_recv_tokens not None nor an int >= 1; some rank would receive more than
+            max_recv_tokens rows (names the first such rank, the rows it needs and the cap; raised
+            before any row is gathered).
     """
     _validate_dispatch(xs, weights, indices, scales, experts_per_rank)
+    if max_recv_tokens is not None:
+        _check_positive_int("max_recv_tokens", max_recv_tokens)
     world = len(xs)
     slots = [_route(indices[r], experts_per_rank, world) for r in range(world)]  # per rank [T_r, W]
+    if max_recv_tokens is not None:
+        needed = sum((s >= 0).sum(dim=0) for s in slots).tolist()  # [W] rows each rank receives
+        over = [d for d in range(world) if needed[d] > max_recv_tokens]
+        if over:
+            d = over[0]
+            more = f" (ranks over the cap: {over})" if len(over) > 1 else ""
+            raise ValueError(
+                f"max_recv_tokens={max_recv_tokens}: rank {d} would receive {needed[d]} rows, more than "
+                f"the cap{more}"
+            )
     out = []
     for d in range(world):
         parts = {"x": [], "weights": [], "indices": [], "scales": [], "src": []}
@@ -327,36 +373,372 @@ def combine(ys: list[torch.Tensor], recv: list[RecvRows], num_tokens: list[int])
     return [out[offsets[r] : offsets[r + 1]].clone() for r in range(world)]
 
 
-def _lex_order(src: torch.Tensor) -> torch.Tensor:
-    """Permutation sorting [R, 2] rows by (column 0, column 1)."""
-    order = torch.argsort(src[:, 1], stable=True)
-    return order[torch.argsort(src[order, 0], stable=True)]
+# --- expert-major layout and weighted combine ----------------------------------------------------
+
+
+def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A [R, C] tensor's bytes as [R, C * itemsize] uint8 (gathers then move any dtype bit for bit)."""
+    return t.contiguous().view(torch.uint8)
+
+
+@attrs.frozen
+class ExpertRows:
+    """One rank's received rows in the expert-major layout (R expanded rows, padding included).
+
+    Local expert e (global id d * L + e on rank d) owns rows [offsets[e], offsets[e] + counts[e]),
+    in ascending receive row; rows [offsets[e] + counts[e], offsets[e + 1]) are padding.
+
+    Attributes:
+        x: [R, cols] the received payload rows (the source dtype, bit-equal); padding rows zero.
+        scales: [R, S] the received scales rows (their dtype), padding rows zero; or None when the
+            dispatch had no scales.
+        weights: [R] float32, the expert's weight for the row (the sum over the top-k slots naming
+            it, added in ascending slot order); padding 0.0.
+        src: [R, 3] int32 (source rank, source token, first top-k slot naming the expert); padding
+            (-1, -1, -1).
+        counts: [L] int32 rows per local expert, padding excluded.
+        offsets: [L + 1] int32 group starts; offsets[0] = 0, offsets[L] = R.
+        recv_row: [R] int64 the rank's receive row (``RecvRows`` row) each row was expanded from;
+            -1 on padding.
+
+    Raises:
+        ValueError: on construction, when a field has the wrong rank, row count or dtype; counts
+            negative; offsets not starting at 0, a group shorter than its count, offsets[L] != R;
+            or recv_row not >= 0 exactly on the rows of the groups and -1 on the padding.
+    """
+
+    x: torch.Tensor
+    scales: torch.Tensor | None
+    weights: torch.Tensor
+    src: torch.Tensor
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    recv_row: torch.Tensor
+
+    def __attrs_post_init__(self):
+        src = _check_2d("ExpertRows.src", self.src)
+        if src.shape[1] != 3 or src.dtype != torch.int32:
+            raise ValueError(f"ExpertRows.src: shape {tuple(src.shape)} {src.dtype} must be [R, 3] torch.int32")
+        rows = src.shape[0]
+        for name in ("x", "scales"):
+            value = getattr(self, name)
+            if value is None and name == "scales":
+                continue
+            value = _check_2d(f"ExpertRows.{name}", value)
+            if value.shape[0] != rows:
+                raise ValueError(
+                    f"ExpertRows.{name}: {value.shape[0]} rows must match the {rows} rows of ExpertRows.src"
+                )
+        counts = _check_tensor("ExpertRows.counts", self.counts)
+        if counts.dim() != 1 or counts.shape[0] < 1 or counts.dtype != torch.int32:
+            raise ValueError(f"ExpertRows.counts: shape {tuple(counts.shape)} {counts.dtype} must be [L] "
+                             f"torch.int32 with L >= 1")
+        local = counts.shape[0]
+        for name, length, dtype in (("weights", rows, torch.float32), ("offsets", local + 1, torch.int32),
+                                    ("recv_row", rows, torch.int64)):
+            t = _check_tensor(f"ExpertRows.{name}", getattr(self, name))
+            if tuple(t.shape) != (length,) or t.dtype != dtype:
+                raise ValueError(f"ExpertRows.{name}: shape {tuple(t.shape)} {t.dtype} must be [{length}] {dtype}")
+        cnt, off = counts.tolist(), self.offsets.tolist()
+        if min(cnt) < 0:
+            raise ValueError(f"ExpertRows.counts={cnt}: must be >= 0")
+        if off[0] != 0 or off[-1] != rows or any(off[e + 1] - off[e] < cnt[e] for e in range(local)):
+            raise ValueError(f"ExpertRows.offsets={off}: must start at 0, end at R={rows} and leave each "
+                             f"expert e at least counts[e] rows (counts={cnt})")
+        in_group = torch.zeros(rows, dtype=torch.bool, device=self.recv_row.device)
+        for e in range(local):
+            in_group[off[e] : off[e] + cnt[e]] = True
+        wrong = torch.where(in_group, self.recv_row < 0, self.recv_row != -1)
+        if bool(wrong.any()):
+            i = int(wrong.nonzero()[0])
+            raise ValueError(f"ExpertRows.recv_row[{i}]={int(self.recv_row[i])}: must be >= 0 on the rows of an "
+                             f"expert group and -1 on padding (offsets={off}, counts={cnt})")
+
+    @property
+    def num_rows(self) -> int:
+        """R = offsets[L], the number of expanded rows, padding included."""
+        return self.src.shape[0]
+
+    @property
+    def experts_per_rank(self) -> int:
+        """L, the number of local experts."""
+        return self.counts.shape[0]
+
+
+def _check_alignment(alignment) -> None:
+    if (not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1
+            or alignment & (alignment - 1)):
+        raise ValueError(f"alignment={alignment!r}: must be a power of two >= 1")
+
+
+def _expand_rank(d: int, rows: RecvRows, local: int, alignment: int, world: int) -> ExpertRows:
+    """expand() for rank d after the list checks."""
+    name = f"recv[rank {d}]"
+    idx, w = rows.indices, rows.weights
+    if idx.dtype != torch.int32 or w.dtype != torch.float32 or idx.shape != w.shape:
+        raise ValueError(f"{name}: indices {tuple(idx.shape)} {idx.dtype} and weights {tuple(w.shape)} {w.dtype} "
+                         f"must be [R, K] torch.int32 and [R, K] torch.float32")
+    _check_expert_ids(f"{name}.indices", idx, world * local)
+    device = idx.device
+    n, topk = idx.shape
+    e_all = idx.to(torch.int64) - d * local
+    valid = (idx >= 0) & (e_all >= 0) & (e_all < local)  # [n, K] slots naming an expert of rank d
+    lonely = ~valid.any(dim=1)
+    if bool(lonely.any()):
+        i = int(lonely.nonzero()[0])
+        raise ValueError(f"{name}.indices[row {i}]={idx[i].tolist()}: names no expert of rank {d} (ids "
+                         f"{d * local}..{d * local + local - 1}); every received row names at least one")
+
+    # Valid slots in (row, slot) order; a stable sort by (row, expert) keeps ascending slots together.
+    e_row = torch.arange(n, device=device)[:, None].expand(n, topk)[valid]
+    e_slot = torch.arange(topk, device=device)[None, :].expand(n, topk)[valid]
+    e_exp = e_all[valid]
+    e_w = w[valid]
+    order = torch.argsort(e_row * local + e_exp, stable=True)
+    e_row, e_slot, e_exp, e_w = e_row[order], e_slot[order], e_exp[order], e_w[order]
+    first = torch.ones(e_row.shape[0], dtype=torch.bool, device=device)
+    first[1:] = (e_row[1:] != e_row[:-1]) | (e_exp[1:] != e_exp[:-1])
+    starts = first.nonzero().flatten()  # one per distinct (row, expert) pair
+    sizes = torch.diff(starts, append=torch.tensor([e_row.shape[0]], device=device))
+    p_row, p_slot, p_exp = e_row[starts], e_slot[starts], e_exp[starts]
+    p_w = e_w[starts].clone()
+    for j in range(1, int(sizes.max()) if sizes.numel() else 1):  # fp32 sum, ascending slot order
+        more = sizes > j
+        p_w[more] = p_w[more] + e_w[starts[more] + j]
+
+    # Expert-major: by expert, then ascending receive row (the (row, expert) pairs are distinct).
+    order = torch.argsort(p_exp * n + p_row)
+    p_row, p_slot, p_exp, p_w = p_row[order], p_slot[order], p_exp[order], p_w[order]
+    counts = torch.bincount(p_exp, minlength=local)
+    padded = (counts + alignment - 1) // alignment * alignment
+    offsets = torch.zeros(local + 1, dtype=torch.int64, device=device)
+    offsets[1:] = torch.cumsum(padded, 0)
+    group_start = torch.cumsum(counts, 0) - counts  # first sorted pair of each expert
+    dest = offsets[p_exp] + torch.arange(p_row.shape[0], device=device) - group_start[p_exp]
+
+    total = int(offsets[-1])
+    recv_row = torch.full((total,), -1, dtype=torch.int64, device=device)
+    recv_row[dest] = p_row
+    padding = recv_row < 0
+    gather = recv_row.clamp(min=0)  # total > 0 implies n > 0: row 0 exists
+
+    def gathered(t: torch.Tensor) -> torch.Tensor:
+        out = _raw_bytes(t).index_select(0, gather)  # one pass over the (large) payload
+        out[padding] = 0
+        return out.view(t.dtype)
+
+    weights = torch.zeros(total, dtype=torch.float32, device=device)
+    weights[dest] = p_w
+    src = torch.full((total, 3), -1, dtype=torch.int32, device=device)
+    src[dest, :2] = rows.src[p_row].to(device=device, dtype=torch.int32)
+    src[dest, 2] = p_slot.to(torch.int32)
+    scales = gathered(rows.scales) if rows.scales is not None else None
+    return ExpertRows(x=gathered(rows.x), scales=scales, weights=weights, src=src, counts=counts.to(torch.int32),
+                      offsets=offsets.to(torch.int32), recv_row=recv_row)
+
+
+def expand(recv: list[RecvRows], *, experts_per_rank: int, alignment: int = 1) -> list[ExpertRows]:
+    """Expand every rank's receive rows into the expert-major layout; W = len(recv).
+
+    On rank d each received row i becomes one row per DISTINCT local expert e (global id d * L + e)
+    its indices row names: x and scales row i bit for bit, weight = the fp32 sum of the weights of
+    the slots naming e, added in ascending slot order, src = (source rank, source token, first such
+    slot), recv_row = i. Expert e's rows start at offsets[e], a multiple of ``alignment``, in
+    ascending receive row, and are followed by padding up to the next multiple.
+
+    Args:
+        recv: per rank d, the RecvRows of a dispatch (``dispatch``), R_d rows of [R_d, K] int32
+            indices and [R_d, K] float32 weights.
+        experts_per_rank: L (>= 1).
+        alignment: A, a power of two >= 1.
+
+    Returns:
+        Per rank d, ExpertRows with offsets[e + 1] = offsets[e] + roundup(counts[e], A); at most
+        R_d * min(K, L) + L * (A - 1) rows.
+
+    Raises:
+        ValueError: recv not a non-empty list of RecvRows; L not a positive int; A not a power of
+            two >= 1; indices / weights not [R, K] int32 / float32; an expert id neither -1 nor in
+            [0, W * L); a received row naming no expert of its rank (names rank, row and ids).
+    """
+    if not isinstance(recv, (list, tuple)) or len(recv) == 0:
+        raise ValueError("recv: must be a non-empty list with one RecvRows per rank")
+    _check_positive_int("experts_per_rank", experts_per_rank)
+    _check_alignment(alignment)
+    for d, rows in enumerate(recv):
+        if not isinstance(rows, RecvRows):
+            raise ValueError(f"recv[rank {d}]: must be a RecvRows, got {type(rows).__name__}")
+    return [_expand_rank(d, rows, experts_per_rank, alignment, len(recv)) for d, rows in enumerate(recv)]
+
+
+def _fold(y, rows, num_recv_rows, y_name: str, rows_name: str) -> torch.Tensor:
+    """fold() with the argument names its messages use."""
+    if not isinstance(rows, ExpertRows):
+        raise ValueError(f"{rows_name}: must be an ExpertRows, got {type(rows).__name__}")
+    if not isinstance(num_recv_rows, numbers.Integral) or isinstance(num_recv_rows, bool) or num_recv_rows < 0:
+        raise ValueError(f"num_recv_rows={num_recv_rows!r}: must be an int >= 0")
+    y = _check_2d(y_name, y)
+    if y.dtype != torch.bfloat16:
+        raise ValueError(f"{y_name}: dtype {y.dtype} must be torch.bfloat16")
+    used = rows.num_rows
+    if y.shape[0] < used:
+        raise ValueError(f"{y_name}: n={y.shape[0]} rows, fewer than offsets[L]={used} of {rows_name}: y must hold "
+                         f"n >= offsets[L] rows (rows >= offsets[L] are not read)")
+    device = y.device
+    recv_row = rows.recv_row.to(device)
+    live = (recv_row >= 0).nonzero().flatten()  # the group rows
+    keys = torch.stack([recv_row[live], rows.src[live, 2].to(device=device, dtype=torch.int64)], dim=1)
+    if bool((keys[:, 0] >= num_recv_rows).any()):
+        i = int(live[keys[:, 0] >= num_recv_rows][0])
+        raise ValueError(f"{rows_name}.recv_row[{i}]={int(recv_row[i])}: must be < num_recv_rows={num_recv_rows}")
+    terms = torch.bincount(keys[:, 0], minlength=num_recv_rows)
+    if bool((terms == 0).any()):
+        i = int((terms == 0).nonzero()[0])
+        raise ValueError(f"{rows_name}: receive row {i} has no expanded row; every received row names at least one "
+                         f"local expert")
+    order = _lex_order(keys)  # by receive row, then ascending first slot
+    live, keys = live[order], keys[order]
+    if _has_duplicates(keys):
+        raise ValueError(f"{rows_name}: two expanded rows share a (receive row, slot) pair; a row's experts have "
+                         f"distinct first slots")
+    run_start = torch.cumsum(terms, 0) - terms
+    pos = torch.arange(live.shape[0], device=device) - run_start[keys[:, 0]]
+    weights = rows.weights.to(device)
+    acc = torch.zeros(num_recv_rows, y.shape[1], dtype=torch.float32, device=device)
+    for j in range(int(terms.max()) if num_recv_rows else 0):
+        sel = pos == j
+        target, src_row = keys[sel, 0], live[sel]  # each receive row at most once per j
+        product = y.index_select(0, src_row).to(torch.float32)
+        product.mul_(weights[src_row][:, None])  # rounded to fp32 on its own ...
+        acc.index_add_(0, target, product)  # ... then one fp32 add per row: no fused multiply-add
+    return acc.to(torch.bfloat16)
+
+
+def fold(y: torch.Tensor, rows: ExpertRows, num_recv_rows: int) -> torch.Tensor:
+    """Weighted sum of one rank's expert outputs per receive row (the combine's local stage).
+
+    F[i] = bf16(acc), acc = 0.0 (fp32), then for each expanded row j of receive row i in ascending
+    first slot (src[j, 2]): acc = acc + (weights[j] * float32(y[j])), the product rounded to fp32
+    and then the sum rounded to fp32 (not a fused multiply-add); rounded to bf16 once (nearest
+    even).
+
+    Args:
+        y: [n, H] bfloat16 expert outputs in the expert-major layout of ``rows``, n >= offsets[L]
+            (rows >= offsets[L] and padding rows are not read).
+        rows: the rank's ExpertRows.
+        num_recv_rows: R_d, the rank's receive rows (``RecvRows.num_rows``).
+
+    Returns:
+        [num_recv_rows, H] bfloat16, on y's device.
+
+    Raises:
+        ValueError: y not 2-D bfloat16, or n < offsets[L] (names y, n and the rule); rows not an
+            ExpertRows; num_recv_rows not an int >= 0; a recv_row >= num_recv_rows; a receive row
+            with no expanded row; two expanded rows with the same (receive row, slot).
+    """
+    return _fold(y, rows, num_recv_rows, "y", "rows")
+
+
+def combine_weighted(
+    ys: list[torch.Tensor],
+    expert: list[ExpertRows],
+    recv: list[RecvRows],
+    num_tokens: list[int],
+    *,
+    combine_quant: str = "none",
+) -> list[torch.Tensor]:
+    """Simulate the weighted combine of the expert-major layout on all ranks; W = len(ys).
+
+    Per rank d: F_d = ``fold(ys[d], expert[d], recv[d].num_rows)``; G_d =
+    ``epgen.quant.combine_roundtrip(combine_quant, F_d)``, the wire (F_d itself for "none");
+    out_r[t] = bf16 of the fp32 sum, in ascending d, of G_d's row for (r, t) (``combine``). A token
+    that reached no rank gets zeros.
+
+    Args:
+        ys: per rank d, [n_d, H] bfloat16 expert outputs in the layout of expert[d], n_d >=
+            expert[d].offsets[L].
+        expert: per rank d, the ExpertRows of ``expand``.
+        recv: per rank d, the RecvRows expert[d] was expanded from.
+        num_tokens: per rank r, T_r.
+        combine_quant: the combine wire mode (``epgen.codegen.dtypes.COMBINE_QUANTS``).
+
+    Returns:
+        Per rank r, [T_r, H] bfloat16.
+
+    Raises:
+        ValueError: list lengths differ; as ``fold`` (naming ys[rank d] and expert[rank d]); an
+            expanded row whose (source rank, source token) differs from that of its receive row;
+            an unknown combine_quant, or a non-finite F for a blockwise mode (``combine_roundtrip``);
+            as ``combine``.
+    """
+    if not isinstance(ys, (list, tuple)) or len(ys) == 0:
+        raise ValueError("ys: must be a non-empty list with one [n_d, H] tensor per rank")
+    world = len(ys)
+    for name, value in (("expert", expert), ("recv", recv), ("num_tokens", num_tokens)):
+        if not isinstance(value, (list, tuple)) or len(value) != world:
+            got = len(value) if isinstance(value, (list, tuple)) else type(value).__name__
+            raise ValueError(f"{name}: must be a list of {world} entries (one per rank, like ys), got {got}")
+    wire = []
+    for d in range(world):
+        if not isinstance(recv[d], RecvRows):
+            raise ValueError(f"recv[rank {d}]: must be a RecvRows, got {type(recv[d]).__name__}")
+        folded = _fold(ys[d], expert[d], recv[d].num_rows, f"ys[rank {d}]", f"expert[rank {d}]")
+        live = (expert[d].recv_row >= 0).nonzero().flatten()
+        pairs = expert[d].src[live, :2].to(torch.int64).cpu()
+        sent = recv[d].src.to(torch.int64).cpu()[expert[d].recv_row[live].cpu()]
+        if not torch.equal(pairs, sent):
+            j = int(live.cpu()[(pairs != sent).any(dim=1).nonzero()[0]])
+            i = int(expert[d].recv_row[j])
+            raise ValueError(f"expert[rank {d}].src[{j}]={expert[d].src[j].tolist()}: (source rank, source token) "
+                             f"must be recv[rank {d}].src[{i}]={recv[d].src[i].tolist()}, its receive row's")
+        wire.append(combine_roundtrip(combine_quant, folded))
+    return [out.to(torch.bfloat16) for out in combine(wire, recv, num_tokens)]
+
+
+def _lex_order(keys: torch.Tensor) -> torch.Tensor:
+    """Permutation sorting [R, C] rows lexicographically (column 0 first, then column 1, ...)."""
+    order = torch.arange(keys.shape[0], device=keys.device)
+    for c in reversed(range(keys.shape[1])):
+        order = order[torch.argsort(keys[order, c], stable=True)]
+    return order
 
 
 def _has_duplicates(sorted_src: torch.Tensor) -> bool:
     return bool((sorted_src[1:] == sorted_src[:-1]).all(dim=1).any())
 
 
+_KEY_LABELS = {2: "(rank, token)", 3: "(rank, token, slot)"}
+"""How align_rows' messages name a key of 2 columns (receive rows) or 3 (expanded rows)."""
+
+
 def align_rows(ref_src: torch.Tensor, test_src: torch.Tensor) -> torch.Tensor:
-    """Map a kernel's receive rows onto the reference's (the orders may differ).
+    """Map a kernel's rows onto the reference's by their integer keys (the orders may differ).
+
+    The keys are the receive rows' (source rank, source token) pairs ([R, 2], ``RecvRows.src``) or
+    the expanded rows' (source rank, source token, slot) triples ([R, 3], the non-padding rows of
+    ``ExpertRows.src``); any C >= 2 columns work.
 
     Args:
-        ref_src: [R, 2] int32 (source rank, source token) of the reference rows.
-        test_src: [R', 2] int32 (source rank, source token) of the rows under test.
+        ref_src: [R, C] integer keys of the reference rows.
+        test_src: [R', C] integer keys of the rows under test (the same C).
 
     Returns:
         perm, int64 [R], with ``test_src[perm] == ref_src`` row for row.
 
     Raises:
-        ValueError: an argument is not a [N, 2] integer tensor.
-        AssertionError: the two sets of pairs differ or either holds duplicates; the message gives
-            both row counts, up to 5 missing pairs (in ref, not in test), up to 5 extra pairs (in
-            test, not in ref) and up to 5 duplicated pairs of each side.
+        ValueError: an argument is not a 2-D integer tensor with C >= 2 columns, or the two have
+            different column counts.
+        AssertionError: the two sets of keys differ or either holds duplicates; the message gives
+            both row counts, up to 5 missing keys (in ref, not in test), up to 5 extra keys (in
+            test, not in ref) and up to 5 duplicated keys of each side.
     """
     for name, value in (("ref_src", ref_src), ("test_src", test_src)):
         t = _check_2d(name, value)
-        if t.shape[1] != 2 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise ValueError(f"{name}: shape {tuple(t.shape)} {t.dtype} must be [R, 2] integer")
+        if t.shape[1] < 2 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"{name}: shape {tuple(t.shape)} {t.dtype} must be [R, C] integer with C >= 2")
+    cols = ref_src.shape[1]
+    if test_src.shape[1] != cols:
+        raise ValueError(f"test_src: shape {tuple(test_src.shape)} must have the {cols} columns of ref_src")
     ref = ref_src.to(torch.int64).cpu()
     test = test_src.to(torch.int64).cpu()
     ref_order, test_order = _lex_order(ref), _lex_order(test)
@@ -376,16 +758,18 @@ def align_rows(ref_src: torch.Tensor, test_src: torch.Tensor) -> torch.Tensor:
     extra = sorted(set(test_count) - set(ref_count))
     dup_ref = sorted(p for p, n in ref_count.items() if n > 1)
     dup_test = sorted(p for p, n in test_count.items() if n > 1)
-    lines = [f"receive rows differ: reference has {ref.shape[0]} rows, test has {test.shape[0]} rows"]
-    for label, pairs in (
-        ("missing from test (rank, token)", missing),
-        ("extra in test (rank, token)", extra),
-        ("duplicated in test (rank, token)", dup_test),
-        ("duplicated in reference (rank, token)", dup_ref),
+    key = _KEY_LABELS.get(cols, f"({cols}-column key)")
+    what = "receive rows" if cols == 2 else "rows"
+    lines = [f"{what} differ: reference has {ref.shape[0]} rows, test has {test.shape[0]} rows"]
+    for label, keys in (
+        (f"missing from test {key}", missing),
+        (f"extra in test {key}", extra),
+        (f"duplicated in test {key}", dup_test),
+        (f"duplicated in reference {key}", dup_ref),
     ):
-        if pairs:
-            more = f" ... ({len(pairs)} in all)" if len(pairs) > 5 else ""
-            lines.append(f"  {label}: {pairs[:5]}{more}")
+        if keys:
+            more = f" ... ({len(keys)} in all)" if len(keys) > 5 else ""
+            lines.append(f"  {label}: {keys[:5]}{more}")
     raise AssertionError("\n".join(lines))
 
 

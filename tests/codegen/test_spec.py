@@ -17,7 +17,7 @@ import epgen.codegen
 from epgen.codegen.arch import ARCH_TRAITS, ARCHES, traits
 from epgen.codegen.dtypes import DTYPES
 from epgen.codegen.models import MODELS
-from epgen.codegen.spec import ALIGN, MAX_TOKENS_LIMIT, SIGNAL_WORDS, ArenaLayout, KernelSpec, Op
+from epgen.codegen.spec import ALIGN, MAX_TOKENS_LIMIT, PLAN_BLOCKS, SIGNAL_WORDS, ArenaLayout, KernelSpec, Op
 from epgen.codegen.config import EpConfig, Geometry
 
 FIELDS = [f.name for f in attrs.fields(KernelSpec)]
@@ -223,7 +223,8 @@ def test_derived_values(arch, i):
 
 
 REGIONS = ["signals", "send_slot", "send_pos", "recv_src", "recv_weights", "recv_indices", "recv_scales", "combine_in",
-           "combine_wire", "recv_x"]
+           "combine_wire", "slot_row", "expert_counts", "expert_offsets", "expert_weights", "expert_src",
+           "expert_block_base", "expert_scales", "expert_y", "recv_x", "expert_x"]
 
 
 def _documented_sizes(s: KernelSpec) -> dict[str, int]:
@@ -239,7 +240,16 @@ def _documented_sizes(s: KernelSpec) -> dict[str, int]:
         "recv_scales": cap * s.scale_bytes,
         "combine_in": cap * s.hidden * 2,
         "combine_wire": cap * s.quant.wire_row_bytes(s.hidden) if s.quant.quantized else 0,
-        "recv_x": cap * s.row_bytes if s.op is Op.DISPATCH else 0,
+        "slot_row": cap * s.topk * 4 if s.expert_alignment else 0,
+        "expert_counts": s.experts_per_rank * 4 if s.expert_alignment else 0,
+        "expert_offsets": (s.experts_per_rank + 1) * 4 if s.expert_alignment else 0,
+        "expert_weights": s.expert_rows * 4,
+        "expert_src": s.expert_rows * 3 * 4,
+        "expert_block_base": PLAN_BLOCKS * s.experts_per_rank * 4 if s.expert_alignment else 0,
+        "expert_scales": s.expert_rows * s.scale_bytes,
+        "expert_y": s.expert_rows * s.hidden * 2,
+        "recv_x": cap * s.row_bytes if s.op.payload else 0,
+        "expert_x": s.expert_rows * s.row_bytes if s.op.payload else 0,
     }
 
 
@@ -250,10 +260,11 @@ def test_arena_layout_regions_in_docstring_order():
     assert [f.name for f in attrs.fields(ArenaLayout)][: len(REGIONS)] == REGIONS
 
 
+@pytest.mark.parametrize("expert", [0, 16], ids=["rank", "expert"])
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 @pytest.mark.parametrize("shape", SHAPES, ids=range(len(SHAPES)))
-def test_layout_aligned_monotonic_non_overlapping(op, shape):
-    s = spec(op=op, **shape)
+def test_layout_aligned_monotonic_non_overlapping(op, shape, expert):
+    s = spec(op=op, **shape).replace(expert_alignment=expert)
     lay = s.layout
     sizes = _documented_sizes(s)
     offs = [getattr(lay, r) for r in REGIONS]
@@ -268,7 +279,7 @@ def test_layout_aligned_monotonic_non_overlapping(op, shape):
         assert getattr(lay, b) - end < ALIGN, f"gap after {a} larger than the alignment"
     if s.scale_bytes == 0:
         assert lay.recv_scales == lay.combine_in, "recv_scales is absent when S = 0"
-    end = lay.recv_x + sizes["recv_x"]
+    end = lay.expert_x + sizes["expert_x"]
     assert lay.total_bytes % ALIGN == 0
     assert end <= lay.total_bytes < end + ALIGN
 
@@ -281,15 +292,19 @@ def test_dispatch_and_combine_share_layout(arch):
                  dispatch_geometry=Geometry(blocks=8, warps_per_block=4, unroll=2),
                  combine_geometry=Geometry(blocks=64, warps_per_block=8, unroll=8)),
         EpConfig(world_size=1, hidden=8, topk=1, num_experts=1, max_tokens_per_rank=1, scale_bytes=1),
+        EpConfig(world_size=4, hidden=256, topk=6, num_experts=12, max_tokens_per_rank=40, scale_bytes=8, dtype="fp8",
+                 layout="expert", expert_alignment=16, max_recv_tokens=100),
     ]
     for cfg in configs:
-        d, c = cfg.kernel_specs(arch)
-        assert d.op is Op.DISPATCH and c.op is Op.COMBINE
+        d, c, *local = cfg.kernel_specs(arch)
+        assert d.op is Op.DISPATCH and c.op is Op.COMBINE and [s.op for s in local] == list(cfg.ops[2:])
         dl, cl = d.layout, c.layout
-        for r in REGIONS:
-            assert getattr(dl, r) == getattr(cl, r), r
-        assert dl.capacity_rows == cl.capacity_rows
-        # only dispatch's total includes recv_x
+        for r in REGIONS[:-1]:  # every region but expert_x, which follows the payload rows
+            assert all(getattr(dl, r) == getattr(s.layout, r) for s in (c, *local)), r
+        for s in local:  # expand_plan and expand share the payload's row size with dispatch
+            assert s.layout == dl if s.op.payload else s.layout == cl
+        assert dl.capacity_rows == cl.capacity_rows == (cfg.max_recv_tokens or cfg.world_size * cfg.max_tokens_per_rank)
+        # only the payload ops' total includes recv_x and expert_x
         assert dl.total_bytes >= dl.recv_x + dl.capacity_rows * d.row_bytes > dl.recv_x
         assert cl.total_bytes == cl.recv_x
         assert cl.total_bytes < dl.total_bytes
@@ -315,6 +330,8 @@ VARIANTS = {
     "unroll": [4, 2],
     "scale_bytes": [0, 16],
     "combine_quant": ["none", "fp4_blockwise"],
+    "recv_tokens": [0, 100],
+    "expert_alignment": [0, 16],
 }
 
 
@@ -382,11 +399,16 @@ def _name_tokens(s: KernelSpec) -> dict[str, str]:
         toks["scale_bytes"] = f"_s{s.scale_bytes}_"
     if s.quant.quantized:
         toks["combine_quant"] = f"_{s.quant.tag}_"
+    if s.recv_tokens:
+        toks["recv_tokens"] = f"_r{s.recv_tokens}_"
+    if s.expert_alignment:
+        toks["expert_alignment"] = f"_a{s.expert_alignment}_"
     return toks
 
 
 def test_name_contains_every_field():
-    for s in (spec(scale_bytes=16, blocks=7, warps_per_block=3, unroll=5, combine_quant="fp8_blockwise"),
+    for s in (spec(scale_bytes=16, blocks=7, warps_per_block=3, unroll=5, combine_quant="fp8_blockwise",
+                   recv_tokens=9, expert_alignment=64),
               spec(op="combine", arch="sm_90")):
         n = s.name
         assert n.startswith("epgen_")
@@ -394,11 +416,12 @@ def test_name_contains_every_field():
         for field, tok in toks.items():
             assert tok in n + "_", f"{field}: {tok!r} not in {n!r}"
         optional = ({"scale_bytes"} if not s.scale_bytes else set()) | ({"combine_quant"} if not s.quant.quantized else set())
+        optional |= ({"recv_tokens"} if not s.recv_tokens else set()) | ({"expert_alignment"} if not s.expert_alignment else set())
         assert set(toks) | optional == set(FIELDS)
 
 
 def test_name_fields_in_declaration_order():
-    s = spec(scale_bytes=16, blocks=7, warps_per_block=3, unroll=5)
+    s = spec(scale_bytes=16, blocks=7, warps_per_block=3, unroll=5, recv_tokens=9, expert_alignment=4)
     n = s.name + "_"
     toks = _name_tokens(s)
     order = sorted(toks, key=lambda f: n.index(toks[f]))

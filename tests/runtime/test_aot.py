@@ -24,7 +24,7 @@ from epgen.codegen import offline
 from epgen.codegen.arch import ARCHES, traits
 from epgen.codegen.atomic import write_atomically
 from epgen.codegen.render import RUNTIME_OPTIONS, render
-from epgen.codegen.spec import KernelSpec, Op
+from epgen.codegen.spec import KernelSpec
 from epgen.codegen.config import EpConfig
 
 MODEL = "qwen3-30b-a3b"  # no tuning-table entry on any arch: one variant per op and arch, small rows
@@ -82,7 +82,7 @@ def test_a_second_build_merges_into_the_manifest(built, tmp_path):
 
 def test_config_specs_are_the_op_variants_once_each():
     cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=8192)  # measured sm_90 table
-    per_op = [s for op in Op for _, s in cfg.variants("sm_90", op)]
+    per_op = [s for op in cfg.ops for _, s in cfg.variants("sm_90", op)]
     specs = config_specs(cfg, ("sm_90",))
     assert specs == list(dict.fromkeys(per_op)) and len(specs) < len(per_op)  # two buckets share a geometry
     both = config_specs(cfg, ("sm_90", "gfx950"))  # arch by arch, in the order given

@@ -1,4 +1,5 @@
-"""CPU tests of epgen.reference: hand-worked routing, dispatch, combine, align_rows, relative_l2."""
+"""CPU tests of epgen.reference: hand-worked routing, dispatch (and its receive cap), combine, align_rows,
+relative_l2. The expert-major layout and the weighted combine: test_reference_expert.py."""
 
 from __future__ import annotations
 
@@ -197,6 +198,25 @@ def test_dispatch_rejects_inconsistent_inputs():
         dispatch(xs, ws, idx, experts_per_rank=True)
 
 
+def test_dispatch_max_recv_tokens():
+    xs, ws, _ = make_inputs(IDX_W2)
+    # Each rank receives 3 rows (test_dispatch_dedup_and_src_pairs): a cap of 3 is met exactly.
+    capped = dispatch(xs, ws, IDX_W2, experts_per_rank=2, max_recv_tokens=3)
+    plain = dispatch(xs, ws, IDX_W2, experts_per_rank=2)
+    assert [src_pairs(r) for r in capped] == [src_pairs(r) for r in plain]
+    rule = r"max_recv_tokens=2: rank 0 would receive 3 rows, more than the cap \(ranks over the cap: \[0, 1\]\)"
+    with pytest.raises(ValueError, match=rule):
+        dispatch(xs, ws, IDX_W2, experts_per_rank=2, max_recv_tokens=2)
+    # Only rank 1 over the cap: rank 1 receives (0,0), (1,0), (1,1); rank 0 only (1,1).
+    idx = [i32([[3, 2, -1, -1]]), i32([[2, 3, -1, -1], [0, 3, 1, 2]])]
+    xs, ws, _ = make_inputs(idx)
+    with pytest.raises(ValueError, match=r"^max_recv_tokens=2: rank 1 would receive 3 rows, more than the cap$"):
+        dispatch(xs, ws, idx, experts_per_rank=2, max_recv_tokens=2)
+    for bad, rule in ((0, r"max_recv_tokens=0: must be at least 1"), (True, r"max_recv_tokens=True: must be an int")):
+        with pytest.raises(ValueError, match=rule):
+            dispatch(xs, ws, idx, experts_per_rank=2, max_recv_tokens=bad)
+
+
 def test_recv_rows_validates_row_counts():
     with pytest.raises(ValueError, match=r"RecvRows.weights: 1 rows must match the 2 rows"):
         RecvRows(
@@ -331,6 +351,32 @@ def test_align_rows_duplicates_and_counts():
     msg = str(err.value)
     assert "reference has 3 rows, test has 11 rows" in msg
     assert "extra in test (rank, token): [(9, 0), (9, 1), (9, 2), (9, 3), (9, 4)] ... (8 in all)" in msg
+
+
+def test_align_rows_three_columns():
+    # Expanded rows' (rank, token, slot) keys: the same (rank, token) may appear with two slots.
+    ref = i32([[0, 0, 0], [0, 0, 2], [0, 1, 1], [1, 0, 0], [1, 0, 3], [2, 4, 1]])
+    shuffle = torch.tensor([4, 1, 5, 0, 3, 2])
+    test = ref[shuffle].long()  # any integer dtype
+    perm = align_rows(ref, test)
+    assert torch.equal(test[perm], ref.long()) and torch.equal(perm, torch.argsort(shuffle))
+    assert align_rows(i32([], 3), i32([], 3)).shape == (0,)
+    with pytest.raises(AssertionError) as err:
+        align_rows(ref, i32([[0, 0, 0], [0, 0, 1], [0, 1, 1], [1, 0, 0], [1, 0, 3], [2, 4, 1], [2, 4, 1]]))
+    msg = str(err.value)
+    assert msg.startswith("rows differ: reference has 6 rows, test has 7 rows")
+    assert "missing from test (rank, token, slot): [(0, 0, 2)]" in msg
+    assert "extra in test (rank, token, slot): [(0, 0, 1)]" in msg
+    assert "duplicated in test (rank, token, slot): [(2, 4, 1)]" in msg
+
+
+def test_align_rows_rejects_bad_keys():
+    with pytest.raises(ValueError, match=r"test_src: shape \(2, 2\) must have the 3 columns of ref_src"):
+        align_rows(i32([[0, 0, 0], [0, 1, 0]]), i32([[0, 0], [0, 1]]))
+    with pytest.raises(ValueError, match=r"ref_src: shape \(2, 1\) torch.int32 must be \[R, C\] integer with C >= 2"):
+        align_rows(i32([[0], [1]]), i32([[0], [1]]))
+    with pytest.raises(ValueError, match=r"test_src: shape \(1, 3\) torch.float32 must be \[R, C\] integer"):
+        align_rows(i32([[0, 0, 0]]), torch.zeros(1, 3))
 
 
 # --- relative_l2 ---------------------------------------------------------------------------------

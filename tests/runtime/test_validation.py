@@ -9,6 +9,7 @@ from epgen.op import check_combine_inputs, check_dispatch_inputs
 
 CPU = torch.device("cpu")
 CFG = EpConfig.for_model("gpt-oss-120b", world_size=2, max_tokens_per_rank=64)  # H 2880, K 4, E 128
+CAP = CFG.world_size * CFG.max_tokens_per_rank  # receive rows
 SCALED = EpConfig.for_model("gpt-oss-120b", world_size=2, max_tokens_per_rank=64, scale_bytes=90)
 
 
@@ -80,15 +81,15 @@ def test_scales_required_with_their_shape():
 
 def test_combine_inputs():
     y = torch.randn(10, CFG.hidden).to(torch.bfloat16)
-    check_combine_inputs(CFG, CPU, y, None, 5)
-    check_combine_inputs(CFG, CPU, y, torch.empty(5, CFG.hidden, dtype=torch.bfloat16), 5)
+    check_combine_inputs(CFG, CPU, y, None, 5, CAP)
+    check_combine_inputs(CFG, CPU, y, torch.empty(5, CFG.hidden, dtype=torch.bfloat16), 5, CAP)
     with pytest.raises(ValueError, match=r"y\.dtype=torch\.float32"):
-        check_combine_inputs(CFG, CPU, y.float(), None, 5)
+        check_combine_inputs(CFG, CPU, y.float(), None, 5, CAP)
     big = torch.zeros(129, CFG.hidden, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"y\.shape\[0\]=129: more rows than the receive capacity 128"):
-        check_combine_inputs(CFG, CPU, big, None, 5)
+    with pytest.raises(ValueError, match=r"y\.shape\[0\]=129: more rows than the receive capacity .*, 128"):
+        check_combine_inputs(CFG, CPU, big, None, 5, CAP)
     with pytest.raises(ValueError, match=r"out\.shape=\[4, 2880\]: must be \[5, 2880\]"):
-        check_combine_inputs(CFG, CPU, y, torch.empty(4, CFG.hidden, dtype=torch.bfloat16), 5)
+        check_combine_inputs(CFG, CPU, y, torch.empty(4, CFG.hidden, dtype=torch.bfloat16), 5, CAP)
 
 
 @pytest.mark.parametrize("dtype,columns,torch_dtype", [("fp8", 2880, torch.float8_e4m3fn), ("fp4", 1440, torch.uint8)])
@@ -152,7 +153,7 @@ def test_weights_indices_scales_need_only_their_element_alignment():
 
 def test_misaligned_out_is_rejected_and_y_is_not():
     y = _offset_view(torch.zeros(1, dtype=torch.bfloat16), 3, (5, CFG.hidden))  # copied into the arena
-    check_combine_inputs(CFG, CPU, y, None, tokens=8)
+    check_combine_inputs(CFG, CPU, y, None, tokens=8, capacity=CAP)
     out = _offset_view(y, 4, (8, CFG.hidden))
     with pytest.raises(ValueError, match=r"out\[rank 0\]\.data_ptr\(\)=0x[0-9a-f]+: 8 bytes past a 16-byte"):
-        check_combine_inputs(CFG, CPU, torch.zeros(5, CFG.hidden, dtype=torch.bfloat16), out, tokens=8, tag="[rank 0]")
+        check_combine_inputs(CFG, CPU, torch.zeros(5, CFG.hidden, dtype=torch.bfloat16), out, tokens=8, capacity=CAP, tag="[rank 0]")
