@@ -15,8 +15,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from epgen.codegen.catalogue import CATALOGUE_EXPERT_LAYOUT
 from epgen.codegen.config import EpConfig
 from epgen.codegen.models import MODELS
+
+EXPERT_ALIGNMENT = CATALOGUE_EXPERT_LAYOUT[1]
+"""Expert group alignment of the demo's layer: the catalogue's (what torch's grouped GEMM reads best)."""
 
 DENSE_CHUNK_TOKENS = 4096
 """Tokens (all ranks together) per call of the dense reference: bounds its temporaries."""
@@ -24,7 +28,7 @@ DENSE_CHUNK_TOKENS = 4096
 
 def moe_config(model: str, world_size: int, tokens: int, experts: int | None = None) -> EpConfig:
     """The expert-major EpConfig of ``model`` (a catalogue name) with W = ``world_size``, Tmax =
-    ``tokens`` and E = ``experts`` (default the model's).
+    ``tokens``, E = ``experts`` (default the model's) and groups aligned to EXPERT_ALIGNMENT rows.
 
     Raises:
         epgen.codegen.errors.FieldError: a field breaks its rule (``.field`` names it), e.g.
@@ -33,7 +37,7 @@ def moe_config(model: str, world_size: int, tokens: int, experts: int | None = N
     m = MODELS[model]
     return EpConfig(world_size=world_size, hidden=m.hidden, topk=m.topk,
                     num_experts=m.num_experts if experts is None else experts, max_tokens_per_rank=tokens,
-                    layout="expert")
+                    layout="expert", expert_alignment=EXPERT_ALIGNMENT)
 
 
 def memory_bytes(cfg: EpConfig, intermediate: int) -> dict[str, int]:

@@ -700,6 +700,7 @@ def test_demo_moe_defaults(monkeypatch):
     cfg = seen["cfg"]
     assert (cfg.layout, cfg.world_size, cfg.max_tokens_per_rank, cfg.num_experts, cfg.hidden, cfg.topk) == (
         "expert", 8, 1024, 256, 7168, 8)
+    assert cfg.expert_alignment == 16
     assert seen["intermediate"] == 2048 and seen["model"] == "deepseek-v3"
     assert main(["demo", "--moe", "--tokens", "96", "--experts", "16", "--world-size", "2"]) == 0
     assert (seen["cfg"].max_tokens_per_rank, seen["cfg"].num_experts, seen["cfg"].world_size) == (96, 16, 2)
