@@ -3,8 +3,12 @@
 Builds ``epgen.moe.MoELayer`` (expert-major dispatch, SwiGLU expert GEMMs, weighted combine) with
 random expert weights, routes random tokens with ``route_topk`` on random logits, checks the
 layer's output against ``epgen.moe.dense_moe`` (every element within its bound), and times each
-stage on the GPU with ``epgen.timing.time_pairs_queued``: the launches are queued behind a
-GPU-side delay, so each sample is the stage's own device time, not the host's launch rate.
+stage on the GPU: every stage call (dispatch, expand, experts, fold, combine, the whole forward)
+is captured alone in a CUDA graph, and the replays are timed with
+``epgen.timing.time_pairs_queued``, queued behind a GPU-side delay, so each sample is the stage's
+own device time, not the host's launch rate (one replay is one launch however many kernels the
+stage has, which keeps the queue short). Without the grouped expert path (no graph capture) the
+eager calls are queued instead, and the table says so.
 """
 
 from __future__ import annotations
@@ -127,6 +131,23 @@ def _check(layer, cfg: EpConfig, weights: list, virtual: bool, device: torch.dev
     return {"bound_ratio": ratio, "max_err": err, "passed": ratio <= 1.0}
 
 
+def _stage_graphs(calls: dict) -> tuple[dict, list]:
+    """Each of ``calls`` (name -> a stage call, in capture order) captured alone in a CUDA graph;
+    returns (name -> the graph's replay, what the captured calls returned). The graphs share one
+    memory pool: they replay one at a time on one stream, and what a capture returned stays
+    allocated while the caller holds the list (no later capture reuses it)."""
+    torch.cuda.empty_cache()  # the eager calls' cached blocks: the captures allocate their own
+    graphs, keep, pool = {}, [], None
+    for name, fn in calls.items():
+        g = torch.cuda.CUDAGraph()
+        # thread_local: CUDA calls of other threads (CuPy's, torch's) do not invalidate the capture
+        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+            keep.append(fn())
+        pool = g.pool()
+        graphs[name] = g
+    return {name: g.replay for name, g in graphs.items()}, keep
+
+
 def _run_gpu(cfg: EpConfig, model: str, intermediate: int, iters: int, console: Console, quiet: bool) -> dict:
     from epgen.moe import ExpertWeights, MoELayer
     from epgen.timing import time_pairs_queued
@@ -153,22 +174,29 @@ def _run_gpu(cfg: EpConfig, model: str, intermediate: int, iters: int, console: 
     op = layer.op
     gen = torch.Generator(device=device).manual_seed(2)  # fresh inputs for the timing
     xs, ws, ids = (_per_rank(virtual, v) for v in zip(*(rank_inputs(cfg, T, gen) for _ in range(W))))
-    state = {"d": layer.dispatch(xs, ws, ids)}
-    y = layer.experts(state["d"])
+    d = layer.dispatch(xs, ws, ids)  # every stage once, eagerly, before any capture
+    y = layer.experts(d)
     layer.combine(y)
     torch.cuda.synchronize(device)
-    rows = sum(int(d.offsets[-1]) for d in (state["d"] if virtual else [state["d"]]))
-
-    def dispatch():
-        state["d"] = layer.dispatch(xs, ws, ids)
-
-    with console.status(f"timing {iters} iterations of every stage (queued behind a GPU-side delay)"):
-        pairs = {("dispatch", "combine"): time_pairs_queued(dispatch, lambda: layer.combine(y), iters=iters),
-                 ("experts", "forward"): time_pairs_queued(lambda: layer.experts(state["d"]),
-                                                           lambda: layer.forward(xs, ws, ids), iters=iters)}
-        dispatch()  # expand and fold run alone after a dispatch (op.expand re-expands its receive rows)
-        pairs[("expand", "fold")] = time_pairs_queued(op.expand, lambda: op.fold(y), iters=iters)
+    per_rank = d if virtual else [d]
+    rows = sum(int(r.counts.sum()) for r in per_rank)
+    padded = sum(int(r.offsets[-1]) for r in per_rank)
+    eager = {"dispatch": lambda: layer.dispatch(xs, ws, ids), "expand": op.expand, "experts": lambda: layer.experts(d),
+             "fold": lambda: op.fold(y), "combine": lambda: layer.combine(y),
+             "forward": lambda: layer.forward(xs, ws, ids)}
+    if layer.grouped_mm:
+        calls, captured = _stage_graphs(eager)
+        how = "CUDA graph replays (one stage call a graph)"
+    else:
+        calls, captured = eager, []
+        how = "eager calls (the loop expert path reads offsets to the host: no graph)"
+    with console.status(f"timing {iters} iterations of every stage ({how}, queued behind a GPU-side delay)"):
+        pairs = {("dispatch", "combine"): time_pairs_queued(calls["dispatch"], calls["combine"], iters=iters),
+                 ("experts", "forward"): time_pairs_queued(calls["experts"], calls["forward"], iters=iters)}
+        calls["dispatch"]()  # expand and fold run alone after a dispatch (op.expand re-expands its receive rows)
+        pairs[("expand", "fold")] = time_pairs_queued(calls["expand"], calls["fold"], iters=iters)
     torch.cuda.synchronize(device)
+    del calls, captured  # the graphs and their memory
     stages = {}
     covered = True
     for names, pair in pairs.items():
@@ -176,17 +204,18 @@ def _run_gpu(cfg: EpConfig, model: str, intermediate: int, iters: int, console: 
         for name, t, host in zip(names, pair.queued, pair.host):
             stages[name] = {"median_us": t.median_us, "mean_us": t.mean_us, "stdev_us": t.stdev_us,
                             "best_us": t.best_us, "host_launched_us": host.median_us}
-    method = "queued" if covered else "queued-short-sleep"
-    gemm_tflops = 2 * 3 * rows * H * intermediate / (stages["experts"]["median_us"] * 1e6)
+    method = f"{how}, {'queued' if covered else 'queued-short-sleep (the delay ended early: partly host-bound)'}"
+    gemm_tflops = 2 * 3 * padded * H * intermediate / (stages["experts"]["median_us"] * 1e6)
     table = Table(title=f"{model} MoE layer on {torch.cuda.get_device_name(device)}: {'virtual ' if virtual else ''}"
                         f"W={W}, {T} tokens/rank, E={cfg.num_experts}, top-{cfg.topk}, H={H}, I={intermediate}; "
-                        f"GPU us per stage, all {W} ranks, {method} (epgen.timing.time_pairs_queued), {iters} "
+                        f"GPU us per stage, all {W} ranks; {method} (epgen.timing.time_pairs_queued), {iters} "
                         f"iterations")
     for c in ("stage", "what runs", "median us", "mean ± stdev us", "best us", "host-launched us"):
         table.add_column(c, justify="left" if c in ("stage", "what runs") else "right")
     what = {"dispatch": "op.dispatch: the rank-major send, then the expansion",
             "expand": "op.expand alone: receive rows into per-expert groups",
-            "experts": f"layer.experts: SwiGLU GEMMs on {rows} expanded rows, {gemm_tflops:.0f} TFLOP/s",
+            "experts": f"layer.experts: SwiGLU GEMMs on {rows} expanded rows ({padded} with the alignment "
+                       f"padding), {gemm_tflops:.0f} TFLOP/s",
             "fold": "op.fold alone: weight and fold each token's expert rows",
             "combine": "op.combine: the fold, then the gather of the folded rows",
             "forward": "layer.forward: the whole layer"}
@@ -206,5 +235,6 @@ def _run_gpu(cfg: EpConfig, model: str, intermediate: int, iters: int, console: 
             console.print("virtual ranks share one GPU: every stage runs all ranks; the dispatch and combine move "
                           "rows through local memory, not a link.")
     layer.close()
-    return {**check, "timing": method, "iters": iters, "expanded_rows": rows, "gemm_tflops": gemm_tflops,
+    return {**check, "timing": method, "iters": iters, "expanded_rows": rows, "padded_rows": padded,
+            "gemm_tflops": gemm_tflops,
             "stages": stages, "send_us": send, "gather_us": gather, "memory_bytes": mem}
