@@ -23,9 +23,9 @@ from epgen.progress import Progress
 
 MOE_DEMO_TOKENS = 1024
 """``epgen demo --moe``'s tokens per rank: W = 8 virtual ranks of deepseek-v3 then need about
-50 GiB (weights 21 GiB, expert-major rows 15 GiB, receive rows 2 GiB, the expert GEMMs'
-intermediates about 6.5 GiB eager and as much again in the timing's CUDA graphs), well inside
-one 140 GB GPU; 4096 would need about 150 GiB."""
+40 GiB (``epgen.moe_demo.memory_bytes``: weights 21 GiB, expert-major rows 14 GiB, receive rows
+2 GiB, one rank's GEMM temporaries at a time, eager and in the timing's graphs, 3 GiB), plus the
+dense reference's chunk; 4096 would need about 95 GiB."""
 MOE_DEMO_INTERMEDIATE = 2048
 """``epgen demo --moe``'s expert intermediate size (deepseek-v3's moe_intermediate_size)."""
 

@@ -45,15 +45,17 @@ def moe_config(model: str, world_size: int, tokens: int, experts: int | None = N
 
 
 def memory_bytes(cfg: EpConfig, intermediate: int) -> dict[str, int]:
-    """Device memory of the demo by part, bytes: the expert weights (E x 3 x H x I bf16), and per
-    rank x W the expert-major buffers (R_max rows of x and of y, bf16) with the rank-major
-    receive rows and combine input (W x Tmax rows each, bf16); R_max = N x min(K, L) + L x (A - 1)
+    """Device memory of the demo by part, bytes: the expert weights (E x 3 x H x I bf16); W x the
+    expert-major buffers (R_max rows of x and of y, bf16); W x the rank-major receive rows and
+    combine input (W x Tmax rows each, bf16); the GEMM temporaries of one rank (gate and up
+    outputs [R_max, I] and the down output [R_max, H], bf16; the ranks' experts run one after the
+    other), once eager and once in the timing's graph pool. R_max = N x min(K, L) + L x (A - 1)
     (DESIGN.md §3)."""
     W, T, H, K, L = cfg.world_size, cfg.max_tokens_per_rank, cfg.hidden, cfg.topk, cfg.experts_per_rank
     n = cfg.max_recv_tokens or W * T
     r_max = n * min(K, L) + L * (cfg.expert_alignment - 1)
     return {"weights": cfg.num_experts * 3 * H * intermediate * 2, "expert_rows": W * r_max * H * 2 * 2,
-            "receive_rows": W * W * T * H * 2 * 2}
+            "receive_rows": W * W * T * H * 2 * 2, "gemm_temporaries": 2 * r_max * (2 * intermediate + H) * 2}
 
 
 def error_ratio(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> tuple[float, float]:
