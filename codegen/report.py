@@ -63,6 +63,8 @@ def to_csv(report_rows: list[dict]) -> str:
 
 _SHAPE_PARTS = (("world_size", "w"), ("hidden", "h"), ("topk", "k"), ("experts_per_rank", "l"),
                 ("max_tokens_per_rank", "t"), ("scale_bytes", "s"))
+_OPTIONAL_PARTS = (("recv_tokens", "r"), ("expert_alignment", "a"))
+"""Fields a label names only when set (receive cap, expert layout), as the entry name does."""
 
 
 def variant_labels(specs: list[dict]) -> tuple[list[str], str]:
@@ -70,13 +72,15 @@ def variant_labels(specs: list[dict]) -> tuple[list[str], str]:
     out: per spec its payload (dispatch: the dtype; combine: the wire, bf16 or a quant tag such
     as qfp8b), the shape fields that differ between the specs (w, h, k, l, t, s as in the entry
     name) and the launch geometry BLOCKSxWARPSuUNROLL. The shape fields every spec shares form the
-    second value, e.g. ``"w8 h7168 k8 l32 t4096"``."""
+    second value, e.g. ``"w8 h7168 k8 l32 t4096"``; a receive cap and the expert layout's
+    alignment (``_OPTIONAL_PARTS``) are named where set."""
     def payload(s: dict) -> str:
-        return s["dtype"] if s["op"] == "dispatch" else combine_quant(s["combine_quant"]).tag or "bf16"
+        return combine_quant(s["combine_quant"]).tag or "bf16" if s["op"] == "combine" else s["dtype"]
 
     shared = [(f, tag) for f, tag in _SHAPE_PARTS if len({s[f] for s in specs}) == 1]
     varying = [(f, tag) for f, tag in _SHAPE_PARTS if (f, tag) not in shared]
     labels = [" ".join([payload(s), *(f"{tag}{s[f]}" for f, tag in varying),
+                        *(f"{tag}{s[f]}" for f, tag in _OPTIONAL_PARTS if s.get(f)),
                         f"{s['blocks']}x{s['warps_per_block']}u{s['unroll']}"]) for s in specs]
     common = " ".join(f"{tag}{specs[0][f]}" for f, tag in shared if not (f == "scale_bytes" and not specs[0][f]))
     return labels, common

@@ -293,7 +293,7 @@ EP_DEVICE EpRange ep_warp_rows(const ep_u32* sig, int warp) {
 
 // A lane's slot of receive row ``row``: the local expert it names if this is the first slot of
 // the row naming it (else -1), and the sum of the weights of every slot of the row naming that
-// expert, in ascending slot order (fp32, from 0). Ids of other ranks' experts, -1 and ids the
+// expert, in ascending slot order (fp32, starting from the first). Ids of other ranks' experts, -1 and ids the
 // sender reported as invalid are not local.
 struct EpSlot {
   int expert;
@@ -313,6 +313,7 @@ EP_DEVICE EpSlot ep_slot(const ep_u8* arena, int rank, int row, bool valid, int 
     }
   }
   bool first = e >= 0;
+  bool named = false;
   float sum = 0.0f;
 #pragma unroll
   for (int j = 0; j < kTopk; ++j) {
@@ -320,7 +321,8 @@ EP_DEVICE EpSlot ep_slot(const ep_u8* arena, int rank, int row, bool valid, int 
     const float wj = ep_bits_to_float((ep_u32)ep_shfl((int)ep_float_to_bits(w), seg + j));
     if (ej == e && e >= 0) {
       if (j < k) first = false;
-      sum = sum + wj;
+      sum = named ? sum + wj : wj;  // the first weight as it is (a -0.0 stays -0.0), then sums
+      named = true;
     }
   }
   return {first ? e : -1, sum};
@@ -374,6 +376,7 @@ EP_KERNEL(kThreads) epgen_expand_gfx950_bf16_w8_h7168_k8_l32_t4096_256x4_u2_a16(
     const EpSlot s = ep_slot(arena, rank, row, valid, lane);
     int before = 0;  // lanes below this one (earlier rows of the pass) naming the same expert
     bool last = true;
+#pragma unroll 1
     for (int j = 0; j < kWave; ++j) {
       const int ej = ep_shfl(s.expert, j);
       if (s.expert >= 0 && ej == s.expert) {

@@ -1,0 +1,269 @@
+"""GPU tests of the expert layout, the weighted combine, capped receive memory and the short-y
+check, against ``epgen.reference`` (virtual ranks on one GPU; W = 1 is a single rank).
+
+Every expanded row is compared bit for bit with the reference row of the same (source rank,
+source token, top-k slot); the per-expert sets, counts and offsets must be exact; padding rows
+must be zero; every combine must equal ``reference.combine_weighted`` bit for bit, with the rows
+the fold must not read (padding, rows past offsets[L]) poisoned with NaN.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epgen import reference
+from epgen.codegen.config import EpConfig, Geometry
+
+GEO = Geometry(blocks=8, warps_per_block=8, unroll=2)  # W x 8 blocks resident at once on one H200
+
+
+def _config(world_size, *, hidden=256, topk=4, experts_per_rank=3, tmax=96, alignment=16, **kw):
+    return EpConfig(world_size=world_size, hidden=hidden, topk=topk, num_experts=world_size * experts_per_rank,
+                    max_tokens_per_rank=tmax, layout="expert", expert_alignment=alignment, timeout_s=10.0,
+                    dispatch_geometry=GEO, combine_geometry=GEO, **kw)
+
+
+def _op(cfg, validate=True):
+    from epgen.op import EpDispatchCombine
+
+    return EpDispatchCombine(cfg, virtual=cfg.world_size > 1, validate=validate)
+
+
+def _lists(op, values):
+    return values if op.virtual else values[0]
+
+
+def _inputs(cfg, tokens, seed, *, invalid=0.15, duplicates=0.2, local_pairs=0.3):
+    """Per rank (x, weights, indices, scales) on the CPU: random bf16 (or fp8 codes) rows, random
+    weights, ids with -1 slots, a slot repeating an earlier slot's expert, and a slot naming another
+    expert of an earlier slot's rank."""
+    g = torch.Generator().manual_seed(seed)
+    E, K, L = cfg.num_experts, cfg.topk, cfg.experts_per_rank
+    out = []
+    for T in tokens:
+        if cfg.dtype == "bf16":
+            x = torch.randn(T, cfg.hidden, generator=g).to(torch.bfloat16)
+        else:
+            x = torch.randint(0, 256, (T, cfg.hidden), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        w = torch.rand(T, K, generator=g) + 0.01
+        ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32)
+        for k in range(1, K):
+            pick = torch.rand(T, generator=g)
+            earlier = ids[:, torch.randint(0, k, (1,), generator=g).item()]
+            ids[:, k] = torch.where(pick < duplicates, earlier, ids[:, k])
+            same_rank = earlier // L * L + torch.randint(0, L, (T,), generator=g, dtype=torch.int32)
+            ids[:, k] = torch.where((pick >= duplicates) & (pick < duplicates + local_pairs), same_rank, ids[:, k])
+        ids[torch.rand(T, K, generator=g) < invalid] = -1
+        s = (torch.randint(0, 256, (T, cfg.scale_bytes), generator=g, dtype=torch.uint8) if cfg.scale_bytes
+             else None)
+        out.append((x, w, ids, s))
+    return out
+
+
+def _dispatch(op, cfg, inputs):
+    dev = op.device
+    cols = [[t[i].to(dev) if t[i] is not None else None for t in inputs] for i in range(4)]
+    outs = op.dispatch(*(_lists(op, c) for c in cols[:3]), _lists(op, cols[3]) if cfg.scale_bytes else None)
+    return outs if op.virtual else [outs]
+
+
+def _reference(cfg, inputs):
+    recv = reference.dispatch([t[0] for t in inputs], [t[1] for t in inputs], [t[2] for t in inputs],
+                              experts_per_rank=cfg.experts_per_rank,
+                              scales=[t[3] for t in inputs] if cfg.scale_bytes else None)
+    return recv, reference.expand(recv, experts_per_rank=cfg.experts_per_rank, alignment=cfg.expert_alignment)
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+
+def _check_layout(cfg, got, want) -> list[torch.Tensor]:
+    """Per rank: the expanded rows equal the reference's, group by group; returns per rank the
+    permutation ``kernel_row[perm[q]]`` = reference row q (over the reference's rows)."""
+    perms = []
+    for d, (g, w) in enumerate(zip(got, want)):
+        counts, offsets = g.counts.cpu(), g.offsets.cpu()
+        assert torch.equal(counts, w.counts), (d, counts, w.counts)
+        assert torch.equal(offsets, w.offsets), (d, offsets, w.offsets)
+        used = int(offsets[-1])
+        src = g.src[:used].cpu()
+        perm = torch.full((used,), -1, dtype=torch.int64)
+        for e in range(cfg.experts_per_rank):
+            lo, n, hi = int(offsets[e]), int(counts[e]), int(offsets[e + 1])
+            p = reference.align_rows(w.src[lo:lo + n], src[lo:lo + n])  # the expert's set, exact
+            perm[lo:lo + n] = p + lo
+            pad = slice(lo + n, hi)  # padding: zeros, weight 0, source -1
+            assert not g.x[pad].cpu().view(torch.uint8).any() and not g.weights[pad].cpu().any(), (d, e)
+            assert (src[pad] == -1).all(), (d, e)
+            if g.scales is not None:
+                assert not g.scales[pad].cpu().any(), (d, e)
+        rows = perm >= 0
+        for name in ("x", "weights", "scales"):
+            mine, theirs = getattr(g, name), getattr(w, name)
+            if theirs is None:
+                continue
+            assert torch.equal(_bits(mine[:used].cpu()[perm[rows]]), _bits(theirs[rows])), (d, name)
+        perms.append(perm)
+    return perms
+
+
+def _ys(op, cfg, want, perms, seed, zero_copy):
+    """Reference y per rank (random bf16) and the kernel's y: the same row for the same (rank,
+    token, slot), NaN in every row the fold must not read."""
+    g = torch.Generator().manual_seed(seed)
+    ref, mine = [], []
+    for d, (w, perm) in enumerate(zip(want, perms)):
+        y = torch.randn(w.num_rows, cfg.hidden, generator=g).to(torch.bfloat16)
+        ref.append(y)
+        dst = (op.combine_input(op.local_ranks[d]) if zero_copy else
+               torch.empty(op.layout.expert_rows, cfg.hidden, dtype=torch.bfloat16, device=op.device))
+        dst.fill_(float("nan"))
+        rows = perm >= 0
+        dst[perm[rows].to(op.device)] = y[rows].to(op.device)
+        mine.append(dst)
+    return ref, mine
+
+
+def _round(op, cfg, tokens, seed, *, zero_copy=True):
+    inputs = _inputs(cfg, tokens, seed)
+    got = _dispatch(op, cfg, inputs)
+    recv, want = _reference(cfg, inputs)
+    perms = _check_layout(cfg, got, want)
+    ref_y, ys = _ys(op, cfg, want, perms, seed + 1000, zero_copy)
+    out = op.combine(_lists(op, ys))
+    out = out if op.virtual else [out]
+    expect = reference.combine_weighted(ref_y, want, recv, list(tokens), combine_quant=cfg.combine_quant)
+    for r, (o, e) in enumerate(zip(out, expect)):
+        assert torch.equal(o.cpu(), e), (r, (o.cpu().float() - e.float()).abs().max())
+
+
+CASES = [  # (W, L, K, alignment, token counts)
+    (1, 8, 4, 1, [[0], [1], [77], [96]]),
+    (1, 256, 8, 128, [[96], [3]]),
+    (4, 1, 1, 16, [[96, 0, 5, 96], [0, 0, 0, 0]]),
+    (4, 3, 9, 64, [[96, 1, 0, 40], [96] * 4]),
+    (8, 2, 16, 16, [[96] * 8, [0, 1, 2, 3, 96, 0, 7, 0]]),
+    (8, 3, 4, 1, [[50, 0, 96, 1, 0, 0, 96, 3]]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W,L,K,A,rounds", CASES, ids=[f"w{c[0]}-l{c[1]}-k{c[2]}-a{c[3]}" for c in CASES])
+def test_expert_layout_and_weighted_combine_match_the_reference(W, L, K, A, rounds):
+    cfg = _config(W, experts_per_rank=L, topk=K, alignment=A)
+    op = _op(cfg)
+    for i, tokens in enumerate(rounds):
+        _round(op, cfg, tokens, 10 * i + W, zero_copy=i % 2 == 0)
+    op.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", ["none", "fp8_direct_cast", "fp8_blockwise", "fp4_blockwise"])
+def test_weighted_combine_in_every_wire_format(quant):
+    cfg = _config(4, hidden=2880, topk=8, experts_per_rank=4, tmax=64, combine_quant=quant)
+    op = _op(cfg)
+    _round(op, cfg, [64, 3, 0, 64], 7)
+    op.close()
+
+
+@pytest.mark.gpu
+def test_fp8_payload_and_scales_expand_bit_equal():
+    cfg = _config(4, hidden=512, topk=6, experts_per_rank=4, dtype="fp8", scale_bytes=16)
+    op = _op(cfg)
+    _round(op, cfg, [96, 20, 0, 96], 3)
+    op.close()
+
+
+@pytest.mark.gpu
+def test_deepseek_v3_shape_virtual_8():
+    cfg = EpConfig.for_model("deepseek-v3", world_size=8, max_tokens_per_rank=256, layout="expert",
+                             expert_alignment=16, timeout_s=10.0)
+    op = _op(cfg)
+    _round(op, cfg, [256, 0, 1, 128, 256, 256, 17, 256], 5)
+    op.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+def test_capped_receive_memory_overflow_raises_then_the_op_runs_again(layout):
+    from epgen.op import EpError
+
+    kw = dict(layout=layout, expert_alignment=16 if layout == "expert" else 1)
+    cfg = EpConfig(world_size=4, hidden=256, topk=2, num_experts=8, max_tokens_per_rank=64, max_recv_tokens=70,
+                   timeout_s=10.0, dispatch_geometry=GEO, combine_geometry=GEO, **kw)
+    op = _op(cfg)
+    dev = op.device
+    xs = [torch.randn(64, 256, device=dev).to(torch.bfloat16) for _ in range(4)]
+    ws = [torch.rand(64, 2, device=dev) for _ in range(4)]
+    crowd = [torch.zeros(64, 2, dtype=torch.int32, device=dev) for _ in range(4)]  # 256 rows for rank 0
+    with pytest.raises(EpError, match=r"receive buffer of rank 0 would need \d+ rows, more than its 70") as e:
+        op.dispatch(xs, ws, crowd)
+    assert e.value.recoverable
+    assert int(op.recv_buffers(0).num_recv) == 70  # clamped: no later kernel reads past the buffers
+    spread = [torch.arange(128, dtype=torch.int32, device=dev).view(64, 2) % 8 for _ in range(4)]
+    recv = op.dispatch(xs, ws, spread)  # both experts of a token on one rank: 64 rows a rank, within the cap
+    got = [o.recv if layout == "expert" else o for o in recv]
+    want = reference.dispatch([x.cpu() for x in xs], [w.cpu() for w in ws], [i.cpu() for i in spread],
+                              experts_per_rank=2, max_recv_tokens=70)
+    for g, w in zip(got, want):
+        n = int(g.num_recv)
+        perm = reference.align_rows(w.src, g.recv_src[:n].cpu())
+        assert torch.equal(g.recv_x[:n].cpu()[perm], w.x)
+    op.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+def test_combine_with_a_short_y_raises_and_the_op_runs_again(layout):
+    from epgen.op import EpError
+
+    cfg = _config(4, alignment=16) if layout == "expert" else EpConfig(
+        world_size=4, hidden=256, topk=4, num_experts=12, max_tokens_per_rank=96, timeout_s=10.0,
+        dispatch_geometry=GEO, combine_geometry=GEO)
+    op = _op(cfg)
+    inputs = _inputs(cfg, [96] * 4, 1)
+    got = _dispatch(op, cfg, inputs)
+    need = [int(g.offsets[-1]) if layout == "expert" else int(g.num_recv) for g in got]
+    ys = [torch.zeros(n - 1, cfg.hidden, dtype=torch.bfloat16, device=op.device) for n in need]
+    with pytest.raises(EpError, match=rf"combine: y has {need[0] - 1} rows but this rank's last dispatch produced "
+                                      rf"{need[0]}") as e:
+        op.combine(ys)
+    assert e.value.recoverable
+    if layout == "expert":
+        _round(op, cfg, [96, 0, 5, 60], 2)
+    op.close()
+
+
+@pytest.mark.gpu
+def test_graph_of_dispatch_expert_stage_and_combine_replays_with_fresh_inputs():
+    cfg = _config(4, topk=6, experts_per_rank=4, alignment=16)
+    op = _op(cfg, validate=False)
+    tokens = [96, 30, 0, 96]
+    static = [(x.to(op.device), w.to(op.device), i.to(op.device)) for x, w, i, _ in _inputs(cfg, tokens, 0)]
+
+    def layer():
+        outs = op.dispatch(*([s[j] for s in static] for j in range(3)))
+        for r, o in zip(op.local_ranks, outs):  # the expert stage: y = 2 x (exact in bf16)
+            torch.mul(o.x, 2, out=op.combine_input(r))
+        return op.combine([op.combine_input(r) for r in op.local_ranks])
+
+    torch.cuda.synchronize()
+    layer()  # eager once before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = layer()
+    for seed in (1, 2, 3):
+        fresh = _inputs(cfg, tokens, seed)
+        for s, (x, w, i, _) in zip(static, fresh):
+            s[0].copy_(x), s[1].copy_(w), s[2].copy_(i)
+        graph.replay()
+        torch.cuda.synchronize()
+        op.check()
+        recv, want = _reference(cfg, fresh)
+        expect = reference.combine_weighted([(e.x.float() * 2).to(torch.bfloat16) for e in want], want, recv, tokens)
+        for r, (o, e) in enumerate(zip(outs, expect)):
+            assert torch.equal(o.cpu(), e), (seed, r)
+    op.close()
