@@ -82,7 +82,14 @@ def run_moe_demo(cfg: EpConfig, model: str, intermediate: int, iters: int, conso
         if not quiet:
             console.print(summary["gpu_skipped"] + ".")
     else:
-        summary["gpu"] = _run_gpu(cfg, model, intermediate, iters, console, quiet)
+        # dense_moe's bound models bf16 GEMMs that accumulate in float32; cuBLAS may otherwise round
+        # split-K partial sums to bf16 (the dense reference's matmuls run on the GPU here)
+        previous = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        try:
+            summary["gpu"] = _run_gpu(cfg, model, intermediate, iters, console, quiet)
+        finally:
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = previous
         rc = 0 if summary["gpu"]["passed"] else 1
     if as_json:
         print(json.dumps(summary))

@@ -99,6 +99,8 @@ def bench_rank(rank: int, world_size: int, opts: Options) -> None:
     from epgen.moe_a2a import AllToAllMoE
     from epgen.moe_demo import dense_error, moe_config, rank_inputs
 
+    # dense_moe's bound models bf16 GEMMs that accumulate in float32 (no bf16 split-K partial sums)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     device = torch.device("cuda", rank)
     cfg = moe_config(opts.model, world_size, max(opts.tokens), opts.experts)
     L, H, I, E = cfg.experts_per_rank, cfg.hidden, opts.intermediate, cfg.num_experts

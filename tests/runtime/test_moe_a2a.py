@@ -110,6 +110,7 @@ def _nccl_rank(rank: int, world_size: int, tokens: list[int], seed: int) -> None
     """On cuda:rank with the NCCL group epgen.ranks made: the layer against dense_moe."""
     from epgen.moe_a2a import AllToAllMoE
 
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False  # dense_moe's bound assumes it
     dev = torch.device("cuda", rank)
     xs, ws, ids, experts = _inputs(world_size, tokens, seed)
     xs, ws, ids = ([t.to(dev) for t in v] for v in (xs, ws, ids))
