@@ -18,8 +18,16 @@ from rich.markup import escape
 
 from epgen import flags
 from epgen.codegen.catalogue import CATALOGUE_MAX_TOKENS, CATALOGUE_WORLD_SIZE
-from epgen.options import DEFAULT_MODEL, BenchOptions, StressOptions, TuneOptions
+from epgen.options import DEFAULT_MODEL, BenchOptions, DemoOptions, StressOptions, TuneOptions
 from epgen.progress import Progress
+
+MOE_DEMO_TOKENS = 1024
+"""``epgen demo --moe``'s tokens per rank: W = 8 virtual ranks of deepseek-v3 then need about
+40 GiB (``epgen.moe_demo.memory_bytes``: weights 21 GiB, expert-major rows 14 GiB, receive rows
+2 GiB, one rank's GEMM temporaries at a time, eager and in the timing's graphs, 3 GiB), plus the
+dense reference's chunk; 4096 would need about 95 GiB."""
+MOE_DEMO_INTERMEDIATE = 2048
+"""``epgen demo --moe``'s expert intermediate size (deepseek-v3's moe_intermediate_size)."""
 
 
 def _error(verb: str, message: str) -> None:
@@ -245,6 +253,12 @@ def cmd_demo(args, parser, console) -> int:
 
     flags.check_model(args.model, parser)
     flags.check_wave_size(args.world_size, ARCHES, parser, arch_flag=False)  # the demo covers every arch
+    if args.moe:
+        return _moe_demo(args, parser, console)
+    given = [f for f, v in (("--experts", args.experts), ("--intermediate", args.intermediate)) if v is not None]
+    if given:
+        parser.error(f"{' '.join(given)}: only with --moe")
+    args.tokens = args.tokens or DemoOptions().tokens
     try:
         EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=args.tokens)
     except ValueError as e:
@@ -253,6 +267,23 @@ def cmd_demo(args, parser, console) -> int:
     from epgen.demo import run_demo
 
     return run_demo(args.model, args.world_size, args.tokens, args.iters, console, quiet=args.quiet, as_json=args.json)
+
+
+def _moe_demo(args, parser, console) -> int:
+    """``epgen demo --moe``: the MoE layer (``epgen.moe_demo``); --tokens defaults to MOE_DEMO_TOKENS."""
+    from epgen.moe_demo import moe_config, run_moe_demo
+
+    tokens = args.tokens or MOE_DEMO_TOKENS
+    try:
+        cfg = moe_config(args.model, args.world_size, tokens, args.experts)
+    except ValueError as e:
+        field = getattr(e, "field", None)
+        flag = ("--tokens" if field == "max_tokens_per_rank" else "--experts" if field in ("num_experts", "topk")
+                and args.experts is not None else "--world-size")
+        value = {"--tokens": tokens, "--experts": args.experts, "--world-size": args.world_size}[flag]
+        parser.error(f"{e} ({flag} {value} with --model {args.model} --moe)")
+    return run_moe_demo(cfg, args.model, args.intermediate or MOE_DEMO_INTERMEDIATE, args.iters, console,
+                        quiet=args.quiet, as_json=args.json)
 
 
 def cmd_bench(args, parser, console) -> int:
@@ -351,8 +382,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default 5)")
 
     d = verb("demo", "render and compile-check one model for every arch (printing the compiler releases); with a "
-             "GPU, run, verify and time dispatch/combine over virtual ranks", cmd_demo)
+             "GPU, run, verify and time dispatch/combine over virtual ranks; with --moe, the whole MoE layer",
+             cmd_demo)
     flags.add_demo_args(d)
+    d.set_defaults(tokens=None)  # DemoOptions().tokens, or MOE_DEMO_TOKENS with --moe
+    d.add_argument("--moe", action="store_true", help="instead: the whole MoE layer of --model (epgen.moe.MoELayer: "
+                   "dispatch, expansion, SwiGLU expert GEMMs, fold, combine) on virtual ranks of one GPU with random "
+                   "weights and routing, checked against the dense reference, GPU time per stage; --tokens defaults "
+                   f"to {MOE_DEMO_TOKENS} with it")
+    d.add_argument("--experts", type=flags.positive, help="with --moe: routed experts E (default the model's), a "
+                   "multiple of --world-size and at least the model's top-k")
+    d.add_argument("--intermediate", type=flags.positive, help="with --moe: expert intermediate size I (default "
+                   f"{MOE_DEMO_INTERMEDIATE})")
 
     b = verb("bench", "time dispatch/combine against the P2P ceiling and NCCL all_to_all_single in one run; "
              "write CSV, PNG and a table", cmd_bench)
