@@ -13,6 +13,9 @@
 #           point -> tools/results/$SMALL_TAG-w{1,2}.{csv,png} (issue 13's before/after of the spin-waits)
 #   stress  epgen stress: 200 rounds with W=2 on two GPUs, then 200 with 8 virtual ranks
 #   probe   tools/p2p_probe.py: copy mechanisms (LSU vs bulk copies) at 16-132 blocks, both directions
+#   moe     epgen demo --moe (deepseek-v3 MoE layer, 8 virtual ranks, $MOE_TOKENS tokens a rank, default
+#           the demo's), then at W = 1 -> tools/results/moe-demo-h200-w{8,1}.txt
+#   moebench tools/bench_moe.py at W = 1 (a one-rank NCCL group: correctness) -> tools/results/bench_moe-ep1-*
 #   build   epgen build W=2 Tmax=8192 for sm_90 into a fresh cache, then time load_kernel per variant:
 #           warm import from it against a cold compile (fresh processes, empty CUPY_CACHE_DIR, 5 runs)
 #           -> tools/results/aot-import-ep2-h200.txt
@@ -50,6 +53,11 @@ for step in ${STEPS:-demo tune bench bench24 fp8 tests}; do
              timeout ${BENCH_TIMEOUT:-300} python -m epgen bench --world-size $w $([ $w -gt 1 ] && echo --virtual) \
                --tokens 1 128 4096 --routing uniform --iters 50 -o tools/results/${SMALL_TAG:-small}-w$w
            done ;;
+    moe) for w in 8 1; do
+           timeout ${MOE_TIMEOUT:-300} python -m epgen demo --moe --world-size $w ${MOE_TOKENS:+--tokens $MOE_TOKENS} \
+             | tee tools/results/moe-demo-h200-w$w.txt
+         done ;;
+    moebench) timeout ${MOE_TIMEOUT:-300} python tools/bench_moe.py --world-size 1 ${MOE_TOKENS:+--tokens $MOE_TOKENS} ;;
     probe) timeout ${PROBE_TIMEOUT:-200} python tools/p2p_probe.py ;;
     tests) timeout ${TEST_TIMEOUT:-400} python -m pytest ${TESTS:-tests} -m "gpu or multigpu" -q -rA --durations=15 \
              ${K:+-k "$K"} ;;
