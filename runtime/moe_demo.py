@@ -17,7 +17,6 @@ import json
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from epgen.codegen.catalogue import CATALOGUE_EXPERT_LAYOUT
 from epgen.codegen.config import EpConfig
@@ -159,6 +158,7 @@ def _stage_graphs(calls: dict) -> tuple[dict, list]:
 
 def _run_gpu(cfg: EpConfig, model: str, intermediate: int, iters: int, console: Console, quiet: bool) -> dict:
     from epgen.moe import ExpertWeights, MoELayer
+    from epgen.codegen.report import styled_table
     from epgen.timing import time_pairs_queued
 
     W, L, H, T = cfg.world_size, cfg.experts_per_rank, cfg.hidden, cfg.max_tokens_per_rank
@@ -215,12 +215,6 @@ def _run_gpu(cfg: EpConfig, model: str, intermediate: int, iters: int, console: 
                             "best_us": t.best_us, "host_launched_us": host.median_us}
     method = f"{how}, {'queued' if covered else 'queued-short-sleep (the delay ended early: partly host-bound)'}"
     gemm_tflops = 2 * 3 * padded * H * intermediate / (stages["experts"]["median_us"] * 1e6)
-    table = Table(title=f"{model} MoE layer on {torch.cuda.get_device_name(device)}: {'virtual ' if virtual else ''}"
-                        f"W={W}, {T} tokens/rank, E={cfg.num_experts}, top-{cfg.topk}, H={H}, I={intermediate}; "
-                        f"GPU us per stage, all {W} ranks; {method} (epgen.timing.time_pairs_queued), {iters} "
-                        f"iterations")
-    for c in ("stage", "what runs", "median us", "mean ± stdev us", "best us", "host-launched us"):
-        table.add_column(c, justify="left" if c in ("stage", "what runs") else "right")
     what = {"dispatch": "op.dispatch: the rank-major send, then the expansion",
             "expand": "op.expand alone: receive rows into per-expert groups",
             "experts": f"layer.experts: SwiGLU GEMMs on {rows} expanded rows ({padded} with the alignment "
@@ -228,10 +222,18 @@ def _run_gpu(cfg: EpConfig, model: str, intermediate: int, iters: int, console: 
             "fold": "op.fold alone: weight and fold each token's expert rows",
             "combine": "op.combine: the fold, then the gather of the folded rows",
             "forward": "layer.forward: the whole layer"}
+    table = styled_table(f"{model} MoE layer, {torch.cuda.get_device_name(device)}, {'virtual ' if virtual else ''}"
+                         f"W={W}: GPU us per stage, all {W} ranks",
+                         f"{T} tokens/rank, E={cfg.num_experts}, top-{cfg.topk}, H={H}, I={intermediate}; {method} "
+                         f"(epgen.timing.time_pairs_queued), {iters} iterations.\n"
+                         + "\n".join(f"{name}: {text}" for name, text in what.items()))
+    for c in ("stage", "median us", "mean ± stdev us", "best us", "host-launched us", "% of forward"):
+        table.add_column(c, justify="left" if c == "stage" else "right")
     for name in ("dispatch", "expand", "experts", "fold", "combine", "forward"):
         s = stages[name]
-        table.add_row(name, what[name], f"{s['median_us']:.1f}", f"{s['mean_us']:.1f} ± {s['stdev_us']:.1f}",
-                      f"{s['best_us']:.1f}", f"{s['host_launched_us']:.1f}")
+        table.add_row(name, f"{s['median_us']:.1f}", f"{s['mean_us']:.1f} ± {s['stdev_us']:.1f}",
+                      f"{s['best_us']:.1f}", f"{s['host_launched_us']:.1f}",
+                      f"{100 * s['median_us'] / stages['forward']['median_us']:.1f}")
     med = {name: s["median_us"] for name, s in stages.items()}
     send, gather = med["dispatch"] - med["expand"], med["combine"] - med["fold"]
     if not quiet:
