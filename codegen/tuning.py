@@ -67,17 +67,19 @@ def default_geometry(arch: str) -> Geometry:
                     unroll=DEFAULT_UNROLL)
 
 
-LOCAL_BLOCKS = 256
-LOCAL_THREADS = 256
-LOCAL_UNROLL = 2
+LOCAL_GEOMETRY = {"expand": (132, 512, 2), "fold": (256, 512, 1)}
+"""(blocks, threads, unroll) of the expert layout's local kernels without a table entry, the best of
+``tools/local_sweep.py`` on the H200 (tools/NOTES.md, session 5 run 4: deepseek-v3 at 1024 tokens a
+rank, W = 1 and virtual W = 8): the fold at unroll 1 with 16 warps a block (45 / 523 us against 62 /
+711 us at 256 x 8 warps, unroll 2), expand alike within 1 % at W = 8 and fastest at W = 1 with
+132 blocks (59 us against 66). On AMD a starting point, not a measurement."""
 
 
-def local_geometry(arch: str) -> Geometry:
-    """Geometry of the expert layout's row copies (expand, fold) without a table entry: 256 blocks of
-    256 threads, unroll 2: enough 16-byte accesses in flight for HBM on every target while the
-    fold's per-slot loads (top-k x unroll vectors a lane) stay in registers. A starting point, not a
-    measurement."""
-    return Geometry(blocks=LOCAL_BLOCKS, warps_per_block=LOCAL_THREADS // traits(arch).wave_size, unroll=LOCAL_UNROLL)
+def local_geometry(arch: str, op: str) -> Geometry:
+    """Geometry of the expert layout's ``op`` ("expand", "fold") without a table entry
+    (``LOCAL_GEOMETRY``)."""
+    blocks, threads, unroll = LOCAL_GEOMETRY[op]
+    return Geometry(blocks=blocks, warps_per_block=threads // traits(arch).wave_size, unroll=unroll)
 
 
 @functools.lru_cache(maxsize=None)

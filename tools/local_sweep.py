@@ -15,7 +15,7 @@ GEOS = [Geometry(*g) for g in ((256, 8, 2), (528, 8, 2), (264, 8, 4), (132, 16, 
                                (256, 16, 1))]
 for W in (1, 8):
     for geo in GEOS:
-        config_module.local_geometry = lambda arch, geo=geo: geo
+        config_module.local_geometry = lambda arch, op, geo=geo: geo
         cfg = EpConfig.for_model("deepseek-v3", world_size=W, max_tokens_per_rank=1024, layout="expert",
                                  expert_alignment=16)
         try:
