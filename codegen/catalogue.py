@@ -29,11 +29,12 @@ MANIFEST = "manifest.json"
 def shape_specs(*, hidden: int, topk: int, num_experts: int, world_size: int = CATALOGUE_WORLD_SIZE,
                 max_tokens_per_rank: int = CATALOGUE_MAX_TOKENS, dtype: str = "bf16", combine_quant: str = "none",
                 scale_bytes: int = 0, arches=ARCHES, geometry: Geometry | None = None, layout: str = "rank",
-                expert_alignment: int = 1) -> list[KernelSpec]:
+                expert_alignment: int = 1, max_recv_tokens: int | None = None) -> list[KernelSpec]:
     """Dispatch and combine specs of one shape for each arch (and the expert layout's kernels with
     ``layout="expert"``): ``geometry`` for both transport ops, or the tuning table's geometry at
     ``max_tokens_per_rank``; ``combine_quant`` is the combine wire, ``scale_bytes`` the per-token
-    scale bytes dispatch forwards.
+    scale bytes dispatch forwards; ``layout``, ``expert_alignment`` and ``max_recv_tokens`` as
+    ``EpConfig``'s.
 
     Raises:
         ValueError: naming the bad field (e.g. num_experts not a multiple of world_size).
@@ -43,7 +44,7 @@ def shape_specs(*, hidden: int, topk: int, num_experts: int, world_size: int = C
     cfg = EpConfig(world_size=world_size, hidden=hidden, topk=topk, num_experts=num_experts,
                    max_tokens_per_rank=max_tokens_per_rank, dtype=dtype, combine_quant=combine_quant,
                    scale_bytes=scale_bytes, dispatch_geometry=geometry, combine_geometry=geometry, layout=layout,
-                   expert_alignment=expert_alignment)
+                   expert_alignment=expert_alignment, max_recv_tokens=max_recv_tokens)
     return [s for arch in arches for s in cfg.kernel_specs(arch)]
 
 

@@ -18,7 +18,7 @@ import attrs
 
 from epgen.codegen.arch import ARCHES, traits
 from epgen.codegen.catalogue import CATALOGUE_MAX_TOKENS, CATALOGUE_WORLD_SIZE, model_specs
-from epgen.codegen.config import EpConfig
+from epgen.codegen.config import LAYOUTS, EpConfig
 from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES
 from epgen.codegen.models import MODELS, model
 from epgen.codegen.spec import TRANSPORT_OPS, Op
@@ -31,7 +31,8 @@ CONFIG_DEFAULTS = {f.name: f.default for f in attrs.fields(EpConfig) if f.defaul
 FLAGS = {"hidden": "--hidden", "topk": "--topk", "num_experts": "--num-experts", "world_size": "--world-size",
          "max_tokens_per_rank": "--max-tokens", "dtype": "--dtype", "scale_bytes": "--scale-bytes",
          "dispatch_geometry": "--dispatch-geometry", "combine_geometry": "--combine-geometry",
-         "combine_quant": "--quant"}
+         "combine_quant": "--quant", "layout": "--layout", "expert_alignment": "--expert-alignment",
+         "max_recv_tokens": "--max-recv-tokens", "recv_tokens": "--max-recv-tokens"}
 """The flag of each EpConfig / KernelSpec field the shape flags set directly."""
 
 _GEOMETRY_FIELDS = ("blocks", "warps_per_block", "unroll")
@@ -85,7 +86,7 @@ def geometry(text: str) -> Geometry:
 
 def add_shape_args(p: argparse.ArgumentParser, *, model_help: str = "") -> None:
     """--model, --hidden/--topk/--num-experts, --world-size, --max-tokens, --dtype, --quant,
-    --scale-bytes and --arch (repeatable)."""
+    --scale-bytes, --layout, --expert-alignment, --max-recv-tokens and --arch (repeatable)."""
     catalogue = f"the catalogue is fixed at W={CATALOGUE_WORLD_SIZE}/Tmax={CATALOGUE_MAX_TOKENS}"
     p.add_argument("--model", type=model_name, help=f"catalogue model ({', '.join(MODELS)}){model_help}")
     p.add_argument("--hidden", type=positive, help="hidden size H (instead of --model)")
@@ -102,6 +103,12 @@ def add_shape_args(p: argparse.ArgumentParser, *, model_help: str = "") -> None:
                    f"{CONFIG_DEFAULTS['combine_quant']}; alone: the catalogue's combine variants of that wire)")
     p.add_argument("--scale-bytes", type=int, help="opaque per-token scale bytes dispatch forwards "
                    f"(EpConfig.scale_bytes; default {CONFIG_DEFAULTS['scale_bytes']}; needs a shape or a selector)")
+    p.add_argument("--layout", choices=list(LAYOUTS), help=f"receive layout (EpConfig.layout; default "
+                   f"{CONFIG_DEFAULTS['layout']}; 'expert' adds the expand plan, expand and fold kernels; needs a shape)")
+    p.add_argument("--expert-alignment", type=positive, help="with --layout expert: expert groups start at multiples "
+                   f"of this many rows (default {CONFIG_DEFAULTS['expert_alignment']})")
+    p.add_argument("--max-recv-tokens", type=positive, help="receive rows of each rank (EpConfig.max_recv_tokens; "
+                   "default world size x max tokens; needs a shape)")
     p.add_argument("--arch", action="append", choices=list(ARCHES), help="target (repeatable; default all)")
 
 
@@ -231,7 +238,11 @@ def _resolve_sizes(args, parser) -> None:
     if getattr(args, "_sizes_resolved", False):
         return
     given = [f"{flag} {v}" for flag, v in (("--world-size", args.world_size), ("--max-tokens", args.max_tokens),
-                                           ("--scale-bytes", args.scale_bytes)) if v is not None]
+                                           ("--scale-bytes", args.scale_bytes),
+                                           ("--layout", getattr(args, "layout", None)),
+                                           ("--expert-alignment", getattr(args, "expert_alignment", None)),
+                                           ("--max-recv-tokens", getattr(args, "max_recv_tokens", None)))
+             if v is not None]
     shape = args.model or any(v is not None for v in (args.hidden, args.topk, args.dtype, args.quant))
     if given and not shape:
         parser.error(f"{' '.join(given)}: the catalogue is fixed at W={CATALOGUE_WORLD_SIZE} / "
@@ -245,9 +256,12 @@ def _resolve_sizes(args, parser) -> None:
 
 def _layer_kw(args) -> dict:
     """The EpConfig fields beyond the shape that the flags set (defaults: EpConfig's)."""
+    layout = getattr(args, "layout", None) or CONFIG_DEFAULTS["layout"]
+    alignment = getattr(args, "expert_alignment", None) or CONFIG_DEFAULTS["expert_alignment"]
     return dict(world_size=args.world_size, max_tokens_per_rank=args.max_tokens,
                 dtype=args.dtype or CONFIG_DEFAULTS["dtype"], combine_quant=args.quant or CONFIG_DEFAULTS["combine_quant"],
-                scale_bytes=args.scale_bytes)
+                scale_bytes=args.scale_bytes, layout=layout, expert_alignment=alignment,
+                max_recv_tokens=getattr(args, "max_recv_tokens", None))
 
 
 def config_from(args, parser) -> EpConfig | None:

@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -32,6 +33,28 @@ def test_generate_one_model(tmp_path):
     assert len(files) == 2 and all(f.endswith(".cu") and "_h2880_k4_" in f for f in files)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert {s["spec"]["op"] for s in manifest["sources"]} == {"dispatch", "combine"}
+
+
+def test_generate_the_expert_layout_with_a_receive_cap(tmp_path):
+    assert main(["generate", "--model", "gpt-oss-120b", "--layout", "expert", "--expert-alignment", "16",
+                 "--max-recv-tokens", "5000", "--arch", "sm_90", "-o", str(tmp_path), "--quiet"]) == 0
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert [s["spec"]["op"] for s in manifest["sources"]] == ["dispatch", "combine", "expand_plan", "expand", "fold"]
+    assert all(s["spec"]["recv_tokens"] == 5000 and s["spec"]["expert_alignment"] == 16 for s in manifest["sources"])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "gpt-oss-120b", "--expert-alignment", "16"],
+     r"EpConfig.expert_alignment=16: applies to layout='expert' only .*\(--expert-alignment\)"),
+    (["--model", "gpt-oss-120b", "--layout", "expert", "--expert-alignment", "3"],
+     r"EpConfig.expert_alignment=3: must be a power of two from 1 to 256 rows \(--expert-alignment\)"),
+    (["--model", "gpt-oss-120b", "--max-recv-tokens", "40000"],
+     r"EpConfig.max_recv_tokens=40000: must be None or an int in \[1, .* = 32768\] \(--max-recv-tokens\)"),
+    (["--layout", "expert"], "--layout expert: the catalogue is fixed"),
+])
+def test_layout_flags_errors_name_the_flag(argv, message):
+    r = run("generate", *argv, "-o", "/nonexistent-epgen-out")
+    assert r.returncode == 2 and re.search(message, r.stderr), r.stderr
 
 
 def test_generate_custom_shape_and_check_detects_drift(tmp_path):
