@@ -52,7 +52,9 @@ class EpConfig:
             row per (token, rank); "expert": the received rows are also expanded into per-expert
             groups and combine applies the routing weights (README, "Expert layout").
         expert_alignment: the expert layout's groups start at multiples of this many rows (a power
-            of two, 1 to 256; 1 with the rank layout).
+            of two, 1 to 256; 1 with the rank layout). The expert layout holds at most 6143 local
+            experts per rank (its expand kernel counts rows per (warp, expert) in 48 KiB of shared
+            memory; ``KernelSpec.plan_shared_bytes``).
         max_recv_tokens: receive rows of each rank, N (None: W x max_tokens_per_rank, the worst
             case); a dispatch that would need more raises ``EpError`` naming the rank and the rows.
 
@@ -101,7 +103,8 @@ class EpConfig:
                and 0 < self.timeout_s <= 3600, "timeout_s", self.timeout_s, "must be in (0, 3600] seconds")
         _check(isinstance(self.layout, str) and self.layout in LAYOUTS, "layout", self.layout,
                f"must be one of {', '.join(LAYOUTS)}")
-        _check(self.expert_alignment in EXPERT_ALIGNMENTS[1:] and not isinstance(self.expert_alignment, bool),
+        _check(isinstance(self.expert_alignment, int) and not isinstance(self.expert_alignment, bool)
+               and self.expert_alignment in EXPERT_ALIGNMENTS[1:],
                "expert_alignment", self.expert_alignment, "must be a power of two from 1 to 256 rows")
         _check(self.expert_alignment == 1 or self.layout == "expert", "expert_alignment", self.expert_alignment,
                "applies to layout='expert' only (the rank layout has no expert groups)")

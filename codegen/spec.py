@@ -252,7 +252,8 @@ class KernelSpec:
     scale_bytes: int = attrs.field(default=0, validator=_positive("scale_bytes", 0, 4096))
     combine_quant: str = attrs.field(default="none", validator=_one_of("combine_quant", list(COMBINE_QUANTS)))
     recv_tokens: int = attrs.field(default=0, validator=_positive("recv_tokens", 0, 64 * MAX_TOKENS_LIMIT))
-    expert_alignment: int = attrs.field(default=0, validator=_one_of("expert_alignment", EXPERT_ALIGNMENTS))
+    expert_alignment: int = attrs.field(default=0, validator=[_positive("expert_alignment", 0, 256),
+                                                               _one_of("expert_alignment", EXPERT_ALIGNMENTS)])
 
     def __attrs_post_init__(self):
         t = self.traits
@@ -268,9 +269,9 @@ class KernelSpec:
                              f"{PLAN_BLOCKS} blocks (the arena's per-block expert counts)")
         if self.op in (Op.EXPAND_PLAN, Op.EXPAND) and self.plan_shared_bytes > PLAN_SHARED_LIMIT:
             raise FieldError("experts_per_rank", f"KernelSpec.experts_per_rank={self.experts_per_rank}: the "
-                             f"expert layout's plan counts {self.warps_per_block} warps x {self.experts_per_rank} "
+                             f"expert layout's expand kernel counts {self.warps_per_block} warps x {self.experts_per_rank} "
                              f"experts in {self.plan_shared_bytes} bytes of shared memory, more than "
-                             f"{PLAN_SHARED_LIMIT}; at most {PLAN_SHARED_LIMIT // 4 - 2} local experts (one warp)")
+                             f"{PLAN_SHARED_LIMIT}; at most {(PLAN_SHARED_LIMIT - 4) // 8} local experts (one warp)")
         row = self.row_bytes
         if row % t.vector_bytes:
             per = t.vector_bytes * 8 // self.dtype_info.bits

@@ -67,12 +67,15 @@ def default_geometry(arch: str) -> Geometry:
                     unroll=DEFAULT_UNROLL)
 
 
-LOCAL_GEOMETRY = {"expand": (132, 512, 2), "fold": (256, 512, 1)}
-"""(blocks, threads, unroll) of the expert layout's local kernels without a table entry, the best of
-``tools/local_sweep.py`` on the H200 (tools/NOTES.md, session 5 run 4: deepseek-v3 at 1024 tokens a
-rank, W = 1 and virtual W = 8): the fold at unroll 1 with 16 warps a block (45 / 523 us against 62 /
-711 us at 256 x 8 warps, unroll 2), expand alike within 1 % at W = 8 and fastest at W = 1 with
-132 blocks (59 us against 66). On AMD a starting point, not a measurement."""
+LOCAL_GEOMETRY = {"expand": (132, 512, 1), "fold": (256, 512, 1)}
+"""(blocks, threads, unroll) of the expert layout's local kernels without a table entry, from
+``tools/local_sweep.py`` on the H200 (tools/NOTES.md, session 5 runs 4 and 6: deepseek-v3 at 1024
+tokens a rank, W = 1 and virtual W = 8): the fold at unroll 1 with 16 warps a block (45 / 523 us
+against 62 / 711 us at 256 x 8 warps, unroll 2); expand within 1 % of any geometry at W = 8 and
+fastest at W = 1 with 132 blocks. Expand copies at unroll 1: at unroll 2 gfx950 runs out of its 106
+SGPRs for top-k above 8 (52 spilled bytes at K = 16, H = 7168) and sm_90 spills 16-24 bytes for an
+fp8 payload with scales at top-k 1-2 (offline compiles, clang 22 and NVRTC 13.0). On AMD a starting
+point, not a measurement."""
 
 
 def local_geometry(arch: str, op: str) -> Geometry:

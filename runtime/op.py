@@ -45,15 +45,16 @@ class EpError(RuntimeError):
 @attrs.frozen
 class DispatchOutput:
     """What one rank receives from a dispatch. Views into the rank's arena, valid until its next
-    dispatch; rows >= num_recv are undefined and row order is unspecified.
+    dispatch; rows >= num_recv are undefined and row order is unspecified. N receive rows:
+    ``EpConfig.max_recv_tokens``, or W x Tmax when it is None.
 
     Attributes:
-        recv_x: [W*Tmax, H] payload dtype ([W*Tmax, H/2] uint8 for fp4).
-        recv_weights: [W*Tmax, K] float32, the sender's full row.
-        recv_indices: [W*Tmax, K] int32, the sender's full row.
-        recv_scales: [W*Tmax, S] uint8, or None when S = 0.
-        recv_src: [W*Tmax, 2] int32, (source rank, source token).
-        num_recv: [1] int32 device tensor, rows received.
+        recv_x: [N, H] payload dtype ([N, H/2] uint8 for fp4).
+        recv_weights: [N, K] float32, the sender's full row.
+        recv_indices: [N, K] int32, the sender's full row.
+        recv_scales: [N, S] uint8, or None when S = 0.
+        recv_src: [N, 2] int32, (source rank, source token).
+        num_recv: [1] int32 device tensor, rows received (at most N: after an overflow, N).
     """
 
     recv_x: torch.Tensor
@@ -219,7 +220,8 @@ class EpDispatchCombine:
         validate: synchronize after every call and raise at once on a kernel fault.
 
     Raises:
-        RuntimeError: no GPU, or W > 1 without a process group and without ``virtual``.
+        TypeError: ``config`` is not an EpConfig.
+        RuntimeError: no GPU, no CuPy, or W > 1 without a process group and without ``virtual``.
         ValueError: the process group size differs from ``config.world_size``, ranks hold
             different configs, no kernels exist for this GPU's arch, or an explicit geometry
             whose blocks must all be resident at once does not fit the GPU (virtual ranks; the
@@ -230,10 +232,10 @@ class EpDispatchCombine:
                  validate: bool = False):
         if not isinstance(config, EpConfig):
             raise TypeError(f"config: expected an EpConfig, got {type(config).__name__}")
-        if importlib.util.find_spec("cupy") is None:  # fail here, with the install hint, not at a launch
-            raise RuntimeError("EpDispatchCombine needs CuPy: pip install -e '.[cuda]' (or '.[rocm]')")
         if not torch.cuda.is_available():
             raise RuntimeError("EpDispatchCombine needs a GPU: torch.cuda.is_available() is False")
+        if importlib.util.find_spec("cupy") is None:  # fail here, with the install hint, not at a launch
+            raise RuntimeError("EpDispatchCombine needs CuPy: pip install -e '.[cuda]' (or '.[rocm]')")
         self.config = config
         self.validate = validate
         self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)

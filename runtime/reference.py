@@ -682,6 +682,10 @@ def combine_weighted(
     for d in range(world):
         if not isinstance(recv[d], RecvRows):
             raise ValueError(f"recv[rank {d}]: must be a RecvRows, got {type(recv[d]).__name__}")
+        y = _check_2d(f"ys[rank {d}]", ys[d])
+        if y.shape[1] != _check_2d("ys[rank 0]", ys[0]).shape[1]:
+            raise ValueError(f"ys[rank {d}]: shape {tuple(y.shape)} {y.dtype}: hidden size {y.shape[1]} must be "
+                             f"ys[rank 0]'s {ys[0].shape[1]} (the same H on every rank)")
         folded = _fold(ys[d], expert[d], recv[d].num_rows, f"ys[rank {d}]", f"expert[rank {d}]")
         live = (expert[d].recv_row >= 0).nonzero().flatten()
         pairs = expert[d].src[live, :2].to(torch.int64).cpu()

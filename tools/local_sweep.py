@@ -12,7 +12,7 @@ from epgen.op import EpDispatchCombine
 from epgen.timing import time_pairs_queued
 
 GEOS = [Geometry(*g) for g in ((256, 8, 2), (528, 8, 2), (264, 8, 4), (132, 16, 2), (256, 4, 4), (1056, 4, 2),
-                               (256, 16, 1))]
+                               (256, 16, 1), (132, 16, 1))]
 for W in (1, 8):
     for geo in GEOS:
         config_module.local_geometry = lambda arch, op, geo=geo: geo

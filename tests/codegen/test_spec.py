@@ -603,3 +603,19 @@ def test_combine_quant_names_layout_and_errors():
     assert d.replace(combine_quant="fp4_blockwise").layout.recv_x > d.layout.recv_x  # both ops share one layout
     with pytest.raises(ValueError, match=r"KernelSpec.combine_quant='fp16': must be one of none, fp8_direct_cast"):
         base.replace(combine_quant="fp16")
+
+
+@pytest.mark.parametrize("value", [0, 3, 512, 16.0, True, "16"])
+def test_expert_alignment_must_be_a_power_of_two_int(value):
+    with pytest.raises(ValueError, match=rf"EpConfig.expert_alignment={value!r}: must be a power of two from 1 to 256"):
+        EpConfig(world_size=2, hidden=256, topk=2, num_experts=4, max_tokens_per_rank=8, layout="expert",
+                 expert_alignment=value)
+    with pytest.raises(ValueError, match="KernelSpec.expert_alignment"):
+        spec().replace(expert_alignment=value if value != 0 else -1)
+
+
+def test_the_expert_layout_refuses_more_local_experts_than_expand_counts():
+    EpConfig(world_size=1, hidden=256, topk=2, num_experts=6143, max_tokens_per_rank=8, layout="expert")
+    with pytest.raises(ValueError, match=r"experts_per_rank=6144: .* more than 49152; at most 6143 local experts"):
+        EpConfig(world_size=1, hidden=256, topk=2, num_experts=6144, max_tokens_per_rank=8, layout="expert")
+    EpConfig(world_size=1, hidden=256, topk=2, num_experts=60000, max_tokens_per_rank=8)  # the rank layout has no limit
