@@ -177,16 +177,37 @@ def grouped_mm_available(device) -> bool:
     True on CPU (torch's CPU kernel) and on CUDA devices of compute capability 9.0 or 10.x (the
     CUTLASS kernel reads the group offsets on the device), when this torch has
     ``torch._grouped_mm``. False on other CUDA devices and on ROCm, where torch falls back to a
-    loop that reads the offsets to the host.
+    loop that reads the offsets to the host; False for a CUDA device this process cannot see (a
+    torch built without CUDA, no GPU, or an index past ``torch.cuda.device_count()``); False for
+    every other device type.
+
+    Args:
+        device: a torch.device, a device string ("cpu", "cuda", "cuda:1") or a CUDA device index.
+
+    Raises:
+        TypeError: device not a torch.device, str or int.
+        ValueError: a string torch cannot parse as a device, or a negative index.
     """
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, numbers.Integral)):
+        raise TypeError(f"device={device!r}: must be a torch.device, a device string or a CUDA device index")
+    if isinstance(device, numbers.Integral):
+        if device < 0:
+            raise ValueError(f"device={device!r}: a CUDA device index must be >= 0")
+        device = torch.device("cuda", int(device))
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device={device!r}: not a torch device ({e})") from None
     if not hasattr(torch, "_grouped_mm"):
         return False
-    device = torch.device(device)
     if device.type == "cpu":
         return True
-    if device.type != "cuda" or torch.version.hip is not None:
+    if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
         return False
-    major, minor = torch.cuda.get_device_capability(device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        return False
+    major, minor = torch.cuda.get_device_capability(index)
     return (major, minor) == (9, 0) or major == 10
 
 

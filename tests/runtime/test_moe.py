@@ -13,6 +13,7 @@ from epgen.moe import (
     ExpertWeights,
     MoELayer,
     dense_moe,
+    grouped_mm_available,
     route_topk,
     swiglu_experts,
     swiglu_reference,
@@ -93,6 +94,33 @@ def test_expert_weights_validation():
         ExpertWeights(gate=g, up=g, down=torch.zeros(2, 8, 4, dtype=torch.bfloat16).transpose(1, 2))
     with pytest.raises(ValueError, match=r"hidden=0: must be a positive int"):
         ExpertWeights.random(2, 0, 4, generator=gen(0))
+
+
+# --- grouped_mm_available ------------------------------------------------------------------------
+
+
+def test_grouped_mm_available_without_a_visible_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a torch built without CUDA
+    for device in ("cuda", "cuda:1", torch.device("cuda"), torch.device("cuda", 0), 0, "meta"):
+        assert grouped_mm_available(device) is False, device
+    for device in ("cpu", torch.device("cpu")):
+        assert grouped_mm_available(device) is True, device
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a torch that sees no GPU")
+def test_grouped_mm_available_on_this_cpu_only_torch():
+    assert grouped_mm_available("cuda") is False and grouped_mm_available(torch.device("cuda:0")) is False
+
+
+@pytest.mark.parametrize("device, error, match", [
+    (1.5, TypeError, r"device=1.5: must be a torch.device, a device string or a CUDA device index"),
+    (True, TypeError, r"device=True: must be a torch.device"),
+    ("nonsense", ValueError, r"device='nonsense': not a torch device"),
+    (-1, ValueError, r"device=-1: a CUDA device index must be >= 0"),
+])
+def test_grouped_mm_available_rejects(device, error, match):
+    with pytest.raises(error, match=match):
+        grouped_mm_available(device)
 
 
 # --- swiglu_experts ------------------------------------------------------------------------------
