@@ -228,6 +228,13 @@ def _grouped_refusal(x: torch.Tensor, w: ExpertWeights, out) -> str | None:
     return None
 
 
+def _check_flag(name: str, value) -> None:
+    """A tri-state flag: None (automatic), True or False; anything else (a string, 0, 1) is a
+    TypeError naming it."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r}: must be None, True or False")
+
+
 def _check_expert_stage(x, offsets, w, out) -> None:
     if not isinstance(w, ExpertWeights):
         raise TypeError(f"w: must be an ExpertWeights, got {type(w).__name__}")
@@ -294,10 +301,12 @@ def swiglu_experts(x: torch.Tensor, offsets: torch.Tensor, w: ExpertWeights, *, 
         leaves them as they were, the grouped path holds whatever its kernels left there).
 
     Raises:
-        TypeError: w not an ExpertWeights, a tensor argument not a tensor.
+        TypeError: grouped not None, True or False; w not an ExpertWeights, a tensor argument not
+            a tensor.
         ValueError: shapes, dtypes, devices or contiguity as above; grouped=True where the grouped
             path cannot run (naming why); the loop path's offsets breaking the rules above.
     """
+    _check_flag("grouped", grouped)
     _check_expert_stage(x, offsets, w, out)
     refusal = _grouped_refusal(x, w, out)
     if grouped is None:
@@ -663,7 +672,8 @@ class MoELayer(torch.nn.Module):
         grouped_mm: True when the experts run the grouped path, False for the loop.
 
     Raises:
-        TypeError: config not an EpConfig; a weights entry not an ExpertWeights.
+        TypeError: config not an EpConfig; a weights entry not an ExpertWeights; grouped_mm not
+            None, True or False.
         ValueError: config.layout not "expert" or config.dtype not "bf16" (before any op is
             built); weights not one per local rank, or an entry's L, H or device not the
             config's / op's (naming the rank); grouped_mm=True where the grouped path cannot run;
@@ -681,6 +691,7 @@ class MoELayer(torch.nn.Module):
                              "experts read the expert-major rows of dispatch)")
         if config.dtype != "bf16":
             raise ValueError(f"config.dtype={config.dtype!r}: MoELayer's experts read bf16 rows; use dtype='bf16'")
+        _check_flag("grouped_mm", grouped_mm)
         ws = list(weights) if isinstance(weights, (list, tuple)) else [weights]
         for i, w in enumerate(ws):
             if not isinstance(w, ExpertWeights):

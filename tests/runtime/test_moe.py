@@ -199,6 +199,9 @@ def test_swiglu_writes_out_and_checks_its_inputs():
     with pytest.raises(ValueError, match=r"grouped=True: H=64, I=12: torch._grouped_mm needs both to be multiples of 8"):
         swiglu_experts(x, offsets, odd, grouped=True)
     assert torch.equal(swiglu_experts(x, offsets, odd)[:9], swiglu_experts(x, offsets, odd, grouped=False)[:9])
+    for flag in ("yes", 1, 0):
+        with pytest.raises(TypeError, match=rf"grouped={flag!r}: must be None, True or False"):
+            swiglu_experts(x, offsets, w, grouped=flag)
 
 
 # --- dense_moe -----------------------------------------------------------------------------------
@@ -468,5 +471,7 @@ def test_layer_validation():
     odd = [ExpertWeights.random(L, H, 12, generator=gen(1)) for _ in range(4)]
     with pytest.raises(ValueError, match=r"grouped_mm=True \(weights of rank 0\): H=64, I=12: torch._grouped_mm needs"):
         MoELayer(cfg, odd, grouped_mm=True, op=ReferenceOp(cfg, virtual=True))
+    with pytest.raises(TypeError, match=r"grouped_mm='yes': must be None, True or False"):
+        MoELayer(cfg, weights, grouped_mm="yes", op=ReferenceOp(cfg, virtual=True))
     assert MoELayer(cfg, odd, op=ReferenceOp(cfg, virtual=True)).grouped_mm is False, "None falls back to the loop"
     assert MoELayer(cfg, weights, op=ReferenceOp(cfg, virtual=True)).grouped_mm is True, "CPU has torch._grouped_mm"
