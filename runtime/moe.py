@@ -656,8 +656,10 @@ class MoELayer(torch.nn.Module):
     Args:
         config: an EpConfig with layout="expert" and dtype="bf16" (the experts read bf16 rows).
         weights: ExpertWeights of each rank this process drives, L = config.experts_per_rank
-            local experts of H = config.hidden, bfloat16, on the op's device.
-        virtual, device: as ``EpDispatchCombine``.
+            local experts of H = config.hidden, bfloat16, on the op's device, one intermediate
+            size I for all of them (one process per GPU: each process checks only its own).
+        virtual, device: as ``EpDispatchCombine``; with ``op`` given, virtual must be the op's
+            mode and device None or the op's device index.
         grouped_mm: the expert path (``swiglu_experts``'s ``grouped``), fixed at construction:
             None = grouped where available, True = grouped (refused where it cannot run), False =
             loop.
@@ -673,11 +675,12 @@ class MoELayer(torch.nn.Module):
 
     Raises:
         TypeError: config not an EpConfig; a weights entry not an ExpertWeights; grouped_mm not
-            None, True or False.
+            None, True or False; virtual not a bool.
         ValueError: config.layout not "expert" or config.dtype not "bf16" (before any op is
             built); weights not one per local rank, or an entry's L, H or device not the
-            config's / op's (naming the rank); grouped_mm=True where the grouped path cannot run;
-            op.config differing from config.
+            config's / op's, or its I not weights[0]'s (naming the rank); grouped_mm=True where
+            the grouped path cannot run; an op given whose config differs from config, whose
+            virtual differs from virtual, or whose device is not cuda:device.
         RuntimeError: as ``EpDispatchCombine`` (no GPU, no process group).
     """
 
@@ -699,12 +702,21 @@ class MoELayer(torch.nn.Module):
             if (w.num_experts, w.hidden) != (config.experts_per_rank, config.hidden):
                 raise ValueError(f"weights[{i}]: L={w.num_experts}, H={w.hidden} must be the config's "
                                  f"experts_per_rank={config.experts_per_rank}, hidden={config.hidden}")
+            if w.intermediate != ws[0].intermediate:
+                raise ValueError(f"weights[{i}]: I={w.intermediate} must equal weights[0]'s I={ws[0].intermediate} "
+                                 "(every rank's experts have one intermediate size)")
+        if not isinstance(virtual, bool):
+            raise TypeError(f"virtual={virtual!r}: must be True or False")
         if op is None:
             from epgen.op import EpDispatchCombine
 
             op = EpDispatchCombine(config, virtual=virtual, device=device)
         elif op.config != config:
             raise ValueError(f"op.config={op.config!r}: must equal config={config!r}")
+        elif op.virtual != virtual:
+            raise ValueError(f"virtual={virtual}: the op given was built with virtual={op.virtual}; pass its mode")
+        elif device is not None and op.device != torch.device("cuda", device):
+            raise ValueError(f"device={device!r}: the op given runs on {op.device}")
         ranks = list(op.local_ranks)
         if len(ws) != len(ranks):
             want = f"a list of {len(ranks)} (one per virtual rank)" if op.virtual else "one"

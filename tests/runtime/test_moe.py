@@ -460,18 +460,37 @@ def test_layer_validation():
         MoELayer({"layout": "expert"}, weights)
     cfg = layer_config(4)
     with pytest.raises(ValueError, match=r"weights\[1\]: L=4, H=32 must be the config's experts_per_rank=4, hidden=64"):
-        MoELayer(cfg, [weights[0], ExpertWeights.random(L, 32, I, generator=gen(0))], op=ReferenceOp(cfg, virtual=True))
+        MoELayer(cfg, [weights[0], ExpertWeights.random(L, 32, I, generator=gen(0))], virtual=True,
+                 op=ReferenceOp(cfg, virtual=True))
     with pytest.raises(ValueError, match=r"weights: 3 ExpertWeights given, this process drives ranks \[0, 1, 2, 3\]: "
                                          r"pass a list of 4 \(one per virtual rank\)"):
-        MoELayer(cfg, weights[:3], op=ReferenceOp(cfg, virtual=True))
+        MoELayer(cfg, weights[:3], virtual=True, op=ReferenceOp(cfg, virtual=True))
     with pytest.raises(ValueError, match=r"op.config=.*: must equal config="):
-        MoELayer(cfg, weights, op=ReferenceOp(layer_config(4, alignment=2), virtual=True))
+        MoELayer(cfg, weights, virtual=True, op=ReferenceOp(layer_config(4, alignment=2), virtual=True))
     with pytest.raises(TypeError, match=r"weights\[0\]: must be an ExpertWeights, got Tensor"):
-        MoELayer(cfg, [w.gate for w in weights], op=ReferenceOp(cfg, virtual=True))
+        MoELayer(cfg, [w.gate for w in weights], virtual=True, op=ReferenceOp(cfg, virtual=True))
     odd = [ExpertWeights.random(L, H, 12, generator=gen(1)) for _ in range(4)]
     with pytest.raises(ValueError, match=r"grouped_mm=True \(weights of rank 0\): H=64, I=12: torch._grouped_mm needs"):
-        MoELayer(cfg, odd, grouped_mm=True, op=ReferenceOp(cfg, virtual=True))
+        MoELayer(cfg, odd, virtual=True, grouped_mm=True, op=ReferenceOp(cfg, virtual=True))
     with pytest.raises(TypeError, match=r"grouped_mm='yes': must be None, True or False"):
-        MoELayer(cfg, weights, grouped_mm="yes", op=ReferenceOp(cfg, virtual=True))
-    assert MoELayer(cfg, odd, op=ReferenceOp(cfg, virtual=True)).grouped_mm is False, "None falls back to the loop"
-    assert MoELayer(cfg, weights, op=ReferenceOp(cfg, virtual=True)).grouped_mm is True, "CPU has torch._grouped_mm"
+        MoELayer(cfg, weights, virtual=True, grouped_mm="yes", op=ReferenceOp(cfg, virtual=True))
+    assert MoELayer(cfg, odd, virtual=True, op=ReferenceOp(cfg, virtual=True)).grouped_mm is False, "None falls back to the loop"
+    assert MoELayer(cfg, weights, virtual=True, op=ReferenceOp(cfg, virtual=True)).grouped_mm is True, "CPU has torch._grouped_mm"
+
+
+def test_layer_refuses_a_mismatch_with_the_op_or_across_ranks():
+    weights = rank_weights(4, 61)
+    cfg = layer_config(4)
+    other = ExpertWeights.random(L, H, 16, generator=gen(2))
+    with pytest.raises(ValueError, match=r"weights\[2\]: I=16 must equal weights\[0\]'s I=32 \(every rank's experts "
+                                         r"have one intermediate size\)"):
+        MoELayer(cfg, [weights[0], weights[1], other, weights[3]], virtual=True, op=ReferenceOp(cfg, virtual=True))
+    with pytest.raises(ValueError, match=r"virtual=False: the op given was built with virtual=True; pass its mode"):
+        MoELayer(cfg, weights, virtual=False, op=ReferenceOp(cfg, virtual=True))
+    one = layer_config(1)
+    with pytest.raises(ValueError, match=r"virtual=True: the op given was built with virtual=False"):
+        MoELayer(one, weights[:1], virtual=True, op=ReferenceOp(one, virtual=False))
+    with pytest.raises(ValueError, match=r"device=1: the op given runs on cpu"):
+        MoELayer(cfg, weights, virtual=True, device=1, op=ReferenceOp(cfg, virtual=True))
+    with pytest.raises(TypeError, match=r"virtual='yes': must be True or False"):
+        MoELayer(cfg, weights, virtual="yes", op=ReferenceOp(cfg, virtual=True))
