@@ -676,11 +676,12 @@ class MoELayer(torch.nn.Module):
     Raises:
         TypeError: config not an EpConfig; a weights entry not an ExpertWeights; grouped_mm not
             None, True or False; virtual not a bool.
-        ValueError: config.layout not "expert" or config.dtype not "bf16" (before any op is
-            built); weights not one per local rank, or an entry's L, H or device not the
-            config's / op's, or its I not weights[0]'s (naming the rank); grouped_mm=True where
-            the grouped path cannot run; an op given whose config differs from config, whose
-            virtual differs from virtual, or whose device is not cuda:device.
+        ValueError: config.layout not "expert" or config.dtype not "bf16"; weights not one per
+            local rank, or an entry's L, H not the config's, or its I or device not weights[0]'s
+            (naming the entry); grouped_mm=True where the grouped path cannot run; an op given
+            whose config differs from config, whose virtual differs from virtual, or whose device
+            is not cuda:device. All of these are raised before an op is built; the weights on
+            another device than the op's is raised after, and an op built here is closed first.
         RuntimeError: as ``EpDispatchCombine`` (no GPU, no process group).
     """
 
@@ -695,6 +696,15 @@ class MoELayer(torch.nn.Module):
         if config.dtype != "bf16":
             raise ValueError(f"config.dtype={config.dtype!r}: MoELayer's experts read bf16 rows; use dtype='bf16'")
         _check_flag("grouped_mm", grouped_mm)
+        if not isinstance(virtual, bool):
+            raise TypeError(f"virtual={virtual!r}: must be True or False")
+        if op is not None:
+            if op.config != config:
+                raise ValueError(f"op.config={op.config!r}: must equal config={config!r}")
+            if op.virtual != virtual:
+                raise ValueError(f"virtual={virtual}: the op given was built with virtual={op.virtual}; pass its mode")
+            if device is not None and op.device != torch.device("cuda", device):
+                raise ValueError(f"device={device!r}: the op given runs on {op.device}")
         ws = list(weights) if isinstance(weights, (list, tuple)) else [weights]
         for i, w in enumerate(ws):
             if not isinstance(w, ExpertWeights):
@@ -705,33 +715,31 @@ class MoELayer(torch.nn.Module):
             if w.intermediate != ws[0].intermediate:
                 raise ValueError(f"weights[{i}]: I={w.intermediate} must equal weights[0]'s I={ws[0].intermediate} "
                                  "(every rank's experts have one intermediate size)")
-        if not isinstance(virtual, bool):
-            raise TypeError(f"virtual={virtual!r}: must be True or False")
-        if op is None:
+            if w.device != ws[0].device:
+                raise ValueError(f"weights[{i}]: on {w.device}, must be on weights[0]'s device {ws[0].device}")
+        # the op drives every rank in virtual mode, else one (EpDispatchCombine.local_ranks)
+        count = len(op.local_ranks) if op is not None else config.world_size if virtual else 1
+        if len(ws) != count:
+            want = f"a list of {count} (one per virtual rank)" if virtual else "one (this process's rank)"
+            raise ValueError(f"weights: {len(ws)} ExpertWeights given, this process drives {count} "
+                             f"rank{'s' if count > 1 else ''}: pass {want}")
+        probe = torch.empty(0, config.hidden, dtype=torch.bfloat16, device=ws[0].device)
+        refusals = [(i, _grouped_refusal(probe, w, None)) for i, w in enumerate(ws)]
+        refused = [(i, why) for i, why in refusals if why is not None]
+        if grouped_mm and refused:
+            raise ValueError(f"grouped_mm=True (weights[{refused[0][0]}]): {refused[0][1]}")
+        if grouped_mm is None:
+            grouped_mm = not refused
+        built = op is None
+        if built:  # every check above runs before the op compiles its kernels and allocates its arenas
             from epgen.op import EpDispatchCombine
 
             op = EpDispatchCombine(config, virtual=virtual, device=device)
-        elif op.config != config:
-            raise ValueError(f"op.config={op.config!r}: must equal config={config!r}")
-        elif op.virtual != virtual:
-            raise ValueError(f"virtual={virtual}: the op given was built with virtual={op.virtual}; pass its mode")
-        elif device is not None and op.device != torch.device("cuda", device):
-            raise ValueError(f"device={device!r}: the op given runs on {op.device}")
+        if ws[0].device != op.device:  # the device an op built here picked (device=None: the current one)
+            if built:
+                op.close()
+            raise ValueError(f"weights: on {ws[0].device}, must be on the op's device {op.device}")
         ranks = list(op.local_ranks)
-        if len(ws) != len(ranks):
-            want = f"a list of {len(ranks)} (one per virtual rank)" if op.virtual else "one"
-            raise ValueError(f"weights: {len(ws)} ExpertWeights given, this process drives ranks {ranks}: "
-                             f"pass {want}")
-        for rank, w in zip(ranks, ws):
-            if w.device != op.device:
-                raise ValueError(f"weights[rank {rank}]: on {w.device}, must be on the op's device {op.device}")
-        probe = torch.empty(0, config.hidden, dtype=torch.bfloat16, device=op.device)
-        refusals = [(rank, _grouped_refusal(probe, w, None)) for rank, w in zip(ranks, ws)]
-        refused = [(rank, why) for rank, why in refusals if why is not None]
-        if grouped_mm and refused:
-            raise ValueError(f"grouped_mm=True (weights of rank {refused[0][0]}): {refused[0][1]}")
-        if grouped_mm is None:
-            grouped_mm = not refused
         self.op = op
         self.config = config
         self.ranks = ranks

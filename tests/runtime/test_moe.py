@@ -462,7 +462,7 @@ def test_layer_validation():
     with pytest.raises(ValueError, match=r"weights\[1\]: L=4, H=32 must be the config's experts_per_rank=4, hidden=64"):
         MoELayer(cfg, [weights[0], ExpertWeights.random(L, 32, I, generator=gen(0))], virtual=True,
                  op=ReferenceOp(cfg, virtual=True))
-    with pytest.raises(ValueError, match=r"weights: 3 ExpertWeights given, this process drives ranks \[0, 1, 2, 3\]: "
+    with pytest.raises(ValueError, match=r"weights: 3 ExpertWeights given, this process drives 4 ranks: "
                                          r"pass a list of 4 \(one per virtual rank\)"):
         MoELayer(cfg, weights[:3], virtual=True, op=ReferenceOp(cfg, virtual=True))
     with pytest.raises(ValueError, match=r"op.config=.*: must equal config="):
@@ -470,7 +470,7 @@ def test_layer_validation():
     with pytest.raises(TypeError, match=r"weights\[0\]: must be an ExpertWeights, got Tensor"):
         MoELayer(cfg, [w.gate for w in weights], virtual=True, op=ReferenceOp(cfg, virtual=True))
     odd = [ExpertWeights.random(L, H, 12, generator=gen(1)) for _ in range(4)]
-    with pytest.raises(ValueError, match=r"grouped_mm=True \(weights of rank 0\): H=64, I=12: torch._grouped_mm needs"):
+    with pytest.raises(ValueError, match=r"grouped_mm=True \(weights\[0\]\): H=64, I=12: torch._grouped_mm needs"):
         MoELayer(cfg, odd, virtual=True, grouped_mm=True, op=ReferenceOp(cfg, virtual=True))
     with pytest.raises(TypeError, match=r"grouped_mm='yes': must be None, True or False"):
         MoELayer(cfg, weights, virtual=True, grouped_mm="yes", op=ReferenceOp(cfg, virtual=True))
@@ -494,3 +494,62 @@ def test_layer_refuses_a_mismatch_with_the_op_or_across_ranks():
         MoELayer(cfg, weights, virtual=True, device=1, op=ReferenceOp(cfg, virtual=True))
     with pytest.raises(TypeError, match=r"virtual='yes': must be True or False"):
         MoELayer(cfg, weights, virtual="yes", op=ReferenceOp(cfg, virtual=True))
+
+
+class BuiltOp(ReferenceOp):
+    """Stands in for EpDispatchCombine when MoELayer builds its op: records every build, and puts
+    the op on ``DEVICE``."""
+
+    builds: list = []
+    DEVICE = torch.device("cpu")
+
+    def __init__(self, config, *, virtual, device):
+        super().__init__(config, virtual=virtual)
+        self.device = self.DEVICE
+        self.asked_device = device
+        BuiltOp.builds.append(self)
+
+
+@pytest.fixture
+def built_ops(monkeypatch):
+    import epgen.op
+
+    monkeypatch.setattr(epgen.op, "EpDispatchCombine", BuiltOp)
+    monkeypatch.setattr(BuiltOp, "builds", [])
+    return BuiltOp
+
+
+def test_layer_checks_everything_before_it_builds_the_op(built_ops, monkeypatch):
+    weights = rank_weights(4, 62)
+    cfg = layer_config(4)
+    odd = [ExpertWeights.random(L, H, 12, generator=gen(3)) for _ in range(4)]
+    meta = ExpertWeights(gate=weights[1].gate.to("meta"), up=weights[1].up.to("meta"), down=weights[1].down.to("meta"))
+    for kwargs, error, match in [
+        (dict(weights=weights[:3], virtual=True), ValueError, r"weights: 3 ExpertWeights given, this process drives 4"),
+        (dict(weights=weights[:2]), ValueError, r"weights: 2 ExpertWeights given, this process drives 1 rank: pass one"),
+        (dict(weights=[weights[0], meta, *weights[2:]], virtual=True), ValueError,
+         r"weights\[1\]: on meta, must be on weights\[0\]'s device cpu"),
+        (dict(weights=[*weights[:3], odd[0]], virtual=True), ValueError, r"weights\[3\]: I=12 must equal"),
+        (dict(weights=odd, virtual=True, grouped_mm=True), ValueError, r"grouped_mm=True \(weights\[0\]\)"),
+        (dict(weights=weights, virtual=True, grouped_mm=1), TypeError, r"grouped_mm=1: must be None"),
+    ]:
+        with pytest.raises(error, match=match):
+            MoELayer(cfg, **kwargs)
+        assert built_ops.builds == [], f"{match}: raised after the op was built"
+    layer = MoELayer(cfg, weights, virtual=True, device=3)
+    assert built_ops.builds == [layer.op] and layer.op.asked_device == 3 and layer.op.virtual
+    assert layer.ranks == [0, 1, 2, 3] and not layer.op.closed
+
+
+def test_layer_closes_the_op_it_built_when_the_weights_are_elsewhere(built_ops, monkeypatch):
+    weights = rank_weights(4, 63)
+    cfg = layer_config(4)
+    monkeypatch.setattr(built_ops, "DEVICE", torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"weights: on cpu, must be on the op's device cuda:0"):
+        MoELayer(cfg, weights, virtual=True)
+    assert len(built_ops.builds) == 1 and built_ops.builds[0].closed, "the op built for the layer must be closed"
+    given = ReferenceOp(cfg, virtual=True)
+    given.device = torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"weights: on cpu, must be on the op's device cuda:0"):
+        MoELayer(cfg, weights, virtual=True, op=given)
+    assert not given.closed, "an op the caller gave stays open (the caller owns it)"
