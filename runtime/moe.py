@@ -608,20 +608,27 @@ def dense_moe(xs: list[torch.Tensor], topk_weights: list[torch.Tensor], topk_ids
 def route_topk(logits: torch.Tensor, k: int, *, renormalize: bool = True):
     """Softmax top-k router: the layer's (topk_weights, topk_ids) from router logits.
 
+    A logit of -inf masks its expert (probability 0, never selected); every row needs at least k
+    experts above -inf. NaN and +inf are refused (softmax would turn the whole row into NaN
+    weights). Checking reads one flag to the host (a synchronization).
+
     Args:
-        logits: [T, E] floating (any float dtype; the softmax runs in float32).
+        logits: [T, E] floating (any float dtype; the softmax runs in float32), each entry finite
+            or -inf.
         k: experts per token, 1 <= k <= E.
         renormalize: divide the k selected probabilities by their sum (they then sum to 1);
             False keeps the softmax probabilities.
 
     Returns:
         (weights [T, k] float32, ids [T, k] int32): the k largest probabilities of each row in
-        descending order and their expert ids (distinct within a row; which of two equal
-        probabilities wins is torch.topk's choice).
+        descending order and their expert ids (distinct within a row, none of them masked; which
+        of two equal probabilities wins is torch.topk's choice).
 
     Raises:
         TypeError: logits not a tensor.
-        ValueError: logits not 2-D floating, or k not an int in [1, E].
+        ValueError: logits not 2-D floating, or k not an int in [1, E]; a NaN or +inf logit
+            (naming the first such row and expert); a row with fewer than k experts above -inf,
+            an all -inf row included (naming the first such row).
     """
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits: must be a torch.Tensor, got {type(logits).__name__}")
@@ -630,8 +637,21 @@ def route_topk(logits: torch.Tensor, k: int, *, renormalize: bool = True):
     experts = logits.shape[1]
     if not isinstance(k, numbers.Integral) or isinstance(k, bool) or not 1 <= k <= experts:
         raise ValueError(f"k={k!r}: must be an int in [1, E={experts}]")
+    k = int(k)
+    refused = torch.isnan(logits) | (logits == float("inf"))  # [T, E]
+    live = (logits > float("-inf")).sum(dim=-1)  # [T]: experts not masked
+    short = live < k
+    if bool(refused.any() | short.any()):  # the one host synchronization
+        bad_row = refused.any(dim=-1)
+        first = int((bad_row | short).nonzero()[0])
+        if bool(bad_row[first]):
+            e = int(refused[first].nonzero()[0])
+            raise ValueError(f"logits[{first}, {e}]={float(logits[first, e])}: router logits must be finite or -inf "
+                             "(a masked expert)")
+        raise ValueError(f"logits[{first}]: {int(live[first])} of E={experts} experts above -inf, fewer than k={k}: "
+                         "the row has no top-k (-inf masks an expert)")
     probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = probs.topk(int(k), dim=-1)
+    weights, ids = probs.topk(k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)

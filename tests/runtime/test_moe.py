@@ -66,6 +66,38 @@ def test_route_topk_rejects(logits, k, match):
         route_topk(logits, k)
 
 
+def logits_with(*cells):
+    """[4, 8] zeros with the (row, expert, value) cells set."""
+    t = torch.zeros(4, 8)
+    for row, e, v in cells:
+        t[row, e] = v
+    return t
+
+
+def test_route_topk_takes_minus_inf_as_a_mask():
+    inf = float("inf")
+    logits = logits_with(*((1, e, -inf) for e in range(6)), (2, 0, -inf))  # row 1: two experts left
+    w, ids = route_topk(logits, 2)
+    assert sorted(ids[1].tolist()) == [6, 7] and torch.allclose(w[1], torch.full((2,), 0.5))
+    assert 0 not in ids[2].tolist() and bool(torch.isfinite(w).all())
+
+
+@pytest.mark.parametrize("cells, k, match", [
+    ([(2, 5, float("nan")), (3, 0, float("nan"))], 2,
+     r"logits\[2, 5\]=nan: router logits must be finite or -inf \(a masked expert\)"),
+    ([(1, 3, float("inf"))], 2, r"logits\[1, 3\]=inf: router logits must be finite or -inf"),
+    ([(3, e, float("-inf")) for e in range(8)], 1,
+     r"logits\[3\]: 0 of E=8 experts above -inf, fewer than k=1: the row has no top-k"),
+    ([(0, e, float("-inf")) for e in range(6)] + [(2, 1, float("nan"))], 3,
+     r"logits\[0\]: 2 of E=8 experts above -inf, fewer than k=3"),
+])
+def test_route_topk_rejects_rows_without_a_top_k(cells, k, match):
+    with pytest.raises(ValueError, match=match):
+        route_topk(logits_with(*cells), k)
+    with pytest.raises(ValueError, match=match):
+        route_topk(logits_with(*cells).to(torch.bfloat16), k)
+
+
 # --- ExpertWeights -------------------------------------------------------------------------------
 
 
