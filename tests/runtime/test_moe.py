@@ -585,3 +585,64 @@ def test_layer_closes_the_op_it_built_when_the_weights_are_elsewhere(built_ops, 
     with pytest.raises(ValueError, match=r"weights: on cpu, must be on the op's device cuda:0"):
         MoELayer(cfg, weights, virtual=True, op=given)
     assert not given.closed, "an op the caller gave stays open (the caller owns it)"
+
+
+# --- tools/bench_moe.py's flags ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bench_moe():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "bench_moe.py"
+    spec = importlib.util.spec_from_file_location("bench_moe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench_flag_error(bench_moe, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        bench_moe.parse_args(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tokens", "128", "0"], "--tokens 0: every value must be at least 1"),
+    (["--experts", "7"], "EpConfig.topk=8: must be at most num_experts=7 (--experts 7 with --model deepseek-v3)"),
+    (["--world-size", "3"], "EpConfig.num_experts=256: must be a multiple of world_size=3 (--world-size 3 with "
+                            "--model deepseek-v3)"),
+    (["--world-size", "8", "--experts", "1000000"], "KernelSpec.experts_per_rank=125000: must be in [1, 65536] "
+                                                    "(--experts 1000000 with --model deepseek-v3)"),
+    (["--world-size", "0"], "--world-size 0: must be at least 1"),
+    (["--iters", "4"], "--iters 4: must be at least 5"),
+    (["--warmup", "-1"], "--warmup -1: must be at least 0"),
+    (["--intermediate", "0"], "--intermediate 0: must be at least 1"),
+    (["--tokens", "2000000"], "KernelSpec.max_tokens_per_rank=2000000: must be in [1, 1048576] (--tokens 2000000)"),
+    (["--model", "nope"], "--model nope: model='nope': not in the catalogue"),
+])
+def test_bench_moe_flag_errors_come_before_the_gpu_check(bench_moe, argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert message in bench_flag_error(bench_moe, argv, capsys)
+
+
+def test_bench_moe_checks_the_gpu_and_the_rules_that_need_its_count(bench_moe, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "needs a GPU (torch.cuda.is_available() is False)" in bench_flag_error(bench_moe, [], capsys)
+    # --experts 1000000 fits 65536 local experts from W = 16 on: without --world-size it waits for the GPU count
+    assert "needs a GPU" in bench_flag_error(bench_moe, ["--experts", "1000000"], capsys)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    assert bench_flag_error(bench_moe, ["--experts", "1000000"], capsys).endswith(
+        "KernelSpec.experts_per_rank=125000: must be in [1, 65536] (--experts 1000000 with --model deepseek-v3)")
+    assert bench_flag_error(bench_moe, ["--world-size", "16"], capsys).endswith(
+        "--world-size 16: must be in [1, 8] (one process per GPU; this machine has 8)")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    assert bench_flag_error(bench_moe, [], capsys).endswith(
+        "EpConfig.num_experts=256: must be a multiple of world_size=3 (W = 3, every GPU (no --world-size) with "
+        "--model deepseek-v3)")
+    opts = bench_moe.parse_args(["--world-size", "2", "--tokens", "64", "96"])
+    assert (opts.world_size, opts.tokens) == (2, (64, 96)) and opts.output.endswith("bench_moe-ep2-h200")
