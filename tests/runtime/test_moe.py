@@ -506,8 +506,10 @@ def test_layer_validation():
         MoELayer(cfg, odd, virtual=True, grouped_mm=True, op=ReferenceOp(cfg, virtual=True))
     with pytest.raises(TypeError, match=r"grouped_mm='yes': must be None, True or False"):
         MoELayer(cfg, weights, virtual=True, grouped_mm="yes", op=ReferenceOp(cfg, virtual=True))
-    assert MoELayer(cfg, odd, virtual=True, op=ReferenceOp(cfg, virtual=True)).grouped_mm is False, "None falls back to the loop"
-    assert MoELayer(cfg, weights, virtual=True, op=ReferenceOp(cfg, virtual=True)).grouped_mm is True, "CPU has torch._grouped_mm"
+    layer = MoELayer(cfg, odd, virtual=True, op=ReferenceOp(cfg, virtual=True))
+    assert layer.grouped_mm is False, "None falls back to the loop"
+    layer = MoELayer(cfg, weights, virtual=True, op=ReferenceOp(cfg, virtual=True))
+    assert layer.grouped_mm is True, "CPU has torch._grouped_mm"
 
 
 def test_layer_refuses_a_mismatch_with_the_op_or_across_ranks():
@@ -558,7 +560,8 @@ def test_layer_checks_everything_before_it_builds_the_op(built_ops, monkeypatch)
     meta = ExpertWeights(gate=weights[1].gate.to("meta"), up=weights[1].up.to("meta"), down=weights[1].down.to("meta"))
     for kwargs, error, match in [
         (dict(weights=weights[:3], virtual=True), ValueError, r"weights: 3 ExpertWeights given, this process drives 4"),
-        (dict(weights=weights[:2]), ValueError, r"weights: 2 ExpertWeights given, this process drives 1 rank: pass one"),
+        (dict(weights=weights[:2]), ValueError,
+         r"weights: 2 ExpertWeights given, this process drives 1 rank: pass one"),
         (dict(weights=[weights[0], meta, *weights[2:]], virtual=True), ValueError,
          r"weights\[1\]: on meta, must be on weights\[0\]'s device cpu"),
         (dict(weights=[*weights[:3], odd[0]], virtual=True), ValueError, r"weights\[3\]: I=12 must equal"),
