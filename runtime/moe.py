@@ -177,16 +177,37 @@ def grouped_mm_available(device) -> bool:
     True on CPU (torch's CPU kernel) and on CUDA devices of compute capability 9.0 or 10.x (the
     CUTLASS kernel reads the group offsets on the device), when this torch has
     ``torch._grouped_mm``. False on other CUDA devices and on ROCm, where torch falls back to a
-    loop that reads the offsets to the host.
+    loop that reads the offsets to the host; False for a CUDA device this process cannot see (a
+    torch built without CUDA, no GPU, or an index past ``torch.cuda.device_count()``); False for
+    every other device type.
+
+    Args:
+        device: a torch.device, a device string ("cpu", "cuda", "cuda:1") or a CUDA device index.
+
+    Raises:
+        TypeError: device not a torch.device, str or int.
+        ValueError: a string torch cannot parse as a device, or a negative index.
     """
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, numbers.Integral)):
+        raise TypeError(f"device={device!r}: must be a torch.device, a device string or a CUDA device index")
+    if isinstance(device, numbers.Integral):
+        if device < 0:
+            raise ValueError(f"device={device!r}: a CUDA device index must be >= 0")
+        device = torch.device("cuda", int(device))
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device={device!r}: not a torch device ({e})") from None
     if not hasattr(torch, "_grouped_mm"):
         return False
-    device = torch.device(device)
     if device.type == "cpu":
         return True
-    if device.type != "cuda" or torch.version.hip is not None:
+    if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
         return False
-    major, minor = torch.cuda.get_device_capability(device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        return False
+    major, minor = torch.cuda.get_device_capability(index)
     return (major, minor) == (9, 0) or major == 10
 
 
@@ -205,6 +226,13 @@ def _grouped_refusal(x: torch.Tensor, w: ExpertWeights, out) -> str | None:
             if t is not None and t.data_ptr() % 16:
                 return f"{name}: data pointer {t.data_ptr():#x} must be 16-byte aligned for torch._grouped_mm"
     return None
+
+
+def _check_flag(name: str, value) -> None:
+    """A tri-state flag: None (automatic), True or False; anything else (a string, 0, 1) is a
+    TypeError naming it."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r}: must be None, True or False")
 
 
 def _check_expert_stage(x, offsets, w, out) -> None:
@@ -273,10 +301,12 @@ def swiglu_experts(x: torch.Tensor, offsets: torch.Tensor, w: ExpertWeights, *, 
         leaves them as they were, the grouped path holds whatever its kernels left there).
 
     Raises:
-        TypeError: w not an ExpertWeights, a tensor argument not a tensor.
+        TypeError: grouped not None, True or False; w not an ExpertWeights, a tensor argument not
+            a tensor.
         ValueError: shapes, dtypes, devices or contiguity as above; grouped=True where the grouped
             path cannot run (naming why); the loop path's offsets breaking the rules above.
     """
+    _check_flag("grouped", grouped)
     _check_expert_stage(x, offsets, w, out)
     refusal = _grouped_refusal(x, w, out)
     if grouped is None:
@@ -578,20 +608,27 @@ def dense_moe(xs: list[torch.Tensor], topk_weights: list[torch.Tensor], topk_ids
 def route_topk(logits: torch.Tensor, k: int, *, renormalize: bool = True):
     """Softmax top-k router: the layer's (topk_weights, topk_ids) from router logits.
 
+    A logit of -inf masks its expert (probability 0, never selected); every row needs at least k
+    experts above -inf. NaN and +inf are refused (softmax would turn the whole row into NaN
+    weights). Checking reads one flag to the host (a synchronization).
+
     Args:
-        logits: [T, E] floating (any float dtype; the softmax runs in float32).
+        logits: [T, E] floating (any float dtype; the softmax runs in float32), each entry finite
+            or -inf.
         k: experts per token, 1 <= k <= E.
         renormalize: divide the k selected probabilities by their sum (they then sum to 1);
             False keeps the softmax probabilities.
 
     Returns:
         (weights [T, k] float32, ids [T, k] int32): the k largest probabilities of each row in
-        descending order and their expert ids (distinct within a row; which of two equal
-        probabilities wins is torch.topk's choice).
+        descending order and their expert ids (distinct within a row, none of them masked; which
+        of two equal probabilities wins is torch.topk's choice).
 
     Raises:
         TypeError: logits not a tensor.
-        ValueError: logits not 2-D floating, or k not an int in [1, E].
+        ValueError: logits not 2-D floating, or k not an int in [1, E]; a NaN or +inf logit
+            (naming the first such row and expert); a row with fewer than k experts above -inf,
+            an all -inf row included (naming the first such row).
     """
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits: must be a torch.Tensor, got {type(logits).__name__}")
@@ -600,8 +637,21 @@ def route_topk(logits: torch.Tensor, k: int, *, renormalize: bool = True):
     experts = logits.shape[1]
     if not isinstance(k, numbers.Integral) or isinstance(k, bool) or not 1 <= k <= experts:
         raise ValueError(f"k={k!r}: must be an int in [1, E={experts}]")
+    k = int(k)
+    refused = torch.isnan(logits) | (logits == float("inf"))  # [T, E]
+    live = (logits > float("-inf")).sum(dim=-1)  # [T]: experts not masked
+    short = live < k
+    if bool(refused.any() | short.any()):  # the one host synchronization
+        bad_row = refused.any(dim=-1)
+        first = int((bad_row | short).nonzero()[0])
+        if bool(bad_row[first]):
+            e = int(refused[first].nonzero()[0])
+            raise ValueError(f"logits[{first}, {e}]={float(logits[first, e])}: router logits must be finite or -inf "
+                             "(a masked expert)")
+        raise ValueError(f"logits[{first}]: {int(live[first])} of E={experts} experts above -inf, fewer than k={k}: "
+                         "the row has no top-k (-inf masks an expert)")
     probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = probs.topk(int(k), dim=-1)
+    weights, ids = probs.topk(k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
@@ -626,8 +676,10 @@ class MoELayer(torch.nn.Module):
     Args:
         config: an EpConfig with layout="expert" and dtype="bf16" (the experts read bf16 rows).
         weights: ExpertWeights of each rank this process drives, L = config.experts_per_rank
-            local experts of H = config.hidden, bfloat16, on the op's device.
-        virtual, device: as ``EpDispatchCombine``.
+            local experts of H = config.hidden, bfloat16, on the op's device, one intermediate
+            size I for all of them (one process per GPU: each process checks only its own).
+        virtual, device: as ``EpDispatchCombine``; with ``op`` given, virtual must be the op's
+            mode and device None or the op's device index.
         grouped_mm: the expert path (``swiglu_experts``'s ``grouped``), fixed at construction:
             None = grouped where available, True = grouped (refused where it cannot run), False =
             loop.
@@ -642,11 +694,14 @@ class MoELayer(torch.nn.Module):
         grouped_mm: True when the experts run the grouped path, False for the loop.
 
     Raises:
-        TypeError: config not an EpConfig; a weights entry not an ExpertWeights.
-        ValueError: config.layout not "expert" or config.dtype not "bf16" (before any op is
-            built); weights not one per local rank, or an entry's L, H or device not the
-            config's / op's (naming the rank); grouped_mm=True where the grouped path cannot run;
-            op.config differing from config.
+        TypeError: config not an EpConfig; a weights entry not an ExpertWeights; grouped_mm not
+            None, True or False; virtual not a bool.
+        ValueError: config.layout not "expert" or config.dtype not "bf16"; weights not one per
+            local rank, or an entry's L, H not the config's, or its I or device not weights[0]'s
+            (naming the entry); grouped_mm=True where the grouped path cannot run; an op given
+            whose config differs from config, whose virtual differs from virtual, or whose device
+            is not cuda:device. All of these are raised before an op is built; the weights on
+            another device than the op's is raised after, and an op built here is closed first.
         RuntimeError: as ``EpDispatchCombine`` (no GPU, no process group).
     """
 
@@ -660,6 +715,16 @@ class MoELayer(torch.nn.Module):
                              "experts read the expert-major rows of dispatch)")
         if config.dtype != "bf16":
             raise ValueError(f"config.dtype={config.dtype!r}: MoELayer's experts read bf16 rows; use dtype='bf16'")
+        _check_flag("grouped_mm", grouped_mm)
+        if not isinstance(virtual, bool):
+            raise TypeError(f"virtual={virtual!r}: must be True or False")
+        if op is not None:
+            if op.config != config:
+                raise ValueError(f"op.config={op.config!r}: must equal config={config!r}")
+            if op.virtual != virtual:
+                raise ValueError(f"virtual={virtual}: the op given was built with virtual={op.virtual}; pass its mode")
+            if device is not None and op.device != torch.device("cuda", device):
+                raise ValueError(f"device={device!r}: the op given runs on {op.device}")
         ws = list(weights) if isinstance(weights, (list, tuple)) else [weights]
         for i, w in enumerate(ws):
             if not isinstance(w, ExpertWeights):
@@ -667,27 +732,34 @@ class MoELayer(torch.nn.Module):
             if (w.num_experts, w.hidden) != (config.experts_per_rank, config.hidden):
                 raise ValueError(f"weights[{i}]: L={w.num_experts}, H={w.hidden} must be the config's "
                                  f"experts_per_rank={config.experts_per_rank}, hidden={config.hidden}")
-        if op is None:
+            if w.intermediate != ws[0].intermediate:
+                raise ValueError(f"weights[{i}]: I={w.intermediate} must equal weights[0]'s I={ws[0].intermediate} "
+                                 "(every rank's experts have one intermediate size)")
+            if w.device != ws[0].device:
+                raise ValueError(f"weights[{i}]: on {w.device}, must be on weights[0]'s device {ws[0].device}")
+        # the op drives every rank in virtual mode, else one (EpDispatchCombine.local_ranks)
+        count = len(op.local_ranks) if op is not None else config.world_size if virtual else 1
+        if len(ws) != count:
+            want = f"a list of {count} (one per virtual rank)" if virtual else "one (this process's rank)"
+            raise ValueError(f"weights: {len(ws)} ExpertWeights given, this process drives {count} "
+                             f"rank{'s' if count > 1 else ''}: pass {want}")
+        probe = torch.empty(0, config.hidden, dtype=torch.bfloat16, device=ws[0].device)
+        refusals = [(i, _grouped_refusal(probe, w, None)) for i, w in enumerate(ws)]
+        refused = [(i, why) for i, why in refusals if why is not None]
+        if grouped_mm and refused:
+            raise ValueError(f"grouped_mm=True (weights[{refused[0][0]}]): {refused[0][1]}")
+        if grouped_mm is None:
+            grouped_mm = not refused
+        built = op is None
+        if built:  # every check above runs before the op compiles its kernels and allocates its arenas
             from epgen.op import EpDispatchCombine
 
             op = EpDispatchCombine(config, virtual=virtual, device=device)
-        elif op.config != config:
-            raise ValueError(f"op.config={op.config!r}: must equal config={config!r}")
+        if ws[0].device != op.device:  # the device an op built here picked (device=None: the current one)
+            if built:
+                op.close()
+            raise ValueError(f"weights: on {ws[0].device}, must be on the op's device {op.device}")
         ranks = list(op.local_ranks)
-        if len(ws) != len(ranks):
-            want = f"a list of {len(ranks)} (one per virtual rank)" if op.virtual else "one"
-            raise ValueError(f"weights: {len(ws)} ExpertWeights given, this process drives ranks {ranks}: "
-                             f"pass {want}")
-        for rank, w in zip(ranks, ws):
-            if w.device != op.device:
-                raise ValueError(f"weights[rank {rank}]: on {w.device}, must be on the op's device {op.device}")
-        probe = torch.empty(0, config.hidden, dtype=torch.bfloat16, device=op.device)
-        refusals = [(rank, _grouped_refusal(probe, w, None)) for rank, w in zip(ranks, ws)]
-        refused = [(rank, why) for rank, why in refusals if why is not None]
-        if grouped_mm and refused:
-            raise ValueError(f"grouped_mm=True (weights of rank {refused[0][0]}): {refused[0][1]}")
-        if grouped_mm is None:
-            grouped_mm = not refused
         self.op = op
         self.config = config
         self.ranks = ranks

@@ -49,7 +49,7 @@ def memory_bytes(cfg: EpConfig, intermediate: int) -> dict[str, int]:
     combine input (W x Tmax rows each, bf16); the GEMM temporaries of one rank (gate and up
     outputs [R_max, I] and the down output [R_max, H], bf16; the ranks' experts run one after the
     other), once eager and once in the timing's graph pool. R_max = N x min(K, L) + L x (A - 1)
-    (DESIGN.md §3)."""
+    expert-major rows a rank, N = max_recv_tokens or W x Tmax (``KernelSpec.expert_rows``)."""
     W, T, H, K, L = cfg.world_size, cfg.max_tokens_per_rank, cfg.hidden, cfg.topk, cfg.experts_per_rank
     n = cfg.max_recv_tokens or W * T
     r_max = n * min(K, L) + L * (cfg.expert_alignment - 1)

@@ -196,6 +196,58 @@ def write_results(rows: list[dict], prefix: str, env: dict, quiet: bool = False)
     print(f"wrote {prefix}.csv and {prefix}.env.txt")
 
 
+W_INDEPENDENT_FIELDS = ("num_experts", "topk", "max_tokens_per_rank", "hidden")
+"""EpConfig / KernelSpec fields whose rules do not depend on W (num_experts at W = 1: its
+positive-int rule only): a config error of one of them at W = 1 is an error at every W. The local
+expert count L = E / W and the tuned geometries do depend on W."""
+
+
+def _config_error(a, world_size: int) -> ValueError | None:
+    """The error of ``moe_config`` with these flags at ``world_size`` ranks (None: it builds)."""
+    from epgen.moe_demo import moe_config
+
+    try:
+        moe_config(a.model, world_size, max(a.tokens), a.experts)
+    except ValueError as e:
+        return e
+    return None
+
+
+def _blamed_flag(error: ValueError, a, world: str) -> str:
+    """The flag (and its value) a config error comes from, by its field (``FieldError.field``);
+    ``world`` says where W came from."""
+    field = getattr(error, "field", None)
+    if field == "max_tokens_per_rank":
+        return f"--tokens {max(a.tokens)}"
+    if field in ("num_experts", "topk", "experts_per_rank") and a.experts is not None:
+        return f"--experts {a.experts} with --model {a.model}"
+    if field in ("hidden", "topk"):
+        return f"--model {a.model}"
+    return f"{world} with --model {a.model}"
+
+
+def check_flags(a, p: argparse.ArgumentParser) -> None:
+    """The flags' rules that need no GPU, as parser errors naming the flag: --iters, --warmup,
+    --tokens, --intermediate, --world-size and --model alone, then the layer's EpConfig at
+    --world-size W (without --world-size, the rules that hold at every W: W_INDEPENDENT_FIELDS)."""
+    from epgen.flags import check_model
+
+    if a.iters < 5:
+        p.error(f"--iters {a.iters}: must be at least 5")
+    if a.warmup < 0:
+        p.error(f"--warmup {a.warmup}: must be at least 0")
+    if min(a.tokens) < 1:
+        p.error(f"--tokens {min(a.tokens)}: every value must be at least 1")
+    if a.intermediate < 1:
+        p.error(f"--intermediate {a.intermediate}: must be at least 1")
+    if a.world_size is not None and a.world_size < 1:
+        p.error(f"--world-size {a.world_size}: must be at least 1")
+    check_model(a.model, p)
+    error = _config_error(a, a.world_size or 1)
+    if error is not None and (a.world_size is not None or getattr(error, "field", None) in W_INDEPENDENT_FIELDS):
+        p.error(f"{error} ({_blamed_flag(error, a, f'--world-size {a.world_size}')})")
+
+
 def parse_args(argv=None) -> Options:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="deepseek-v3", help="catalogue model (default deepseek-v3)")
@@ -209,24 +261,19 @@ def parse_args(argv=None) -> Options:
     p.add_argument("-o", "--output", default=None, help="path prefix of the .csv/.env.txt (default "
                    "tools/results/bench_moe-ep<W>-<gpu>)")
     a = p.parse_args(argv)
+    check_flags(a, p)
     import torch
 
     if not torch.cuda.is_available():
         p.error("needs a GPU (torch.cuda.is_available() is False)")
     W = a.world_size or torch.cuda.device_count()
-    if not 1 <= W <= torch.cuda.device_count():
+    if W > torch.cuda.device_count():
         p.error(f"--world-size {W}: must be in [1, {torch.cuda.device_count()}] (one process per GPU; this machine "
                 f"has {torch.cuda.device_count()})")
-    if a.iters < 5:
-        p.error(f"--iters {a.iters}: must be at least 5")
-    if a.warmup < 0 or min(a.tokens) < 1 or a.intermediate < 1:
-        p.error("--warmup must be >= 0, --tokens and --intermediate >= 1")
-    from epgen.moe_demo import moe_config
-
-    try:
-        moe_config(a.model, W, max(a.tokens), a.experts)
-    except (KeyError, ValueError) as e:
-        p.error(f"{e} (--model {a.model}, --world-size {W}, --experts {a.experts}, --tokens {max(a.tokens)})")
+    if a.world_size is None:  # W is the GPU count: the rules that depend on it are checked now
+        error = _config_error(a, W)
+        if error is not None:
+            p.error(f"{error} ({_blamed_flag(error, a, f'W = {W}, every GPU (no --world-size)')})")
     gpu = torch.cuda.get_device_name(0).split()[-1].lower()
     output = a.output or str(Path(__file__).resolve().parent / "results" / f"bench_moe-ep{W}-{gpu}")
     return Options(model=a.model, world_size=W, tokens=tuple(a.tokens), experts=a.experts,

@@ -738,6 +738,11 @@ def test_demo_moe_defaults(monkeypatch):
      "EpConfig.topk=8: must be at most num_experts=4 (--experts 4 with --model deepseek-v3 --moe)"),
     (["demo", "--moe", "--world-size", "3"], "must be a multiple of world_size=3 (--world-size 3 with --model "
      "deepseek-v3 --moe)"),
+    (["demo", "--moe", "--experts", "1000000"],
+     "KernelSpec.experts_per_rank=125000: must be in [1, 65536] (--experts 1000000 with --model deepseek-v3 --moe)"),
+    (["demo", "--moe", "--tokens", "2000000"],
+     "KernelSpec.max_tokens_per_rank=2000000: must be in [1, 1048576] (--tokens 2000000 with --model deepseek-v3 "
+     "--moe)"),
     (["demo", "--moe", "--intermediate", "0"], "argument --intermediate: "),
 ])
 def test_demo_moe_flag_errors_name_the_flag(argv, message, capsys):

@@ -13,6 +13,7 @@ from epgen.moe import (
     ExpertWeights,
     MoELayer,
     dense_moe,
+    grouped_mm_available,
     route_topk,
     swiglu_experts,
     swiglu_reference,
@@ -65,6 +66,38 @@ def test_route_topk_rejects(logits, k, match):
         route_topk(logits, k)
 
 
+def logits_with(*cells):
+    """[4, 8] zeros with the (row, expert, value) cells set."""
+    t = torch.zeros(4, 8)
+    for row, e, v in cells:
+        t[row, e] = v
+    return t
+
+
+def test_route_topk_takes_minus_inf_as_a_mask():
+    inf = float("inf")
+    logits = logits_with(*((1, e, -inf) for e in range(6)), (2, 0, -inf))  # row 1: two experts left
+    w, ids = route_topk(logits, 2)
+    assert sorted(ids[1].tolist()) == [6, 7] and torch.allclose(w[1], torch.full((2,), 0.5))
+    assert 0 not in ids[2].tolist() and bool(torch.isfinite(w).all())
+
+
+@pytest.mark.parametrize("cells, k, match", [
+    ([(2, 5, float("nan")), (3, 0, float("nan"))], 2,
+     r"logits\[2, 5\]=nan: router logits must be finite or -inf \(a masked expert\)"),
+    ([(1, 3, float("inf"))], 2, r"logits\[1, 3\]=inf: router logits must be finite or -inf"),
+    ([(3, e, float("-inf")) for e in range(8)], 1,
+     r"logits\[3\]: 0 of E=8 experts above -inf, fewer than k=1: the row has no top-k"),
+    ([(0, e, float("-inf")) for e in range(6)] + [(2, 1, float("nan"))], 3,
+     r"logits\[0\]: 2 of E=8 experts above -inf, fewer than k=3"),
+])
+def test_route_topk_rejects_rows_without_a_top_k(cells, k, match):
+    with pytest.raises(ValueError, match=match):
+        route_topk(logits_with(*cells), k)
+    with pytest.raises(ValueError, match=match):
+        route_topk(logits_with(*cells).to(torch.bfloat16), k)
+
+
 # --- ExpertWeights -------------------------------------------------------------------------------
 
 
@@ -93,6 +126,33 @@ def test_expert_weights_validation():
         ExpertWeights(gate=g, up=g, down=torch.zeros(2, 8, 4, dtype=torch.bfloat16).transpose(1, 2))
     with pytest.raises(ValueError, match=r"hidden=0: must be a positive int"):
         ExpertWeights.random(2, 0, 4, generator=gen(0))
+
+
+# --- grouped_mm_available ------------------------------------------------------------------------
+
+
+def test_grouped_mm_available_without_a_visible_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a torch built without CUDA
+    for device in ("cuda", "cuda:1", torch.device("cuda"), torch.device("cuda", 0), 0, "meta"):
+        assert grouped_mm_available(device) is False, device
+    for device in ("cpu", torch.device("cpu")):
+        assert grouped_mm_available(device) is True, device
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a torch that sees no GPU")
+def test_grouped_mm_available_on_this_cpu_only_torch():
+    assert grouped_mm_available("cuda") is False and grouped_mm_available(torch.device("cuda:0")) is False
+
+
+@pytest.mark.parametrize("device, error, match", [
+    (1.5, TypeError, r"device=1.5: must be a torch.device, a device string or a CUDA device index"),
+    (True, TypeError, r"device=True: must be a torch.device"),
+    ("nonsense", ValueError, r"device='nonsense': not a torch device"),
+    (-1, ValueError, r"device=-1: a CUDA device index must be >= 0"),
+])
+def test_grouped_mm_available_rejects(device, error, match):
+    with pytest.raises(error, match=match):
+        grouped_mm_available(device)
 
 
 # --- swiglu_experts ------------------------------------------------------------------------------
@@ -171,6 +231,9 @@ def test_swiglu_writes_out_and_checks_its_inputs():
     with pytest.raises(ValueError, match=r"grouped=True: H=64, I=12: torch._grouped_mm needs both to be multiples of 8"):
         swiglu_experts(x, offsets, odd, grouped=True)
     assert torch.equal(swiglu_experts(x, offsets, odd)[:9], swiglu_experts(x, offsets, odd, grouped=False)[:9])
+    for flag in ("yes", 1, 0):
+        with pytest.raises(TypeError, match=rf"grouped={flag!r}: must be None, True or False"):
+            swiglu_experts(x, offsets, w, grouped=flag)
 
 
 # --- dense_moe -----------------------------------------------------------------------------------
@@ -429,16 +492,160 @@ def test_layer_validation():
         MoELayer({"layout": "expert"}, weights)
     cfg = layer_config(4)
     with pytest.raises(ValueError, match=r"weights\[1\]: L=4, H=32 must be the config's experts_per_rank=4, hidden=64"):
-        MoELayer(cfg, [weights[0], ExpertWeights.random(L, 32, I, generator=gen(0))], op=ReferenceOp(cfg, virtual=True))
-    with pytest.raises(ValueError, match=r"weights: 3 ExpertWeights given, this process drives ranks \[0, 1, 2, 3\]: "
+        MoELayer(cfg, [weights[0], ExpertWeights.random(L, 32, I, generator=gen(0))], virtual=True,
+                 op=ReferenceOp(cfg, virtual=True))
+    with pytest.raises(ValueError, match=r"weights: 3 ExpertWeights given, this process drives 4 ranks: "
                                          r"pass a list of 4 \(one per virtual rank\)"):
-        MoELayer(cfg, weights[:3], op=ReferenceOp(cfg, virtual=True))
+        MoELayer(cfg, weights[:3], virtual=True, op=ReferenceOp(cfg, virtual=True))
     with pytest.raises(ValueError, match=r"op.config=.*: must equal config="):
-        MoELayer(cfg, weights, op=ReferenceOp(layer_config(4, alignment=2), virtual=True))
+        MoELayer(cfg, weights, virtual=True, op=ReferenceOp(layer_config(4, alignment=2), virtual=True))
     with pytest.raises(TypeError, match=r"weights\[0\]: must be an ExpertWeights, got Tensor"):
-        MoELayer(cfg, [w.gate for w in weights], op=ReferenceOp(cfg, virtual=True))
+        MoELayer(cfg, [w.gate for w in weights], virtual=True, op=ReferenceOp(cfg, virtual=True))
     odd = [ExpertWeights.random(L, H, 12, generator=gen(1)) for _ in range(4)]
-    with pytest.raises(ValueError, match=r"grouped_mm=True \(weights of rank 0\): H=64, I=12: torch._grouped_mm needs"):
-        MoELayer(cfg, odd, grouped_mm=True, op=ReferenceOp(cfg, virtual=True))
-    assert MoELayer(cfg, odd, op=ReferenceOp(cfg, virtual=True)).grouped_mm is False, "None falls back to the loop"
-    assert MoELayer(cfg, weights, op=ReferenceOp(cfg, virtual=True)).grouped_mm is True, "CPU has torch._grouped_mm"
+    with pytest.raises(ValueError, match=r"grouped_mm=True \(weights\[0\]\): H=64, I=12: torch._grouped_mm needs"):
+        MoELayer(cfg, odd, virtual=True, grouped_mm=True, op=ReferenceOp(cfg, virtual=True))
+    with pytest.raises(TypeError, match=r"grouped_mm='yes': must be None, True or False"):
+        MoELayer(cfg, weights, virtual=True, grouped_mm="yes", op=ReferenceOp(cfg, virtual=True))
+    layer = MoELayer(cfg, odd, virtual=True, op=ReferenceOp(cfg, virtual=True))
+    assert layer.grouped_mm is False, "None falls back to the loop"
+    layer = MoELayer(cfg, weights, virtual=True, op=ReferenceOp(cfg, virtual=True))
+    assert layer.grouped_mm is True, "CPU has torch._grouped_mm"
+
+
+def test_layer_refuses_a_mismatch_with_the_op_or_across_ranks():
+    weights = rank_weights(4, 61)
+    cfg = layer_config(4)
+    other = ExpertWeights.random(L, H, 16, generator=gen(2))
+    with pytest.raises(ValueError, match=r"weights\[2\]: I=16 must equal weights\[0\]'s I=32 \(every rank's experts "
+                                         r"have one intermediate size\)"):
+        MoELayer(cfg, [weights[0], weights[1], other, weights[3]], virtual=True, op=ReferenceOp(cfg, virtual=True))
+    with pytest.raises(ValueError, match=r"virtual=False: the op given was built with virtual=True; pass its mode"):
+        MoELayer(cfg, weights, virtual=False, op=ReferenceOp(cfg, virtual=True))
+    one = layer_config(1)
+    with pytest.raises(ValueError, match=r"virtual=True: the op given was built with virtual=False"):
+        MoELayer(one, weights[:1], virtual=True, op=ReferenceOp(one, virtual=False))
+    with pytest.raises(ValueError, match=r"device=1: the op given runs on cpu"):
+        MoELayer(cfg, weights, virtual=True, device=1, op=ReferenceOp(cfg, virtual=True))
+    with pytest.raises(TypeError, match=r"virtual='yes': must be True or False"):
+        MoELayer(cfg, weights, virtual="yes", op=ReferenceOp(cfg, virtual=True))
+
+
+class BuiltOp(ReferenceOp):
+    """Stands in for EpDispatchCombine when MoELayer builds its op: records every build, and puts
+    the op on ``DEVICE``."""
+
+    builds: list = []
+    DEVICE = torch.device("cpu")
+
+    def __init__(self, config, *, virtual, device):
+        super().__init__(config, virtual=virtual)
+        self.device = self.DEVICE
+        self.asked_device = device
+        BuiltOp.builds.append(self)
+
+
+@pytest.fixture
+def built_ops(monkeypatch):
+    import epgen.op
+
+    monkeypatch.setattr(epgen.op, "EpDispatchCombine", BuiltOp)
+    monkeypatch.setattr(BuiltOp, "builds", [])
+    return BuiltOp
+
+
+def test_layer_checks_everything_before_it_builds_the_op(built_ops, monkeypatch):
+    weights = rank_weights(4, 62)
+    cfg = layer_config(4)
+    odd = [ExpertWeights.random(L, H, 12, generator=gen(3)) for _ in range(4)]
+    meta = ExpertWeights(gate=weights[1].gate.to("meta"), up=weights[1].up.to("meta"), down=weights[1].down.to("meta"))
+    for kwargs, error, match in [
+        (dict(weights=weights[:3], virtual=True), ValueError, r"weights: 3 ExpertWeights given, this process drives 4"),
+        (dict(weights=weights[:2]), ValueError,
+         r"weights: 2 ExpertWeights given, this process drives 1 rank: pass one"),
+        (dict(weights=[weights[0], meta, *weights[2:]], virtual=True), ValueError,
+         r"weights\[1\]: on meta, must be on weights\[0\]'s device cpu"),
+        (dict(weights=[*weights[:3], odd[0]], virtual=True), ValueError, r"weights\[3\]: I=12 must equal"),
+        (dict(weights=odd, virtual=True, grouped_mm=True), ValueError, r"grouped_mm=True \(weights\[0\]\)"),
+        (dict(weights=weights, virtual=True, grouped_mm=1), TypeError, r"grouped_mm=1: must be None"),
+    ]:
+        with pytest.raises(error, match=match):
+            MoELayer(cfg, **kwargs)
+        assert built_ops.builds == [], f"{match}: raised after the op was built"
+    layer = MoELayer(cfg, weights, virtual=True, device=3)
+    assert built_ops.builds == [layer.op] and layer.op.asked_device == 3 and layer.op.virtual
+    assert layer.ranks == [0, 1, 2, 3] and not layer.op.closed
+
+
+def test_layer_closes_the_op_it_built_when_the_weights_are_elsewhere(built_ops, monkeypatch):
+    weights = rank_weights(4, 63)
+    cfg = layer_config(4)
+    monkeypatch.setattr(built_ops, "DEVICE", torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"weights: on cpu, must be on the op's device cuda:0"):
+        MoELayer(cfg, weights, virtual=True)
+    assert len(built_ops.builds) == 1 and built_ops.builds[0].closed, "the op built for the layer must be closed"
+    given = ReferenceOp(cfg, virtual=True)
+    given.device = torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"weights: on cpu, must be on the op's device cuda:0"):
+        MoELayer(cfg, weights, virtual=True, op=given)
+    assert not given.closed, "an op the caller gave stays open (the caller owns it)"
+
+
+# --- tools/bench_moe.py's flags ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bench_moe():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "bench_moe.py"
+    spec = importlib.util.spec_from_file_location("bench_moe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench_flag_error(bench_moe, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        bench_moe.parse_args(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tokens", "128", "0"], "--tokens 0: every value must be at least 1"),
+    (["--experts", "7"], "EpConfig.topk=8: must be at most num_experts=7 (--experts 7 with --model deepseek-v3)"),
+    (["--world-size", "3"], "EpConfig.num_experts=256: must be a multiple of world_size=3 (--world-size 3 with "
+                            "--model deepseek-v3)"),
+    (["--world-size", "8", "--experts", "1000000"], "KernelSpec.experts_per_rank=125000: must be in [1, 65536] "
+                                                    "(--experts 1000000 with --model deepseek-v3)"),
+    (["--world-size", "0"], "--world-size 0: must be at least 1"),
+    (["--iters", "4"], "--iters 4: must be at least 5"),
+    (["--warmup", "-1"], "--warmup -1: must be at least 0"),
+    (["--intermediate", "0"], "--intermediate 0: must be at least 1"),
+    (["--tokens", "2000000"], "KernelSpec.max_tokens_per_rank=2000000: must be in [1, 1048576] (--tokens 2000000)"),
+    (["--model", "nope"], "--model nope: model='nope': not in the catalogue"),
+])
+def test_bench_moe_flag_errors_come_before_the_gpu_check(bench_moe, argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert message in bench_flag_error(bench_moe, argv, capsys)
+
+
+def test_bench_moe_checks_the_gpu_and_the_rules_that_need_its_count(bench_moe, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "needs a GPU (torch.cuda.is_available() is False)" in bench_flag_error(bench_moe, [], capsys)
+    # --experts 1000000 fits 65536 local experts from W = 16 on: without --world-size it waits for the GPU count
+    assert "needs a GPU" in bench_flag_error(bench_moe, ["--experts", "1000000"], capsys)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    assert bench_flag_error(bench_moe, ["--experts", "1000000"], capsys).endswith(
+        "KernelSpec.experts_per_rank=125000: must be in [1, 65536] (--experts 1000000 with --model deepseek-v3)")
+    assert bench_flag_error(bench_moe, ["--world-size", "16"], capsys).endswith(
+        "--world-size 16: must be in [1, 8] (one process per GPU; this machine has 8)")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    assert bench_flag_error(bench_moe, [], capsys).endswith(
+        "EpConfig.num_experts=256: must be a multiple of world_size=3 (W = 3, every GPU (no --world-size) with "
+        "--model deepseek-v3)")
+    opts = bench_moe.parse_args(["--world-size", "2", "--tokens", "64", "96"])
+    assert (opts.world_size, opts.tokens) == (2, (64, 96)) and opts.output.endswith("bench_moe-ep2-h200")
