@@ -20,7 +20,7 @@ from epgen.codegen.arch import ARCH_TRAITS
 from epgen.codegen.dtypes import dtype_info
 from epgen.codegen.occupancy import resident_blocks
 from epgen.codegen.render import render
-from epgen.codegen.spec import EXPERT_OPS, KernelSpec, Op
+from epgen.codegen.spec import KernelSpec, Op
 from epgen.codegen.config import EpConfig
 from epgen.platform import Platform
 

@@ -41,5 +41,4 @@ for W in (1, 8):
         print(f"W={W} {geo}: expand {e:.1f} us ({moved / e / 1e6:.2f} TB/s), fold {f:.1f} us "
               f"({moved / f / 1e6:.2f} TB/s); {rows} expanded rows, {recv} received", flush=True)
         op.close()
-        del op, d, ys
         torch.cuda.empty_cache()
