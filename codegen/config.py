@@ -168,13 +168,13 @@ class EpConfig:
         if op is Op.EXPAND_PLAN:  # splits the rows as expand does: the same blocks and warps
             op = Op.EXPAND
         key = self.tuning_key(arch, op)
-        if op is Op.FOLD:
-            return lookup(key, tokens) if buckets(key)[0][0] < 1 << 30 else local_geometry(arch, op.value)
+        if op not in EXPERT_OPS:
+            return self._explicit(op) or lookup(key, tokens)
+        g = lookup(key, tokens, local_geometry(arch, op.value))
         if op is Op.EXPAND:
-            g = lookup(key, tokens) if buckets(key)[0][0] < 1 << 30 else local_geometry(arch, op.value)
             fit = (PLAN_SHARED_LIMIT // 4 - self.experts_per_rank - 1) // self.experts_per_rank  # expand's counts
-            return attrs.evolve(g, blocks=min(g.blocks, PLAN_BLOCKS), warps_per_block=max(1, min(g.warps_per_block, fit)))
-        return self._explicit(op) or lookup(key, tokens)
+            g = attrs.evolve(g, blocks=min(g.blocks, PLAN_BLOCKS), warps_per_block=max(1, min(g.warps_per_block, fit)))
+        return g
 
     def spec(self, arch: str, op: Op, geometry: Geometry) -> KernelSpec:
         """The KernelSpec of ``op`` on ``arch`` with ``geometry``; all of one layer's specs share

@@ -98,14 +98,16 @@ def _table(arch: str) -> dict[TuningKey, tuple[tuple[int, Geometry], ...]]:
     return table
 
 
-def buckets(key: TuningKey) -> tuple[tuple[int, Geometry], ...]:
-    """Buckets ``(max_tokens, geometry)`` of ``key``, ascending; the default alone when absent."""
-    return _table(key.arch).get(key) or ((1 << 30, default_geometry(key.arch)),)
+def buckets(key: TuningKey, default: Geometry | None = None) -> tuple[tuple[int, Geometry], ...]:
+    """Buckets ``(max_tokens, geometry)`` of ``key``, ascending; when absent, ``default`` (else
+    ``default_geometry``) alone."""
+    return _table(key.arch).get(key) or ((1 << 30, default or default_geometry(key.arch)),)
 
 
-def lookup(key: TuningKey, tokens: int) -> Geometry:
-    """Geometry for ``tokens``: the smallest bucket not below it, clamped to the largest."""
-    table = buckets(key)
+def lookup(key: TuningKey, tokens: int, default: Geometry | None = None) -> Geometry:
+    """Geometry for ``tokens``: the smallest bucket not below it, clamped to the largest (``buckets``,
+    ``default`` when ``key`` has no entry)."""
+    table = buckets(key, default)
     for max_tokens, geo in table:
         if tokens <= max_tokens:
             return geo
