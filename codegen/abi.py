@@ -178,6 +178,11 @@ ERRORS = (
               "in the expert layout); the rows beyond y would have been read stale", recoverable=True),
 )
 
+def error_code(code: int) -> ErrorCode | None:
+    """The ``ErrorCode`` whose code word is ``code``, or None (no error uses it)."""
+    return next((e for e in ERRORS if e.code == code), None)
+
+
 UNKNOWN_ERROR = "unknown kernel fault code {code} ({a}, {b}, {c})"
 """The host's text for a code ``ERRORS`` lacks."""
 
@@ -233,7 +238,7 @@ def fault_message(code: int, a: int, b: int, c: int, *, num_experts: int, timeou
     """
     if code == ERROR_CLAIMED:
         return CLAIMED_ERROR.format(rereads=CLAIM_REREADS)
-    err = next((e for e in ERRORS if e.code == code), None)
+    err = error_code(code)
     if err is None:
         return UNKNOWN_ERROR.format(code=code, a=a, b=b, c=c)
     phase = next((p.description for p in PHASES if p.code == a), f"phase {a}")

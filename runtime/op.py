@@ -404,11 +404,7 @@ class EpDispatchCombine:
             RuntimeError: the op's layout is "rank", or no dispatch preceded it.
             EpError: an earlier call faulted in a kernel.
         """
-        self._raise_if_faulted()
-        if not self.expert_layout:
-            raise RuntimeError("expand: needs EpConfig(layout='expert'); this op's layout is 'rank'")
-        if self._pending_tokens is None:
-            raise RuntimeError("expand: needs a dispatch first (it expands that dispatch's rows)")
+        self._expert_stage("expand", "it expands that dispatch's rows")
         for op in (Op.EXPAND_PLAN, Op.EXPAND):
             self._launch(op, 0, self._args[op])
 
@@ -424,16 +420,20 @@ class EpDispatchCombine:
             TypeError, ValueError: bad y (before any launch).
             EpError: an earlier call faulted in a kernel.
         """
-        self._raise_if_faulted()
-        if not self.expert_layout:
-            raise RuntimeError("fold: needs EpConfig(layout='expert'); this op's layout is 'rank'")
-        if self._pending_tokens is None:
-            raise RuntimeError("fold: needs a dispatch first (it folds that dispatch's rows)")
+        self._expert_stage("fold", "it folds that dispatch's rows")
         ys = self._per_rank(y, "y")
         for i, rank in enumerate(self.local_ranks):
             check_combine_inputs(self.config, self.device, ys[i], None, self._pending_tokens[i],
                                  self.layout.expert_rows, f"[rank {rank}]" if self.virtual else "")
         self._fold(ys)
+
+    def _expert_stage(self, name: str, why: str):
+        """Before ``expand`` or ``fold`` alone: no fault pending, the expert layout, a dispatch to work on."""
+        self._raise_if_faulted()
+        if not self.expert_layout:
+            raise RuntimeError(f"{name}: needs EpConfig(layout='expert'); this op's layout is 'rank'")
+        if self._pending_tokens is None:
+            raise RuntimeError(f"{name}: needs a dispatch first ({why})")
 
     def _fold(self, ys):
         a = self._args[Op.FOLD]
@@ -514,7 +514,7 @@ class EpDispatchCombine:
                 if code == abi.ERROR_CLAIMED:
                     code, a, b, c = self._reread_claimed(rank)
                 if code:
-                    known = next((e for e in abi.ERRORS if e.code == code), None)
+                    known = abi.error_code(code)
                     self._fault = (self._describe(rank, code, a, b, c), bool(known and known.recoverable))
                     break
             else:
