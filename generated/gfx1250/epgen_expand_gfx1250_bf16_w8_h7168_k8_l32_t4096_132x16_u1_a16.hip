@@ -308,6 +308,15 @@ EP_DEVICE EpSlot ep_slot(const ep_u8* arena, int rank, int row, bool valid, int 
   return {first ? e : -1, sum};
 }
 
+// counts[e] += the (row, distinct local expert e) pairs of ``rows`` (shared-memory counters).
+EP_DEVICE void ep_count_experts(const ep_u8* arena, int rank, EpRange rows, int lane, ep_u32* counts) {
+  for (int r0 = rows.begin; r0 < rows.end; r0 += kRowsPerPass) {
+    const int row = r0 + lane / kSegment;
+    const EpSlot s = ep_slot(arena, rank, row, row < rows.end, lane);
+    if (s.expert >= 0) ep_atomic_add_shared(&counts[s.expert], 1u);
+  }
+}
+
 // ---- expand (expert layout, local to the rank; runs after the expand plan) ----
 // Each block takes the rows the plan counted for it and gives each (row, local expert) pair the
 // next row of the expert's group from where the plan said this block's rows start: warps in
@@ -334,11 +343,7 @@ EP_KERNEL(kThreads) epgen_expand_gfx1250_bf16_w8_h7168_k8_l32_t4096_132x16_u1_a1
   ep_sync_block();
   const EpRange rows = ep_warp_rows(sig, warp);
   ep_u32* const next = s_next + warp * kExpertsPerRank;
-  for (int r0 = rows.begin; r0 < rows.end; r0 += kRowsPerPass) {
-    const int row = r0 + lane / kSegment;
-    const EpSlot s = ep_slot(arena, rank, row, row < rows.end, lane);
-    if (s.expert >= 0) ep_atomic_add_shared(&next[s.expert], 1u);
-  }
+  ep_count_experts(arena, rank, rows, lane, next);
   ep_sync_block();
   for (int e = tid; e < kExpertsPerRank; e += kThreads) {
     ep_u32 start = (ep_u32)block_base[ep_block_idx() * kExpertsPerRank + e];

@@ -308,6 +308,15 @@ EP_DEVICE EpSlot ep_slot(const ep_u8* arena, int rank, int row, bool valid, int 
   return {first ? e : -1, sum};
 }
 
+// counts[e] += the (row, distinct local expert e) pairs of ``rows`` (shared-memory counters).
+EP_DEVICE void ep_count_experts(const ep_u8* arena, int rank, EpRange rows, int lane, ep_u32* counts) {
+  for (int r0 = rows.begin; r0 < rows.end; r0 += kRowsPerPass) {
+    const int row = r0 + lane / kSegment;
+    const EpSlot s = ep_slot(arena, rank, row, row < rows.end, lane);
+    if (s.expert >= 0) ep_atomic_add_shared(&counts[s.expert], 1u);
+  }
+}
+
 // ---- expand plan (expert layout, local to the rank; runs after dispatch) ----
 // Every block counts, per local expert, the distinct (row, expert) pairs of its share of the
 // received rows into expert_block_base[block][e]. The last block to finish sums them into
@@ -329,12 +338,7 @@ EP_KERNEL(kThreads) epgen_expand_plan_gfx1250_bf16_w8_h7168_k8_l32_t4096_132x16_
   for (int e = tid; e < kExpertsPerRank; e += kThreads) s_count[e] = 0u;
   ep_sync_block();
 
-  const EpRange rows = ep_warp_rows(sig, warp);
-  for (int r0 = rows.begin; r0 < rows.end; r0 += kRowsPerPass) {
-    const int row = r0 + lane / kSegment;
-    const EpSlot s = ep_slot(arena, rank, row, row < rows.end, lane);
-    if (s.expert >= 0) ep_atomic_add_shared(&s_count[s.expert], 1u);
-  }
+  ep_count_experts(arena, rank, ep_warp_rows(sig, warp), lane, s_count);
   ep_sync_block();
   for (int e = tid; e < kExpertsPerRank; e += kThreads) {
     block_base[ep_block_idx() * kExpertsPerRank + e] = (ep_i32)s_count[e];
