@@ -50,7 +50,7 @@ RANK_IO = (
     Field("indices", "ep_u64", "dispatch: [T, K] int32"),
     Field("scales", "ep_u64", "dispatch: [T, S] bytes (0 when S = 0)"),
     Field("out", "ep_u64", "combine: [T, H] bf16 output"),
-    Field("y", "ep_u64", "fold: [y_rows, H] bf16 expert outputs in the expert layout"),
+    Field("y", "ep_u64", "fold, combine_ll_send: [y_rows, H] bf16 expert outputs (the expert layout's, or combine_in)"),
     Field("y_rows", "ep_u64", "combine, fold: rows of the caller's y (checked against the rows used)"),
     Field("num_tokens", "ep_u64", "T of this rank"),
 )
@@ -83,12 +83,17 @@ class Signal:
         index: word index into the signal region.
         comment: printed after the constant ("[W] " first when ``per_peer``); may be empty.
         per_peer: words ``index .. index + W - 1``, word ``index + r`` written by peer r.
+        slots: a range of this many flags (``per_peer`` False), each ``width`` words: the
+            low-latency family's flags, one per (peer, sending block).
+        width: words per flag (2: a 64-bit flag, 8-byte aligned).
     """
 
     name: str
     index: int
     comment: str = ""
     per_peer: bool = False
+    slots: int = 1
+    width: int = 1
 
     @property
     def c_name(self) -> str:
@@ -100,8 +105,13 @@ class Signal:
         return 4 * self.index
 
 
-SIGNAL_WORDS = 256
-"""32-bit words in each rank's signal region (``ARGS`` field ``signals``; see ArenaLayout)."""
+LL_FLAG_SLOTS = 1024
+"""Flags of each low-latency range: one per (source rank, sending block), so world size x the
+low-latency blocks is at most this (``KernelSpec`` checks it)."""
+
+SIGNAL_WORDS = 256 + 3 * LL_FLAG_SLOTS
+"""32-bit words in each rank's signal region (``ARGS`` field ``signals``; see ArenaLayout): the
+normal family's 256, then the low-latency flags (``SIGNALS``)."""
 
 SIGNALS = (
     Signal("dispatch_calls", 0, "last finished dispatch generation (this rank)"),
@@ -116,6 +126,10 @@ SIGNALS = (
     Signal("ready_from", 64, "peer entered dispatch g: its receive buffers are free", per_peer=True),
     Signal("done_from", 128, "peer finished writing its dispatch-g rows here", per_peer=True),
     Signal("combine_ready_from", 192, "peer's combine-g expert outputs are complete", per_peer=True),
+    Signal("ll_dispatch_from", 256, "[W x blocks] 64-bit: {generation, rows} of sending block (peer, b) here",
+           slots=LL_FLAG_SLOTS, width=2),
+    Signal("ll_combine_from", 256 + 2 * LL_FLAG_SLOTS, "[W x blocks] generation of sending block (peer, b) "
+           "whose combine rows are here", slots=LL_FLAG_SLOTS),
 )
 """The signal words; per-peer ranges hold up to the widest wave (64) ranks."""
 
@@ -172,7 +186,7 @@ ERRORS = (
               "timed out after {timeout_s} s in {phase_a} on rank {b} (call {c})", recoverable=False),
     ErrorCode("overflow", 3, "0", "destination rank", "rows it would need",
               "receive buffer of rank {b} would need {c} rows, more than its {capacity_rows} "
-              "(EpConfig.max_recv_tokens); the rows that did not fit were not sent", recoverable=True),
+              "(EpConfig.max_recv_tokens); the rows that did not fit were dropped", recoverable=True),
     ErrorCode("short_input", 4, "rows of y", "0", "rows the last dispatch produced",
               "combine: y has {a} rows but this rank's last dispatch produced {c} (num_recv, or expert_offsets[L] "
               "in the expert layout); the rows beyond y would have been read stale", recoverable=True),
@@ -223,6 +237,11 @@ PHASES = (
     Phase("dispatch_ready", 1, "dispatch (waiting until the peer's receive buffers are free)"),
     Phase("dispatch_done", 2, "dispatch (waiting for the peer's rows)"),
     Phase("combine_ready", 3, "combine (waiting for the peer's expert outputs)"),
+    Phase("ll_dispatch", 4, "the low-latency dispatch (waiting for the peer's rows; a peer that took the normal "
+          "family for this call never sends them: every rank must pick the same kernel family, "
+          "EpConfig.kernel_family)"),
+    Phase("ll_combine", 5, "the low-latency combine (waiting for the peer's expert outputs; every rank must pick "
+          "the same kernel family, EpConfig.kernel_family)"),
 )
 
 

@@ -10,11 +10,16 @@ from epgen.codegen.arch import ARCH_TRAITS
 from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES, dtype_info
 from epgen.codegen.errors import FieldError
 from epgen.codegen.models import model as _model
-from epgen.codegen.spec import EXPERT_ALIGNMENTS, EXPERT_OPS, PLAN_BLOCKS, PLAN_SHARED_LIMIT, TRANSPORT_OPS, KernelSpec, Op
-from epgen.codegen.tuning import Geometry, TuningKey, buckets, local_geometry, lookup
+from epgen.codegen.abi import LL_FLAG_SLOTS
+from epgen.codegen.spec import (EXPERT_ALIGNMENTS, EXPERT_OPS, LL_MAX_TOKENS, LOW_LATENCY_OPS, PLAN_BLOCKS,
+                                PLAN_SHARED_LIMIT, TRANSPORT_OPS, KernelSpec, Op)
+from epgen.codegen.tuning import Geometry, TuningKey, buckets, local_geometry, lookup, low_latency_default
 
 LAYOUTS = ("rank", "expert")
 """``EpConfig.layout`` values."""
+
+KERNEL_FAMILIES = ("auto", "normal", "low_latency")
+"""``EpConfig.kernel_family`` values."""
 
 
 def _check(cond: bool, field: str, value, rule: str):
@@ -57,6 +62,20 @@ class EpConfig:
             memory; ``KernelSpec.plan_shared_bytes``).
         max_recv_tokens: receive rows of each rank, N (None: W x max_tokens_per_rank, the worst
             case); a dispatch that would need more raises ``EpError`` naming the rank and the rows.
+        kernel_family: which kernels move the tokens. "normal": one kernel per op (counting,
+            receive rows reserved with remote atomics; built for bandwidth). "low_latency": two
+            kernels per op, a sending half that pushes rows into fixed slots and raises one flag per
+            (receiver, block), and a receiving half that waits for the flags and finishes the op
+            (built for decode sizes; the only family with ``async_recv``); its stages hold W x
+            max_tokens_per_rank rows, at most 65535 tokens a rank. "auto" (default): both, and each
+            call takes the low-latency family when its token count is at most
+            ``low_latency_tokens(arch)`` (the tuning table's threshold, which ``epgen tune``
+            measures; its stages are sized for that many). Both return the same outputs. With one
+            process per GPU every rank must take the same family in a call (their token counts on
+            the same side of the threshold); a rank waiting for a family its peer did not run times
+            out (``EpError`` naming the phase).
+        low_latency_geometry: launch geometry of both halves of both low-latency ops; None
+            (default) takes the tuning table's.
 
     The integer fields take any integer type (numpy's too) and hold a Python int; bools and
     floats are rejected.
@@ -81,6 +100,8 @@ class EpConfig:
     layout: str = "rank"
     expert_alignment: int = attrs.field(default=1, converter=_int)
     max_recv_tokens: int | None = attrs.field(default=None, converter=_int)
+    kernel_family: str = "auto"
+    low_latency_geometry: Geometry | None = None
 
     def __attrs_post_init__(self):
         for f in ("world_size", "hidden", "topk", "num_experts", "max_tokens_per_rank"):
@@ -93,7 +114,12 @@ class EpConfig:
         _check(isinstance(self.combine_quant, str) and self.combine_quant in COMBINE_QUANTS, "combine_quant", self.combine_quant,
                f"must be one of {', '.join(COMBINE_QUANTS)}")
         _check(self.topk <= self.num_experts, "topk", self.topk, f"must be at most num_experts={self.num_experts}")
-        for f in ("dispatch_geometry", "combine_geometry"):
+        _check(isinstance(self.kernel_family, str) and self.kernel_family in KERNEL_FAMILIES, "kernel_family",
+               self.kernel_family, f"must be one of {', '.join(KERNEL_FAMILIES)}")
+        _check(self.kernel_family != "low_latency" or not isinstance(self.max_tokens_per_rank, int)
+               or self.max_tokens_per_rank <= LL_MAX_TOKENS, "max_tokens_per_rank", self.max_tokens_per_rank,
+               f"kernel_family='low_latency' holds at most {LL_MAX_TOKENS} tokens a rank (use 'auto' or 'normal')")
+        for f in ("dispatch_geometry", "combine_geometry", "low_latency_geometry"):
             g = getattr(self, f)
             _check(g is None or isinstance(g, Geometry), f, g, "must be None (tuning table) or an "
                    "epgen.codegen.tuning.Geometry(blocks, warps_per_block, unroll)")
@@ -147,15 +173,38 @@ class EpConfig:
 
     @property
     def ops(self) -> tuple[Op, ...]:
-        """The kernels an op of this config compiles: dispatch and combine, and in the expert
-        layout its three local kernels (``EXPERT_OPS``)."""
-        return TRANSPORT_OPS + (EXPERT_OPS if self.layout == "expert" else ())
+        """The kernels an op of this config compiles: the normal family's dispatch and combine
+        and the low-latency family's halves (``LOW_LATENCY_OPS``), as ``kernel_family`` says, and
+        in the expert layout its three local kernels (``EXPERT_OPS``)."""
+        return ((TRANSPORT_OPS if self.kernel_family != "low_latency" else ())
+                + (LOW_LATENCY_OPS if self.kernel_family != "normal" else ())
+                + (EXPERT_OPS if self.layout == "expert" else ()))
 
     def tuning_key(self, arch: str, op: Op) -> TuningKey:
-        """Key of this layer's ``op`` in the tuning tables."""
+        """Key of this layer's ``op`` in the tuning tables (both halves of a low-latency op share
+        one entry, named after their template: "dispatch_ll", "combine_ll")."""
         dtype = self.dtype if op.payload else "bf16"
         return TuningKey(arch=arch, world_size=self.world_size, row_bytes=dtype_info(dtype).row_bytes(self.hidden),
-                         topk=self.topk, dtype=dtype, op=op.value)
+                         topk=self.topk, dtype=dtype, op=op.template)
+
+    def _low_latency_entry(self, arch: str, op: Op) -> tuple[int, Geometry]:
+        """(max tokens, geometry) of the low-latency ``op``'s table entry (its one bucket), else
+        ``tuning.low_latency_default``."""
+        default = low_latency_default(arch)
+        table = buckets(self.tuning_key(arch, op), default[1])
+        return table[0] if len(table) == 1 and table[0][0] < 1 << 30 else default
+
+    def low_latency_tokens(self, arch: str) -> int:
+        """T_ll: the most tokens a call may have to take the low-latency family on ``arch``, which
+        sizes its stages: 0 for "normal", max_tokens_per_rank for "low_latency", and for "auto"
+        the smaller of that and the tuning table's threshold (the smaller of the dispatch and
+        combine entries' bucket, ``tuning.LOW_LATENCY_MAX_TOKENS`` without one)."""
+        if self.kernel_family == "normal":
+            return 0
+        if self.kernel_family == "low_latency":
+            return self.max_tokens_per_rank
+        threshold = min(self._low_latency_entry(arch, op)[0] for op in (Op.DISPATCH_LL_SEND, Op.COMBINE_LL_SEND))
+        return min(self.max_tokens_per_rank, threshold, LL_MAX_TOKENS)
 
     def _explicit(self, op: Op) -> Geometry | None:
         return {Op.DISPATCH: self.dispatch_geometry, Op.COMBINE: self.combine_geometry}.get(op)
@@ -167,6 +216,10 @@ class EpConfig:
         the plan splits the rows as expand does, so it takes expand's geometry."""
         if op is Op.EXPAND_PLAN:  # splits the rows as expand does: the same blocks and warps
             op = Op.EXPAND
+        if op.low_latency:  # at most LL_FLAG_SLOTS flags per range: W x blocks
+            g = self.low_latency_geometry or self._low_latency_entry(arch, op)[1]
+            return g if self.low_latency_geometry else attrs.evolve(
+                g, blocks=max(1, min(g.blocks, LL_FLAG_SLOTS // self.world_size)))
         key = self.tuning_key(arch, op)
         if op not in EXPERT_OPS:
             return self._explicit(op) or lookup(key, tokens)
@@ -185,7 +238,8 @@ class EpConfig:
                           scale_bytes=self.scale_bytes, combine_quant=self.combine_quant, blocks=geometry.blocks,
                           warps_per_block=geometry.warps_per_block, unroll=geometry.unroll,
                           recv_tokens=self.max_recv_tokens or 0,
-                          expert_alignment=self.expert_alignment if self.layout == "expert" else 0)
+                          expert_alignment=self.expert_alignment if self.layout == "expert" else 0,
+                          ll_tokens=self.low_latency_tokens(arch))
 
     def variants(self, arch: str, op: Op) -> tuple[tuple[int, KernelSpec], ...]:
         """Every ``(max_tokens, spec)`` an ``EpDispatchCombine`` of this config compiles for
@@ -199,8 +253,8 @@ class EpConfig:
             ValueError: a spec breaks an ``arch`` limit (naming the field).
         """
         explicit = self._explicit(op)
-        if op in EXPERT_OPS:  # one variant: their work follows the rows received, not T
-            explicit = self.geometry(arch, op, self.max_tokens_per_rank)
+        if op in EXPERT_OPS or op.low_latency:  # one variant: the expert ops' work follows the rows
+            explicit = self.geometry(arch, op, self.max_tokens_per_rank)  # received; both low-latency halves agree on blocks
         table = ((self.max_tokens_per_rank, explicit),) if explicit else buckets(self.tuning_key(arch, op))
         out = []
         for max_tokens, geometry in table:

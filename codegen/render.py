@@ -63,7 +63,7 @@ def render(spec: KernelSpec) -> Source:
     Raises:
         jinja2.UndefinedError: a template names a variable ``template_vars()`` lacks.
     """
-    template = environment().get_template(f"ops/{spec.op.value}.j2")
+    template = environment().get_template(f"ops/{spec.op.template}.j2")
     text = template.render(**spec.template_vars())
     return Source(spec=spec, text=text, entry=spec.name, key=spec.key(text, RUNTIME_OPTIONS))
 

@@ -13,7 +13,7 @@ import hashlib
 import attrs
 
 from epgen.codegen import SCHEMA_VERSION, abi
-from epgen.codegen.abi import SIGNAL_WORDS
+from epgen.codegen.abi import LL_FLAG_SLOTS, SIGNAL_WORDS
 from epgen.codegen.arch import ARCH_TRAITS, ArchTraits, traits
 from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES, CombineQuant, DTypeInfo, combine_quant, dtype_info
 from epgen.codegen.dtypes import COMBINE_FLUSH_LOG2, MINIFLOATS
@@ -26,35 +26,61 @@ MAX_TOKENS_LIMIT = 1 << 20
 class Op(str, enum.Enum):
     """Which kernel a spec renders.
 
-    DISPATCH and COMBINE cross ranks; the expert layout (``KernelSpec.expert_alignment`` > 0) adds
-    three local kernels: EXPAND_PLAN (one block per rank: per-expert counts and offsets, each
-    expanded row's source, weight and position), EXPAND (copies received rows to their expanded
-    positions) and FOLD (sums a token's weighted expert outputs of one rank into the row combine
-    sends)."""
+    DISPATCH and COMBINE (the normal family) cross ranks; the expert layout
+    (``KernelSpec.expert_alignment`` > 0) adds three local kernels: EXPAND_PLAN (per-expert counts
+    and offsets, each expanded row's source, weight and position), EXPAND (copies received rows to
+    their expanded positions) and FOLD (sums a token's weighted expert outputs of one rank into
+    the row combine sends). The low-latency family splits each transport op into a sending and a
+    receiving half (``templates/ops/dispatch_ll.j2``, ``combine_ll.j2``): the sender pushes rows
+    into fixed slots of the receivers' arenas and raises one flag per (receiver, block); the
+    receiver waits for those flags and finishes the op."""
 
     DISPATCH = "dispatch"
     COMBINE = "combine"
     EXPAND_PLAN = "expand_plan"
     EXPAND = "expand"
     FOLD = "fold"
+    DISPATCH_LL_SEND = "dispatch_ll_send"
+    DISPATCH_LL_RECV = "dispatch_ll_recv"
+    COMBINE_LL_SEND = "combine_ll_send"
+    COMBINE_LL_RECV = "combine_ll_recv"
 
     @property
     def remote(self) -> bool:
-        """The kernel reads or writes peers' arenas and waits for them (dispatch, combine)."""
-        return self in TRANSPORT_OPS
+        """The kernel reads or writes peers' arenas or waits for them (both families' transport ops)."""
+        return self in TRANSPORT_OPS or self in LOW_LATENCY_OPS
 
     @property
     def payload(self) -> bool:
-        """The kernel's dtype is the dispatch payload's (dispatch, expand_plan, expand); the others
-        take bf16 expert outputs."""
-        return self in (Op.DISPATCH, Op.EXPAND_PLAN, Op.EXPAND)
+        """The kernel's dtype is the dispatch payload's (the dispatch kernels, expand_plan, expand);
+        the others take bf16 expert outputs."""
+        return self in (Op.DISPATCH, Op.EXPAND_PLAN, Op.EXPAND, Op.DISPATCH_LL_SEND, Op.DISPATCH_LL_RECV)
+
+    @property
+    def low_latency(self) -> bool:
+        """One half of the low-latency family (``LOW_LATENCY_OPS``)."""
+        return self in LOW_LATENCY_OPS
+
+    @property
+    def transport(self) -> "Op":
+        """The transport op this kernel belongs to (DISPATCH or COMBINE; the op itself otherwise):
+        the name its tuning entries and geometry flags use."""
+        return {Op.DISPATCH_LL_SEND: Op.DISPATCH, Op.DISPATCH_LL_RECV: Op.DISPATCH,
+                Op.COMBINE_LL_SEND: Op.COMBINE, Op.COMBINE_LL_RECV: Op.COMBINE}.get(self, self)
+
+    @property
+    def template(self) -> str:
+        """``templates/ops/<template>.j2`` renders it: the two halves of a low-latency op share one."""
+        return f"{self.transport.value}_ll" if self.low_latency else self.value
 
 
 TRANSPORT_OPS = (Op.DISPATCH, Op.COMBINE)
-"""The ops of every layout, the two that cross ranks (geometry flags and tuning tables name them)."""
+"""The normal family's ops that cross ranks (geometry flags and tuning tables name them)."""
 EXPERT_OPS = (Op.EXPAND_PLAN, Op.EXPAND, Op.FOLD)
 """The local ops the expert layout adds, in launch order (plan and expand after dispatch, fold
 before combine)."""
+LOW_LATENCY_OPS = (Op.DISPATCH_LL_SEND, Op.DISPATCH_LL_RECV, Op.COMBINE_LL_SEND, Op.COMBINE_LL_RECV)
+"""The low-latency family's kernels: each transport op's sending half, then its receiving half."""
 
 
 def _positive(name: str, lo: int, hi: int):
@@ -97,8 +123,20 @@ PLAN_SHARED_LIMIT = 48 * 1024
 opting in (sm_90 needs ``cudaFuncSetAttribute`` beyond it)."""
 
 
+LL_MAX_TOKENS = 65535
+"""Most tokens a rank may pass to the low-latency family (``KernelSpec.ll_tokens``): its 64-bit
+flags carry a sending block's first token and row count in 16 bits each."""
+
+LL_CALL_COUNTERS = 4 * LL_FLAG_SLOTS
+"""uint32 call counters of the low-latency kernels: one per (kernel, block) (``ArenaLayout.ll_calls``)."""
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _align16(n: int) -> int:
+    return (n + 15) // 16 * 16
 
 
 @attrs.frozen
@@ -132,13 +170,26 @@ class ArenaLayout:
                    block rewrites it; expand reads it)
       expert_scales [R, S] uint8
       expert_y     [R, H] bf16  the expert outputs fold reads (the expert layout's zero-copy target)
+    and with the low-latency family (``ll_tokens`` = T_ll > 0; absent otherwise):
+      ll_calls     [4, LL_FLAG_SLOTS] uint32  finished calls of each low-latency kernel's block b
+                   (dispatch send, dispatch recv, combine send, combine recv): every block counts
+                   its own, so no block waits for another to learn the call's generation
+      ll_combine_stage [2, W, T_ll, stage row] combine wire rows pushed here by rank d for this
+                   rank's token t at [g % 2, d, t] (g the combine generation; stage row = the wire
+                   row rounded up to 16 bytes, bf16 rows for the bf16 wire)
     then the payload rows, last because their row size is the dispatch dtype's, which combine
     and fold specs do not know (they are built with ``payload_row_bytes`` 0 and never use them):
       recv_x       [cap, H] dispatch dtype
       expert_x     [R, H] dispatch dtype (expert layout)
+      ll_dispatch_stage [2, W, T_ll, record] rows pushed here by source rank s at [g % 2, s, slot]
+                   (low-latency family): record = payload row, then (source rank, token), K weights,
+                   K expert ids, S scale bytes, padded to 16 bytes (``ll_meta_bytes``)
 
     ``cap`` = ``KernelSpec.capacity_rows`` receive rows (W x Tmax unless capped), ``R`` =
-    ``KernelSpec.expert_rows``. All sizes in bytes.
+    ``KernelSpec.expert_rows``. All sizes in bytes. The two stages alternate by generation parity:
+    a sender writes stage g % 2 only after every receiver has finished with call g - 2 (it waited
+    for their call g - 1 flags, raised after it), so consecutive calls never overwrite rows a
+    receiver still reads.
 
     Where the signal words live: on CUDA in the ``signals`` region of this arena (one
     allocation; the host passes ``arena + signals`` as the launch argument ``signals``). On ROCm
@@ -165,22 +216,37 @@ class ArenaLayout:
     expert_block_base: int
     expert_scales: int
     expert_y: int
+    ll_calls: int
+    ll_combine_stage: int
     recv_x: int
     expert_x: int
+    ll_dispatch_stage: int
     payload_row_bytes: int
     capacity_rows: int
     expert_rows: int
+    ll_tokens: int
+    ll_stage_row_bytes: int
+    ll_meta_bytes: int
+    world_size: int
+
+    @property
+    def ll_record_bytes(self) -> int:
+        """Bytes of one low-latency dispatch record: payload row, then ``ll_meta_bytes``."""
+        return self.payload_row_bytes + self.ll_meta_bytes
 
     @property
     def total_bytes(self) -> int:
         """Bytes to allocate for one arena."""
-        return _align(self.expert_x + self.expert_rows * self.payload_row_bytes)
+        return _align(self.ll_dispatch_stage + 2 * self.world_size * self.ll_tokens * self.ll_record_bytes)
 
     @classmethod
     def build(cls, *, world_size, max_tokens_per_rank, capacity_rows, expert_rows, experts_per_rank, hidden, topk,
-              scale_bytes, wire_row_bytes, payload_row_bytes):
-        cap, R = capacity_rows, expert_rows
+              scale_bytes, wire_row_bytes, payload_row_bytes, ll_tokens=0):
+        cap, R, T_ll = capacity_rows, expert_rows, ll_tokens
         expert = R > 0
+        # low-latency stages: combine rows as the wire carries them (bf16 without a quantized wire)
+        stage_row = _align16(wire_row_bytes or hidden * 2) if T_ll else 0
+        meta = _align16(8 + 8 * topk + scale_bytes) if T_ll else 0
         off = 0
         fields = {}
         for name, size in (
@@ -201,12 +267,16 @@ class ArenaLayout:
             ("expert_block_base", PLAN_BLOCKS * experts_per_rank * 4 if expert else 0),
             ("expert_scales", R * scale_bytes),
             ("expert_y", R * hidden * 2),
+            ("ll_calls", LL_CALL_COUNTERS * 4 if T_ll else 0),
+            ("ll_combine_stage", 2 * world_size * T_ll * stage_row),
             ("recv_x", cap * payload_row_bytes),
-            ("expert_x", 0),
+            ("expert_x", R * payload_row_bytes),
+            ("ll_dispatch_stage", 0),
         ):
             fields[name] = off
             off = _align(off + size)
-        return cls(**fields, payload_row_bytes=payload_row_bytes, capacity_rows=cap, expert_rows=R)
+        return cls(**fields, payload_row_bytes=payload_row_bytes, capacity_rows=cap, expert_rows=R, ll_tokens=T_ll,
+                   ll_stage_row_bytes=stage_row, ll_meta_bytes=meta, world_size=world_size)
 
 
 @attrs.frozen
@@ -232,6 +302,9 @@ class KernelSpec:
             case W x Tmax. A dispatch that would need more records an overflow.
         expert_alignment: 0 = rank-major receive rows only; A >= 1 (a power of two, at most 256) =
             the expert layout, whose expert groups start at multiples of A rows.
+        ll_tokens: most tokens a rank passes to the low-latency family, T_ll (its stages hold W x
+            T_ll rows each); 0 = no low-latency buffers. Every spec of one op carries it (it sizes
+            the shared arena); the low-latency kernels need it >= 1.
 
     Raises:
         epgen.codegen.errors.FieldError: a ValueError, on construction, naming the field, its
@@ -254,6 +327,7 @@ class KernelSpec:
     recv_tokens: int = attrs.field(default=0, validator=_positive("recv_tokens", 0, 64 * MAX_TOKENS_LIMIT))
     expert_alignment: int = attrs.field(default=0, validator=[_positive("expert_alignment", 0, 256),
                                                                _one_of("expert_alignment", EXPERT_ALIGNMENTS)])
+    ll_tokens: int = attrs.field(default=0, validator=_positive("ll_tokens", 0, LL_MAX_TOKENS))
 
     def __attrs_post_init__(self):
         t = self.traits
@@ -261,6 +335,16 @@ class KernelSpec:
         if self.recv_tokens > worst:
             raise FieldError("recv_tokens", f"KernelSpec.recv_tokens={self.recv_tokens}: at most world_size x "
                              f"max_tokens_per_rank = {worst} (the most rows a rank can receive)")
+        if self.ll_tokens > self.max_tokens_per_rank:
+            raise FieldError("ll_tokens", f"KernelSpec.ll_tokens={self.ll_tokens}: at most max_tokens_per_rank = "
+                             f"{self.max_tokens_per_rank}")
+        if self.op.low_latency and not self.ll_tokens:
+            raise FieldError("ll_tokens", f"KernelSpec.ll_tokens=0: op {self.op.value!r} belongs to the low-latency "
+                             "family, whose stages need ll_tokens >= 1")
+        if self.op.low_latency and self.world_size * self.blocks > LL_FLAG_SLOTS:
+            raise FieldError("blocks", f"KernelSpec.blocks={self.blocks}: the low-latency family raises one flag per "
+                             f"(rank, block), world_size x blocks = {self.world_size * self.blocks}, at most "
+                             f"{LL_FLAG_SLOTS}; at most {LL_FLAG_SLOTS // self.world_size} blocks")
         if self.op in EXPERT_OPS and not self.expert_alignment:
             raise FieldError("expert_alignment", f"KernelSpec.expert_alignment=0: op {self.op.value!r} belongs to "
                              "the expert layout (expert_alignment >= 1)")
@@ -386,6 +470,7 @@ class KernelSpec:
             scale_bytes=self.scale_bytes,
             wire_row_bytes=self.quant.wire_row_bytes(self.hidden) if self.quant.quantized else 0,
             payload_row_bytes=self.row_bytes if self.op.payload else 0,
+            ll_tokens=self.ll_tokens,
         )
 
     @property
@@ -396,6 +481,7 @@ class KernelSpec:
         s += f"_{self.quant.tag}" if self.quant.quantized else ""
         s += f"_r{self.recv_tokens}" if self.recv_tokens else ""
         s += f"_a{self.expert_alignment}" if self.expert_alignment else ""
+        s += f"_ll{self.ll_tokens}" if self.ll_tokens else ""
         return (
             f"epgen_{self.op.value}_{arch}_{self.dtype}_w{self.world_size}_h{self.hidden}_k{self.topk}"
             f"_l{self.experts_per_rank}_t{self.max_tokens_per_rank}"
@@ -428,6 +514,7 @@ class KernelSpec:
             "spec_line": self.describe(),
             "entry": self.name,
             "op": self.op.value,
+            "template": self.op.template,
             "arch": t,
             "wave_size": t.wave_size,
             "hidden": self.hidden,
@@ -439,6 +526,7 @@ class KernelSpec:
             "capacity_rows": self.capacity_rows,
             "expert_rows": self.expert_rows,
             "expert_alignment": self.expert_alignment,
+            "ll_tokens": self.ll_tokens,
             "segment_lanes": self.segment_lanes,
             "scale_bytes": self.scale_bytes,
             "blocks": self.blocks,

@@ -78,6 +78,23 @@ fp8 payload with scales at top-k 1-2 (offline compiles, clang 22 and NVRTC 13.0)
 point, not a measurement."""
 
 
+LOW_LATENCY_GEOMETRY = (32, 512, 2)
+"""(blocks, threads, unroll) of both halves of a low-latency op without a table entry: a design
+estimate (tools/NOTES.md, session 6), not a measurement, until ``epgen tune`` writes the entry."""
+
+LOW_LATENCY_MAX_TOKENS = 128
+"""Tokens per rank up to which ``EpConfig(kernel_family="auto")`` takes the low-latency family
+without a table entry (an entry's one bucket ``max_tokens`` replaces it): a design estimate, as
+``LOW_LATENCY_GEOMETRY``."""
+
+
+def low_latency_default(arch: str) -> tuple[int, Geometry]:
+    """(max tokens, geometry) of a low-latency op without a table entry (``LOW_LATENCY_*``)."""
+    blocks, threads, unroll = LOW_LATENCY_GEOMETRY
+    return LOW_LATENCY_MAX_TOKENS, Geometry(blocks=blocks, warps_per_block=threads // traits(arch).wave_size,
+                                            unroll=unroll)
+
+
 def local_geometry(arch: str, op: str) -> Geometry:
     """Geometry of the expert layout's ``op`` ("expand", "fold") without a table entry
     (``LOCAL_GEOMETRY``)."""

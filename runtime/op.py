@@ -20,7 +20,7 @@ from epgen.codegen.arch import ARCH_TRAITS
 from epgen.codegen.dtypes import dtype_info
 from epgen.codegen.occupancy import resident_blocks
 from epgen.codegen.render import render
-from epgen.codegen.spec import KernelSpec, Op
+from epgen.codegen.spec import TRANSPORT_OPS, KernelSpec, Op
 from epgen.codegen.config import EpConfig
 from epgen.platform import Platform
 
@@ -95,6 +95,32 @@ class ExpertDispatchOutput:
     counts: torch.Tensor
     offsets: torch.Tensor
     recv: DispatchOutput
+
+
+class RecvHandle:
+    """The receiving half of a low-latency dispatch or combine launched with ``async_recv=True``.
+
+    Between the sending half (already on the stream) and ``wait()`` the stream runs whatever the
+    caller enqueues (attention, a shared expert): no kernel of the op holds an SM and nothing
+    synchronizes the host. ``wait()`` enqueues the receiving half on the current stream and
+    returns what the synchronous call returns; it captures into CUDA graphs like any launch. The
+    op refuses other calls until it has run.
+
+    Raises (wait):
+        RuntimeError: wait() was already called.
+    """
+
+    def __init__(self, op: "EpDispatchCombine", finish):
+        self._op = op
+        self._finish = finish
+        self.done = False
+
+    def wait(self):
+        if self.done:
+            raise RuntimeError("RecvHandle.wait: already waited (each handle finishes its call once)")
+        self.done = True
+        self._op._recv_handle = None
+        return self._finish()  # even after a fault: the halves' call counts must stay in step
 
 
 def _args_dtype(world_size: int) -> np.dtype:
@@ -180,19 +206,21 @@ def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x, weights, indic
 
 
 def check_combine_inputs(cfg: EpConfig, device: torch.device, y, out, tokens: int, capacity: int,
-                         tag: str = "") -> None:
+                         tag: str = "", in_place: bool = False) -> None:
     """Check one rank's combine inputs: y [n, H] bf16 with n <= ``capacity`` (the receive rows, or
     in the expert layout its R rows); out None or [T, H] bf16 (T of the dispatch being combined);
-    contiguous, on ``device``; out, and y in the expert layout (which the fold reads in place),
-    start on a 16-byte boundary (16-byte vector accesses; the rank layout copies y into the arena
-    with torch, so any address of it works). Whether y holds every row the dispatch produced is
-    known on the device only: the kernels check it and raise ``EpError`` (short input).
+    contiguous, on ``device``; out, and y when a kernel reads it in place (the expert layout's
+    fold, and the low-latency combine: ``in_place``), start on a 16-byte boundary (16-byte vector
+    accesses; the normal rank-layout combine copies y into the arena with torch, so any address
+    of it works there). Whether y holds every row the dispatch produced is known on the device
+    only: the kernels check it and raise ``EpError`` (short input).
 
     Raises:
         TypeError, ValueError: as ``check_dispatch_inputs``.
     """
     expert = cfg.layout == "expert"
-    _check_tensor(y, f"y{tag}", dtype=torch.bfloat16, shape=(None, cfg.hidden), device=device, vectors=expert)
+    _check_tensor(y, f"y{tag}", dtype=torch.bfloat16, shape=(None, cfg.hidden), device=device,
+                  vectors=expert or in_place)
     if y.shape[0] > capacity:
         what = ("the expert layout's rows (max_recv_tokens x min(topk, experts per rank) + padding)" if expert
                 else "the receive capacity (max_recv_tokens, or world_size x max_tokens_per_rank)")
@@ -264,7 +292,8 @@ class EpDispatchCombine:
         self.arch = self.platform.arch(self.device.index)  # ValueError for an arch epgen has no kernels for
         # Every variant the op can pick is compiled here: dispatch() and combine() never compile.
         self._variants = {op: self._build_variants(op) for op in config.ops}
-        self.dispatch_spec = self._variants[Op.DISPATCH][-1][1]
+        self.dispatch_spec = self._variants[next(op for op in config.ops if op.payload)][-1][1]
+        self.low_latency_tokens = self.dispatch_spec.ll_tokens  # T_ll: 0 without the low-latency family
         self.layout = self.dispatch_spec.layout
         self.expert_layout = config.layout == "expert"
         free, _ = torch.cuda.mem_get_info(self.device)
@@ -288,6 +317,8 @@ class EpDispatchCombine:
             a["timeout_ns"] = int(config.timeout_s * 1e9)
             self._args[op] = a
         self._pending_tokens = None  # token counts of the dispatch that combine will undo
+        self._pending_family = None  # the kernel family that dispatch took (its combine takes the same)
+        self._recv_handle = None  # an async_recv call's RecvHandle until it is waited for
         self._fault = None
 
     # ---- views -------------------------------------------------------------------------------
@@ -344,6 +375,10 @@ class EpDispatchCombine:
         if self.expert_layout:
             return self._view(rank, self.layout.expert_y, (self.layout.expert_rows, self.config.hidden),
                               torch.bfloat16)
+        return self._combine_in(rank)
+
+    def _combine_in(self, rank: int) -> torch.Tensor:
+        """[N, H] bf16 view of ``rank``'s combine_in region (the rows the normal combine's peers read)."""
         return self._view(rank, self.layout.combine_in, (self.layout.capacity_rows, self.config.hidden),
                           torch.bfloat16)
 
@@ -357,7 +392,16 @@ class EpDispatchCombine:
         return rank
 
     # ---- calls -------------------------------------------------------------------------------
-    def dispatch(self, x, weights, indices, scales=None):
+    def family(self, tokens: int) -> str:
+        """The kernel family a call with ``tokens`` (the largest token count of the ranks this
+        process drives) takes: "low_latency" or "normal" (``EpConfig.kernel_family``; "auto"
+        takes the low-latency family up to ``low_latency_tokens``)."""
+        kind = self.config.kernel_family
+        if kind == "auto":
+            return "low_latency" if tokens <= self.low_latency_tokens else "normal"
+        return kind
+
+    def dispatch(self, x, weights, indices, scales=None, async_recv: bool = False):
         """Send each token to every distinct rank that holds one of its top-k experts.
 
         Args (one rank; in virtual mode each is a list with one entry per rank):
@@ -366,34 +410,79 @@ class EpDispatchCombine:
             weights: [T, K] float32 routing weights (forwarded unchanged).
             indices: [T, K] int32 expert ids in [0, E) or -1 (no expert).
             scales: [T, S] uint8 opaque per-token scale bytes, required iff S > 0.
+            async_recv: launch only the low-latency family's sending half and return a
+                ``RecvHandle`` whose ``wait()`` launches the receiving half (and the expert
+                layout's expansion) and returns the outputs. Needs T <= ``low_latency_tokens``.
 
         Returns:
             DispatchOutput, or in the expert layout ExpertDispatchOutput (its ``recv`` the
             rank-major rows; the expansion runs right after the dispatch kernel, see ``expand``);
-            a list of them in virtual mode.
+            a list of them in virtual mode; a RecvHandle with ``async_recv``. The kernel family
+            follows ``family(T)``; both return the same rows (their order within [0, num_recv)
+            differs).
 
         Raises:
-            TypeError, ValueError: an input breaks the rules above (before any launch).
+            TypeError, ValueError: an input breaks the rules above (before any launch), or
+                ``async_recv`` without a low-latency family for T.
+            RuntimeError: an async_recv call's handle has not been waited for.
             EpError: an earlier call faulted in a kernel.
         """
         self._raise_if_faulted()
+        self._check_no_recv_pending("dispatch")
         xs, ws, ids, ss = self._per_rank(x, "x"), self._per_rank(weights, "weights"), \
             self._per_rank(indices, "indices"), self._per_rank(scales, "scales", optional=True)
         cfg = self.config
-        a = self._args[Op.DISPATCH]
-        tokens = []
+        io, tokens = [], []
         for i, rank in enumerate(self.local_ranks):
             T = check_dispatch_inputs(cfg, self.device, xs[i], ws[i], ids[i], ss[i],
                                       f"[rank {rank}]" if self.virtual else "")
-            a["io"][i] = _rank_io(x=xs[i].data_ptr(), weights=ws[i].data_ptr(), indices=ids[i].data_ptr(),
-                                  scales=ss[i].data_ptr() if cfg.scale_bytes else 0, num_tokens=T)
+            io.append(_rank_io(x=xs[i].data_ptr(), weights=ws[i].data_ptr(), indices=ids[i].data_ptr(),
+                               scales=ss[i].data_ptr() if cfg.scale_bytes else 0, num_tokens=T))
             tokens.append(T)
-        self._launch(Op.DISPATCH, max(tokens), a)
+        family = self._family_for_call(max(tokens), async_recv, "dispatch")
+        send = Op.DISPATCH if family == "normal" else Op.DISPATCH_LL_SEND
+        a = self._args[send]
+        for i, record in enumerate(io):
+            a["io"][i] = record
+        self._launch(send, max(tokens), a)
         self._pending_tokens = tokens
-        if self.expert_layout:
-            self.expand()
-        outs = [self.expert_buffers(r) if self.expert_layout else self.recv_buffers(r) for r in self.local_ranks]
-        return outs if self.virtual else outs[0]
+        self._pending_family = family
+
+        def finish():
+            if family == "low_latency":
+                self._launch(Op.DISPATCH_LL_RECV, 0, self._args[Op.DISPATCH_LL_RECV])
+            if self.expert_layout:
+                self.expand()
+            outs = [self.expert_buffers(r) if self.expert_layout else self.recv_buffers(r) for r in self.local_ranks]
+            return outs if self.virtual else outs[0]
+
+        return self._finish_or_handle(finish, async_recv)
+
+    def _family_for_call(self, tokens: int, async_recv: bool, name: str) -> str:
+        """``family(tokens)``, or with ``async_recv`` the low-latency family (ValueError when it
+        cannot take ``tokens``)."""
+        if not isinstance(async_recv, bool):
+            raise TypeError(f"async_recv={async_recv!r}: must be a bool")
+        if not async_recv:
+            return self.family(tokens)
+        if tokens > self.low_latency_tokens:
+            why = ("EpConfig.kernel_family='normal' builds no low-latency kernels" if not self.low_latency_tokens
+                   else f"the low-latency family takes at most low_latency_tokens={self.low_latency_tokens} tokens "
+                   "a rank (EpConfig.kernel_family='low_latency' sizes it for max_tokens_per_rank)")
+            raise ValueError(f"{name}(async_recv=True) with {tokens} tokens: the split needs the low-latency "
+                             f"family, and {why}")
+        return "low_latency"
+
+    def _finish_or_handle(self, finish, async_recv: bool):
+        if not async_recv:
+            return finish()
+        self._recv_handle = RecvHandle(self, finish)
+        return self._recv_handle
+
+    def _check_no_recv_pending(self, name: str):
+        if self._recv_handle is not None:
+            raise RuntimeError(f"{name}: the last async_recv call's receiving half has not run; call its "
+                               "handle.wait() first")
 
     def expand(self):
         """Expert layout: expand the last dispatch's received rows into per-expert groups (the plan
@@ -430,6 +519,7 @@ class EpDispatchCombine:
     def _expert_stage(self, name: str, why: str):
         """Before ``expand`` or ``fold`` alone: no fault pending, the expert layout, a dispatch to work on."""
         self._raise_if_faulted()
+        self._check_no_recv_pending(name)
         if not self.expert_layout:
             raise RuntimeError(f"{name}: needs EpConfig(layout='expert'); this op's layout is 'rank'")
         if self._pending_tokens is None:
@@ -441,7 +531,7 @@ class EpDispatchCombine:
             a["io"][i] = _rank_io(y=y.data_ptr(), y_rows=y.shape[0])
         self._launch(Op.FOLD, 0, a)
 
-    def combine(self, y, out=None):
+    def combine(self, y, out=None, async_recv: bool = False):
         """Sum, for each token of the last dispatch, the expert outputs of the ranks it reached.
 
         Args:
@@ -451,8 +541,13 @@ class EpDispatchCombine:
                 (checked on the device likewise), read in place (16-byte aligned).
                 ``combine_input()`` itself is used without a copy. A list with one entry per rank
                 in virtual mode.
+                The low-latency family reads y in place too (16-byte aligned) and copies nothing.
             out: optional [T, H] bf16 contiguous output (T of the last dispatch); a new tensor
                 when None. A list in virtual mode.
+            async_recv: launch only the sending half (after the expert layout's fold) and return a
+                ``RecvHandle`` whose ``wait()`` launches the receiving half and returns the output.
+                Needs a dispatch that took the low-latency family. The family is always the one
+                the dispatch took.
 
         Returns:
             [T, H] bf16 per rank (a list in virtual mode): the expert outputs as the combine wire
@@ -461,39 +556,62 @@ class EpDispatchCombine:
             a token that reached no rank gets zeros. In the expert layout each rank first folds
             a token's rows: bf16(sum in ascending first top-k slot of weight x y, fp32, each product
             rounded before its sum), and that folded row travels (``epgen.reference.combine_weighted``).
+            With ``async_recv``, a RecvHandle whose ``wait()`` returns that.
 
         Raises:
-            RuntimeError: no dispatch precedes this combine.
-            TypeError, ValueError: bad y (before any launch).
+            RuntimeError: no dispatch precedes this combine, or an async_recv call's handle has not
+                been waited for.
+            TypeError, ValueError: bad y (before any launch), or ``async_recv`` after a dispatch
+                that took the normal family.
             EpError: an earlier call faulted in a kernel.
         """
         self._raise_if_faulted()
+        self._check_no_recv_pending("combine")
         if self._pending_tokens is None:
             raise RuntimeError("combine: needs a dispatch first (each dispatch is combined once)")
+        if not isinstance(async_recv, bool):
+            raise TypeError(f"async_recv={async_recv!r}: must be a bool")
+        low_latency = self._pending_family == "low_latency"
+        if async_recv and not low_latency:
+            raise ValueError("combine(async_recv=True): the split needs the low-latency family, and the dispatch "
+                             f"being combined took the normal family ({max(self._pending_tokens)} tokens; "
+                             f"low_latency_tokens={self.low_latency_tokens})")
         ys, given = self._per_rank(y, "y"), self._per_rank(out, "out", optional=True)
         cfg = self.config
-        a = self._args[Op.COMBINE]
         capacity = self.layout.expert_rows if self.expert_layout else self.layout.capacity_rows
         for i, rank in enumerate(self.local_ranks):  # every rank's inputs before any copy or launch
             check_combine_inputs(cfg, self.device, ys[i], given[i], self._pending_tokens[i], capacity,
-                                 f"[rank {rank}]" if self.virtual else "")
+                                 f"[rank {rank}]" if self.virtual else "", in_place=low_latency)
         if self.expert_layout:
             self._fold(ys)  # fills combine_in with every received row: combine reads no y rows
+        a = self._args[Op.COMBINE_LL_SEND if low_latency else Op.COMBINE]
         outs = []
         for i, rank in enumerate(self.local_ranks):
             T = self._pending_tokens[i]
-            if not self.expert_layout:
-                dst = self.combine_input(rank)
-                if ys[i].data_ptr() != dst.data_ptr():
-                    dst[: ys[i].shape[0]].copy_(ys[i])
+            # the rows combine sends: the expert layout's folded rows, else y (the normal family
+            # reads it from combine_in, where peers can reach it; the low-latency one in place)
+            source = ys[i] if low_latency and not self.expert_layout else self._combine_in(rank)
+            if source is not ys[i] and not self.expert_layout and ys[i].data_ptr() != source.data_ptr():
+                source[: ys[i].shape[0]].copy_(ys[i])
             o = given[i] if given[i] is not None else torch.empty((T, cfg.hidden), dtype=torch.bfloat16,
                                                                   device=self.device)
             rows = self.layout.capacity_rows if self.expert_layout else ys[i].shape[0]
-            a["io"][i] = _rank_io(out=o.data_ptr(), num_tokens=T, y_rows=rows)
+            a["io"][i] = _rank_io(out=o.data_ptr(), num_tokens=T, y_rows=rows, y=source.data_ptr())
             outs.append(o)
-        self._launch(Op.COMBINE, max(self._pending_tokens), a)
+        tokens = max(self._pending_tokens)
         self._pending_tokens = None
-        return outs if self.virtual else outs[0]
+        if not low_latency:
+            self._launch(Op.COMBINE, tokens, a)
+            return outs if self.virtual else outs[0]
+        self._launch(Op.COMBINE_LL_SEND, 0, a)
+        recv = self._args[Op.COMBINE_LL_RECV]
+        recv["io"] = a["io"]
+
+        def finish():
+            self._launch(Op.COMBINE_LL_RECV, 0, recv)
+            return outs if self.virtual else outs[0]
+
+        return self._finish_or_handle(finish, async_recv)
 
     # ---- faults ------------------------------------------------------------------------------
     def check(self):
@@ -578,7 +696,7 @@ class EpDispatchCombine:
             # each other: virtual ranks (one rank's blocks wait for another's on the same GPU) and
             # the quantized combine (the last of a rank's blocks to finish its wire rows releases
             # the peers, whose blocks wait for it).
-            if op.remote and (self.virtual or (op is Op.COMBINE and spec.quant.quantized)):
+            if op in TRANSPORT_OPS and (self.virtual or (op is Op.COMBINE and spec.quant.quantized)):
                 ranks = len(self.local_ranks)
                 fits = self._resident_blocks(fn, spec) // ranks
                 if fits < spec.blocks:

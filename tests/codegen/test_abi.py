@@ -170,7 +170,7 @@ def test_every_error_code_has_a_message_that_formats():
                    "(call 4)"),
     ((2, 9, 1, 4), "rank 1: timed out after 2.5 s in phase 9 on rank 1 (call 4)"),
     ((3, 0, 1, 40), "rank 1: receive buffer of rank 1 would need 40 rows, more than its 32 (EpConfig.max_recv_tokens); "
-                        "the rows that did not fit were not sent"),
+                        "the rows that did not fit were dropped"),
     ((7, 1, 2, 3), "rank 1: unknown kernel fault code 7 (1, 2, 3)"),
 ])
 def test_the_op_words_error_records_from_the_table(record, message):
