@@ -345,6 +345,11 @@ class KernelSpec:
             raise FieldError("blocks", f"KernelSpec.blocks={self.blocks}: the low-latency family raises one flag per "
                              f"(rank, block), world_size x blocks = {self.world_size * self.blocks}, at most "
                              f"{LL_FLAG_SLOTS}; at most {LL_FLAG_SLOTS // self.world_size} blocks")
+        if self.op is Op.DISPATCH_LL_SEND and self.ll_shared_bytes > PLAN_SHARED_LIMIT:
+            raise FieldError("blocks", f"KernelSpec.blocks={self.blocks}: the low-latency dispatch keeps each block's "
+                             f"token positions in shared memory, ceil(ll_tokens / blocks) x world_size x 4 = "
+                             f"{self.ll_shared_bytes} bytes, more than {PLAN_SHARED_LIMIT}; use more blocks or fewer "
+                             "ll_tokens")
         if self.op in EXPERT_OPS and not self.expert_alignment:
             raise FieldError("expert_alignment", f"KernelSpec.expert_alignment=0: op {self.op.value!r} belongs to "
                              "the expert layout (expert_alignment >= 1)")
@@ -449,6 +454,16 @@ class KernelSpec:
         """Shared memory of expand (the plan uses less): a count per (warp, local expert) and L + 1
         offsets, bytes."""
         return 4 * (self.warps_per_block * self.experts_per_rank + self.experts_per_rank + 1)
+
+    @property
+    def ll_block_tokens(self) -> int:
+        """Most tokens one block of the low-latency dispatch routes: ceil(ll_tokens / blocks)."""
+        return -(-self.ll_tokens // self.blocks)
+
+    @property
+    def ll_shared_bytes(self) -> int:
+        """Shared memory of the low-latency dispatch's positions: ll_block_tokens x W int32, bytes."""
+        return 4 * self.ll_block_tokens * self.world_size
 
     @property
     def segment_lanes(self) -> int:
