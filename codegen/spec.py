@@ -30,18 +30,21 @@ class Op(str, enum.Enum):
     (``KernelSpec.expert_alignment`` > 0) adds three local kernels: EXPAND_PLAN (per-expert counts
     and offsets, each expanded row's source, weight and position), EXPAND (copies received rows to
     their expanded positions) and FOLD (sums a token's weighted expert outputs of one rank into
-    the row combine sends). The low-latency family splits each transport op into a sending and a
-    receiving half (``templates/ops/dispatch_ll.j2``, ``combine_ll.j2``): the sender pushes rows
-    into fixed slots of the receivers' arenas and raises one flag per (receiver, block); the
-    receiver waits for those flags and finishes the op."""
+    the row combine sends). The low-latency family (``templates/ops/dispatch_ll.j2``,
+    ``combine_ll.j2``) runs each transport op as a sending half, which pushes rows into fixed slots
+    of the receivers' arenas and raises one flag per (receiver, block), and a receiving half, which
+    waits for those flags and finishes the op: both in one kernel (DISPATCH_LL, COMBINE_LL) or each
+    in its own (the ``_SEND`` and ``_RECV`` ops: the async_recv split)."""
 
     DISPATCH = "dispatch"
     COMBINE = "combine"
     EXPAND_PLAN = "expand_plan"
     EXPAND = "expand"
     FOLD = "fold"
+    DISPATCH_LL = "dispatch_ll"
     DISPATCH_LL_SEND = "dispatch_ll_send"
     DISPATCH_LL_RECV = "dispatch_ll_recv"
+    COMBINE_LL = "combine_ll"
     COMBINE_LL_SEND = "combine_ll_send"
     COMBINE_LL_RECV = "combine_ll_recv"
 
@@ -54,7 +57,7 @@ class Op(str, enum.Enum):
     def payload(self) -> bool:
         """The kernel's dtype is the dispatch payload's (the dispatch kernels, expand_plan, expand);
         the others take bf16 expert outputs."""
-        return self in (Op.DISPATCH, Op.EXPAND_PLAN, Op.EXPAND, Op.DISPATCH_LL_SEND, Op.DISPATCH_LL_RECV)
+        return self in (Op.DISPATCH, Op.EXPAND_PLAN, Op.EXPAND, Op.DISPATCH_LL, Op.DISPATCH_LL_SEND, Op.DISPATCH_LL_RECV)
 
     @property
     def low_latency(self) -> bool:
@@ -65,12 +68,12 @@ class Op(str, enum.Enum):
     def transport(self) -> "Op":
         """The transport op this kernel belongs to (DISPATCH or COMBINE; the op itself otherwise):
         the name its tuning entries and geometry flags use."""
-        return {Op.DISPATCH_LL_SEND: Op.DISPATCH, Op.DISPATCH_LL_RECV: Op.DISPATCH,
-                Op.COMBINE_LL_SEND: Op.COMBINE, Op.COMBINE_LL_RECV: Op.COMBINE}.get(self, self)
+        return {Op.DISPATCH_LL: Op.DISPATCH, Op.DISPATCH_LL_SEND: Op.DISPATCH, Op.DISPATCH_LL_RECV: Op.DISPATCH,
+                Op.COMBINE_LL: Op.COMBINE, Op.COMBINE_LL_SEND: Op.COMBINE, Op.COMBINE_LL_RECV: Op.COMBINE}.get(self, self)
 
     @property
     def template(self) -> str:
-        """``templates/ops/<template>.j2`` renders it: the two halves of a low-latency op share one."""
+        """``templates/ops/<template>.j2`` renders it: a low-latency op and its two halves share one."""
         return f"{self.transport.value}_ll" if self.low_latency else self.value
 
 
@@ -79,8 +82,9 @@ TRANSPORT_OPS = (Op.DISPATCH, Op.COMBINE)
 EXPERT_OPS = (Op.EXPAND_PLAN, Op.EXPAND, Op.FOLD)
 """The local ops the expert layout adds, in launch order (plan and expand after dispatch, fold
 before combine)."""
-LOW_LATENCY_OPS = (Op.DISPATCH_LL_SEND, Op.DISPATCH_LL_RECV, Op.COMBINE_LL_SEND, Op.COMBINE_LL_RECV)
-"""The low-latency family's kernels: each transport op's sending half, then its receiving half."""
+LOW_LATENCY_OPS = (Op.DISPATCH_LL, Op.DISPATCH_LL_SEND, Op.DISPATCH_LL_RECV, Op.COMBINE_LL, Op.COMBINE_LL_SEND,
+                   Op.COMBINE_LL_RECV)
+"""The low-latency family's kernels: each transport op whole, then its sending and receiving halves."""
 
 
 def _positive(name: str, lo: int, hi: int):
@@ -345,7 +349,7 @@ class KernelSpec:
             raise FieldError("blocks", f"KernelSpec.blocks={self.blocks}: the low-latency family raises one flag per "
                              f"(rank, block), world_size x blocks = {self.world_size * self.blocks}, at most "
                              f"{LL_FLAG_SLOTS}; at most {LL_FLAG_SLOTS // self.world_size} blocks")
-        if self.op is Op.DISPATCH_LL_SEND and self.ll_shared_bytes > PLAN_SHARED_LIMIT:
+        if self.op in (Op.DISPATCH_LL, Op.DISPATCH_LL_SEND) and self.ll_shared_bytes > PLAN_SHARED_LIMIT:
             raise FieldError("blocks", f"KernelSpec.blocks={self.blocks}: the low-latency dispatch keeps each block's "
                              f"token positions in shared memory, ceil(ll_tokens / blocks) x world_size x 4 = "
                              f"{self.ll_shared_bytes} bytes, more than {PLAN_SHARED_LIMIT}; use more blocks or fewer "

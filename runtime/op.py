@@ -294,6 +294,12 @@ class EpDispatchCombine:
         self._variants = {op: self._build_variants(op) for op in config.ops}
         self.dispatch_spec = self._variants[next(op for op in config.ops if op.payload)][-1][1]
         self.low_latency_tokens = self.dispatch_spec.ll_tokens  # T_ll: 0 without the low-latency family
+        # A whole low-latency op in one kernel needs every block of its grid resident at once (a
+        # block's receiving phase waits for every block's sending phase); where the GPU cannot hold
+        # them, each call launches the two halves instead.
+        self._fused = self.low_latency_tokens > 0 and all(
+            self._resident_blocks(fn, spec) // len(self.local_ranks) >= spec.blocks
+            for op in (Op.DISPATCH_LL, Op.COMBINE_LL) for _, spec, fn in self._variants[op])
         self.layout = self.dispatch_spec.layout
         self.expert_layout = config.layout == "expert"
         free, _ = torch.cuda.mem_get_info(self.device)
@@ -440,7 +446,7 @@ class EpDispatchCombine:
                                scales=ss[i].data_ptr() if cfg.scale_bytes else 0, num_tokens=T))
             tokens.append(T)
         family = self._family_for_call(max(tokens), async_recv, "dispatch")
-        send = Op.DISPATCH if family == "normal" else Op.DISPATCH_LL_SEND
+        send = self._first_kernel(Op.DISPATCH, family, async_recv)
         a = self._args[send]
         for i, record in enumerate(io):
             a["io"][i] = record
@@ -449,7 +455,7 @@ class EpDispatchCombine:
         self._pending_family = family
 
         def finish():
-            if family == "low_latency":
+            if send is Op.DISPATCH_LL_SEND:
                 self._launch(Op.DISPATCH_LL_RECV, 0, self._args[Op.DISPATCH_LL_RECV])
             if self.expert_layout:
                 self.expand()
@@ -472,6 +478,16 @@ class EpDispatchCombine:
             raise ValueError(f"{name}(async_recv=True) with {tokens} tokens: the split needs the low-latency "
                              f"family, and {why}")
         return "low_latency"
+
+    def _first_kernel(self, op: Op, family: str, async_recv: bool) -> Op:
+        """The kernel a call of ``op`` (DISPATCH or COMBINE) launches first: the normal family's,
+        else the whole low-latency op, or only its sending half with ``async_recv`` or when the
+        whole op's grid does not fit the GPU at once."""
+        if family == "normal":
+            return op
+        if async_recv or not self._fused:
+            return {Op.DISPATCH: Op.DISPATCH_LL_SEND, Op.COMBINE: Op.COMBINE_LL_SEND}[op]
+        return {Op.DISPATCH: Op.DISPATCH_LL, Op.COMBINE: Op.COMBINE_LL}[op]
 
     def _finish_or_handle(self, finish, async_recv: bool):
         if not async_recv:
@@ -584,7 +600,8 @@ class EpDispatchCombine:
                                  f"[rank {rank}]" if self.virtual else "", in_place=low_latency)
         if self.expert_layout:
             self._fold(ys)  # fills combine_in with every received row: combine reads no y rows
-        a = self._args[Op.COMBINE_LL_SEND if low_latency else Op.COMBINE]
+        send = self._first_kernel(Op.COMBINE, self._pending_family, async_recv)
+        a = self._args[send]
         outs = []
         for i, rank in enumerate(self.local_ranks):
             T = self._pending_tokens[i]
@@ -598,17 +615,15 @@ class EpDispatchCombine:
             rows = self.layout.capacity_rows if self.expert_layout else ys[i].shape[0]
             a["io"][i] = _rank_io(out=o.data_ptr(), num_tokens=T, y_rows=rows, y=source.data_ptr())
             outs.append(o)
-        tokens = max(self._pending_tokens)
+        self._launch(send, max(self._pending_tokens), a)
         self._pending_tokens = None
-        if not low_latency:
-            self._launch(Op.COMBINE, tokens, a)
-            return outs if self.virtual else outs[0]
-        self._launch(Op.COMBINE_LL_SEND, 0, a)
-        recv = self._args[Op.COMBINE_LL_RECV]
-        recv["io"] = a["io"]
+        recv = self._args[Op.COMBINE_LL_RECV] if send is Op.COMBINE_LL_SEND else None
+        if recv is not None:
+            recv["io"] = a["io"]
 
         def finish():
-            self._launch(Op.COMBINE_LL_RECV, 0, recv)
+            if recv is not None:
+                self._launch(Op.COMBINE_LL_RECV, 0, recv)
             return outs if self.virtual else outs[0]
 
         return self._finish_or_handle(finish, async_recv)

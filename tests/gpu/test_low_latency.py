@@ -41,6 +41,21 @@ def test_rounds_against_the_reference(world_size):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_the_two_launch_path_of_an_op_whose_whole_grid_does_not_fit(world_size):
+    """The halves launched one after the other (what a call does when the whole op's grid cannot be
+    resident at once) return what the one-kernel op returns."""
+    cfg, op = _op(world_size)
+    assert op._fused, "the default geometry's whole-op grid fits an H200"
+    op._fused = False
+    for seed, T in enumerate((0, 1, 7, 128, 256)):
+        run_round(op, cfg, [T] * world_size, "duplicates", seed)
+    op._fused = True
+    run_round(op, cfg, [3] * world_size, "uniform", 9)
+    op.close()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("quant", ["fp8_direct_cast", "fp8_blockwise", "fp4_blockwise"])
 def test_quantized_combine_wires_virtual4(quant):
     cfg, op = _op(4, combine_quant=quant)
