@@ -736,7 +736,9 @@ class EpDispatchCombine:
         spec, fn = self._pick(op, tokens)
         self.platform.launch(fn, (spec.blocks, len(self.local_ranks), 1), (spec.threads, 1, 1), args.ctypes.data,
                              self.device)
-        if self.validate:
+        # A sending half is always followed by its receiving half (the halves' call counts must
+        # stay in step): validate after that one, so a fault raised here never skips it.
+        if self.validate and op not in (Op.DISPATCH_LL_SEND, Op.COMBINE_LL_SEND):
             self.synchronize()
 
     def _resident_blocks(self, fn, spec: KernelSpec) -> int:
