@@ -151,7 +151,7 @@ class ArenaLayout:
       signals      [256] uint32  call counters, arrival counters, per-peer flags
       send_slot    [Tmax, W] int32  for each local token and destination rank, the receive row
                    the token took in that rank's buffer, or -1 (written by dispatch, read by
-                   combine)
+                   combine; the low-latency dispatch writes only the rank's own column)
       send_pos     [Tmax, W] int32  the pair's position among the rows its dispatch block sends to
                    that rank, or -1 (dispatch only: written by its routing phase, read by its copy)
       recv_src     [cap, 2] int32  (source rank, source token) of each received row

@@ -297,9 +297,9 @@ class EpDispatchCombine:
         # A whole low-latency op in one kernel needs every block of its grid resident at once (a
         # block's receiving phase waits for every block's sending phase); where the GPU cannot hold
         # them, each call launches the two halves instead.
-        self._fused = self.low_latency_tokens > 0 and all(
-            self._resident_blocks(fn, spec) // len(self.local_ranks) >= spec.blocks
-            for op in (Op.DISPATCH_LL, Op.COMBINE_LL) for _, spec, fn in self._variants[op])
+        self._fused = {op: self.low_latency_tokens > 0 and all(
+            self._resident_blocks(fn, spec) // len(self.local_ranks) >= spec.blocks for _, spec, fn in self._variants[whole])
+            for op, whole in ((Op.DISPATCH, Op.DISPATCH_LL), (Op.COMBINE, Op.COMBINE_LL))}
         self.layout = self.dispatch_spec.layout
         self.expert_layout = config.layout == "expert"
         free, _ = torch.cuda.mem_get_info(self.device)
@@ -485,7 +485,7 @@ class EpDispatchCombine:
         whole op's grid does not fit the GPU at once."""
         if family == "normal":
             return op
-        if async_recv or not self._fused:
+        if async_recv or not self._fused[op]:
             return {Op.DISPATCH: Op.DISPATCH_LL_SEND, Op.COMBINE: Op.COMBINE_LL_SEND}[op]
         return {Op.DISPATCH: Op.DISPATCH_LL, Op.COMBINE: Op.COMBINE_LL}[op]
 
@@ -557,7 +557,9 @@ class EpDispatchCombine:
                 (checked on the device likewise), read in place (16-byte aligned).
                 ``combine_input()`` itself is used without a copy. A list with one entry per rank
                 in virtual mode.
-                The low-latency family reads y in place too (16-byte aligned) and copies nothing.
+                The low-latency family reads y in place too (16-byte aligned) and copies nothing;
+                y must stay unchanged until its receiving half has run (with the bf16 wire it reads
+                a rank's rows for its own tokens from y; with ``async_recv``: until ``wait()``).
             out: optional [T, H] bf16 contiguous output (T of the last dispatch); a new tensor
                 when None. A list in virtual mode.
             async_recv: launch only the sending half (after the expert layout's fold) and return a
