@@ -3,7 +3,7 @@
 LLVM's AMDGPU memory model (AMDGPUUsage, "Memory Model GFX942" table, which GFX950 follows,
 rows "store atomic release / fence release / fence acq_rel - system") lowers a system-scope
 release to ``buffer_wbl2 sc0 sc1`` then ``s_waitcnt vmcnt(0)`` and only then the releasing
-store, atomic or (for an acq_rel or seq_cst fence) the ``buffer_inv sc0 sc1``; the GFX12 table,
+store, atomic or (for an acq_rel or seq_cst fence) the ``buffer_inv sc0 sc1``; the GFX125x table,
 which gfx1250 follows, to ``global_wb scope:SCOPE_SYS`` then ``s_wait_storecnt 0``. clang
 22.1.8 drops the gfx950 wait when the wave has nothing else in flight (llvm-project#178316),
 so the platform layer adds it (``ArchTraits.release_needs_explicit_wait``); these tests compile
