@@ -69,7 +69,9 @@ class ArchTraits:
             store or ``buffer_inv sc0 sc1``; clang 22.1.8 omits the wait when the wave has
             nothing else in flight (llvm/llvm-project#178316). True on gfx950; False on gfx1250,
             whose ``global_wb scope:SCOPE_SYS`` clang follows with ``s_wait_storecnt 0`` itself
-            (tests/codegen/test_amd_assembly.py checks both), and on sm_90 (no such layer).
+            (its platform branch writes out the other waits of the "Memory Model GFX125x"
+            table, before that writeback and after ``global_inv``, which clang 22.1.8 omits;
+            tests/codegen/test_amd_assembly.py checks both targets), and on sm_90 (no such layer).
     """
 
     name: str

@@ -3,7 +3,7 @@
 LLVM's AMDGPU memory model (AMDGPUUsage, "Memory Model GFX942" table, which GFX950 follows,
 rows "store atomic release / fence release / fence acq_rel - system") lowers a system-scope
 release to ``buffer_wbl2 sc0 sc1`` then ``s_waitcnt vmcnt(0)`` and only then the releasing
-store, atomic or (for an acq_rel or seq_cst fence) the ``buffer_inv sc0 sc1``; the GFX12 table,
+store, atomic or (for an acq_rel or seq_cst fence) the ``buffer_inv sc0 sc1``; the GFX125x table,
 which gfx1250 follows, to ``global_wb scope:SCOPE_SYS`` then ``s_wait_storecnt 0``. clang
 22.1.8 drops the gfx950 wait when the wave has nothing else in flight (llvm-project#178316),
 so the platform layer adds it (``ArchTraits.release_needs_explicit_wait``); these tests compile
@@ -16,6 +16,13 @@ The spin-waits poll with relaxed system-scope loads and acquire once after the l
 (``ep_wait_generation``), so no loop of a gfx950 kernel invalidates the caches: the loop scan
 finds loops by their backward branches (``s_branch`` or ``s_cbranch_*`` to an earlier label) and
 checks that no ``buffer_inv`` lies between the label and the branch.
+
+gfx1250 has its own section, "Memory Model GFX125x", whose agent- and system-scope rows also wait
+before ``global_wb`` (``s_wait_loadcnt 0`` and ``s_wait_storecnt 0``: the wave's stores are in
+L2 before it is written back) and after ``global_inv`` (``s_wait_loadcnt 0`` before any later
+access); clang 22.1.8 emits neither, so the platform layer writes them out and
+``gfx1250_cache_op_findings`` checks them on every path through the kernel (the basic blocks and
+their successors, not just straight-line text).
 """
 
 from __future__ import annotations
@@ -176,6 +183,92 @@ def invalidates_in_loops(asm: str) -> list[tuple[str, int]]:
     return [(label, n) for label, body in loops(asm) for n, mnemonic, _ in body if mnemonic == "buffer_inv"]
 
 
+_VMEM = re.compile(r"^(?:global|flat|buffer|scratch)_(?:load|store|atomic)\w*$")
+
+
+def _gfx12_loadcnt_zero(mnemonic: str, operands: str) -> bool:
+    """``s_wait_loadcnt 0`` or ``s_wait_loadcnt_dscnt`` whose loadcnt field (bits 13:8) is 0."""
+    if mnemonic not in ("s_wait_loadcnt", "s_wait_loadcnt_dscnt"):
+        return False
+    imm = int(operands.strip(), 0)
+    return imm == 0 if mnemonic == "s_wait_loadcnt" else (imm >> 8) & 0x3F == 0
+
+
+def _blocks(asm: str) -> tuple[list[list[tuple[int, str, str]]], list[list[int]]]:
+    """The basic blocks of ``asm`` as laid out and each one's successors (indices): a block starts
+    at a label and ends before the next label or after a branch; ``s_branch``, ``s_endpgm`` and
+    ``s_setpc_b64`` do not fall through."""
+    blocks, names, current = [], {}, []
+    for n, mnemonic, operands in _instructions(asm):
+        if mnemonic.endswith(":"):
+            blocks.append(current)
+            names[mnemonic[:-1]] = len(blocks)
+            current = []
+            continue
+        current.append((n, mnemonic, operands))
+        if mnemonic in ("s_branch", "s_endpgm", "s_setpc_b64") or mnemonic.startswith("s_cbranch_"):
+            blocks.append(current)
+            current = []
+    blocks.append(current)
+    succ = []
+    for i, block in enumerate(blocks):
+        last = block[-1][1] if block else ""
+        targets = []
+        if last == "s_branch" or last.startswith("s_cbranch_"):
+            target = block[-1][2].split()[0]
+            if target in names:
+                targets.append(names[target])
+        if last not in ("s_branch", "s_endpgm", "s_setpc_b64") and i + 1 < len(blocks):
+            targets.append(i + 1)
+        succ.append(targets)
+    return blocks, succ
+
+
+_STORE_OUT, _RETURN_OUT, _INV_OUT = 1, 2, 4
+
+
+def gfx1250_cache_op_findings(asm: str) -> list[tuple[int, str]]:
+    """Where gfx1250 code may break the GFX125x table's waits around its system-scope cache
+    operations, on some path (a may-analysis over ``_blocks``): ``(line, "writeback")`` for a
+    ``global_wb scope:SCOPE_SYS`` issued while a vector store or atomic of the wave may be
+    outstanding (no ``s_wait_storecnt 0``, or for an atomic that returns no ``s_wait_loadcnt 0``,
+    since), ``(line, "after invalidate")`` for a vector memory access issued while a ``global_inv
+    scope:SCOPE_SYS`` may not have completed (no ``s_wait_loadcnt 0`` since)."""
+    blocks, succ = _blocks(asm)
+
+    def step(block, state, findings=None):
+        for n, mnemonic, operands in block:
+            if findings is not None:
+                if mnemonic == "global_wb" and "scope:SCOPE_SYS" in operands and state & (_STORE_OUT | _RETURN_OUT):
+                    findings.append((n, "writeback"))
+                if _VMEM.match(mnemonic) and state & _INV_OUT:
+                    findings.append((n, "after invalidate"))
+            if _gfx12_storecnt_zero(mnemonic, operands):
+                state &= ~_STORE_OUT
+            if _gfx12_loadcnt_zero(mnemonic, operands):
+                state &= ~(_RETURN_OUT | _INV_OUT)
+            if mnemonic == "global_inv" and "scope:SCOPE_SYS" in operands:
+                state |= _INV_OUT
+            elif _STORE_OR_ATOMIC.match(mnemonic):
+                state |= _RETURN_OUT if "th:TH_ATOMIC_RETURN" in operands else _STORE_OUT
+        return state
+
+    entry = [0] * len(blocks)
+    changed = True
+    while changed:
+        changed = False
+        for i, block in enumerate(blocks):
+            out = step(block, entry[i])
+            for j in succ[i]:
+                if entry[j] | out != entry[j]:
+                    entry[j] |= out
+                    changed = True
+    findings = []
+    for i, block in enumerate(blocks):
+        step(block, entry[i], findings)
+    return findings
+
+
 def assembly(text: str, arch: str, entry: str) -> str:
     """Assembly of ``text`` for ``arch`` as the offline compile builds it (``compile_options``)."""
     with tempfile.TemporaryDirectory(prefix="epgen-asm-") as tmp:
@@ -261,6 +354,40 @@ def test_loop_scan_finds_an_invalidate_in_a_spin_loop():
     assert invalidates_in_loops(asm) == [(".LBB0_26", 15)]
 
 
+def test_gfx1250_cache_op_scan():
+    # clang 22.1.8's release (no wait before the writeback) and acquire (no wait after the
+    # invalidate); a writeback with a returning atomic outstanding (its storecnt wait does not
+    # cover it) inside a loop whose back edge brings a store round to a wait that retires it;
+    # then a release and an acquire with the table's waits.
+    asm = """
+\tglobal_store_b32 v0, v1, s[4:5]
+\tglobal_wb scope:SCOPE_SYS
+\ts_wait_storecnt 0x0
+\tglobal_store_b32 v0, v2, s[6:7] scope:SCOPE_SYS
+\tglobal_load_b32 v1, v0, s[6:7] scope:SCOPE_SYS
+\ts_wait_loadcnt 0x0
+\tglobal_inv scope:SCOPE_SYS
+\tglobal_load_b32 v2, v0, s[4:5]
+.LBB0_1:
+\ts_wait_loadcnt 0x0
+\tflat_atomic_add_u32 v3, v[0:1], v2 th:TH_ATOMIC_RETURN scope:SCOPE_SYS
+\ts_wait_storecnt 0x0
+\tglobal_wb scope:SCOPE_SYS
+\ts_wait_loadcnt 0x0
+\tglobal_store_b32 v0, v1, s[4:5]
+\ts_cbranch_scc1 .LBB0_1
+\ts_wait_loadcnt 0x0
+\ts_wait_storecnt 0x0
+\tglobal_wb scope:SCOPE_SYS
+\ts_wait_storecnt 0x0
+\tglobal_inv scope:SCOPE_SYS
+\ts_wait_loadcnt 0x0
+\tglobal_load_b32 v2, v0, s[4:5]
+\ts_endpgm
+"""
+    assert gfx1250_cache_op_findings(asm) == [(3, "writeback"), (9, "after invalidate"), (14, "writeback")]
+
+
 @functools.lru_cache(maxsize=None)
 def _catalogue_assembly(arch: str, models: tuple[str, ...] | None) -> tuple[tuple[str, str], ...]:
     """``(entry, assembly)`` of every catalogue kernel of ``arch`` (of ``models``; None: all)."""
@@ -307,4 +434,19 @@ def test_gfx950_spin_loops_never_invalidate():
         found = invalidates_in_loops(asm)
         if found or not loops(asm):
             bad[entry] = dict(loops=len(loops(asm)), invalidates=found[:4])
+    assert not bad, bad
+
+
+def test_gfx1250_cache_ops_wait_as_the_table_says():
+    """On every path through every gfx1250 kernel of one model (every payload dtype, combine wire
+    and both families), the wave's stores complete before each system writeback and each system
+    invalidate completes before the next access (``gfx1250_cache_op_findings``)."""
+    reason = toolchain_status("gfx1250")
+    if reason:
+        pytest.skip(reason)
+    bad = {}
+    for entry, asm in _catalogue_assembly("gfx1250", ("deepseek-v3",)):
+        found = gfx1250_cache_op_findings(asm)
+        if found:
+            bad[entry] = dict(count=len(found), first=found[:4])
     assert not bad, bad
