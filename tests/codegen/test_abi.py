@@ -186,3 +186,12 @@ def test_no_signal_word_is_written_with_a_plain_store(case):
     assert not re.findall(r"ep_signals\([^)]*\)\s*\[[^\]]*\]\s*=(?!=)", body)
     if spec.op in (Op.DISPATCH, Op.COMBINE, Op.EXPAND_PLAN):  # the kernels with counters to reset
         assert "ep_store_relaxed_system(sig + kSig" in body
+
+
+def test_wide_signal_flags_are_8_byte_aligned():
+    """64-bit flags must be naturally aligned to be single-copy atomic (one 8-byte access on every
+    target; the signal region itself starts on a page)."""
+    wide = [s for s in abi.SIGNALS if s.width == 2]
+    assert wide, "the low-latency dispatch flags are 64-bit"
+    assert all(s.index % 2 == 0 for s in wide)
+    assert all(s.index + s.slots * s.width <= abi.SIGNAL_WORDS for s in abi.SIGNALS)
