@@ -149,3 +149,99 @@ def test_the_png_is_written_with_both_families(tmp_path):
     rows = _rows(bench.QUEUED) + _rows(bench.QUEUED, family="low_latency")
     bench.write_results(rows, str(tmp_path / "b"), quiet=True, env={"gpu": "test"})
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _FakeOp:
+    """Stands in for EpDispatchCombine in bench_process: one rank, a family per token count as
+    its config says (auto: low-latency up to 128 tokens), 8 rows received from a peer."""
+
+    built = []
+
+    def __init__(self, cfg, virtual=False):
+        import types
+
+        from epgen.codegen.config import Geometry
+
+        self.config, self.virtual = cfg, virtual
+        self.local_ranks, self.arch, self.device = [0], "sm_90", torch.device("cpu")
+        self.arenas = types.SimpleNamespace(pointers={0: 0, 1: 0})
+        self.layout = types.SimpleNamespace(recv_x=0, combine_in=0)
+        self.dispatch_spec = types.SimpleNamespace(row_bytes=cfg.hidden * 2)
+        self.geometries = {"normal": Geometry(24, 32, 4), "low_latency": Geometry(32, 16, 2)}
+        self.closed = False
+        _FakeOp.built.append(self)
+
+    def family(self, tokens):
+        kind = self.config.kernel_family
+        return ("low_latency" if tokens <= 128 else "normal") if kind == "auto" else kind
+
+    def variant(self, op, tokens):
+        assert op in bench.FAMILY_OPS[self.family(tokens)], (op, tokens)
+        return self.geometries[self.family(tokens)]
+
+    def recv_buffers(self, rank):
+        import types
+
+        return types.SimpleNamespace(num_recv=torch.tensor([8]), recv_src=torch.ones(8, 2, dtype=torch.int32))
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def fake_bench(monkeypatch):
+    """bench_process on the CPU: fake ops, measure, ceiling and environment; records the
+    (kernel family, tokens) of every measure call."""
+    import epgen.op
+    from epgen.timing import PairTiming, QueueDelay
+
+    _FakeOp.built = []
+    calls = []
+
+    def measure(op, cfg, tokens, routing, seed, iters):
+        calls.append((cfg.kernel_family, tokens, seed))
+        us = 5.0 if op.family(tokens) == "low_latency" else 20.0
+        t = Timing((us, us))
+        return PairTiming(queued=(t, t), host=(t, t), delay=QueueDelay(100.0, 10.0, True)), (8, 4)
+
+    monkeypatch.setattr(epgen.op, "EpDispatchCombine", _FakeOp)
+    monkeypatch.setattr(bench, "measure", measure)
+    monkeypatch.setattr(bench, "_Ceiling", lambda arch, device: type("C", (), {"run": lambda *a: None})())
+    monkeypatch.setattr(bench, "_time", lambda fn, iters, queued=True: (Timing((10.0,)), True))
+    monkeypatch.setattr(bench, "environment", lambda: {"gpu": "test"})
+    return calls
+
+
+def test_bench_times_each_point_on_every_family_that_covers_it(fake_bench, capsys):
+    from epgen.options import BenchOptions
+
+    opts = BenchOptions(world_size=2, virtual=True, tokens=(1, 1024, 4096), routings=("uniform",), iters=3)
+    rows = bench.bench_process(0, 2, opts)
+    assert [(op.config.kernel_family, op.config.max_tokens_per_rank, op.virtual) for op in _FakeOp.built] == [
+        ("normal", 4096, True), ("low_latency", 1024, True)]
+    assert [c[:2] for c in fake_bench] == [("normal", 1), ("low_latency", 1), ("normal", 1024), ("low_latency", 1024),
+                                           ("normal", 4096)]
+    assert fake_bench[0][2] == fake_bench[1][2] != fake_bench[2][2]  # one point, the same inputs for both families
+    assert [(r["op"], r["family"], r["tokens"]) for r in rows] == [
+        ("dispatch", "normal", 1), ("combine", "normal", 1), ("dispatch", "low_latency", 1),
+        ("combine", "low_latency", 1), ("dispatch", "normal", 1024), ("combine", "normal", 1024),
+        ("dispatch", "low_latency", 1024), ("combine", "low_latency", 1024), ("dispatch", "normal", 4096),
+        ("combine", "normal", 4096)]
+    assert all(r["virtual"] for r in rows)
+    assert {(r["family"], r["blocks"], r["warps_per_block"], r["unroll"]) for r in rows} == {
+        ("normal", 24, 32, 4), ("low_latency", 32, 16, 2)}
+    assert {r["p2p_ceiling_gbps"] for r in rows if r["tokens"] == 1} == {round(8 * 7168 * 2 / 10.0 / 1e3, 1)}
+    assert all(op.closed for op in _FakeOp.built)
+    out = capsys.readouterr().out
+    assert "bench uniform 1 tokens, normal (queued" in out and "bench uniform 1 tokens, low_latency (queued" in out
+
+
+def test_bench_auto_rows_name_the_family_each_point_took(fake_bench):
+    from epgen.options import BenchOptions
+
+    rows = bench.bench_process(0, 1, BenchOptions(world_size=1, tokens=(8, 4096), routings=("uniform",),
+                                                  family="auto"))
+    assert [op.config.kernel_family for op in _FakeOp.built] == ["auto"]
+    assert [(r["family"], r["tokens"], r["blocks"]) for r in rows] == [
+        ("low_latency", 8, 32), ("low_latency", 8, 32), ("normal", 4096, 24), ("normal", 4096, 24)]
+    assert not any(r["virtual"] for r in rows)

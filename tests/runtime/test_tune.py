@@ -168,3 +168,74 @@ def test_dry_run_prints_and_writes_nothing(table_dir, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "skipped candidate normal 132x32u4: does not fit" in out and "threshold: 128" in out
     assert not (table_dir / "sm_90.json").exists()
+
+
+class _FakeOp:
+    """Stands in for EpDispatchCombine in tune_process; ``refuse``: normal geometries whose
+    construction raises ValueError (the blocks of every virtual rank do not fit)."""
+
+    refuse = ()
+
+    def __init__(self, cfg, virtual=False):
+        if cfg.kernel_family == "normal" and cfg.dispatch_geometry in _FakeOp.refuse:
+            raise ValueError(f"dispatch geometry {cfg.dispatch_geometry}: virtual ranks need all blocks resident")
+        self.config, self.virtual = cfg, virtual
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def fake_tune(monkeypatch):
+    """tune_process on the CPU: fake ops and measure (us = blocks / 10 + tokens, low-latency half
+    of that); records the reports instead of printing them."""
+    import types
+
+    import torch
+
+    import epgen.op
+    from epgen.timing import PairTiming, QueueDelay, Timing
+
+    def measure(op, cfg, tokens, routing, seed, iters):
+        geo = cfg.low_latency_geometry if cfg.kernel_family == "low_latency" else cfg.dispatch_geometry
+        us = ((geo.blocks / 10 if geo else 3.0) + tokens) / (2 if cfg.kernel_family == "low_latency" else 1)
+        t = Timing((us,))
+        return PairTiming(queued=(t, t), host=(t, t), delay=QueueDelay(1.0, 1.0, True)), (0, 0)
+
+    reports = []
+    monkeypatch.setattr(epgen.op, "EpDispatchCombine", _FakeOp)
+    monkeypatch.setattr(tune, "measure", measure)
+    monkeypatch.setattr(tune, "device_arch", lambda index: "sm_90")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(tune, "_report", lambda *a: reports.append(types.SimpleNamespace(
+        times=a[0], sweeps=a[1], skipped=a[2])))
+    _FakeOp.refuse = ()
+    return reports
+
+
+def test_tune_process_times_every_sweep_and_skips_what_virtual_ranks_cannot_hold(fake_tune):
+    opts = TuneOptions(tokens=(128, 4096), geometries=(N24, N64), low_latency_tokens=(1, 8),
+                       low_latency_geometries=(G8, G16), virtual=True)
+    _FakeOp.refuse = (N64,)
+    times = tune.tune_process(0, 2, opts)
+    assert set(times) == {("normal", T) for T in (1, 8, 128, 4096)} | {("low_latency", 1), ("low_latency", 8)}
+    assert all(set(per) == {N24} for (family, _), per in times.items() if family == "normal")  # 64 blocks skipped
+    assert times[("low_latency", 8)] == {G8: (4.4, 4.4), G16: (4.8, 4.8)}
+    report, = fake_tune
+    assert report.skipped == ["normal 64x32u4: dispatch geometry 64x32u4: virtual ranks need all blocks resident"]
+    assert choose_low_latency(times).threshold == 8
+
+
+def test_tune_process_raises_a_construction_error_of_real_ranks_and_when_nothing_fits(fake_tune):
+    _FakeOp.refuse = (N64,)
+    with pytest.raises(ValueError, match="virtual ranks need"):
+        tune.tune_process(0, 2, TuneOptions(tokens=(128,), geometries=(N24, N64), family="normal"))
+    with pytest.raises(RuntimeError, match="no normal candidate could be built: normal 64x32u4"):
+        tune.tune_process(0, 2, TuneOptions(tokens=(128,), geometries=(N64,), family="normal", virtual=True))
+
+
+def test_tune_process_low_latency_alone_times_the_normal_family_at_the_table_geometry(fake_tune):
+    times = tune.tune_process(0, 1, TuneOptions(family="low_latency", low_latency_tokens=(1, 4),
+                                                low_latency_geometries=(G8,)))
+    assert times == {("normal", 1): {None: (4.0, 4.0)}, ("normal", 4): {None: (7.0, 7.0)},
+                     ("low_latency", 1): {G8: (0.9, 0.9)}, ("low_latency", 4): {G8: (2.4, 2.4)}}
