@@ -175,7 +175,9 @@ class EpConfig:
     def ops(self) -> tuple[Op, ...]:
         """The kernels an op of this config compiles: the normal family's dispatch and combine
         and the low-latency family's halves (``LOW_LATENCY_OPS``), as ``kernel_family`` says, and
-        in the expert layout its three local kernels (``EXPERT_OPS``)."""
+        in the expert layout its three local kernels (``EXPERT_OPS``). On an arch where "auto"
+        finds a table threshold of 0 (``low_latency_tokens`` 0: the low-latency family never
+        won) the low-latency halves have no variants and no specs there."""
         return ((TRANSPORT_OPS if self.kernel_family != "low_latency" else ())
                 + (LOW_LATENCY_OPS if self.kernel_family != "normal" else ())
                 + (EXPERT_OPS if self.layout == "expert" else ()))
@@ -198,7 +200,9 @@ class EpConfig:
         """T_ll: the most tokens a call may have to take the low-latency family on ``arch``, which
         sizes its stages: 0 for "normal", max_tokens_per_rank for "low_latency", and for "auto"
         the smaller of that and the tuning table's threshold (the smaller of the dispatch and
-        combine entries' bucket, ``tuning.LOW_LATENCY_MAX_TOKENS`` without one)."""
+        combine entries' bucket, ``tuning.LOW_LATENCY_MAX_TOKENS`` without one). A threshold of 0
+        (``epgen tune`` measured the normal family faster at every count) means never: "auto"
+        then builds no low-latency kernels on ``arch``."""
         if self.kernel_family == "normal":
             return 0
         if self.kernel_family == "low_latency":
@@ -247,11 +251,14 @@ class EpConfig:
         ``max_tokens_per_rank``), else the tuning table's buckets up to the first one that holds
         ``max_tokens_per_rank``. A call with T tokens launches the first bucket with
         ``max_tokens >= T``. (Virtual ranks may still clamp a table geometry's blocks at
-        construction, which depends on the GPU.)
+        construction, which depends on the GPU.) Empty for a low-latency half on an arch where
+        ``low_latency_tokens`` is 0.
 
         Raises:
             ValueError: a spec breaks an ``arch`` limit (naming the field).
         """
+        if not self._builds(arch, op):
+            return ()
         explicit = self._explicit(op)
         if op in EXPERT_OPS or op.low_latency:  # one variant: the expert ops' work follows the rows
             explicit = self.geometry(arch, op, self.max_tokens_per_rank)  # received; both low-latency halves agree on blocks
@@ -267,4 +274,9 @@ class EpConfig:
         """The spec of each of ``ops`` (dispatch, combine, then the expert layout's) for ``arch``
         at ``tokens`` (default max_tokens_per_rank)."""
         t = self.max_tokens_per_rank if tokens is None else tokens
-        return tuple(self.spec(arch, op, self.geometry(arch, op, t)) for op in self.ops)
+        return tuple(self.spec(arch, op, self.geometry(arch, op, t)) for op in self.ops if self._builds(arch, op))
+
+    def _builds(self, arch: str, op: Op) -> bool:
+        """Whether an op of this config compiles ``op`` on ``arch``: every op of ``ops`` but the
+        low-latency halves where T_ll is 0 ("auto" with a table threshold of 0)."""
+        return not op.low_latency or self.low_latency_tokens(arch) > 0

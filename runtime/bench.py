@@ -1,9 +1,20 @@
 """``epgen bench``: dispatch and combine against the P2P ceiling and NCCL, in the same run.
 
-For every (routing, tokens) point: one verified round against the reference, then dispatch and
-combine captured in CUDA graphs and timed by device events around each replay (median, mean,
-stdev, best), the P2P ceiling kernel on the same wire bytes, and NCCL ``all_to_all_single`` on
-the same bytes per peer (README.md, "Measuring"). Rank 0 writes a CSV, a PNG and prints a table.
+For every (routing, tokens) point and kernel family: one verified round against the reference,
+then dispatch and combine captured in CUDA graphs and timed by device events around each replay
+(median, mean, stdev, best), the P2P ceiling kernel on the same wire bytes, and NCCL
+``all_to_all_single`` on the same bytes per peer (README.md, "Measuring"). Rank 0 writes a CSV,
+a PNG and prints a table.
+
+Kernel families (``--family``, ``epgen.options.family_points``): "both" (default) builds one op
+of ``EpConfig(kernel_family="normal")`` and one of ``kernel_family="low_latency"`` and times the
+normal family at every token count and the low-latency one at the counts up to
+``options.BOTH_LOW_LATENCY_MAX_TOKENS`` (1024); "normal" or "low_latency" times that family alone
+at every count (the low-latency family holds at most 65535 tokens a rank); "auto" builds one op
+of ``kernel_family="auto"`` and each point takes the family it picks. A low-latency dispatch or
+combine is its sending half and its receiving half back to back (no ``async_recv``). The CSV's
+``family`` column names the family a row's calls took, ``virtual`` whether the ranks were
+virtual (all in one process on one GPU).
 
 Times (``epgen.timing``): ``time_us`` (and mean, stdev, best) are queued, the replays enqueued
 behind a GPU-side delay so the GPU runs them back to back; ``host_launched_us`` is the median of
@@ -39,10 +50,11 @@ from epgen.device import cupy_stream
 from epgen.loader import load_kernel
 from epgen.codegen.config import EpConfig, Geometry
 from epgen.reference import route
-from epgen.options import BenchOptions
+from epgen.options import BenchOptions, family_points
 from epgen.timing import PairTiming, Timing, gbps, time_pairs, time_pairs_queued
 
-CSV_COLUMNS = ("op", "dtype", "routing", "tokens", "rank", "world_size", "time_us", "mean_us", "stdev_us", "best_us",
+CSV_COLUMNS = ("op", "family", "dtype", "routing", "tokens", "rank", "world_size", "virtual", "time_us", "mean_us",
+               "stdev_us", "best_us",
                "host_launched_us", "timing", "recv_rows", "wire_rows", "logical_gbps", "wire_gbps", "p2p_ceiling_gbps",
                "nccl_gbps", "ratio_ceiling", "ratio_nccl", "blocks", "warps_per_block", "unroll")
 
@@ -66,6 +78,10 @@ def environment() -> dict:
 
 
 QUEUED, SHORT_SLEEP = "queued", "queued-short-sleep"  # the CSV's ``timing`` values
+
+FAMILY_OPS = {"normal": (Op.DISPATCH, Op.COMBINE), "low_latency": (Op.DISPATCH_LL_SEND, Op.COMBINE_LL_SEND)}
+"""Per kernel family, the ops whose variant gives its dispatch's and its combine's geometry (both
+halves of a low-latency op share one)."""
 
 
 def _time(fn, iters: int, warmup: int = 3, queued: bool = True) -> tuple[Timing, bool]:
@@ -127,7 +143,10 @@ def measure(op, cfg: EpConfig, tokens: int, routing: str, seed: int, iters: int)
     followed by its combine) as CUDA-graph replays on fresh inputs, both ways
     (``timing.time_pairs_queued``: ``.queued`` the primary (dispatch, combine) figure, ``.host``
     host-launched, ``.delay.covered`` False when the delay ran out); every rank calls it
-    together. Also returns ``gathered_rows`` of the first rank ``op`` drives for the timed inputs."""
+    together. The calls take the family ``op.family(tokens)`` says; a low-latency dispatch or
+    combine is one replay of its sending and receiving halves (the synchronous call, no
+    ``async_recv``). Also returns ``gathered_rows`` of the first rank ``op`` drives for the timed
+    inputs."""
     run_round(op, cfg, [tokens] * cfg.world_size, routing, seed)  # checked once before it is timed
     inputs = make_inputs(cfg, [tokens] * cfg.world_size, routing, seed + 7, device=op.device)
     me = op.local_ranks[0]
@@ -158,38 +177,49 @@ def measure(op, cfg: EpConfig, tokens: int, routing: str, seed: int, iters: int)
 
 
 def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
-    """The benchmark body of one process (every rank of a real group, or the only process)."""
+    """The benchmark body of one process (every rank of a real group, or the only process): one
+    op per kernel family of ``family_points(opts.family, opts.tokens)``, every point timed on
+    each op that covers its token count, the ceiling and NCCL once per point."""
     from epgen.op import EpDispatchCombine
 
     dist = torch.distributed if torch.distributed.is_initialized() else None
-    cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=max(opts.tokens),
-                             dtype=opts.dtype, combine_quant=opts.combine_quant, dispatch_geometry=opts.dispatch_geometry,
-                             combine_geometry=opts.combine_geometry,
-                             timeout_s=20.0)
-    op = EpDispatchCombine(cfg, virtual=opts.virtual)
-    me = op.local_ranks[0]
-    ceiling = _Ceiling(op.arch, op.device)
+    points = family_points(opts.family, opts.tokens)
+    ops = {}
+    for family, counts in points.items():
+        cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=max(counts),
+                                 dtype=opts.dtype, combine_quant=opts.combine_quant,
+                                 dispatch_geometry=opts.dispatch_geometry, combine_geometry=opts.combine_geometry,
+                                 kernel_family=family, low_latency_geometry=opts.low_latency_geometry, timeout_s=20.0)
+        ops[family] = (cfg, EpDispatchCombine(cfg, virtual=opts.virtual))
+    cfg0, first = next(iter(ops.values()))  # its arena holds the ceiling's bytes (W x its Tmax rows)
+    me = first.local_ranks[0]
+    ceiling = _Ceiling(first.arch, first.device)
     peer = (me + 1) % world_size
-    src_ptr = op.arenas.pointers[me] + op.layout.recv_x
-    dst_ptr = op.arenas.pointers[peer] + op.layout.combine_in  # peer's arena (own memory when W = 1)
-    row_bytes = op.dispatch_spec.row_bytes
-    combine_wire = combine_quant(cfg.combine_quant)  # bf16 rows unless quantized
+    src_ptr = first.arenas.pointers[me] + first.layout.recv_x
+    dst_ptr = first.arenas.pointers[peer] + first.layout.combine_in  # peer's arena (own memory when W = 1)
+    row_bytes = first.dispatch_spec.row_bytes
+    combine_wire = combine_quant(cfg0.combine_quant)  # bf16 rows unless quantized
     combine_dtype = combine_wire.name if combine_wire.quantized else "bf16"
     env = environment() if me == 0 else None  # read once: nvidia-smi and git are slow per point
     rows = []
     seed = 100
     for routing in opts.routings:
-        for T in opts.tokens:
+        for T in dict.fromkeys(opts.tokens):
             seed += 1
-            pair, (c_rows, c_wire) = measure(op, cfg, T, routing, seed, opts.iters)
-            buf = op.recv_buffers(me)
-            n = int(buf.num_recv.item())
-            wire = int((buf.recv_src[:n, 0] != me).sum().item()) if world_size > 1 else n
-            if world_size == 1:  # one rank: its own rows are what moves (as for dispatch)
-                c_wire = c_rows
-            nbytes = max(wire, 1) * row_bytes
+            timed = []  # (family taken, op, pair, received rows, of them from peers, combine rows, of them remote)
+            for family, (cfg, op) in ops.items():
+                if T not in points[family]:
+                    continue
+                pair, (c_rows, c_wire) = measure(op, cfg, T, routing, seed, opts.iters)  # same inputs per family
+                buf = op.recv_buffers(me)
+                n = int(buf.num_recv.item())
+                wire = int((buf.recv_src[:n, 0] != me).sum().item()) if world_size > 1 else n
+                if world_size == 1:  # one rank: its own rows are what moves (as for dispatch)
+                    c_wire = c_rows
+                timed.append((op.family(T), op, pair, n, wire, c_rows, c_wire))
+            nbytes = max(timed[0][4], 1) * row_bytes  # every family received the same rows
             if dist:  # one size on every rank: all_to_all_single's even split hangs on unequal sizes (skew)
-                agreed = torch.tensor([nbytes], device=op.device)
+                agreed = torch.tensor([nbytes], device=first.device)
                 dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
                 nbytes = int(agreed.item())
                 dist.barrier()
@@ -197,33 +227,39 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
             ceil_gbps = gbps(nbytes, ceil_t.median_us)
             nccl_gbps = float("nan")
             if dist and world_size > 1:
-                inp = torch.randint(0, 255, (world_size * nbytes,), dtype=torch.uint8, device=op.device)
+                inp = torch.randint(0, 255, (world_size * nbytes,), dtype=torch.uint8, device=first.device)
                 out = torch.empty_like(inp)
                 dist.barrier()
                 nccl_t, _ = _time(lambda: dist.all_to_all_single(out, inp), iters=10, queued=False)
                 nccl_gbps = gbps(nbytes * (world_size - 1), nccl_t.median_us)
-            method = QUEUED if pair.delay.covered and ceil_covered else SHORT_SLEEP
-            # dispatch: the rows this rank received; combine: the rows it gathers for its tokens
-            point = [op_row(name, dtype, routing, T, me, world_size, t, host, method, rows_all, rows_wire, elem,
-                            wire_elem, ceil_gbps, nccl_gbps, geo)
-                     for name, t, host, geo, elem, wire_elem, dtype, rows_all, rows_wire in (
-                         ("dispatch", pair.queued[0], pair.host[0], op.variant(Op.DISPATCH, T), row_bytes, row_bytes,
-                          cfg.dtype, n, wire),
-                         ("combine", pair.queued[1], pair.host[1], op.variant(Op.COMBINE, T), cfg.hidden * 2,
-                          combine_wire.wire_row_bytes(cfg.hidden), combine_dtype, c_rows, c_wire))]
+            point = []
+            for family, op, pair, n, wire, c_rows, c_wire in timed:
+                method = QUEUED if pair.delay.covered and ceil_covered else SHORT_SLEEP
+                d_op, c_op = FAMILY_OPS[family]
+                # dispatch: the rows this rank received; combine: the rows it gathers for its tokens
+                point += [op_row(name, dtype, routing, T, me, world_size, t, host, method, rows_all, rows_wire, elem,
+                                 wire_elem, ceil_gbps, nccl_gbps, geo, family=family, virtual=opts.virtual)
+                          for name, t, host, geo, elem, wire_elem, dtype, rows_all, rows_wire in (
+                              ("dispatch", pair.queued[0], pair.host[0], op.variant(d_op, T), row_bytes, row_bytes,
+                               cfg0.dtype, n, wire),
+                              ("combine", pair.queued[1], pair.host[1], op.variant(c_op, T), cfg0.hidden * 2,
+                               combine_wire.wire_row_bytes(cfg0.hidden), combine_dtype, c_rows, c_wire))]
             if dist:
                 gathered = [None] * world_size
                 dist.all_gather_object(gathered, point)
                 point = [r for part in gathered for r in part]
             rows.extend(point)
             if me == 0:
-                print(f"bench {routing} {T} tokens ({method}; host-launched in brackets): " + ", ".join(
-                    f"{r['op']} {r['time_us']} us ({r['host_launched_us']} us) {r['wire_gbps']} GB/s"
-                    for r in point if r["rank"] == 0)
-                    + f"; ceiling {round(ceil_gbps, 1)} GB/s, NCCL {round(nccl_gbps, 1)} GB/s", flush=True)
+                for family in dict.fromkeys(r["family"] for r in point):
+                    mine = [r for r in point if r["rank"] == 0 and r["family"] == family]
+                    print(f"bench {routing} {T} tokens, {family} ({mine[0]['timing']}; host-launched in brackets): "
+                          + ", ".join(f"{r['op']} {r['time_us']} us ({r['host_launched_us']} us) {r['wire_gbps']} GB/s"
+                                      for r in mine)
+                          + f"; ceiling {round(ceil_gbps, 1)} GB/s, NCCL {round(nccl_gbps, 1)} GB/s", flush=True)
                 if opts.output:
                     write_results(rows, opts.output, quiet=True, env=env)  # partial results survive an abort
-    op.close()
+    for _, op in ops.values():
+        op.close()
     if me == 0 and opts.output:
         write_results(rows, opts.output, env=env)
     return rows
@@ -231,13 +267,21 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
 
 def op_row(name: str, dtype: str, routing: str, tokens: int, rank: int, world_size: int, queued: Timing, host: Timing,
            method: str, rows_all: int, rows_wire: int, row_bytes: int, wire_row_bytes: int, ceil_gbps: float,
-           nccl_gbps: float, geo: Geometry) -> dict:
-    """One CSV row (CSV_COLUMNS) of op ``name`` at one point: times (us) and bandwidths (GB/s)
-    from the ``queued`` Timing, ``host_launched_us`` the median of ``host``, ``timing`` =
-    ``method`` (QUEUED or SHORT_SLEEP); ``rows_all`` / ``rows_wire`` rows of ``row_bytes`` /
-    ``wire_row_bytes`` bytes (logical / wire)."""
+           nccl_gbps: float, geo: Geometry, *, family: str, virtual: bool) -> dict:
+    """One CSV row (CSV_COLUMNS) of op ``name`` ("dispatch" or "combine") of kernel ``family``
+    ("normal" or "low_latency") at one point: times (us) and bandwidths (GB/s) from the
+    ``queued`` Timing, ``host_launched_us`` the median of ``host``, ``timing`` = ``method``
+    (QUEUED or SHORT_SLEEP); ``rows_all`` / ``rows_wire`` rows of ``row_bytes`` /
+    ``wire_row_bytes`` bytes (logical / wire); ``virtual``: the ranks ran in one process.
+
+    Raises:
+        ValueError: ``family`` not one of FAMILY_OPS.
+    """
+    if family not in FAMILY_OPS:
+        raise ValueError(f"family={family!r}: must be one of {', '.join(FAMILY_OPS)}")
     w = gbps(rows_wire * wire_row_bytes, queued.median_us)
-    return {"op": name, "dtype": dtype, "routing": routing, "tokens": tokens, "rank": rank, "world_size": world_size,
+    return {"op": name, "family": family, "dtype": dtype, "routing": routing, "tokens": tokens, "rank": rank,
+            "world_size": world_size, "virtual": bool(virtual),
             "time_us": round(queued.median_us, 2), "mean_us": round(queued.mean_us, 2),
             "stdev_us": round(queued.stdev_us, 2), "best_us": round(queued.best_us, 2),
             "host_launched_us": round(host.median_us, 2), "timing": method,
@@ -271,12 +315,13 @@ def write_results(rows: list[dict], prefix: str, quiet: bool = False, env: dict 
     if quiet:
         return
     t = Table(title=f"epgen bench (rank 0): {prefix}")
-    for c in ("op", "routing", "tokens", "queued us", "host-launched us", "timing", "wire GB/s", "logical GB/s", "ceiling GB/s", "NCCL GB/s",
-              "x ceiling", "x NCCL", "geometry"):
+    for c in ("op", "family", "virtual", "routing", "tokens", "queued us", "host-launched us", "timing", "wire GB/s",
+              "logical GB/s", "ceiling GB/s", "NCCL GB/s", "x ceiling", "x NCCL", "geometry"):
         t.add_column(c, justify="right")
     for r in rows:
         if r["rank"] == 0:
-            t.add_row(r["op"], r["routing"], str(r["tokens"]), f"{r['time_us']:.1f}", f"{r['host_launched_us']:.1f}",
+            t.add_row(r["op"], r["family"], "yes" if r["virtual"] else "no", r["routing"], str(r["tokens"]),
+                      f"{r['time_us']:.1f}", f"{r['host_launched_us']:.1f}",
                       r["timing"], f"{r['wire_gbps']:.1f}",
                       f"{r['logical_gbps']:.1f}", f"{r['p2p_ceiling_gbps']:.1f}", f"{r['nccl_gbps']:.1f}",
                       f"{r['ratio_ceiling']:.2f}", f"{r['ratio_nccl']:.2f}",
@@ -284,29 +329,52 @@ def write_results(rows: list[dict], prefix: str, quiet: bool = False, env: dict 
     Console(width=200).print(t)
 
 
+FAMILY_STYLES = {"normal": ("-", "o"), "low_latency": ("--", "s")}
+"""Line style and marker of each kernel family in the plot (the colour is the op and routing)."""
+
+
 def _plot(rows: list[dict], path: str) -> None:
+    """``figure(rows)`` saved as the PNG ``path``."""
+    fig = figure(rows)
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt  # after figure() chose the Agg backend
+
+    plt.close(fig)
+
+
+def figure(rows: list[dict]):
+    """The matplotlib figure of bench rows (CSV_COLUMNS; rank 0's are drawn) against tokens per
+    rank: the bandwidth panel (wire GB/s, with the P2P ceiling and NCCL of the main routing) and
+    the time panel (queued, and host-launched dotted with hollow markers); one colour per (op,
+    routing), one line style and marker per family (``FAMILY_STYLES``). Needs matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(13, 5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     routings = sorted({r["routing"] for r in rows})
-    for routing in routings:
-        for op in ("dispatch", "combine"):
+    for i, (routing, op) in enumerate((routing, op) for routing in routings for op in ("dispatch", "combine")):
+        colour = colours[i % len(colours)]
+        for family, (style, marker) in FAMILY_STYLES.items():
             pts = sorted((r["tokens"], r["wire_gbps"], r["time_us"], r["host_launched_us"]) for r in rows
-                         if r["rank"] == 0 and r["op"] == op and r["routing"] == routing)
-            if pts:
-                x, bw, us, host_us = zip(*pts)
-                ax_bw.plot(x, bw, marker="o", label=f"{op} ({routing})")
-                line, = ax_t.plot(x, us, marker="o", label=f"{op} ({routing}), queued")
-                ax_t.plot(x, host_us, ":", color=line.get_color(), label=f"{op} ({routing}), host-launched")
+                         if r["rank"] == 0 and r["op"] == op and r["routing"] == routing and r["family"] == family)
+            if not pts:
+                continue
+            x, bw, us, host_us = zip(*pts)
+            label = f"{op} {family} ({routing})"
+            ax_bw.plot(x, bw, style, marker=marker, color=colour, label=label)
+            ax_t.plot(x, us, style, marker=marker, color=colour, label=f"{label}, queued")
+            ax_t.plot(x, host_us, ":", marker=marker, markerfacecolor="none", color=colour,
+                      label=f"{label}, host-launched")
     main = "uniform" if "uniform" in routings else routings[0]
-    for key, style, label in (("p2p_ceiling_gbps", "k--", "P2P ceiling"), ("nccl_gbps", "r:", "NCCL all_to_all_single")):
-        pts = sorted((r["tokens"], r[key]) for r in rows if r["rank"] == 0 and r["op"] == "dispatch"
-                     and r["routing"] == main)
-        if pts:
-            ax_bw.plot(*zip(*pts), style, label=f"{label} ({main}, same bytes)")
+    for key, style, label in (("p2p_ceiling_gbps", "k-.", "P2P ceiling"),
+                              ("nccl_gbps", "r:", "NCCL all_to_all_single")):
+        per_point = {r["tokens"]: r[key] for r in rows if r["rank"] == 0 and r["op"] == "dispatch"
+                     and r["routing"] == main}  # one figure a point, whichever families it timed
+        if per_point:
+            ax_bw.plot(*zip(*sorted(per_point.items())), style, label=f"{label} ({main}, same bytes)")
     ax_bw.set(xscale="log", xlabel="tokens per rank", ylabel="wire GB/s (per rank, queued times)", title="bandwidth")
     ax_t.set(xscale="log", yscale="log", xlabel="tokens per rank",
              ylabel="us (median of graph replays queued behind a GPU-side delay)", title="time (queued)")
@@ -314,14 +382,20 @@ def _plot(rows: list[dict], path: str) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
 
 
 def read_csv(path: str) -> list[dict]:
-    """Rows of a bench CSV with numbers parsed (to re-plot or compare runs)."""
+    """Rows of a bench CSV with numbers parsed and ``virtual`` a bool (to re-plot or compare runs)."""
+    def value(k: str, v: str):
+        if k in ("op", "family", "dtype", "routing", "timing"):
+            return v
+        if k == "virtual":
+            return v == "True"
+        return float(v) if "." in v or "n" in v else int(v)
+
     with open(path, newline="") as f:
-        return [{k: (v if k in ("op", "dtype", "routing", "timing") else float(v) if "." in v or "n" in v else int(v))
-                 for k, v in row.items()} for row in csv.DictReader(f)]
+        return [{k: value(k, v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
 def default_output(world_size: int, virtual: bool, in_checkout: bool) -> str:

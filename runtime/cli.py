@@ -18,7 +18,8 @@ from rich.markup import escape
 
 from epgen import flags
 from epgen.codegen.catalogue import CATALOGUE_MAX_TOKENS, CATALOGUE_WORLD_SIZE
-from epgen.options import DEFAULT_MODEL, BenchOptions, DemoOptions, StressOptions, TuneOptions
+from epgen.options import (DEFAULT_MODEL, BenchOptions, DemoOptions, StressOptions, TuneOptions, family_points,
+                           tune_counts)
 from epgen.progress import Progress
 
 MOE_DEMO_TOKENS = 1024
@@ -154,7 +155,12 @@ def cmd_diff(args, parser, console) -> int:
         given = [f for f, v in (("--model", args.model), ("--hidden", args.hidden), ("--topk", args.topk),
                                 ("--num-experts", args.num_experts), ("--world-size", args.world_size),
                                 ("--max-tokens", args.max_tokens), ("--dtype", args.dtype), ("--quant", args.quant),
-                                ("--scale-bytes", args.scale_bytes), ("--arch", args.arch)) if v is not None]
+                                ("--scale-bytes", args.scale_bytes), ("--layout", args.layout),
+                                ("--expert-alignment", args.expert_alignment),
+                                ("--max-recv-tokens", args.max_recv_tokens),
+                                ("--kernel-family", args.kernel_family),
+                                ("--low-latency-geometry", args.low_latency_geometry), ("--arch", args.arch))
+                 if v is not None]
         if given:
             parser.error(f"{' '.join(given)}: only with --a/--b (without them diff compares the committed catalogue, "
                          f"fixed at W={CATALOGUE_WORLD_SIZE} / Tmax={CATALOGUE_MAX_TOKENS}, with the templates)")
@@ -259,19 +265,31 @@ def cmd_demo(args, parser, console) -> int:
     if given:
         parser.error(f"{' '.join(given)}: only with --moe")
     args.tokens = args.tokens or DemoOptions().tokens
+    family = dict(kernel_family=args.kernel_family or flags.CONFIG_DEFAULTS["kernel_family"],
+                  low_latency_geometry=args.low_latency_geometry)
     try:
-        EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=args.tokens)
+        cfg = EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=args.tokens, **family)
+        for arch in ARCHES:  # the demo compiles every arch's kernels
+            cfg.kernel_specs(arch)
     except ValueError as e:
-        flag = "--tokens" if getattr(e, "field", None) == "max_tokens_per_rank" else "--world-size"
+        field = getattr(e, "field", None)
+        flag = ("--tokens" if field == "max_tokens_per_rank" else "--low-latency-geometry"
+                if args.low_latency_geometry and field in ("blocks", "warps_per_block", "unroll") else "--world-size")
         parser.error(f"{e} ({flag} {getattr(args, flag[2:].replace('-', '_'))} with --model {args.model})")
     from epgen.demo import run_demo
 
-    return run_demo(args.model, args.world_size, args.tokens, args.iters, console, quiet=args.quiet, as_json=args.json)
+    return run_demo(args.model, args.world_size, args.tokens, args.iters, console, quiet=args.quiet, as_json=args.json,
+                    **family)
 
 
 def _moe_demo(args, parser, console) -> int:
     """``epgen demo --moe``: the MoE layer (``epgen.moe_demo``); --tokens defaults to MOE_DEMO_TOKENS."""
     from epgen.moe_demo import moe_config, run_moe_demo
+
+    given = [f for f, v in (("--kernel-family", args.kernel_family),
+                            ("--low-latency-geometry", args.low_latency_geometry)) if v is not None]
+    if given:
+        parser.error(f"{' '.join(given)}: only without --moe (the MoE layer's op takes EpConfig's default family)")
 
     tokens = args.tokens or MOE_DEMO_TOKENS
     try:
@@ -290,37 +308,55 @@ def cmd_bench(args, parser, console) -> int:
     from epgen.bench import default_output
 
     output = args.output or default_output(args.world_size, args.virtual, flags.in_checkout())
-    if flags.gpu_preflight(args, parser, _error, "bench", max_tokens=max(args.tokens), virtual=args.virtual,
-                           output=output, geometries={"--dispatch-geometry": args.dispatch_geometry,
-                                                      "--combine-geometry": args.combine_geometry}) is None:
+    families = {family: max(counts) for family, counts in family_points(args.family, args.tokens).items()}
+    if flags.gpu_preflight(args, parser, _error, "bench", families=families, virtual=args.virtual, output=output,
+                           geometries={"--dispatch-geometry": args.dispatch_geometry,
+                                       "--combine-geometry": args.combine_geometry},
+                           low_latency_geometries={"--low-latency-geometry": args.low_latency_geometry}) is None:
         return 2
     from epgen.bench import run
 
     run(BenchOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens), dtype=args.dtype,
                      combine_quant=args.quant, routings=tuple(args.routing), dispatch_geometry=args.dispatch_geometry,
-                     combine_geometry=args.combine_geometry, iters=args.iters, virtual=args.virtual, output=output))
+                     combine_geometry=args.combine_geometry, iters=args.iters, virtual=args.virtual, output=output,
+                     family=args.family, low_latency_geometry=args.low_latency_geometry))
     return 0
 
 
 def cmd_tune(args, parser, console) -> int:
-    if flags.gpu_preflight(args, parser, _error, "tune", max_tokens=max(args.tokens),
-                           geometries={"--geometry": args.geometry}) is None:
+    if args.family == "normal":
+        given = [f for f, v in (("--low-latency-tokens", args.low_latency_tokens),
+                                ("--low-latency-geometry", args.low_latency_geometry)) if v is not None]
+        if given:
+            parser.error(f"{' '.join(given)}: only with --family low_latency or both (--family normal tunes the "
+                         "normal family alone)")
+    opts = TuneOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens), dtype=args.dtype,
+                       geometries=tuple(args.geometry) if args.geometry else None, routing=args.routing,
+                       iters=args.iters, write=not args.dry_run, family=args.family,
+                       low_latency_tokens=tuple(args.low_latency_tokens or TuneOptions().low_latency_tokens),
+                       low_latency_geometries=tuple(args.low_latency_geometry) if args.low_latency_geometry else None,
+                       virtual=args.virtual)
+    families = {family: max(counts) for family, counts in tune_counts(opts).items()}
+    if flags.gpu_preflight(args, parser, _error, "tune", families=families, virtual=args.virtual,
+                           geometries={"--geometry": args.geometry},
+                           low_latency_geometries={"--low-latency-geometry": args.low_latency_geometry}) is None:
         return 2
     from epgen.tune import run
 
-    run(TuneOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens), dtype=args.dtype,
-                    geometries=tuple(args.geometry) if args.geometry else None, routing=args.routing,
-                    iters=args.iters, write=not args.dry_run))
+    run(opts)
     return 0
 
 
 def cmd_stress(args, parser, console) -> int:
-    if flags.gpu_preflight(args, parser, _error, "stress", max_tokens=args.max_tokens, virtual=args.virtual) is None:
+    family = args.kernel_family or flags.CONFIG_DEFAULTS["kernel_family"]
+    if flags.gpu_preflight(args, parser, _error, "stress", families={family: args.max_tokens}, virtual=args.virtual,
+                           low_latency_geometries={"--low-latency-geometry": args.low_latency_geometry}) is None:
         return 2
     from epgen.stress import run
 
     run(StressOptions(model=args.model, world_size=args.world_size, max_tokens=args.max_tokens, rounds=args.rounds,
-                      seed=args.seed, virtual=args.virtual, dtype=args.dtype, combine_quant=args.quant))
+                      seed=args.seed, virtual=args.virtual, dtype=args.dtype, combine_quant=args.quant,
+                      kernel_family=family, low_latency_geometry=args.low_latency_geometry))
     return 0
 
 
@@ -395,12 +431,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--intermediate", type=flags.positive, help="with --moe: expert intermediate size I (default "
                    f"{MOE_DEMO_INTERMEDIATE})")
 
-    b = verb("bench", "time dispatch/combine against the P2P ceiling and NCCL all_to_all_single in one run; "
-             "write CSV, PNG and a table", cmd_bench)
+    b = verb("bench", "time dispatch/combine of both kernel families (--family) against the P2P ceiling and NCCL "
+             "all_to_all_single in one run; write CSV, PNG and a table", cmd_bench)
     flags.add_bench_args(b)
 
     t = verb("tune", "sweep launch geometry on the GPU and write codegen/tuning/<arch>.json (fewest blocks "
-             "within 3%% of the best per token bucket)", cmd_tune)
+             "within 3%% of the best per token bucket; for the low-latency family its geometry and the threshold up "
+             "to which it beats the normal family); --virtual writes the same entries as real ranks of that world "
+             "size, from one GPU's local memory", cmd_tune)
     flags.add_tune_args(t)
 
     st = verb("stress", "many verified rounds with random token counts (0..max) and routing kinds; prints "

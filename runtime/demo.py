@@ -10,19 +10,21 @@ from epgen.codegen.arch import ARCHES
 from epgen.codegen.catalogue import report_rows
 from epgen.codegen.report import resource_table
 from epgen.codegen.offline import toolchain_status
-from epgen.codegen.spec import Op
 from epgen.codegen.config import EpConfig
 
 
 def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Console, quiet: bool = False,
-             as_json: bool = False) -> int:
+             as_json: bool = False, kernel_family: str = "auto", low_latency_geometry=None) -> int:
     """Returns the process exit code: 0 when every check passed. ``quiet`` prints only failures;
-    ``as_json`` also prints a JSON summary (resources and, with a GPU, per-rank results) on stdout."""
+    ``as_json`` also prints a JSON summary (resources and, with a GPU, per-rank results) on stdout.
+    ``kernel_family`` and ``low_latency_geometry``: EpConfig's fields (the GPU run times the family
+    ``op.family(tokens)`` takes)."""
     import json
 
-    cfg = EpConfig.for_model(model, world_size=world_size, max_tokens_per_rank=tokens)
-    summary = {"model": model, "world_size": world_size, "tokens": tokens, "dtype": cfg.dtype, "resources": [],
-               "gpu": None, "gpu_skipped": None}
+    cfg = EpConfig.for_model(model, world_size=world_size, max_tokens_per_rank=tokens, kernel_family=kernel_family,
+                             low_latency_geometry=low_latency_geometry)
+    summary = {"model": model, "world_size": world_size, "tokens": tokens, "dtype": cfg.dtype,
+               "kernel_family": kernel_family, "resources": [], "gpu": None, "gpu_skipped": None}
     missing = {arch: toolchain_status(arch) for arch in ARCHES}
     for arch, reason in missing.items():
         if reason:
@@ -55,6 +57,7 @@ def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Cons
 
 def _run_gpu(cfg: EpConfig, model: str, tokens: int, iters: int, console: Console, quiet: bool) -> dict:
     """Verify, time and print; returns the per-rank results (raises on a mismatch)."""
+    from epgen.bench import FAMILY_OPS
     from epgen.verify import make_inputs, op_arg, op_inputs, run_round
     from epgen.op import EpDispatchCombine
     from epgen.timing import gbps, time_pairs
@@ -73,9 +76,11 @@ def _run_gpu(cfg: EpConfig, model: str, tokens: int, iters: int, console: Consol
     ys = op_arg(op, [op.combine_input(r) for r in op.local_ranks])
     d_t, c_t = time_pairs(lambda: op.dispatch(*args), lambda: op.combine(ys), iters=iters)
     bufs = [op.recv_buffers(r) for r in op.local_ranks]
-    dgeo, cgeo = op.variant(Op.DISPATCH, tokens), op.variant(Op.COMBINE, tokens)
+    family = op.family(tokens)
+    dgeo, cgeo = (op.variant(o, tokens) for o in FAMILY_OPS[family])
     table = Table(title=f"{model} on {torch.cuda.get_device_name(op.device)}: "
-                        f"{'virtual ' if virtual else ''}W={W}, {tokens} tokens/rank; dispatch {dgeo.blocks}x"
+                        f"{'virtual ' if virtual else ''}W={W}, {tokens} tokens/rank, {family} family; "
+                        f"dispatch {dgeo.blocks}x"
                         f"{dgeo.warps_per_block} u{dgeo.unroll}, combine {cgeo.blocks}x{cgeo.warps_per_block} "
                         f"u{cgeo.unroll}; median of {iters}")
     for c in ("rank", "recv rows", "from peers", "dispatch us", "disp logical GB/s", "disp wire GB/s",
@@ -97,5 +102,5 @@ def _run_gpu(cfg: EpConfig, model: str, tokens: int, iters: int, console: Consol
             console.print("virtual ranks share one GPU: these rates are local-memory rates, not link rates.")
     op.synchronize()
     op.close()
-    return {"combine_max_err": stats["combine_err"], "combine_bound_ratio": stats["bound_ratio"], "dispatch": str(dgeo.name), "combine": str(cgeo.name),
-            "ranks": ranks}
+    return {"combine_max_err": stats["combine_err"], "combine_bound_ratio": stats["bound_ratio"], "family": family,
+            "dispatch": str(dgeo.name), "combine": str(cgeo.name), "ranks": ranks}

@@ -18,12 +18,13 @@ import attrs
 
 from epgen.codegen.arch import ARCHES, traits
 from epgen.codegen.catalogue import CATALOGUE_MAX_TOKENS, CATALOGUE_WORLD_SIZE, model_specs
-from epgen.codegen.config import LAYOUTS, EpConfig
+from epgen.codegen.config import KERNEL_FAMILIES, LAYOUTS, EpConfig
 from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES
 from epgen.codegen.models import MODELS, model
-from epgen.codegen.spec import TRANSPORT_OPS, Op
+from epgen.codegen.spec import LL_MAX_TOKENS, LOW_LATENCY_OPS, TRANSPORT_OPS, Op
 from epgen.codegen.tuning import DEFAULT_UNROLL, Geometry
-from epgen.options import ROUTINGS, BenchOptions, DemoOptions, StressOptions, TuneOptions
+from epgen.options import (BENCH_FAMILIES, BOTH_LOW_LATENCY_MAX_TOKENS, ROUTINGS, TUNE_FAMILIES, BenchOptions,
+                           DemoOptions, StressOptions, TuneOptions)
 
 CONFIG_DEFAULTS = {f.name: f.default for f in attrs.fields(EpConfig) if f.default is not attrs.NOTHING}
 """EpConfig's defaults by field (dtype, scale_bytes, combine_quant, ...)."""
@@ -32,7 +33,8 @@ FLAGS = {"hidden": "--hidden", "topk": "--topk", "num_experts": "--num-experts",
          "max_tokens_per_rank": "--max-tokens", "dtype": "--dtype", "scale_bytes": "--scale-bytes",
          "dispatch_geometry": "--dispatch-geometry", "combine_geometry": "--combine-geometry",
          "combine_quant": "--quant", "layout": "--layout", "expert_alignment": "--expert-alignment",
-         "max_recv_tokens": "--max-recv-tokens", "recv_tokens": "--max-recv-tokens"}
+         "max_recv_tokens": "--max-recv-tokens", "recv_tokens": "--max-recv-tokens",
+         "kernel_family": "--kernel-family", "low_latency_geometry": "--low-latency-geometry"}
 """The flag of each EpConfig / KernelSpec field the shape flags set directly."""
 
 _GEOMETRY_FIELDS = ("blocks", "warps_per_block", "unroll")
@@ -84,9 +86,27 @@ def geometry(text: str) -> Geometry:
         raise argparse.ArgumentTypeError(f"geometry {text!r}: {e}") from None
 
 
+KERNEL_FAMILY_HELP = ("which kernels move the tokens (EpConfig.kernel_family; default "
+                      f"{CONFIG_DEFAULTS['kernel_family']}): normal (one kernel per op, built for bandwidth), "
+                      "low_latency (a sending and a receiving half per op, built for decode sizes; at most "
+                      f"{LL_MAX_TOKENS} tokens a rank), auto (both; a call takes the low-latency family up to the "
+                      "tuning table's threshold)")
+LOW_LATENCY_GEOMETRY_HELP = ("BLOCKSxWARPS[uUNROLL] of both halves of both low-latency ops "
+                             "(EpConfig.low_latency_geometry; default the tuning table's); world size x blocks at most "
+                             "1024")
+
+
+def add_family_args(p: argparse.ArgumentParser, *, needs: str = "") -> None:
+    """--kernel-family and --low-latency-geometry (EpConfig's fields); ``needs``: what the help
+    adds about when they apply."""
+    p.add_argument("--kernel-family", choices=list(KERNEL_FAMILIES), help=KERNEL_FAMILY_HELP + needs)
+    p.add_argument("--low-latency-geometry", type=geometry, help=LOW_LATENCY_GEOMETRY_HELP + needs)
+
+
 def add_shape_args(p: argparse.ArgumentParser, *, model_help: str = "") -> None:
     """--model, --hidden/--topk/--num-experts, --world-size, --max-tokens, --dtype, --quant,
-    --scale-bytes, --layout, --expert-alignment, --max-recv-tokens and --arch (repeatable)."""
+    --scale-bytes, --layout, --expert-alignment, --max-recv-tokens, --kernel-family,
+    --low-latency-geometry and --arch (repeatable)."""
     catalogue = f"the catalogue is fixed at W={CATALOGUE_WORLD_SIZE}/Tmax={CATALOGUE_MAX_TOKENS}"
     p.add_argument("--model", type=model_name, help=f"catalogue model ({', '.join(MODELS)}){model_help}")
     p.add_argument("--hidden", type=positive, help="hidden size H (instead of --model)")
@@ -109,13 +129,14 @@ def add_shape_args(p: argparse.ArgumentParser, *, model_help: str = "") -> None:
                    f"of this many rows (default {CONFIG_DEFAULTS['expert_alignment']})")
     p.add_argument("--max-recv-tokens", type=positive, help="receive rows of each rank (EpConfig.max_recv_tokens; "
                    "default world size x max tokens; needs a shape)")
+    add_family_args(p, needs="; needs a shape")
     p.add_argument("--arch", action="append", choices=list(ARCHES), help="target (repeatable; default all)")
 
 
 def add_geometry_args(p: argparse.ArgumentParser) -> None:
     for op in TRANSPORT_OPS:
-        p.add_argument(f"--{op.value}-geometry", type=geometry, default=None,
-                       help="BLOCKSxWARPS[uUNROLL] (default: the tuning table per token bucket)")
+        p.add_argument(f"--{op.value}-geometry", type=geometry, default=None, help="BLOCKSxWARPS[uUNROLL] of the "
+                       f"normal family's {op.value} kernel (default: the tuning table per token bucket)")
 
 
 def add_jobs_arg(p: argparse.ArgumentParser) -> None:
@@ -145,6 +166,7 @@ def add_demo_args(d) -> None:
                    help=f"virtual ranks on the GPU (default {demo.world_size})")
     d.add_argument("--tokens", type=positive, default=demo.tokens, help=f"tokens per rank (default {demo.tokens})")
     d.add_argument("--iters", type=positive, default=demo.iters, help=f"timed iterations (default {demo.iters})")
+    add_family_args(d, needs="; not with --moe")
 
 
 def add_bench_args(b) -> None:
@@ -155,7 +177,13 @@ def add_bench_args(b) -> None:
                    f"sweep (default {' '.join(map(str, bench.tokens))})")
     b.add_argument("--routing", nargs="+", default=list(bench.routings), choices=ROUTINGS,
                    help=f"routing kinds (default {' '.join(bench.routings)})")
+    b.add_argument("--family", choices=list(BENCH_FAMILIES), default=bench.family, help="kernel families to time "
+                   f"(default {bench.family}): both = one op of each, the normal family at every --tokens count and "
+                   f"the low-latency one at those up to {BOTH_LOW_LATENCY_MAX_TOKENS}; normal or low_latency = that "
+                   f"family alone at every count (low_latency: at most {LL_MAX_TOKENS} tokens); auto = one op of "
+                   "kernel_family auto, each point in the family it picks. The CSV's family column says which ran")
     add_geometry_args(b)
+    b.add_argument("--low-latency-geometry", type=geometry, default=None, help=LOW_LATENCY_GEOMETRY_HELP)
     b.add_argument("--iters", type=positive, default=bench.iters,
                    help=f"timed graph replays per point (default {bench.iters})")
     b.add_argument("-o", "--output", type=path, help="path prefix of the .csv/.png (default "
@@ -165,11 +193,22 @@ def add_bench_args(b) -> None:
 def add_tune_args(t) -> None:
     """``epgen tune``'s flags, defaults from ``TuneOptions``."""
     tune = TuneOptions()
-    add_gpu_verb_args(t, tune, virtual=False, quant=False)
+    add_gpu_verb_args(t, tune, virtual=True, quant=False)
+    t.add_argument("--family", choices=list(TUNE_FAMILIES), default=tune.family, help="families to tune (default "
+                   f"{tune.family}): normal writes the dispatch/combine buckets; low_latency writes the dispatch_ll/"
+                   "combine_ll entries (their geometry and the threshold up to which kernel_family auto takes them, "
+                   "against the normal family timed at the same counts); both does both")
     t.add_argument("--tokens", type=positive, nargs="+", default=list(tune.tokens),
-                   help=f"token buckets (default {' '.join(map(str, tune.tokens))})")
-    t.add_argument("--geometry", type=geometry, nargs="+", default=None, help="candidates "
-                   f"BLOCKSxWARPS[uUNROLL] (default 8..132 blocks of 1024 threads, unroll {DEFAULT_UNROLL})")
+                   help=f"the normal family's token buckets (default {' '.join(map(str, tune.tokens))})")
+    t.add_argument("--geometry", type=geometry, nargs="+", default=None, help="normal candidates "
+                   f"BLOCKSxWARPS[uUNROLL] (default 8..132 blocks of 1024 threads, unroll {DEFAULT_UNROLL}; with "
+                   "--family low_latency: the tuning table's, the reference of the threshold)")
+    t.add_argument("--low-latency-tokens", type=positive, nargs="+", default=None,
+                   help="token counts of the low-latency sweep and its threshold (default "
+                   f"{' '.join(map(str, tune.low_latency_tokens))}; at most {LL_MAX_TOKENS})")
+    t.add_argument("--low-latency-geometry", type=geometry, nargs="+", default=None, help="low-latency candidates "
+                   "BLOCKSxWARPS[uUNROLL] (default 8, 16, 32, 64 blocks of 512 threads, unroll 2 and 4, at most "
+                   "1024 / world size blocks)")
     t.add_argument("--routing", default=tune.routing, choices=ROUTINGS, help=f"routing kind (default {tune.routing})")
     t.add_argument("--iters", type=positive, default=tune.iters,
                    help=f"graph replays per point (default {tune.iters})")
@@ -184,6 +223,7 @@ def add_stress_args(st) -> None:
                     help=f"max tokens per rank (default {stress.max_tokens})")
     st.add_argument("--rounds", type=positive, default=stress.rounds, help=f"rounds (default {stress.rounds})")
     st.add_argument("--seed", type=int, default=stress.seed, help=f"seed of the rounds (default {stress.seed})")
+    add_family_args(st)
 
 
 def arches(args) -> tuple[str, ...]:
@@ -226,7 +266,8 @@ def flag_error(e: ValueError, args) -> str:
     if field == "experts_per_rank":
         return f"{e} (--num-experts {args.num_experts} / --world-size {args.world_size})"
     if field in _GEOMETRY_FIELDS:
-        geo = [FLAGS[f"{op.value}_geometry"] for op in TRANSPORT_OPS if getattr(args, f"{op.value}_geometry", None)]
+        geo = [FLAGS[f] for f in ("dispatch_geometry", "combine_geometry", "low_latency_geometry")
+               if getattr(args, f, None)]
         return f"{e} ({' or '.join(geo) if geo else 'the tuning table geometry'})"
     return f"{e} ({FLAGS.get(field, 'from the shape flags')})"
 
@@ -241,7 +282,9 @@ def _resolve_sizes(args, parser) -> None:
                                            ("--scale-bytes", args.scale_bytes),
                                            ("--layout", getattr(args, "layout", None)),
                                            ("--expert-alignment", getattr(args, "expert_alignment", None)),
-                                           ("--max-recv-tokens", getattr(args, "max_recv_tokens", None)))
+                                           ("--max-recv-tokens", getattr(args, "max_recv_tokens", None)),
+                                           ("--kernel-family", getattr(args, "kernel_family", None)),
+                                           ("--low-latency-geometry", getattr(args, "low_latency_geometry", None)))
              if v is not None]
     shape = args.model or any(v is not None for v in (args.hidden, args.topk, args.dtype, args.quant))
     if given and not shape:
@@ -280,7 +323,9 @@ def config_from(args, parser) -> EpConfig | None:
         check_model(args.model, parser)
     check_wave_size(args.world_size, arches(args), parser)
     kw = dict(_layer_kw(args), dispatch_geometry=getattr(args, "dispatch_geometry", None),
-              combine_geometry=getattr(args, "combine_geometry", None))
+              combine_geometry=getattr(args, "combine_geometry", None),
+              kernel_family=args.kernel_family or CONFIG_DEFAULTS["kernel_family"],
+              low_latency_geometry=args.low_latency_geometry)
     missing = [f"--{n}" for n, v in (("topk", args.topk), ("num-experts", args.num_experts)) if v is None]
     if args.hidden is not None and missing:
         parser.error(f"--hidden needs {' and '.join(missing)}")
@@ -308,9 +353,15 @@ def specs_from(args, parser) -> list | None:
 def selected_catalogue_specs(args, parser) -> list | None:
     """With only the selectors --dtype/--topk/--quant: those variants of every catalogue model
     (--dtype: dispatch, --quant: combine, --topk: both unless one of the others narrows it); None
-    when no selector is given."""
+    when no selector is given. The kernel family flags need a shape (a parser error here)."""
     if args.topk is None and args.dtype is None and args.quant is None:
         return None
+    family = [f"{flag} {v}" for flag, v in (("--kernel-family", getattr(args, "kernel_family", None)),
+                                            ("--low-latency-geometry", getattr(args, "low_latency_geometry", None)))
+              if v is not None]
+    if family:
+        parser.error(f"{' '.join(family)}: needs a shape (--model or --hidden); the selectors --dtype/--topk/--quant "
+                     "pick catalogue variants")
     ops = {op for op, flag in ((Op.DISPATCH, args.dtype), (Op.COMBINE, args.quant)) if flag} or set(TRANSPORT_OPS)
     names = [m.name for m in MODELS.values() if m.num_experts >= (args.topk or 1)]  # top-k <= experts
     if not names:
@@ -366,12 +417,16 @@ def check_output_files(outputs, parser) -> None:
                          f"{'is not a directory' if file.parent.exists() else 'does not exist'}")
 
 
-def gpu_preflight(args, parser, error, verb: str, *, max_tokens: int, virtual: bool = False,
-                  output: str | None = None, geometries: dict | None = None) -> EpConfig | None:
+def gpu_preflight(args, parser, error, verb: str, *, families: dict[str, int], virtual: bool = False,
+                  output: str | None = None, geometries: dict | None = None,
+                  low_latency_geometries: dict | None = None) -> EpConfig | None:
     """Everything about a GPU verb's arguments that can be checked without a GPU, first (parser
     errors naming the flag), then that there is a GPU, enough of them, and (with ``output``, a
-    plot) matplotlib, then the specs for this GPU's arch (``geometries``: flag -> Geometry, or a
-    list of them, or None). Returns the config, or None after ``error(verb, line)``."""
+    plot) matplotlib, then the specs for this GPU's arch. ``families``: the most tokens a rank
+    passes to the op of each ``EpConfig.kernel_family`` the verb builds; ``geometries`` /
+    ``low_latency_geometries``: flag -> Geometry, or a list of them, or None, checked against the
+    dispatch and combine / the low-latency halves of a config that builds them (a parser error
+    when none does). Returns the first family's config, or None after ``error(verb, line)``."""
     import importlib.util
 
     import torch
@@ -379,11 +434,15 @@ def gpu_preflight(args, parser, error, verb: str, *, max_tokens: int, virtual: b
     from epgen.device import device_arch
 
     check_model(args.model, parser)
-    try:
-        cfg = EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=max_tokens,
-                                 dtype=args.dtype, combine_quant=getattr(args, "quant", CONFIG_DEFAULTS["combine_quant"]))
-    except ValueError as e:
-        parser.error(f"{e} (--world-size {args.world_size}, tokens up to {max_tokens}, with --model {args.model})")
+    cfgs = []
+    for family, max_tokens in families.items():
+        try:
+            cfgs.append(EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=max_tokens,
+                                           dtype=args.dtype, kernel_family=family,
+                                           combine_quant=getattr(args, "quant", CONFIG_DEFAULTS["combine_quant"])))
+        except ValueError as e:
+            parser.error(f"{e} (--world-size {args.world_size}, the {family} family with tokens up to {max_tokens}, "
+                         f"with --model {args.model})")
     if output is not None:
         if output.endswith(os.sep) or os.path.isdir(output):
             parser.error(f"-o {output}: a path prefix for the .csv/.png/.env.txt files, not a folder")
@@ -402,20 +461,25 @@ def gpu_preflight(args, parser, error, verb: str, *, max_tokens: int, virtual: b
     if output is not None and importlib.util.find_spec("matplotlib") is None:
         return error(verb, "the plot needs matplotlib: pip install -e '.[bench]'")
     arch = device_arch(torch.cuda.current_device())
-    try:  # the tuning table's geometries: the world size and sizes against this arch's limits
-        for op in cfg.ops:
-            cfg.variants(arch, op)
-    except ValueError as e:
-        parser.error(f"{e} (--world-size {args.world_size} on this GPU's arch {arch})")
-    for flag, given in (geometries or {}).items():
-        for g in given if isinstance(given, (list, tuple)) else [given]:
-            try:
-                if g is not None:
-                    for op in TRANSPORT_OPS:
-                        cfg.spec(arch, op, g)
-            except ValueError as e:
-                parser.error(f"{e} ({flag} {g} on this GPU's arch {arch})")
-    return cfg
+    for cfg in cfgs:  # the tuning table's geometries: the world size and sizes against this arch's limits
+        try:
+            for op in cfg.ops:
+                cfg.variants(arch, op)
+        except ValueError as e:
+            parser.error(f"{e} (--world-size {args.world_size} on this GPU's arch {arch})")
+    for ops, given_by_flag in ((TRANSPORT_OPS, geometries), (LOW_LATENCY_OPS, low_latency_geometries)):
+        holder = next((c for c in cfgs if set(ops) <= set(c.ops) and all(c.variants(arch, op) for op in ops)), None)
+        for flag, given in (given_by_flag or {}).items():
+            for g in [g for g in (given if isinstance(given, (list, tuple)) else [given]) if g is not None]:
+                if holder is None:
+                    parser.error(f"{flag} {g}: applies to the {'low-latency' if ops is LOW_LATENCY_OPS else 'normal'} "
+                                 "family's kernels, which this run does not build")
+                try:
+                    for op in ops:
+                        holder.spec(arch, op, g)
+                except ValueError as e:
+                    parser.error(f"{e} ({flag} {g} on this GPU's arch {arch})")
+    return cfgs[0]
 
 
 def import_timing_arch(args, parser, error, arches) -> str:

@@ -17,6 +17,39 @@ ROUTINGS = ("uniform", "invalid", "duplicates", "skewed", "one_rank", "shared")
 SWEEP = (1, 8, 32, 128, 512, 1024, 4096, 8192, 16384)
 """Tokens per rank ``epgen bench`` sweeps by default."""
 
+BENCH_FAMILIES = ("both", "auto", "normal", "low_latency")
+"""``epgen bench --family`` values: "both" times the normal and the low-latency family (one op
+each, ``EpConfig.kernel_family``), "auto" one op of ``kernel_family="auto"`` (each point takes
+the family the op picks), "normal" and "low_latency" that family alone."""
+
+BOTH_LOW_LATENCY_MAX_TOKENS = 1024
+"""With ``--family both`` bench times the low-latency family at token counts up to this many
+(decode sizes and the crossover); ``--family low_latency`` times it at every count asked for."""
+
+TUNE_FAMILIES = ("both", "normal", "low_latency")
+"""``epgen tune --family`` values: which families it measures and writes entries for."""
+
+LOW_LATENCY_SWEEP = (1, 8, 32, 128, 256)
+"""Tokens per rank at which ``epgen tune`` measures the low-latency family by default."""
+
+
+def family_points(family: str, tokens) -> dict[str, tuple[int, ...]]:
+    """The token counts bench times per ``EpConfig.kernel_family`` for ``--family family``
+    (``BENCH_FAMILIES``), in the order given, without repeats: "both" -> normal at every count
+    and low_latency at those up to ``BOTH_LOW_LATENCY_MAX_TOKENS`` (left out when none is);
+    otherwise the one family at every count.
+
+    Raises:
+        ValueError: ``family`` not in ``BENCH_FAMILIES``.
+    """
+    if family not in BENCH_FAMILIES:
+        raise ValueError(f"family={family!r}: must be one of {', '.join(BENCH_FAMILIES)}")
+    tokens = tuple(dict.fromkeys(tokens))
+    if family != "both":
+        return {family: tokens}
+    small = tuple(t for t in tokens if t <= BOTH_LOW_LATENCY_MAX_TOKENS)
+    return {"normal": tokens, **({"low_latency": small} if small else {})}
+
 
 @attrs.frozen
 class DemoOptions:
@@ -39,18 +72,24 @@ class BenchOptions:
     iters: int = 30
     virtual: bool = False
     output: str = ""  # path prefix of the .csv/.png (rank 0 writes)
+    family: str = "both"  # BENCH_FAMILIES
+    low_latency_geometry: Geometry | None = None  # None: the tuning table's
 
 
 @attrs.frozen
 class TuneOptions:
     model: str = DEFAULT_MODEL
     world_size: int = 2
-    tokens: tuple[int, ...] = (128, 1024, 4096, 8192)
+    tokens: tuple[int, ...] = (128, 1024, 4096, 8192)  # the normal family's buckets
     geometries: tuple[Geometry, ...] | None = None  # None: CANDIDATE_BLOCKS x 1024 threads x unroll 4
     routing: str = "uniform"
     dtype: str = "bf16"
     iters: int = 20
     write: bool = True
+    family: str = "both"  # TUNE_FAMILIES
+    low_latency_tokens: tuple[int, ...] = LOW_LATENCY_SWEEP
+    low_latency_geometries: tuple[Geometry, ...] | None = None  # None: tune.default_low_latency_candidates
+    virtual: bool = False  # every rank in this process on one GPU
 
 
 @attrs.frozen
@@ -63,3 +102,21 @@ class StressOptions:
     virtual: bool = False
     dtype: str = "bf16"
     combine_quant: str = "none"
+    kernel_family: str = "auto"  # EpConfig.kernel_family
+    low_latency_geometry: Geometry | None = None  # None: the tuning table's
+
+
+def tune_counts(opts: TuneOptions) -> dict[str, tuple[int, ...]]:
+    """The token counts ``epgen tune`` times per kernel family for ``opts``, ascending: "normal"
+    at the buckets ``opts.tokens`` plus the low-latency counts when both families are tuned (the
+    threshold's reference), or with ``family="low_latency"`` at the low-latency counts alone;
+    "low_latency" (unless ``family="normal"``) at ``opts.low_latency_tokens``.
+
+    Raises:
+        ValueError: ``opts.family`` not in ``TUNE_FAMILIES``.
+    """
+    if opts.family not in TUNE_FAMILIES:
+        raise ValueError(f"TuneOptions.family={opts.family!r}: must be one of {', '.join(TUNE_FAMILIES)}")
+    small = tuple(sorted(set(opts.low_latency_tokens))) if opts.family != "normal" else ()
+    normal = small if opts.family == "low_latency" else tuple(sorted(set(opts.tokens) | set(small)))
+    return {"normal": normal, **({"low_latency": small} if small else {})}

@@ -50,7 +50,8 @@ def stress_process(rank: int, world_size: int, opts: StressOptions) -> StressRes
     from epgen.op import EpDispatchCombine
 
     cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=opts.max_tokens, dtype=opts.dtype,
-                             combine_quant=opts.combine_quant)
+                             combine_quant=opts.combine_quant, kernel_family=opts.kernel_family,
+                             low_latency_geometry=opts.low_latency_geometry)
     op = EpDispatchCombine(cfg, virtual=opts.virtual)
     speak = rank == 0
     result = stress(op, cfg, opts.rounds, opts.seed, report=print if speak else (lambda _line: None))
@@ -58,7 +59,8 @@ def stress_process(rank: int, world_size: int, opts: StressOptions) -> StressRes
     if speak:
         print(f"stress: {result.rounds} rounds, {len(result.failures)} failures, worst combine error "
               f"{result.worst_bound_ratio:.3g} of its bound ({'virtual ' if opts.virtual else ''}W={world_size}, {opts.model}, "
-              f"{opts.dtype}, combine {cfg.combine_quant}, max tokens {opts.max_tokens})")
+              f"{opts.dtype}, combine {cfg.combine_quant}, max tokens {opts.max_tokens}, kernel family "
+              f"{opts.kernel_family})")
     if result.failures:
         raise AssertionError(f"rank {rank}: {len(result.failures)} of {result.rounds} rounds failed; first: "
                              f"{result.failures[0]}")

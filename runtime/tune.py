@@ -1,27 +1,49 @@
 """``epgen tune``: sweep launch geometry on the GPU and write the tuning table.
 
-For every geometry (the same one for dispatch and combine; each op is timed on its own) and token
-count: one verified round, then the median of CUDA-graph replays queued behind a GPU-side delay
-(``bench.measure``, ``timing.time_pairs_queued``); the time of a point is the slowest rank's
-median. Per op and token bucket the table takes the fewest blocks within 3% of the best
-(``tuning.pick_fewest_blocks``), which leaves SMs to the compute beside it.
+Every point is one verified round, then the median of CUDA-graph replays queued behind a GPU-side
+delay (``bench.measure``, ``timing.time_pairs_queued``); the time of a point is the slowest
+rank's median. Geometries are picked by ``tuning.pick_fewest_blocks`` (the fewest blocks within
+3% of the best), which leaves SMs to the compute beside the kernel.
+
+Normal family (``--family normal`` or ``both``, the default): every candidate geometry (the same
+one for dispatch and combine; each op is timed on its own) at every token bucket; per op and
+bucket the table takes the pick.
+
+Low-latency family (``--family low_latency`` or ``both``): every candidate geometry
+(``default_low_latency_candidates``: 8 to 64 blocks of 512 threads, unroll 2 and 4) at the small
+token counts (``options.LOW_LATENCY_SWEEP``: 1, 8, 32, 128, 256), a dispatch or combine being
+its sending and receiving halves back to back. Each op takes the pick at the largest small count
+for all counts. The normal family is timed at the small counts too (every normal candidate; with
+``--family low_latency`` alone at the tuning table's geometry, or at the ``--geometry``
+candidates), and the threshold is the largest small count up to which the low-latency dispatch +
+combine beats the normal family's best dispatch + best combine at every count measured
+(``low_latency_threshold``); 0 when it does not win at the smallest, which
+``EpConfig(kernel_family="auto")`` reads as never. The ``dispatch_ll`` and ``combine_ll`` entries
+get one bucket each: (threshold, the op's pick).
+
+With ``--virtual`` every rank runs in this process on one GPU; the entries go to the same key as
+real ranks of that world size (the provenance says virtual), and a normal candidate whose blocks
+of every rank cannot all be resident at once is skipped with the reason.
 """
 
 from __future__ import annotations
 
-
 import attrs
 import torch
 
-from epgen.bench import environment, measure
-from epgen.codegen.spec import Op
+from epgen.bench import FAMILY_OPS, environment, measure
+from epgen.codegen.abi import LL_FLAG_SLOTS
+from epgen.codegen.arch import traits
 from epgen.codegen.tuning import DEFAULT_UNROLL, Geometry, default_geometry, pick_fewest_blocks, write_entry
 from epgen.device import device_arch
 from epgen.codegen.config import EpConfig
-from epgen.options import TuneOptions
+from epgen.options import TuneOptions, tune_counts
 
 
 CANDIDATE_BLOCKS = (8, 16, 24, 32, 48, 64, 132)
+LOW_LATENCY_CANDIDATE_BLOCKS = (8, 16, 32, 64)
+LOW_LATENCY_CANDIDATE_THREADS = 512
+LOW_LATENCY_CANDIDATE_UNROLLS = (2, 4)
 
 
 def default_candidates(arch: str) -> tuple[Geometry, ...]:
@@ -30,70 +52,224 @@ def default_candidates(arch: str) -> tuple[Geometry, ...]:
     return tuple(Geometry(b, warps, DEFAULT_UNROLL) for b in CANDIDATE_BLOCKS)
 
 
+def default_low_latency_candidates(arch: str, world_size: int) -> tuple[Geometry, ...]:
+    """LOW_LATENCY_CANDIDATE_BLOCKS blocks of 512 threads x LOW_LATENCY_CANDIDATE_UNROLLS, blocks
+    clamped to ``LL_FLAG_SLOTS // world_size`` (one flag per (rank, block)), without repeats."""
+    warps = LOW_LATENCY_CANDIDATE_THREADS // traits(arch).wave_size
+    most = max(1, LL_FLAG_SLOTS // world_size)
+    return tuple(dict.fromkeys(Geometry(min(b, most), warps, u) for b in LOW_LATENCY_CANDIDATE_BLOCKS
+                               for u in LOW_LATENCY_CANDIDATE_UNROLLS))
+
+
+@attrs.frozen
+class Sweep:
+    """One family's part of a tune run: ``family`` ("normal" or "low_latency"), the candidate
+    ``geometries`` (None: the tuning table's, for the normal reference alone) and the token
+    ``counts`` each is timed at, ascending."""
+
+    family: str
+    geometries: tuple[Geometry | None, ...]
+    counts: tuple[int, ...]
+
+
+def plan(opts: TuneOptions, arch: str, world_size: int) -> tuple[Sweep, ...]:
+    """What ``tune_process`` times for ``opts`` on ``arch`` (module docstring), at the counts of
+    ``options.tune_counts``: the normal sweep over ``opts.geometries`` (default
+    ``default_candidates``; with ``family="low_latency"`` the tuning table's geometry, None), then
+    the low-latency sweep over ``opts.low_latency_geometries`` (default
+    ``default_low_latency_candidates``).
+
+    Raises:
+        ValueError: ``opts.family`` not in ``TUNE_FAMILIES``.
+    """
+    counts = tune_counts(opts)
+    normal = opts.geometries or ((None,) if opts.family == "low_latency" else default_candidates(arch))
+    sweeps = [Sweep("normal", tuple(normal), counts["normal"])]
+    if "low_latency" in counts:
+        sweeps.append(Sweep("low_latency", tuple(opts.low_latency_geometries
+                                                 or default_low_latency_candidates(arch, world_size)),
+                            counts["low_latency"]))
+    return tuple(sweeps)
+
+
+def low_latency_threshold(low_latency_us: dict[int, float], normal_us: dict[int, float]) -> int:
+    """The largest token count T of ``low_latency_us`` (us by count) whose low-latency time is
+    below ``normal_us[T]`` with every smaller count's too; 0 when the smallest count's is not
+    (the low-latency family never wins). A NaN time never wins.
+
+    Raises:
+        KeyError: a count of ``low_latency_us`` missing from ``normal_us``.
+    """
+    threshold = 0
+    for T in sorted(low_latency_us):
+        if not low_latency_us[T] < normal_us[T]:
+            break
+        threshold = T
+    return threshold
+
+
+@attrs.frozen
+class LowLatencyChoice:
+    """The low-latency entries ``choose_low_latency`` derives: the ``dispatch`` and ``combine``
+    geometries, the ``threshold`` (tokens), and per low-latency count the times compared,
+    (dispatch us, combine us): ``low_latency_us`` at those geometries, ``normal_us`` the normal
+    family's best dispatch and best combine."""
+
+    dispatch: Geometry
+    combine: Geometry
+    threshold: int
+    low_latency_us: dict
+    normal_us: dict
+
+
+def choose_low_latency(times: dict) -> LowLatencyChoice:
+    """From ``times`` {(family, tokens): {geometry: (dispatch us, combine us)}} (as
+    ``tune_process`` returns, normal at every low-latency count): each low-latency op's pick at
+    the largest low-latency count, and the threshold of ``low_latency_threshold`` on dispatch +
+    combine.
+
+    Raises:
+        ValueError: no low-latency point in ``times``.
+        KeyError: a low-latency count without a normal point.
+    """
+    ll = {T: per for (family, T), per in times.items() if family == "low_latency"}
+    if not ll:
+        raise ValueError("choose_low_latency: times has no low-latency point")
+    top = ll[max(ll)]
+    picks = [pick_fewest_blocks({g: t[i] for g, t in top.items()}) for i in (0, 1)]
+    ll_us = {T: (per[picks[0]][0], per[picks[1]][1]) for T, per in sorted(ll.items())}
+    normal_us = {T: tuple(min(t[i] for t in times[("normal", T)].values()) for i in (0, 1)) for T in ll_us}
+    threshold = low_latency_threshold({T: sum(t) for T, t in ll_us.items()}, {T: sum(t) for T, t in normal_us.items()})
+    return LowLatencyChoice(picks[0], picks[1], threshold, ll_us, normal_us)
+
+
 def tune_process(rank: int, world_size: int, opts: TuneOptions) -> dict:
-    """Returns {(op, tokens): {geometry: us}} on every rank."""
+    """Returns {(family, tokens): {geometry: (dispatch us, combine us)}} on every rank, the
+    slowest rank's queued medians (geometry None: the tuning table's)."""
     from epgen.op import EpDispatchCombine
 
     dist = torch.distributed if torch.distributed.is_initialized() else None
-    geometries = opts.geometries or default_candidates(device_arch(torch.cuda.current_device()))
-    opts = attrs.evolve(opts, geometries=geometries)
+    arch = device_arch(torch.cuda.current_device())
+    sweeps = plan(opts, arch, world_size)
     times: dict = {}
+    skipped = []
     seed = 500
-    for geo in geometries:
-        cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=max(opts.tokens),
-                                 dtype=opts.dtype, dispatch_geometry=geo, combine_geometry=geo, timeout_s=20.0)
-        op = EpDispatchCombine(cfg)
-        for T in opts.tokens:
-            seed += 1
-            pair, _ = measure(op, cfg, T, opts.routing, seed, opts.iters)  # warns if the delay ran out
-            mine = [t.median_us for t in pair.queued]
-            if dist:
-                every = [None] * world_size
-                dist.all_gather_object(every, mine)
-                mine = [max(v[i] for v in every) for i in range(2)]
-            times.setdefault((Op.DISPATCH, T), {})[geo] = mine[0]
-            times.setdefault((Op.COMBINE, T), {})[geo] = mine[1]
-        arch, key_cfg = op.arch, cfg
-        op.close()
+    for sweep in sweeps:
+        for geo in sweep.geometries:
+            kw = (dict(dispatch_geometry=geo, combine_geometry=geo) if sweep.family == "normal"
+                  else dict(low_latency_geometry=geo))
+            cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=max(sweep.counts),
+                                     dtype=opts.dtype, kernel_family=sweep.family, timeout_s=20.0, **kw)
+            try:
+                op = EpDispatchCombine(cfg, virtual=opts.virtual)
+            except ValueError as e:  # virtual ranks: the candidate's blocks of every rank do not fit at once
+                if not opts.virtual:
+                    raise
+                skipped.append(f"{sweep.family} {geo}: {e}")
+                continue
+            for T in sweep.counts:
+                seed += 1
+                pair, _ = measure(op, cfg, T, opts.routing, seed, opts.iters)  # warns if the delay ran out
+                mine = [t.median_us for t in pair.queued]
+                if dist:
+                    every = [None] * world_size
+                    dist.all_gather_object(every, mine)
+                    mine = [max(v[i] for v in every) for i in range(2)]
+                times.setdefault((sweep.family, T), {})[geo] = (mine[0], mine[1])
+            op.close()
+        if not any(family == sweep.family for family, _ in times):
+            raise RuntimeError(f"epgen tune: no {sweep.family} candidate could be built: " + "; ".join(skipped))
     if rank == 0:
-        _report(times, opts, arch, key_cfg)
+        _report(times, sweeps, skipped, opts, arch, world_size)
     return times
 
 
-def _report(times, opts: TuneOptions, arch: str, cfg: EpConfig):
+def _provenance(opts: TuneOptions, world_size: int, env: dict, how: str) -> str:
+    virtual = " --virtual (every rank on one GPU)" if opts.virtual else ""
+    return (f"measured {env['date']} on {env['gpus']}x {env['gpu']} (driver {env['driver']}, torch {env['torch']}, "
+            f"cupy {env['cupy']}, commit {env['commit']}) by epgen tune --model {opts.model} --world-size "
+            f"{world_size}{virtual} --family {opts.family}, routing {opts.routing}; {how}")
+
+
+def _report(times: dict, sweeps: tuple[Sweep, ...], skipped: list, opts: TuneOptions, arch: str, world_size: int):
     from rich.console import Console
     from rich.table import Table
 
     env = environment()
     console = Console(width=200)
-    for op in (Op.DISPATCH, Op.COMBINE):
-        t = Table(title=f"epgen tune {op.value}: {opts.model}, W={cfg.world_size}, {arch}, "
-                        f"us (slowest rank's queued median)")
+    for line in skipped:
+        console.print(f"skipped candidate {line}")
+    key_cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=1, dtype=opts.dtype)
+    where = f"{opts.model}, W={world_size}{' virtual' if opts.virtual else ''}, {arch}"
+
+    def op_table(family: str, i: int, counts, pick_at=None) -> tuple[Table, list[tuple[int, Geometry]]]:
+        """Table of op ``i`` (0 dispatch, 1 combine) of ``family``: tokens x measured geometries,
+        and the pick per count (or the pick at ``pick_at`` for every count)."""
+        op = FAMILY_OPS[family][i]
+        geos = list(dict.fromkeys(g for T in counts for g in times[(family, T)]))
+        t = Table(title=f"epgen tune {op.template}: {where}, us (slowest rank's queued median)")
         t.add_column("tokens", justify="right")
-        for g in opts.geometries:
+        for g in geos:
             t.add_column(str(g), justify="right")
-        t.add_column("pick", justify="right")
+        t.add_column(f"pick at {pick_at}" if pick_at else "pick", justify="right")
         rows = []
-        for T in opts.tokens:
-            per = times[(op, T)]
-            pick = pick_fewest_blocks(per)
+        for T in counts:
+            per = times[(family, T)]
+            pick = pick_fewest_blocks({g: v[i] for g, v in times[(family, pick_at or T)].items()})
             rows.append((T, pick))
-            t.add_row(str(T), *[f"{per[g]:.1f}" for g in opts.geometries], str(pick))
-        console.print(t)
-        if opts.write:
-            provenance = (f"measured {env['date']} on {env['gpus']}x {env['gpu']} (driver {env['driver']}, torch "
-                          f"{env['torch']}, cupy {env['cupy']}, commit {env['commit']}) by epgen tune --model "
-                          f"{opts.model} --world-size {cfg.world_size}, routing {opts.routing}; fewest blocks within 3%")
-            measured = {str(T): {str(g): round(times[(op, T)][g], 1) for g in opts.geometries} for T in opts.tokens}
-            path = write_entry(cfg.tuning_key(arch, op), rows, provenance, measured)
-            console.print(f"wrote {path}")
+            t.add_row(str(T), *[f"{per[g][i]:.1f}" if g in per else "-" for g in geos], str(pick))
+        return t, rows
+
+    for sweep in sweeps:
+        if sweep.family != "normal" or opts.family == "low_latency":
+            continue  # the normal sweep tunes only when asked to; otherwise it is the reference
+        for i, op in enumerate(FAMILY_OPS["normal"]):
+            table, rows = op_table("normal", i, tuple(sorted(set(opts.tokens))))
+            console.print(table)
+            if opts.write:
+                measured = {str(T): {str(g): round(v[i], 1) for g, v in times[("normal", T)].items()}
+                            for T, _ in rows}
+                path = write_entry(key_cfg.tuning_key(arch, op), rows,
+                                   _provenance(opts, world_size, env, "fewest blocks within 3%"), measured)
+                console.print(f"wrote {path}")
+    if opts.family == "normal":
+        return
+    choice = choose_low_latency(times)
+    counts = tuple(choice.low_latency_us)
+    for i in (0, 1):
+        console.print(op_table("low_latency", i, counts, pick_at=counts[-1])[0])
+    reference = "the tuning table's geometry" if sweeps[0].geometries == (None,) else "the best candidate per op"
+    t = Table(title=f"epgen tune families: {where}, dispatch + combine us (normal at {reference}; low-latency "
+                    f"dispatch {choice.dispatch}, combine {choice.combine})")
+    for c in ("tokens", "normal dispatch", "normal combine", "normal", "low-latency dispatch",
+              "low-latency combine", "low-latency", "faster"):
+        t.add_column(c, justify="right")
+    for T in counts:
+        normal, ll = choice.normal_us[T], choice.low_latency_us[T]
+        t.add_row(str(T), f"{normal[0]:.1f}", f"{normal[1]:.1f}", f"{sum(normal):.1f}", f"{ll[0]:.1f}", f"{ll[1]:.1f}",
+                  f"{sum(ll):.1f}", "low-latency" if sum(ll) < sum(normal) else "normal")
+    console.print(t)
+    console.print(f"threshold: {choice.threshold} tokens per rank (kernel_family='auto' takes the low-latency "
+                  f"family up to it{'; 0: never' if not choice.threshold else ''})")
+    if not opts.write:
+        return
+    how = (f"geometry: fewest blocks within 3% at {counts[-1]} tokens; threshold {choice.threshold}: the largest "
+           f"count up to which dispatch_ll + combine_ll beat the normal family ({reference}) at every count of "
+           f"{', '.join(map(str, counts))} (0: never)")
+    for i, (op, geo) in enumerate(zip(FAMILY_OPS["low_latency"], (choice.dispatch, choice.combine))):
+        measured = {str(T): {**{str(g): round(v[i], 1) for g, v in times[("low_latency", T)].items()},
+                             "normal": round(choice.normal_us[T][i], 1)} for T in counts}
+        path = write_entry(key_cfg.tuning_key(arch, op), [(choice.threshold, geo)],
+                           _provenance(opts, world_size, env, how), measured)
+        console.print(f"wrote {path}")
 
 
 def run(opts: TuneOptions) -> None:
-    """One process per GPU for W > 1, else in this process."""
+    """One process per GPU for W > 1 unless virtual, else in this process."""
     from epgen.ranks import run_ranks_or_here
 
-    run_ranks_or_here(opts.world_size, False, tune_process, opts)
+    run_ranks_or_here(opts.world_size, opts.virtual, tune_process, opts)
 
 
-__all__ = ["TuneOptions", "run", "tune_process"]
+__all__ = ["LowLatencyChoice", "Sweep", "TuneOptions", "choose_low_latency", "low_latency_threshold", "plan", "run",
+           "tune_process"]

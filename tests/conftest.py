@@ -50,3 +50,14 @@ def _gpu_test_watchdog(request):
     yield
     if guarded:
         faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch):
+    """The tuning tables live in ``tmp_path`` for the test (``tuning.write_entry`` writes there)."""
+    from epgen.codegen import tuning
+
+    monkeypatch.setattr(tuning, "TABLE_DIR", tmp_path)
+    tuning._table.cache_clear()
+    yield tmp_path
+    tuning._table.cache_clear()

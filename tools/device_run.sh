@@ -2,6 +2,10 @@
 # One call on the device machine: install, then the steps named in $STEPS, in order:
 #   demo    epgen demo (deepseek-v3, 8 virtual ranks)
 #   tune    epgen tune W=2 (two GPUs): writes codegen/tuning/sm_90.json
+#   tunell  epgen tune W=1 (both families: the W=1 buckets, the low-latency geometry and threshold),
+#           then the low-latency family alone on 2 virtual ranks (W=2's dispatch_ll/combine_ll entries from
+#           one GPU; --family low_latency leaves the W=2 normal buckets measured on two GPUs alone)
+#   latency tools/latency.py -> tools/results/latency-h200*
 #   bench   epgen bench W=2 with the tuning table, uniform routing, tokens $BENCH_TOKENS (default the
 #           full sweep) -> tools/results/bench-ep2-h200-tuned.{csv,png,env.txt}
 #   bench24 the full sweep at 24 blocks x 32 warps (at most 24 SMs), 20 replays a point, uniform and
@@ -32,6 +36,9 @@ for step in ${STEPS:-demo tune bench bench24 fp8 tests}; do
   case $step in
     demo) python -m epgen demo ;;
     tune) python -m epgen tune --world-size 2 ;;
+    tunell) timeout ${TUNE_TIMEOUT:-450} python -m epgen tune --world-size 1
+            timeout ${TUNE_TIMEOUT:-450} python -m epgen tune --world-size 2 --virtual --family low_latency ;;
+    latency) timeout ${LATENCY_TIMEOUT:-400} python tools/latency.py -o tools/results/latency-h200 ;;
     bench) timeout ${BENCH_TIMEOUT:-400} python -m epgen bench --world-size 2 --routing uniform \
              ${BENCH_TOKENS:+--tokens $BENCH_TOKENS} -o tools/results/bench-ep2-h200-tuned ;;
     bench24) timeout ${BENCH_TIMEOUT:-400} python -m epgen bench --world-size 2 --iters 20 \

@@ -13,14 +13,6 @@ from epgen.codegen.config import EpConfig
 KEY = TuningKey(arch="sm_90", world_size=2, row_bytes=14336, topk=8, dtype="bf16", op="dispatch")
 
 
-@pytest.fixture
-def table_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(tuning, "TABLE_DIR", tmp_path)
-    tuning._table.cache_clear()
-    yield tmp_path
-    tuning._table.cache_clear()
-
-
 def test_lookup_takes_smallest_bucket_not_below_and_clamps(table_dir):
     rows = [(128, Geometry(8, 32, 4)), (4096, Geometry(64, 32, 4)), (1024, Geometry(48, 32, 2))]
     tuning.write_entry(KEY, rows, "test", {})
@@ -103,3 +95,23 @@ def test_tune_default_candidates_build_on_every_arch(arch):
     for geo in default_candidates(arch):
         d, c = cfg.spec(arch, Op.DISPATCH, geo), cfg.spec(arch, Op.COMBINE, geo)
         assert d.threads == c.threads == 1024
+
+
+def test_a_low_latency_threshold_of_0_builds_no_low_latency_kernels_for_auto(table_dir):
+    """tune writes a threshold of 0 when the normal family won at every count: "auto" then never
+    takes the low-latency family on that arch (no variants, no specs: nothing sized for 0 tokens),
+    other arches keep theirs, and kernel_family="low_latency" still builds with the entry's geometry."""
+    from epgen.codegen.spec import LOW_LATENCY_OPS
+
+    cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096)
+    for op in (Op.DISPATCH_LL_SEND, Op.COMBINE_LL_SEND):
+        tuning.write_entry(cfg.tuning_key("sm_90", op), [(0, Geometry(16, 16, 2))], "test", {})
+    assert cfg.low_latency_tokens("sm_90") == 0
+    assert [s.op for s in cfg.kernel_specs("sm_90")] == [Op.DISPATCH, Op.COMBINE]
+    assert [cfg.variants("sm_90", op) for op in LOW_LATENCY_OPS] == [()] * 4
+    assert cfg.low_latency_tokens("gfx950") == tuning.LOW_LATENCY_MAX_TOKENS  # no entry there: the default
+    assert [s.ll_tokens for s in cfg.kernel_specs("gfx950")] == [tuning.LOW_LATENCY_MAX_TOKENS] * 6
+    ll = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096, kernel_family="low_latency")
+    specs = ll.kernel_specs("sm_90")
+    assert [s.op for s in specs] == list(LOW_LATENCY_OPS)
+    assert {(s.blocks, s.warps_per_block, s.unroll, s.ll_tokens) for s in specs} == {(16, 16, 2, 4096)}

@@ -394,6 +394,18 @@ def _matplotlib(monkeypatch, present: bool) -> None:
     (["tune", "--tokens", "99999999"], "max_tokens_per_rank=99999999: must be in [1, 1048576]"),
     (["stress", "--model", "nope"], "--model nope:"),
     (["diff", "-o", "/nonexistent"], "-o /nonexistent: not a directory"),
+    (["bench", "--family", "low_latency", "--tokens", "8", "70000"], "EpConfig.max_tokens_per_rank=70000: "
+     "kernel_family='low_latency' holds at most 65535 tokens a rank (use 'auto' or 'normal') (--world-size 2, the "
+     "low_latency family with tokens up to 70000, with --model deepseek-v3)"),
+    (["tune", "--low-latency-tokens", "1", "70000"], "(--world-size 2, the low_latency family with tokens up to 70000"),
+    (["tune", "--family", "normal", "--low-latency-tokens", "8"],
+     "--low-latency-tokens: only with --family low_latency or both"),
+    (["tune", "--family", "normal", "--low-latency-geometry", "8x16u2"],
+     "--low-latency-geometry: only with --family low_latency or both"),
+    (["stress", "--kernel-family", "low_latency", "--max-tokens", "70000"],
+     "(--world-size 2, the low_latency family with tokens up to 70000, with --model deepseek-v3)"),
+    (["bench", "--family", "fast"], "argument --family: invalid choice: 'fast'"),
+    (["stress", "--kernel-family", "both"], "argument --kernel-family: invalid choice: 'both'"),
 ])
 def test_gpu_verbs_check_their_arguments_before_the_gpu(argv, message, capsys):
     """bench, tune and stress reject bad arguments as usage errors on any machine, GPU or not."""
@@ -441,6 +453,21 @@ def test_gpu_verbs_need_as_many_gpus_as_ranks(capsys, monkeypatch, tmp_path):
      "(--combine-geometry 24x32u999 on this GPU's arch sm_90)"),
     (["tune", "--world-size", "1", "--geometry", "24x32u4", "24x64u4"], "(--geometry 24x64u4 on this GPU's arch sm_90)"),
     (["stress", "--virtual", "--world-size", "64"], "(--world-size 64 on this GPU's arch sm_90)"),
+    (["bench", "--virtual", "--world-size", "2", "--low-latency-geometry", "16x64u2"],
+     "KernelSpec.warps_per_block=64: must be in [1, 32] (--low-latency-geometry 16x64u2 on this GPU's arch sm_90)"),
+    (["bench", "--virtual", "--world-size", "2", "--low-latency-geometry", "600x16u2"],
+     "world_size x blocks = 1200, at most 1024; at most 512 blocks (--low-latency-geometry 600x16u2 on this GPU's "
+     "arch sm_90)"),
+    (["bench", "--virtual", "--world-size", "2", "--family", "low_latency", "--dispatch-geometry", "24x32u4"],
+     "--dispatch-geometry 24x32u4: applies to the normal family's kernels, which this run does not build"),
+    (["bench", "--virtual", "--world-size", "2", "--family", "normal", "--low-latency-geometry", "16x16u2"],
+     "--low-latency-geometry 16x16u2: applies to the low-latency family's kernels, which this run does not build"),
+    (["tune", "--virtual", "--world-size", "4", "--low-latency-geometry", "16x16u2", "600x16u2"],
+     "(--low-latency-geometry 600x16u2 on this GPU's arch sm_90)"),  # --virtual: 4 ranks on the 2 GPUs are fine
+    (["stress", "--virtual", "--kernel-family", "normal", "--low-latency-geometry", "16x16u2"],
+     "--low-latency-geometry 16x16u2: applies to the low-latency family's kernels"),
+    (["stress", "--virtual", "--world-size", "8", "--kernel-family", "low_latency", "--low-latency-geometry",
+      "256x16u2"], "(--low-latency-geometry 256x16u2 on this GPU's arch sm_90)"),
 ])
 def test_gpu_verbs_check_geometry_and_world_size_against_the_gpus_arch(argv, message, capsys, monkeypatch, tmp_path):
     import torch
@@ -757,3 +784,102 @@ def test_demo_moe_on_the_gpu_passes_and_times_every_stage(capsys):
     assert gpu["passed"] and gpu["bound_ratio"] <= 1.0 and gpu["expanded_rows"] > 0
     assert set(gpu["stages"]) == {"dispatch", "expand", "experts", "fold", "combine", "forward"}
     assert all(s["median_us"] > 0 for s in gpu["stages"].values())
+
+
+def _parse(argv):
+    from epgen.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args, args.parser
+
+
+def test_kernel_family_flags_reach_the_specs_of_the_shape_verbs():
+    from epgen import flags
+    from epgen.codegen.spec import LOW_LATENCY_OPS, Op
+
+    base = ["--model", "gpt-oss-120b", "--arch", "sm_90"]
+    for verb in ("generate", "check", "report", "diff", "build"):
+        args, parser = _parse([verb, *base, "--kernel-family", "low_latency", "--low-latency-geometry", "16x16u2"])
+        specs = flags.specs_from(args, parser)
+        assert [s.op for s in specs] == list(LOW_LATENCY_OPS), verb
+        assert {(s.blocks, s.warps_per_block, s.unroll, s.ll_tokens) for s in specs} == {(16, 16, 2, 4096)}
+        args, parser = _parse([verb, *base, "--kernel-family", "normal"])
+        assert [(s.op, s.ll_tokens) for s in flags.specs_from(args, parser)] == [(Op.DISPATCH, 0), (Op.COMBINE, 0)]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--kernel-family", "normal", "-o", "/nonexistent-epgen-out"],
+     "--kernel-family normal: the catalogue is fixed"),
+    (["generate", "--low-latency-geometry", "16x16u2", "-o", "/nonexistent-epgen-out"],
+     "--low-latency-geometry 16x16u2: the catalogue is fixed"),
+    (["check", "--dtype", "fp8", "--kernel-family", "low_latency"],
+     "--kernel-family low_latency: needs a shape (--model or --hidden); the selectors"),
+    (["generate", "--model", "gpt-oss-120b", "--low-latency-geometry", "600x16u2", "-o", "/nonexistent-epgen-out"],
+     "KernelSpec.blocks=600: the low-latency family raises one flag per (rank, block), world_size x blocks = 4800, "
+     "at most 1024; at most 128 blocks (--low-latency-geometry)"),
+    (["check", "--model", "gpt-oss-120b", "--kernel-family", "low_latency", "--max-tokens", "70000"],
+     "kernel_family='low_latency' holds at most 65535 tokens a rank (use 'auto' or 'normal') (--max-tokens)"),
+    (["build", "--kernel-family", "fast"], "argument --kernel-family: invalid choice: 'fast'"),
+    (["diff", "--kernel-family", "normal"], "--kernel-family: only with --a/--b"),
+    (["diff", "--layout", "expert", "--low-latency-geometry", "8x16u2"],
+     "--layout --low-latency-geometry: only with --a/--b"),
+    (["demo", "--moe", "--kernel-family", "normal"], "--kernel-family: only without --moe"),
+    (["demo", "--kernel-family", "low_latency", "--tokens", "70000"],
+     "holds at most 65535 tokens a rank (use 'auto' or 'normal') (--tokens 70000 with --model deepseek-v3)"),
+    (["demo", "--low-latency-geometry", "600x16u2"],
+     "world_size x blocks = 4800, at most 1024; at most 128 blocks (--low-latency-geometry 600x16u2 with --model "
+     "deepseek-v3)"),
+])
+def test_kernel_family_flag_errors_name_the_flag(argv, message, capsys):
+    assert message in " ".join(_usage_error(argv, capsys).split())
+
+
+def _fake_gpu(monkeypatch, gpus=2):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr("epgen.device.device_arch", lambda index: "sm_90")
+    _matplotlib(monkeypatch, present=True)
+
+
+def test_gpu_verbs_pass_the_families_and_the_low_latency_geometry_on(monkeypatch, tmp_path):
+    import epgen.bench
+    import epgen.demo
+    import epgen.stress
+    import epgen.tune
+    from epgen.codegen.tuning import Geometry
+    from epgen.options import LOW_LATENCY_SWEEP
+
+    _fake_gpu(monkeypatch, gpus=1)
+    seen = {}
+    for module in (epgen.bench, epgen.tune, epgen.stress):
+        monkeypatch.setattr(module, "run", lambda opts, name=module.__name__: seen.__setitem__(name, opts))
+    monkeypatch.setattr(epgen.demo, "run_demo", lambda *a, **kw: seen.__setitem__("demo", kw) or 0)
+    out = ["-o", str(tmp_path / "b")]
+    assert main(["bench", "--world-size", "1", *out]) == 0
+    assert (seen["epgen.bench"].family, seen["epgen.bench"].low_latency_geometry) == ("both", None)
+    assert main(["bench", "--world-size", "2", "--virtual", "--family", "low_latency", "--tokens", "1", "256",
+                 "--low-latency-geometry", "16x16u2", *out]) == 0
+    b = seen["epgen.bench"]
+    assert (b.family, b.low_latency_geometry, b.tokens, b.virtual) == (
+        "low_latency", Geometry(16, 16, 2), (1, 256), True)
+    assert main(["tune", "--world-size", "1"]) == 0
+    t = seen["epgen.tune"]
+    assert (t.family, t.low_latency_tokens, t.low_latency_geometries, t.virtual) == ("both", LOW_LATENCY_SWEEP, None,
+                                                                                     False)
+    assert main(["tune", "--world-size", "2", "--virtual", "--family", "low_latency", "--low-latency-tokens", "4",
+                 "16", "--low-latency-geometry", "8x16u2", "16x16u4", "--dry-run"]) == 0
+    t = seen["epgen.tune"]
+    assert (t.family, t.low_latency_tokens, t.virtual, t.write) == ("low_latency", (4, 16), True, False)
+    assert t.low_latency_geometries == (Geometry(8, 16, 2), Geometry(16, 16, 4))
+    assert main(["stress", "--world-size", "1"]) == 0
+    assert (seen["epgen.stress"].kernel_family, seen["epgen.stress"].low_latency_geometry) == ("auto", None)
+    assert main(["stress", "--world-size", "4", "--virtual", "--kernel-family", "low_latency",
+                 "--low-latency-geometry", "8x16u2", "--max-tokens", "64"]) == 0
+    assert (seen["epgen.stress"].kernel_family, seen["epgen.stress"].low_latency_geometry) == ("low_latency",
+                                                                                               Geometry(8, 16, 2))
+    assert main(["demo", "--kernel-family", "normal"]) == 0
+    assert seen["demo"] == {"quiet": False, "as_json": False, "kernel_family": "normal", "low_latency_geometry": None}

@@ -1,0 +1,241 @@
+"""epgen tune on the CPU: what it times per family, the low-latency geometry and threshold it
+derives from measured times, and the entries it writes (read back by EpConfig)."""
+
+import json
+import math
+
+import pytest
+
+from epgen import tune
+from epgen.codegen.arch import ARCHES, traits
+from epgen.codegen.config import EpConfig
+from epgen.codegen.spec import LOW_LATENCY_OPS, Op
+from epgen.codegen.tuning import Geometry
+from epgen.options import LOW_LATENCY_SWEEP, TuneOptions, tune_counts
+from epgen.tune import Sweep, choose_low_latency, low_latency_threshold, plan
+
+
+@pytest.mark.parametrize("ll, normal, threshold", [
+    ({1: 5.0, 8: 6.0, 32: 9.0}, {1: 10.0, 8: 10.0, 32: 10.0}, 32),  # faster everywhere: the largest count
+    ({1: 5.0, 8: 6.0, 32: 12.0, 128: 8.0}, {1: 10.0, 8: 10.0, 32: 10.0, 128: 20.0}, 8),  # 32 breaks the run
+    ({1: 11.0, 8: 6.0}, {1: 10.0, 8: 10.0}, 0),  # slower at the smallest: never
+    ({1: 10.0, 8: 6.0}, {1: 10.0, 8: 10.0}, 0),  # equal is not faster
+    ({8: 6.0, 1: 5.0, 256: 1.0}, {256: 2.0, 1: 10.0, 8: 10.0}, 256),  # the order of the dicts does not matter
+    ({1: 5.0, 8: math.nan, 32: 1.0}, {1: 10.0, 8: 10.0, 32: 10.0}, 1),  # NaN never wins
+])
+def test_the_threshold_is_the_last_count_of_a_run_of_wins_from_the_smallest(ll, normal, threshold):
+    assert low_latency_threshold(ll, normal) == threshold
+
+
+def test_the_threshold_needs_the_normal_time_of_every_count():
+    with pytest.raises(KeyError):
+        low_latency_threshold({1: 5.0, 8: 6.0}, {1: 10.0})
+
+
+G8, G16, G32 = Geometry(8, 16, 2), Geometry(16, 16, 2), Geometry(32, 16, 4)
+N24, N64 = Geometry(24, 32, 4), Geometry(64, 32, 4)
+
+
+def _times(ll_scale=1.0):
+    """{(family, T): {geometry: (dispatch us, combine us)}} as tune_process returns it."""
+    times = {}
+    for T in (1, 8, 128):
+        # low-latency: dispatch fastest at 32 blocks but 16 within 3% at 128 tokens; combine: 8 blocks is best
+        times[("low_latency", T)] = {G8: (12.0 * ll_scale, 4.0 * ll_scale), G16: (10.2 * ll_scale, 5.0 * ll_scale),
+                                     G32: (10.0 * ll_scale, 6.0 * ll_scale)}
+        # normal: dispatch best at 24 blocks, combine best at 64 (the bests may come from different geometries)
+        times[("normal", T)] = {N24: (14.0 + T / 16, 12.0), N64: (15.0 + T / 16, 9.0)}
+    times[("normal", 4096)] = {N24: (300.0, 200.0), N64: (250.0, 190.0)}  # a bucket only the normal family has
+    return times
+
+
+def test_choose_low_latency_picks_per_op_at_the_largest_count_and_compares_with_the_normal_best():
+    c = choose_low_latency(_times())
+    assert (c.dispatch, c.combine) == (G16, G8)  # fewest blocks within 3% at 128 tokens, per op
+    assert c.low_latency_us == {1: (10.2, 4.0), 8: (10.2, 4.0), 128: (10.2, 4.0)}
+    assert c.normal_us == {1: (14.0 + 1 / 16, 9.0), 8: (14.5, 9.0), 128: (22.0, 9.0)}  # min per op, not per geometry
+    assert c.threshold == 128  # 14.2 < 23.06, 23.5, 31
+
+
+def test_choose_low_latency_writes_0_when_the_normal_family_wins_at_the_smallest_count():
+    c = choose_low_latency(_times(ll_scale=2.0))  # 28.4 us against 23.06 at one token
+    assert c.threshold == 0 and (c.dispatch, c.combine) == (G16, G8)
+
+
+def test_choose_low_latency_needs_low_latency_points():
+    with pytest.raises(ValueError, match="no low-latency point"):
+        choose_low_latency({("normal", 1): {N24: (1.0, 1.0)}})
+
+
+def test_tune_counts_and_plan_per_family():
+    opts = TuneOptions()
+    assert tune_counts(opts) == {"normal": (1, 8, 32, 128, 256, 1024, 4096, 8192), "low_latency": LOW_LATENCY_SWEEP}
+    assert tune_counts(TuneOptions(family="normal")) == {"normal": (128, 1024, 4096, 8192)}
+    assert tune_counts(TuneOptions(family="low_latency", low_latency_tokens=(64, 2, 64))) == {
+        "normal": (2, 64), "low_latency": (2, 64)}
+    with pytest.raises(ValueError, match=r"TuneOptions.family='auto': must be one of both, normal, low_latency"):
+        tune_counts(TuneOptions(family="auto"))
+    normal, ll = plan(opts, "sm_90", 2)
+    assert normal == Sweep("normal", tune.default_candidates("sm_90"), tune_counts(opts)["normal"])
+    assert ll == Sweep("low_latency", tune.default_low_latency_candidates("sm_90", 2), LOW_LATENCY_SWEEP)
+    # the low-latency family alone: the normal family is its reference at the table's geometry (None) ...
+    assert plan(TuneOptions(family="low_latency"), "sm_90", 2)[0] == Sweep("normal", (None,), LOW_LATENCY_SWEEP)
+    # ... or at the candidates given
+    assert plan(TuneOptions(family="low_latency", geometries=(N24,)), "sm_90", 2)[0].geometries == (N24,)
+    assert [s.family for s in plan(TuneOptions(family="normal"), "sm_90", 2)] == ["normal"]
+    given = plan(TuneOptions(low_latency_geometries=(G8,)), "gfx950", 8)[1]
+    assert given.geometries == (G8,)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("world_size", [1, 2, 8, 32, 64])
+def test_low_latency_candidates_fit_the_flag_slots_and_build(arch, world_size):
+    if world_size > traits(arch).wave_size:
+        pytest.skip(f"W={world_size} is above {arch}'s wave size ({traits(arch).wave_size}), the most ranks it takes")
+    geos = tune.default_low_latency_candidates(arch, world_size)
+    assert len(set(geos)) == len(geos)
+    assert {g.blocks for g in geos} == {min(b, 1024 // world_size) for b in (8, 16, 32, 64)}
+    assert {g.unroll for g in geos} == {2, 4}
+    cfg = EpConfig(world_size=world_size, hidden=7168, topk=8, num_experts=256, max_tokens_per_rank=256,
+                   kernel_family="low_latency")
+    for g in geos:
+        for op in LOW_LATENCY_OPS:
+            spec = cfg.spec(arch, op, g)
+            assert spec.threads == 512 and spec.world_size * spec.blocks <= 1024
+
+
+def _env():
+    return {"date": "2026-12-01T00:00:00+00:00", "gpus": 1, "gpu": "Test GPU", "driver": "1", "torch": "t",
+            "cupy": "c", "commit": "abc"}
+
+
+def _report(opts, times, world_size=2, skipped=()):
+    sweeps = plan(opts, "sm_90", world_size)
+    tune._report(times, sweeps, list(skipped), opts, "sm_90", world_size)
+
+
+def test_tune_writes_both_families_and_epconfig_reads_the_threshold(table_dir, monkeypatch, capsys):
+    monkeypatch.setattr(tune, "environment", _env)
+    opts = TuneOptions(tokens=(128, 4096), geometries=(N24, N64), low_latency_tokens=(1, 8, 128),
+                       low_latency_geometries=(G8, G16, G32))
+    _report(opts, _times())
+    out = capsys.readouterr().out
+    assert "threshold: 128 tokens per rank" in out and "epgen tune families" in out
+    entries = {e["op"]: e for e in json.loads((table_dir / "sm_90.json").read_text())["entries"]}
+    assert set(entries) == {"dispatch", "combine", "dispatch_ll", "combine_ll"}
+    assert [b["max_tokens"] for b in entries["dispatch"]["buckets"]] == [128, 4096]  # the buckets only
+    assert set(entries["dispatch"]["measured_us"]) == {"128", "4096"}
+    for op, geo in (("dispatch_ll", G16), ("combine_ll", G8)):
+        e = entries[op]
+        assert e["buckets"] == [{"max_tokens": 128, "blocks": geo.blocks, "warps_per_block": geo.warps_per_block,
+                                 "unroll": geo.unroll}]
+        assert set(e["measured_us"]) == {"1", "8", "128"} and "normal" in e["measured_us"]["1"]
+        assert "threshold 128" in e["provenance"] and "Test GPU" in e["provenance"]
+    assert entries["dispatch_ll"]["measured_us"]["8"] == {"8x16u2": 12.0, "16x16u2": 10.2, "32x16u4": 10.0,
+                                                          "normal": 14.5}
+    cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096)
+    assert cfg.low_latency_tokens("sm_90") == 128
+    assert cfg.geometry("sm_90", Op.DISPATCH_LL_SEND, 1) == G16
+    assert cfg.geometry("sm_90", Op.COMBINE_LL_RECV, 1) == G8
+
+
+def test_a_threshold_of_0_is_written_and_means_never(table_dir, monkeypatch, capsys):
+    monkeypatch.setattr(tune, "environment", _env)
+    opts = TuneOptions(family="low_latency", low_latency_tokens=(1, 8, 128), low_latency_geometries=(G8, G16, G32),
+                       virtual=True)
+    times = {k: v for k, v in _times(ll_scale=2.0).items() if k[1] != 4096}
+    times.update({("normal", T): {None: min(per.values())} for (family, T), per in times.items() if family == "normal"})
+    _report(opts, times)
+    assert "threshold: 0 tokens per rank" in capsys.readouterr().out
+    entries = {e["op"]: e for e in json.loads((table_dir / "sm_90.json").read_text())["entries"]}
+    assert set(entries) == {"dispatch_ll", "combine_ll"}  # --family low_latency leaves the normal buckets alone
+    assert [b["max_tokens"] for b in entries["dispatch_ll"]["buckets"]] == [0]
+    assert "--virtual" in entries["dispatch_ll"]["provenance"]
+    assert "tuning table's geometry" in entries["dispatch_ll"]["provenance"]
+    auto = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096)
+    assert auto.low_latency_tokens("sm_90") == 0
+    assert [s.op for s in auto.kernel_specs("sm_90")] == [Op.DISPATCH, Op.COMBINE]
+    assert all(auto.variants("sm_90", op) == () for op in LOW_LATENCY_OPS)
+    ll = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096, kernel_family="low_latency")
+    assert ll.low_latency_tokens("sm_90") == 4096 and [s.op for s in ll.kernel_specs("sm_90")] == list(LOW_LATENCY_OPS)
+
+
+def test_dry_run_prints_and_writes_nothing(table_dir, monkeypatch, capsys):
+    monkeypatch.setattr(tune, "environment", _env)
+    opts = TuneOptions(tokens=(128, 4096), geometries=(N24, N64), low_latency_tokens=(1, 8, 128),
+                       low_latency_geometries=(G8, G16, G32), write=False)
+    _report(opts, _times(), skipped=["normal 132x32u4: does not fit"])
+    out = capsys.readouterr().out
+    assert "skipped candidate normal 132x32u4: does not fit" in out and "threshold: 128" in out
+    assert not (table_dir / "sm_90.json").exists()
+
+
+class _FakeOp:
+    """Stands in for EpDispatchCombine in tune_process; ``refuse``: normal geometries whose
+    construction raises ValueError (the blocks of every virtual rank do not fit)."""
+
+    refuse = ()
+
+    def __init__(self, cfg, virtual=False):
+        if cfg.kernel_family == "normal" and cfg.dispatch_geometry in _FakeOp.refuse:
+            raise ValueError(f"dispatch geometry {cfg.dispatch_geometry}: virtual ranks need all blocks resident")
+        self.config, self.virtual = cfg, virtual
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def fake_tune(monkeypatch):
+    """tune_process on the CPU: fake ops and measure (us = blocks / 10 + tokens, low-latency half
+    of that); records the reports instead of printing them."""
+    import types
+
+    import torch
+
+    import epgen.op
+    from epgen.timing import PairTiming, QueueDelay, Timing
+
+    def measure(op, cfg, tokens, routing, seed, iters):
+        geo = cfg.low_latency_geometry if cfg.kernel_family == "low_latency" else cfg.dispatch_geometry
+        us = ((geo.blocks / 10 if geo else 3.0) + tokens) / (2 if cfg.kernel_family == "low_latency" else 1)
+        t = Timing((us,))
+        return PairTiming(queued=(t, t), host=(t, t), delay=QueueDelay(1.0, 1.0, True)), (0, 0)
+
+    reports = []
+    monkeypatch.setattr(epgen.op, "EpDispatchCombine", _FakeOp)
+    monkeypatch.setattr(tune, "measure", measure)
+    monkeypatch.setattr(tune, "device_arch", lambda index: "sm_90")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(tune, "_report", lambda *a: reports.append(types.SimpleNamespace(
+        times=a[0], sweeps=a[1], skipped=a[2])))
+    _FakeOp.refuse = ()
+    return reports
+
+
+def test_tune_process_times_every_sweep_and_skips_what_virtual_ranks_cannot_hold(fake_tune):
+    opts = TuneOptions(tokens=(128, 4096), geometries=(N24, N64), low_latency_tokens=(1, 8),
+                       low_latency_geometries=(G8, G16), virtual=True)
+    _FakeOp.refuse = (N64,)
+    times = tune.tune_process(0, 2, opts)
+    assert set(times) == {("normal", T) for T in (1, 8, 128, 4096)} | {("low_latency", 1), ("low_latency", 8)}
+    assert all(set(per) == {N24} for (family, _), per in times.items() if family == "normal")  # 64 blocks skipped
+    assert times[("low_latency", 8)] == {G8: (4.4, 4.4), G16: (4.8, 4.8)}
+    report, = fake_tune
+    assert report.skipped == ["normal 64x32u4: dispatch geometry 64x32u4: virtual ranks need all blocks resident"]
+    assert choose_low_latency(times).threshold == 8
+
+
+def test_tune_process_raises_a_construction_error_of_real_ranks_and_when_nothing_fits(fake_tune):
+    _FakeOp.refuse = (N64,)
+    with pytest.raises(ValueError, match="virtual ranks need"):
+        tune.tune_process(0, 2, TuneOptions(tokens=(128,), geometries=(N24, N64), family="normal"))
+    with pytest.raises(RuntimeError, match="no normal candidate could be built: normal 64x32u4"):
+        tune.tune_process(0, 2, TuneOptions(tokens=(128,), geometries=(N64,), family="normal", virtual=True))
+
+
+def test_tune_process_low_latency_alone_times_the_normal_family_at_the_table_geometry(fake_tune):
+    times = tune.tune_process(0, 1, TuneOptions(family="low_latency", low_latency_tokens=(1, 4),
+                                                low_latency_geometries=(G8,)))
+    assert times == {("normal", 1): {None: (4.0, 4.0)}, ("normal", 4): {None: (7.0, 7.0)},
+                     ("low_latency", 1): {G8: (0.9, 0.9)}, ("low_latency", 4): {G8: (2.4, 2.4)}}
