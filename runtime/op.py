@@ -404,7 +404,7 @@ class EpDispatchCombine:
         takes the low-latency family up to ``low_latency_tokens``)."""
         kind = self.config.kernel_family
         if kind == "auto":
-            return "low_latency" if tokens <= self.low_latency_tokens else "normal"
+            return "low_latency" if self.low_latency_tokens and tokens <= self.low_latency_tokens else "normal"
         return kind
 
     def dispatch(self, x, weights, indices, scales=None, async_recv: bool = False):
@@ -471,8 +471,9 @@ class EpDispatchCombine:
             raise TypeError(f"async_recv={async_recv!r}: must be a bool")
         if not async_recv:
             return self.family(tokens)
-        if tokens > self.low_latency_tokens:
-            why = ("EpConfig.kernel_family='normal' builds no low-latency kernels" if not self.low_latency_tokens
+        if not self.low_latency_tokens or tokens > self.low_latency_tokens:
+            why = ("this op builds no low-latency kernels (EpConfig.kernel_family='normal', or 'auto' where the "
+                   "tuning table's threshold is 0)" if not self.low_latency_tokens
                    else f"the low-latency family takes at most low_latency_tokens={self.low_latency_tokens} tokens "
                    "a rank (EpConfig.kernel_family='low_latency' sizes it for max_tokens_per_rank)")
             raise ValueError(f"{name}(async_recv=True) with {tokens} tokens: the split needs the low-latency "
