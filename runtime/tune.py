@@ -10,7 +10,7 @@ one for dispatch and combine; each op is timed on its own) at every token bucket
 bucket the table takes the pick.
 
 Low-latency family (``--family low_latency`` or ``both``): every candidate geometry
-(``default_low_latency_candidates``: 8 to 64 blocks of 512 threads, unroll 2 and 4) at the small
+(``default_low_latency_candidates``: 16 to 128 blocks of 256 and 512 threads, unroll 4) at the small
 token counts (``options.LOW_LATENCY_SWEEP``: 1, 8, 32, 128, 256), a dispatch or combine being
 its sending and receiving halves back to back. Each op takes the pick at the largest small count
 for all counts. The normal family is timed at the small counts too (every normal candidate; with
@@ -41,9 +41,11 @@ from epgen.options import TuneOptions, tune_counts
 
 
 CANDIDATE_BLOCKS = (8, 16, 24, 32, 48, 64, 132)
-LOW_LATENCY_CANDIDATE_BLOCKS = (8, 16, 32, 64)
-LOW_LATENCY_CANDIDATE_THREADS = 512
-LOW_LATENCY_CANDIDATE_UNROLLS = (2, 4)
+LOW_LATENCY_CANDIDATE_BLOCKS = (16, 32, 64, 128)
+LOW_LATENCY_CANDIDATE_THREADS = (256, 512)
+LOW_LATENCY_CANDIDATE_UNROLL = 4
+"""Around the default (64 x 256 u4), which led ``tools/latency.py --sweep`` on the H200 (tools/NOTES.md,
+session 6 run 2): unroll 4 beat 2 at 256 threads, and 132 blocks helped at 128 tokens."""
 
 
 def default_candidates(arch: str) -> tuple[Geometry, ...]:
@@ -53,12 +55,12 @@ def default_candidates(arch: str) -> tuple[Geometry, ...]:
 
 
 def default_low_latency_candidates(arch: str, world_size: int) -> tuple[Geometry, ...]:
-    """LOW_LATENCY_CANDIDATE_BLOCKS blocks of 512 threads x LOW_LATENCY_CANDIDATE_UNROLLS, blocks
-    clamped to ``LL_FLAG_SLOTS // world_size`` (one flag per (rank, block)), without repeats."""
-    warps = LOW_LATENCY_CANDIDATE_THREADS // traits(arch).wave_size
+    """LOW_LATENCY_CANDIDATE_BLOCKS blocks of LOW_LATENCY_CANDIDATE_THREADS threads, unroll
+    LOW_LATENCY_CANDIDATE_UNROLL, blocks clamped to ``LL_FLAG_SLOTS // world_size`` (one flag per
+    (rank, block)), without repeats."""
     most = max(1, LL_FLAG_SLOTS // world_size)
-    return tuple(dict.fromkeys(Geometry(min(b, most), warps, u) for b in LOW_LATENCY_CANDIDATE_BLOCKS
-                               for u in LOW_LATENCY_CANDIDATE_UNROLLS))
+    return tuple(dict.fromkeys(Geometry(min(b, most), threads // traits(arch).wave_size, LOW_LATENCY_CANDIDATE_UNROLL)
+                               for threads in LOW_LATENCY_CANDIDATE_THREADS for b in LOW_LATENCY_CANDIDATE_BLOCKS))
 
 
 @attrs.frozen

@@ -94,14 +94,14 @@ def test_low_latency_candidates_fit_the_flag_slots_and_build(arch, world_size):
         pytest.skip(f"W={world_size} is above {arch}'s wave size ({traits(arch).wave_size}), the most ranks it takes")
     geos = tune.default_low_latency_candidates(arch, world_size)
     assert len(set(geos)) == len(geos)
-    assert {g.blocks for g in geos} == {min(b, 1024 // world_size) for b in (8, 16, 32, 64)}
-    assert {g.unroll for g in geos} == {2, 4}
+    assert {g.blocks for g in geos} == {min(b, 1024 // world_size) for b in tune.LOW_LATENCY_CANDIDATE_BLOCKS}
+    assert {g.unroll for g in geos} == {tune.LOW_LATENCY_CANDIDATE_UNROLL}
     cfg = EpConfig(world_size=world_size, hidden=7168, topk=8, num_experts=256, max_tokens_per_rank=256,
                    kernel_family="low_latency")
     for g in geos:
         for op in LOW_LATENCY_OPS:
             spec = cfg.spec(arch, op, g)
-            assert spec.threads == 512 and spec.world_size * spec.blocks <= 1024
+            assert spec.threads in tune.LOW_LATENCY_CANDIDATE_THREADS and spec.world_size * spec.blocks <= 1024
 
 
 def _env():
