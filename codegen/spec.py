@@ -148,7 +148,8 @@ class ArenaLayout:
     """Byte offsets of the regions of one rank's symmetric arena (identical on every rank).
 
     Regions, in order (each 256-byte aligned):
-      signals      [256] uint32  call counters, arrival counters, per-peer flags
+      signals      [SIGNAL_WORDS] uint32  call counters, arrival counters, per-peer flags, the
+                   low-latency family's flags (``abi.SIGNALS``)
       send_slot    [Tmax, W] int32  for each local token and destination rank, the receive row
                    the token took in that rank's buffer, or -1 (written by dispatch, read by
                    combine; the low-latency dispatch writes only the rank's own column)
@@ -187,7 +188,8 @@ class ArenaLayout:
       expert_x     [R, H] dispatch dtype (expert layout)
       ll_dispatch_stage [2, W, T_ll, record] rows pushed here by source rank s at [g % 2, s, slot]
                    (low-latency family): record = payload row, then (source rank, token), K weights,
-                   K expert ids, S scale bytes, padded to 16 bytes (``ll_meta_bytes``)
+                   K expert ids, S scale bytes, padded to 16 bytes (``ll_meta_bytes``; 0, as
+                   ``payload_row_bytes``, in combine and fold specs)
 
     ``cap`` = ``KernelSpec.capacity_rows`` receive rows (W x Tmax unless capped), ``R`` =
     ``KernelSpec.expert_rows``. All sizes in bytes. The two stages alternate by generation parity:
@@ -250,7 +252,7 @@ class ArenaLayout:
         expert = R > 0
         # low-latency stages: combine rows as the wire carries them (bf16 without a quantized wire)
         stage_row = _align16(wire_row_bytes or hidden * 2) if T_ll else 0
-        meta = _align16(8 + 8 * topk + scale_bytes) if T_ll else 0
+        meta = _align16(8 + 8 * topk + scale_bytes) if T_ll and payload_row_bytes else 0
         off = 0
         fields = {}
         for name, size in (

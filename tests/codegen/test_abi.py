@@ -26,7 +26,7 @@ def case(request) -> tuple[KernelSpec, str]:
     op, arch, w = request.param
     s = KernelSpec(op=op, arch=arch, dtype="bf16", hidden=2048, topk=4, experts_per_rank=2, world_size=w,
                    max_tokens_per_rank=64, blocks=8, warps_per_block=4, unroll=2,
-                   expert_alignment=16 if op in EXPERT_OPS else 0)
+                   expert_alignment=16 if op in EXPERT_OPS else 0, ll_tokens=32 if op.low_latency else 0)
     return s, render(s).text
 
 
@@ -101,7 +101,7 @@ def test_signal_words_are_the_table(case):
 
 def test_signal_words_do_not_overlap_for_the_widest_wave():
     widest = max(traits(a).wave_size for a in ARCHES)
-    spans = sorted((s.index, s.index + (widest if s.per_peer else 1), s.name) for s in abi.SIGNALS)
+    spans = sorted((s.index, s.index + (widest if s.per_peer else s.slots * s.width), s.name) for s in abi.SIGNALS)
     for (_, end, name), (start, _, nxt) in zip(spans, spans[1:]):
         assert end <= start, f"signal {name} runs into {nxt}"
     assert spans[-1][1] <= abi.SIGNAL_WORDS
@@ -186,6 +186,8 @@ def test_no_signal_word_is_written_with_a_plain_store(case):
     assert not re.findall(r"ep_signals\([^)]*\)\s*\[[^\]]*\]\s*=(?!=)", body)
     if spec.op in (Op.DISPATCH, Op.COMBINE, Op.EXPAND_PLAN):  # the kernels with counters to reset
         assert "ep_store_relaxed_system(sig + kSig" in body
+    if spec.op in (Op.DISPATCH_LL, Op.DISPATCH_LL_RECV):  # publish num_recv as the normal dispatch does
+        assert "ep_store_relaxed_system(sig + kSigNumRecv" in body
 
 
 def test_wide_signal_flags_are_8_byte_aligned():

@@ -17,7 +17,10 @@ import epgen.codegen
 from epgen.codegen.arch import ARCH_TRAITS, ARCHES, traits
 from epgen.codegen.dtypes import DTYPES
 from epgen.codegen.models import MODELS
-from epgen.codegen.spec import ALIGN, MAX_TOKENS_LIMIT, PLAN_BLOCKS, SIGNAL_WORDS, ArenaLayout, KernelSpec, Op
+from epgen.codegen.abi import LL_FLAG_SLOTS
+from epgen.codegen.errors import FieldError
+from epgen.codegen.spec import (ALIGN, EXPERT_OPS, LOW_LATENCY_OPS, MAX_TOKENS_LIMIT, PLAN_BLOCKS, SIGNAL_WORDS,
+                                TRANSPORT_OPS, ArenaLayout, KernelSpec, Op)
 from epgen.codegen.config import EpConfig, Geometry
 
 FIELDS = [f.name for f in attrs.fields(KernelSpec)]
@@ -224,12 +227,17 @@ def test_derived_values(arch, i):
 
 REGIONS = ["signals", "send_slot", "send_pos", "recv_src", "recv_weights", "recv_indices", "recv_scales", "combine_in",
            "combine_wire", "slot_row", "expert_counts", "expert_offsets", "expert_weights", "expert_src",
-           "expert_block_base", "expert_scales", "expert_y", "recv_x", "expert_x"]
+           "expert_block_base", "expert_scales", "expert_y", "ll_calls", "ll_combine_stage", "recv_x", "expert_x",
+           "ll_dispatch_stage"]
+SHARED_REGIONS = REGIONS[: REGIONS.index("recv_x") + 1]
+"""The regions before the payload-sized ones: every spec of one config places them alike."""
 
 
 def _documented_sizes(s: KernelSpec) -> dict[str, int]:
     """Region sizes as ArenaLayout's docstring states them."""
-    cap, tmax, w = s.capacity_rows, s.max_tokens_per_rank, s.world_size
+    cap, tmax, w, t_ll = s.capacity_rows, s.max_tokens_per_rank, s.world_size, s.ll_tokens
+    stage_row = -(-(s.quant.wire_row_bytes(s.hidden) if s.quant.quantized else s.hidden * 2) // 16) * 16
+    meta = -(-(8 + 8 * s.topk + s.scale_bytes) // 16) * 16  # (source rank, token), K weights, K ids, S bytes
     return {
         "signals": SIGNAL_WORDS * 4,
         "send_slot": tmax * w * 4,
@@ -250,6 +258,9 @@ def _documented_sizes(s: KernelSpec) -> dict[str, int]:
         "expert_y": s.expert_rows * s.hidden * 2,
         "recv_x": cap * s.row_bytes if s.op.payload else 0,
         "expert_x": s.expert_rows * s.row_bytes if s.op.payload else 0,
+        "ll_calls": 4 * LL_FLAG_SLOTS * 4 if t_ll else 0,
+        "ll_combine_stage": 2 * w * t_ll * stage_row,
+        "ll_dispatch_stage": 2 * w * t_ll * (s.row_bytes + meta) if s.op.payload else 0,
     }
 
 
@@ -260,11 +271,13 @@ def test_arena_layout_regions_in_docstring_order():
     assert [f.name for f in attrs.fields(ArenaLayout)][: len(REGIONS)] == REGIONS
 
 
+@pytest.mark.parametrize("ll", [0, 37], ids=["normal", "ll"])
 @pytest.mark.parametrize("expert", [0, 16], ids=["rank", "expert"])
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 @pytest.mark.parametrize("shape", SHAPES, ids=range(len(SHAPES)))
-def test_layout_aligned_monotonic_non_overlapping(op, shape, expert):
+def test_layout_aligned_monotonic_non_overlapping(op, shape, expert, ll):
     s = spec(op=op, **shape).replace(expert_alignment=expert)
+    s = s.replace(ll_tokens=min(ll, s.max_tokens_per_rank))
     lay = s.layout
     sizes = _documented_sizes(s)
     offs = [getattr(lay, r) for r in REGIONS]
@@ -279,7 +292,19 @@ def test_layout_aligned_monotonic_non_overlapping(op, shape, expert):
         assert getattr(lay, b) - end < ALIGN, f"gap after {a} larger than the alignment"
     if s.scale_bytes == 0:
         assert lay.recv_scales == lay.combine_in, "recv_scales is absent when S = 0"
-    end = lay.expert_x + sizes["expert_x"]
+    if not s.ll_tokens:
+        assert lay.ll_calls == lay.ll_combine_stage == lay.recv_x, "the low-latency regions are absent at T_ll = 0"
+        assert lay.ll_dispatch_stage == lay.total_bytes
+    else:  # the combine stage's rows as the kernels index them; the dispatch stage's records
+        assert 2 * s.world_size * s.ll_tokens * lay.ll_stage_row_bytes == sizes["ll_combine_stage"]
+        assert lay.ll_stage_row_bytes % 16 == 0
+        if s.op.payload:
+            assert lay.ll_record_bytes == s.row_bytes + lay.ll_meta_bytes and lay.ll_record_bytes % 16 == 0
+            assert lay.ll_meta_bytes >= 8 + 8 * s.topk + s.scale_bytes
+        else:
+            assert lay.ll_record_bytes == lay.ll_meta_bytes == 0, "combine specs know no payload rows"
+    end = lay.ll_dispatch_stage + sizes["ll_dispatch_stage"]
+    assert end == lay.ll_dispatch_stage + 2 * s.world_size * s.ll_tokens * lay.ll_record_bytes
     assert lay.total_bytes % ALIGN == 0
     assert end <= lay.total_bytes < end + ALIGN
 
@@ -294,18 +319,29 @@ def test_dispatch_and_combine_share_layout(arch):
         EpConfig(world_size=1, hidden=8, topk=1, num_experts=1, max_tokens_per_rank=1, scale_bytes=1),
         EpConfig(world_size=4, hidden=256, topk=6, num_experts=12, max_tokens_per_rank=40, scale_bytes=8, dtype="fp8",
                  layout="expert", expert_alignment=16, max_recv_tokens=100),
+        EpConfig(world_size=8, hidden=2880, topk=4, num_experts=32, max_tokens_per_rank=300, kernel_family="normal"),
+        EpConfig(world_size=8, hidden=2880, topk=4, num_experts=32, max_tokens_per_rank=300, dtype="fp8",
+                 scale_bytes=24, kernel_family="low_latency", combine_quant="fp8_blockwise"),
+        EpConfig(world_size=2, hidden=256, topk=2, num_experts=4, max_tokens_per_rank=64, layout="expert",
+                 kernel_family="low_latency"),
     ]
     for cfg in configs:
-        d, c, *local = cfg.kernel_specs(arch)
-        assert d.op is Op.DISPATCH and c.op is Op.COMBINE and [s.op for s in local] == list(cfg.ops[2:])
+        specs = dict(zip(cfg.ops, cfg.kernel_specs(arch)))
+        assert [s.op for s in specs.values()] == list(cfg.ops)
+        payload = [s for s in specs.values() if s.op.payload]  # the dispatch kernels, expand_plan, expand
+        local = [s for s in specs.values() if not s.op.payload]  # the combine kernels, fold
+        d, c = payload[0], local[0]
+        assert d.op in (Op.DISPATCH, Op.DISPATCH_LL) and c.op in (Op.COMBINE, Op.COMBINE_LL)
         dl, cl = d.layout, c.layout
-        for r in REGIONS[:-1]:  # every region but expert_x, which follows the payload rows
-            assert all(getattr(dl, r) == getattr(s.layout, r) for s in (c, *local)), r
-        for s in local:  # expand_plan and expand share the payload's row size with dispatch
-            assert s.layout == dl if s.op.payload else s.layout == cl
+        assert all(s.layout == dl for s in payload) and all(s.layout == cl for s in local)
+        for r in SHARED_REGIONS:  # every region before the payload-sized ones (expert_x, ll_dispatch_stage)
+            assert getattr(dl, r) == getattr(cl, r), r
+        assert dl.ll_tokens == cl.ll_tokens == cfg.low_latency_tokens(arch)
+        assert dl.ll_stage_row_bytes == cl.ll_stage_row_bytes
         assert dl.capacity_rows == cl.capacity_rows == (cfg.max_recv_tokens or cfg.world_size * cfg.max_tokens_per_rank)
-        # only the payload ops' total includes recv_x and expert_x
+        # only the payload ops' total includes recv_x, expert_x and the low-latency dispatch stage
         assert dl.total_bytes >= dl.recv_x + dl.capacity_rows * d.row_bytes > dl.recv_x
+        assert dl.total_bytes >= dl.ll_dispatch_stage + 2 * cfg.world_size * dl.ll_tokens * (d.row_bytes + dl.ll_meta_bytes)
         assert cl.total_bytes == cl.recv_x
         assert cl.total_bytes < dl.total_bytes
 
@@ -332,6 +368,7 @@ VARIANTS = {
     "combine_quant": ["none", "fp4_blockwise"],
     "recv_tokens": [0, 100],
     "expert_alignment": [0, 16],
+    "ll_tokens": [0, 64],
 }
 
 
@@ -353,6 +390,7 @@ def test_names_are_c_identifiers_and_unique_over_product():
 ONE_FIELD_CHANGES = {
     "op": "combine", "arch": "gfx1250", "hidden": 2048, "topk": 4, "experts_per_rank": 16, "world_size": 4,
     "max_tokens_per_rank": 128, "scale_bytes": 16, "blocks": 31, "warps_per_block": 8, "unroll": 2,
+    "ll_tokens": 128,
 }
 
 
@@ -403,12 +441,14 @@ def _name_tokens(s: KernelSpec) -> dict[str, str]:
         toks["recv_tokens"] = f"_r{s.recv_tokens}_"
     if s.expert_alignment:
         toks["expert_alignment"] = f"_a{s.expert_alignment}_"
+    if s.ll_tokens:
+        toks["ll_tokens"] = f"_ll{s.ll_tokens}_"
     return toks
 
 
 def test_name_contains_every_field():
     for s in (spec(scale_bytes=16, blocks=7, warps_per_block=3, unroll=5, combine_quant="fp8_blockwise",
-                   recv_tokens=9, expert_alignment=64),
+                   recv_tokens=9, expert_alignment=64, ll_tokens=12),
               spec(op="combine", arch="sm_90")):
         n = s.name
         assert n.startswith("epgen_")
@@ -417,11 +457,12 @@ def test_name_contains_every_field():
             assert tok in n + "_", f"{field}: {tok!r} not in {n!r}"
         optional = ({"scale_bytes"} if not s.scale_bytes else set()) | ({"combine_quant"} if not s.quant.quantized else set())
         optional |= ({"recv_tokens"} if not s.recv_tokens else set()) | ({"expert_alignment"} if not s.expert_alignment else set())
+        optional |= {"ll_tokens"} if not s.ll_tokens else set()
         assert set(toks) | optional == set(FIELDS)
 
 
 def test_name_fields_in_declaration_order():
-    s = spec(scale_bytes=16, blocks=7, warps_per_block=3, unroll=5, recv_tokens=9, expert_alignment=4)
+    s = spec(scale_bytes=16, blocks=7, warps_per_block=3, unroll=5, recv_tokens=9, expert_alignment=4, ll_tokens=3)
     n = s.name + "_"
     toks = _name_tokens(s)
     order = sorted(toks, key=lambda f: n.index(toks[f]))
@@ -471,20 +512,30 @@ def test_config_builds_and_derives():
     c = cfg()
     assert c.experts_per_rank == 32
     for arch in ARCHES:
-        d, k = c.kernel_specs(arch)
-        for s in (d, k):
+        specs = c.kernel_specs(arch)
+        assert [s.op for s in specs] == list(c.ops)
+        for s in specs:
             assert s.arch == arch
             assert (s.hidden, s.topk, s.world_size, s.max_tokens_per_rank) == (7168, 8, 8, 4096)
             assert s.experts_per_rank == 32 and s.num_experts == 256
-        assert d.dtype == c.dtype and k.dtype == "bf16"
+            assert s.dtype == (c.dtype if s.op.payload else "bf16")
+            assert s.ll_tokens == c.low_latency_tokens(arch)
 
 
 def test_config_geometry_reaches_specs():
     c = cfg(dispatch_geometry=Geometry(blocks=8, warps_per_block=4, unroll=2),
             combine_geometry=Geometry(blocks=64, warps_per_block=8, unroll=8), scale_bytes=32)
-    d, k = c.kernel_specs("gfx950")
+    specs = {s.op: s for s in c.kernel_specs("gfx950")}
+    d, k = specs[Op.DISPATCH], specs[Op.COMBINE]
     assert (d.blocks, d.warps_per_block, d.unroll, d.scale_bytes) == (8, 4, 2, 32)
     assert (k.blocks, k.warps_per_block, k.unroll, k.scale_bytes) == (64, 8, 8, 32)
+    ll = c.geometry("gfx950", Op.DISPATCH_LL_SEND, 1)  # the low-latency halves take their own geometry
+    for op in LOW_LATENCY_OPS:
+        assert (specs[op].blocks, specs[op].warps_per_block, specs[op].unroll) == (ll.blocks, ll.warps_per_block, ll.unroll)
+        assert specs[op].scale_bytes == 32
+    specs = {s.op: s for s in cfg(low_latency_geometry=Geometry(blocks=16, warps_per_block=2, unroll=1)).kernel_specs("gfx950")}
+    for op in LOW_LATENCY_OPS:
+        assert (specs[op].blocks, specs[op].warps_per_block, specs[op].unroll) == (16, 2, 1)
 
 
 BAD_CONFIGS = [
@@ -571,8 +622,9 @@ def test_every_catalogue_model_builds(name):
         assert c.experts_per_rank * w == m.num_experts
         assert c.experts_per_rank == m.num_experts // w
         for arch in ARCHES:
-            d, k = c.kernel_specs(arch)
-            assert d.num_experts == k.num_experts == m.num_experts
+            specs = c.kernel_specs(arch)
+            assert [s.op for s in specs] == list(c.ops)
+            assert all(s.num_experts == m.num_experts for s in specs)
 
 
 def test_for_model_passes_keywords():
@@ -619,3 +671,117 @@ def test_the_expert_layout_refuses_more_local_experts_than_expand_counts():
     with pytest.raises(ValueError, match=r"experts_per_rank=6144: .* more than 49152; at most 6143 local experts"):
         EpConfig(world_size=1, hidden=256, topk=2, num_experts=6144, max_tokens_per_rank=8, layout="expert")
     EpConfig(world_size=1, hidden=256, topk=2, num_experts=60000, max_tokens_per_rank=8)  # the rank layout has no limit
+
+
+# --------------------------------------------------------------------------------------------------
+# The low-latency family: KernelSpec.ll_tokens, its flag limit, EpConfig.kernel_family
+# --------------------------------------------------------------------------------------------------
+
+LL = dict(op="dispatch_ll_send", world_size=8, blocks=32, warps_per_block=8, max_tokens_per_rank=256, ll_tokens=128)
+
+
+@pytest.mark.parametrize("op", [op.value for op in LOW_LATENCY_OPS])
+def test_a_low_latency_op_needs_ll_tokens(op):
+    _raises(["KernelSpec.ll_tokens=0", repr(op), "low-latency", "ll_tokens >= 1"], **{**LL, "op": op, "ll_tokens": 0})
+    assert spec(**{**LL, "op": op}).ll_tokens == 128
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine", "dispatch_ll", "combine_ll_recv"])
+def test_ll_tokens_at_most_max_tokens_and_65535(op):
+    _raises(["KernelSpec.ll_tokens=257", "at most max_tokens_per_rank = 256"], **{**LL, "op": op, "ll_tokens": 257})
+    _raises(["KernelSpec.ll_tokens=65536", "[0, 65535]"],
+            **{**LL, "op": op, "max_tokens_per_rank": 70000, "ll_tokens": 65536})
+    _raises(["KernelSpec.ll_tokens=-1", "[0, 65535]"], **{**LL, "op": op, "ll_tokens": -1})
+    _raises(["KernelSpec.ll_tokens=8.0", "must be an int"], **{**LL, "op": op, "ll_tokens": 8.0})
+    assert spec(**{**LL, "op": op, "max_tokens_per_rank": 70000, "ll_tokens": 65535, "blocks": 128}).ll_tokens == 65535
+
+
+def test_the_low_latency_dispatch_positions_fit_in_shared_memory():
+    # ceil(T_ll / blocks) x W int32 positions a block: 65535 tokens over 32 blocks at W = 8 is 64 KiB
+    big = {**LL, "max_tokens_per_rank": 65535, "ll_tokens": 65535}
+    for op in ("dispatch_ll", "dispatch_ll_send"):
+        _raises(["KernelSpec.blocks=32", "= 65536 bytes, more than 49152", "use more blocks or fewer ll_tokens"],
+                **{**big, "op": op})
+        assert spec(**{**big, "op": op, "blocks": 128}).ll_shared_bytes == 512 * 8 * 4
+    for op in ("dispatch_ll_recv", "combine_ll", "combine_ll_send", "combine_ll_recv", "dispatch"):
+        assert spec(**{**big, "op": op}).blocks == 32  # they keep no positions
+
+
+@pytest.mark.parametrize("op", [op.value for op in LOW_LATENCY_OPS])
+def test_low_latency_flags_hold_world_size_x_blocks_at_most_1024(op):
+    assert spec(**{**LL, "op": op, "blocks": 128}).blocks == 128  # 8 x 128 = LL_FLAG_SLOTS
+    msg = _raises(["KernelSpec.blocks=129", "world_size x blocks = 1032", f"at most {LL_FLAG_SLOTS}",
+                   "at most 128 blocks"], **{**LL, "op": op, "blocks": 129})
+    assert msg.startswith("KernelSpec.blocks=129")
+    _raises(["KernelSpec.blocks=17", "world_size x blocks = 1088"], **{**LL, "op": op, "world_size": 64, "blocks": 17})
+    assert spec(**{**LL, "op": "dispatch", "blocks": 129}).blocks == 129  # the normal family has no such flags
+
+
+def test_the_field_named_by_a_low_latency_error():
+    with pytest.raises(FieldError) as e:
+        spec(**{**LL, "blocks": 200})
+    assert e.value.field == "blocks"
+    with pytest.raises(FieldError) as e:
+        spec(**{**LL, "ll_tokens": 0})
+    assert e.value.field == "ll_tokens"
+
+
+def test_op_templates_and_families():
+    assert [op.template for op in LOW_LATENCY_OPS] == ["dispatch_ll"] * 3 + ["combine_ll"] * 3
+    assert all(op.low_latency and op.remote for op in LOW_LATENCY_OPS)
+    assert [op.transport for op in LOW_LATENCY_OPS] == [Op.DISPATCH] * 3 + [Op.COMBINE] * 3
+    assert [op.payload for op in LOW_LATENCY_OPS] == [True] * 3 + [False] * 3
+    assert not any(op.low_latency for op in Op if op not in LOW_LATENCY_OPS)
+    assert all(op.template == op.value and op.transport is op for op in Op if op not in LOW_LATENCY_OPS)
+
+
+@pytest.mark.parametrize("value", ["fast", "", "Normal", None, 1, ("auto",)])
+def test_kernel_family_must_be_one_of_three(value):
+    with pytest.raises(ValueError) as info:
+        cfg(kernel_family=value)
+    msg = str(info.value)
+    assert msg.startswith(f"EpConfig.kernel_family={value!r}: must be one of auto, normal, low_latency"), msg
+
+
+def test_the_low_latency_family_holds_at_most_65535_tokens_a_rank():
+    c = EpConfig(world_size=2, hidden=256, topk=2, num_experts=4, max_tokens_per_rank=65535, kernel_family="low_latency")
+    assert c.low_latency_tokens("gfx950") == 65535
+    with pytest.raises(ValueError, match=r"^EpConfig.max_tokens_per_rank=65536: kernel_family='low_latency' holds at "
+                                         r"most 65535 tokens a rank \(use 'auto' or 'normal'\)"):
+        EpConfig(world_size=2, hidden=256, topk=2, num_experts=4, max_tokens_per_rank=65536, kernel_family="low_latency")
+    for family in ("auto", "normal"):  # auto caps T_ll instead
+        c = EpConfig(world_size=2, hidden=256, topk=2, num_experts=4, max_tokens_per_rank=65536, kernel_family=family)
+        assert c.low_latency_tokens("gfx950") == (0 if family == "normal" else 128)
+
+
+@pytest.mark.parametrize("value", ["64x8u2", (64, 8, 2), 64])
+def test_low_latency_geometry_must_be_a_geometry(value):
+    with pytest.raises(ValueError, match=rf"^EpConfig.low_latency_geometry={re.escape(repr(value))}: must be None "
+                                         r"\(tuning table\) or an epgen.codegen.tuning.Geometry"):
+        cfg(low_latency_geometry=value)
+
+
+def test_an_explicit_low_latency_geometry_is_not_clamped_but_refused():
+    with pytest.raises(ValueError, match=r"^KernelSpec.blocks=129: the low-latency family raises one flag per"):
+        cfg(low_latency_geometry=Geometry(blocks=129, warps_per_block=8, unroll=2))  # W = 8: at most 128
+    assert cfg(low_latency_geometry=Geometry(blocks=129, warps_per_block=8, unroll=2),
+               kernel_family="normal").ops == (Op.DISPATCH, Op.COMBINE)  # no low-latency kernel: nothing refused
+    assert cfg(low_latency_geometry=Geometry(blocks=128, warps_per_block=8, unroll=2)).geometry(
+        "sm_90", Op.COMBINE_LL, 1).blocks == 128
+
+
+@pytest.mark.parametrize("family,layout,ops", [
+    ("auto", "rank", TRANSPORT_OPS + LOW_LATENCY_OPS),
+    ("normal", "rank", TRANSPORT_OPS),
+    ("low_latency", "rank", LOW_LATENCY_OPS),
+    ("auto", "expert", TRANSPORT_OPS + LOW_LATENCY_OPS + EXPERT_OPS),
+    ("normal", "expert", TRANSPORT_OPS + EXPERT_OPS),
+    ("low_latency", "expert", LOW_LATENCY_OPS + EXPERT_OPS),
+])
+def test_config_ops_per_family(family, layout, ops):
+    c = cfg(kernel_family=family, layout=layout, max_tokens_per_rank=512)
+    assert c.ops == ops
+    assert [s.op for s in c.kernel_specs("gfx950")] == list(ops)
+    want = {"normal": 0, "low_latency": 512, "auto": 128}[family]  # auto: tuning.LOW_LATENCY_MAX_TOKENS
+    assert c.low_latency_tokens("gfx950") == want
+    assert all(s.ll_tokens == want for s in c.kernel_specs("gfx950"))  # every spec of the layer: one arena layout

@@ -40,9 +40,11 @@ def test_write_entry_replaces_and_records_provenance(table_dir):
 def test_explicit_geometry_overrides_table():
     geo = Geometry(7, 4, 2)
     cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096, dispatch_geometry=geo)
-    d, c = cfg.kernel_specs("sm_90", tokens=4096)
+    specs = {s.op: s for s in cfg.kernel_specs("sm_90", tokens=4096)}
+    d = specs.pop(Op.DISPATCH)
     assert (d.blocks, d.warps_per_block, d.unroll) == (7, 4, 2)
-    assert (c.blocks, c.warps_per_block, c.unroll) != (7, 4, 2)
+    for s in specs.values():  # combine and the low-latency halves keep theirs
+        assert (s.blocks, s.warps_per_block, s.unroll) != (7, 4, 2), s.op
 
 
 def test_variants_are_the_buckets_an_op_compiles(table_dir):
@@ -77,11 +79,14 @@ def test_pick_fewest_blocks_within_three_percent():
 def test_shipped_tables_are_valid(arch):
     for key, rows in tuning._table(arch).items():
         assert rows, key
+        op = next(op for op in Op if op.template == key.op)  # a low-latency entry: its sending half
+        assert not op.low_latency or len(rows) == 1, f"{key}: a low-latency entry has one bucket, its threshold"
         for max_tokens, geo in rows:
             assert max_tokens >= 1
-            KernelSpec(op=Op(key.op), arch=arch, dtype=key.dtype, world_size=key.world_size,
+            KernelSpec(op=op, arch=arch, dtype=key.dtype, world_size=key.world_size,
                        hidden=key.row_bytes // 2, topk=key.topk, experts_per_rank=1, max_tokens_per_rank=max_tokens,
-                       blocks=geo.blocks, warps_per_block=geo.warps_per_block, unroll=geo.unroll)
+                       blocks=geo.blocks, warps_per_block=geo.warps_per_block, unroll=geo.unroll,
+                       ll_tokens=max_tokens if op.low_latency else 0)
     path = tuning.TABLE_DIR / f"{arch}.json"
     if path.exists():
         assert all(e["provenance"] for e in json.loads(path.read_text())["entries"])
@@ -108,10 +113,59 @@ def test_a_low_latency_threshold_of_0_builds_no_low_latency_kernels_for_auto(tab
         tuning.write_entry(cfg.tuning_key("sm_90", op), [(0, Geometry(16, 16, 2))], "test", {})
     assert cfg.low_latency_tokens("sm_90") == 0
     assert [s.op for s in cfg.kernel_specs("sm_90")] == [Op.DISPATCH, Op.COMBINE]
-    assert [cfg.variants("sm_90", op) for op in LOW_LATENCY_OPS] == [()] * 4
+    assert [cfg.variants("sm_90", op) for op in LOW_LATENCY_OPS] == [()] * len(LOW_LATENCY_OPS)
     assert cfg.low_latency_tokens("gfx950") == tuning.LOW_LATENCY_MAX_TOKENS  # no entry there: the default
-    assert [s.ll_tokens for s in cfg.kernel_specs("gfx950")] == [tuning.LOW_LATENCY_MAX_TOKENS] * 6
+    assert [s.ll_tokens for s in cfg.kernel_specs("gfx950")] == [tuning.LOW_LATENCY_MAX_TOKENS] * len(cfg.ops)
     ll = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096, kernel_family="low_latency")
     specs = ll.kernel_specs("sm_90")
     assert [s.op for s in specs] == list(LOW_LATENCY_OPS)
     assert {(s.blocks, s.warps_per_block, s.unroll, s.ll_tokens) for s in specs} == {(16, 16, 2, 4096)}
+
+
+def _ll_key(cfg: EpConfig, arch: str, op: Op) -> TuningKey:
+    key = cfg.tuning_key(arch, op)
+    assert key.op == op.template  # both halves (and the whole op) share their template's entry
+    return key
+
+
+def test_low_latency_tokens_per_family_and_from_the_table(table_dir):
+    base = dict(world_size=4, hidden=2048, topk=4, num_experts=16, max_tokens_per_rank=1000)
+    auto = EpConfig(**base)
+    for arch in ARCHES:  # no entry: tuning.LOW_LATENCY_MAX_TOKENS
+        assert auto.low_latency_tokens(arch) == tuning.LOW_LATENCY_MAX_TOKENS == 128
+    assert EpConfig(**base, kernel_family="normal").low_latency_tokens("sm_90") == 0
+    assert EpConfig(**base, kernel_family="low_latency").low_latency_tokens("sm_90") == 1000
+    assert EpConfig(**{**base, "max_tokens_per_rank": 50}).low_latency_tokens("sm_90") == 50  # auto: at most Tmax
+
+    tuning.write_entry(_ll_key(auto, "sm_90", Op.DISPATCH_LL_SEND), [(96, Geometry(16, 8, 2))], "test", {})
+    assert _ll_key(auto, "sm_90", Op.DISPATCH_LL_RECV).op == "dispatch_ll"
+    assert auto.low_latency_tokens("sm_90") == 96  # the dispatch entry's bucket; combine's default 128
+    assert auto.low_latency_tokens("gfx950") == 128  # another arch's table
+    tuning.write_entry(_ll_key(auto, "sm_90", Op.COMBINE_LL), [(40, Geometry(8, 4, 1))], "test", {})
+    assert auto.low_latency_tokens("sm_90") == 40  # the smaller of the two
+    specs = {s.op: s for s in auto.kernel_specs("sm_90")}
+    assert {s.ll_tokens for s in specs.values()} == {40}
+    for op in (Op.DISPATCH_LL, Op.DISPATCH_LL_SEND, Op.DISPATCH_LL_RECV):
+        assert (specs[op].blocks, specs[op].warps_per_block, specs[op].unroll) == (16, 8, 2)
+    for op in (Op.COMBINE_LL, Op.COMBINE_LL_SEND, Op.COMBINE_LL_RECV):
+        assert (specs[op].blocks, specs[op].warps_per_block, specs[op].unroll) == (8, 4, 1)
+    assert [t for t, _ in auto.variants("sm_90", Op.DISPATCH_LL_SEND)] == [1000]  # one variant, whatever T
+    assert EpConfig(**base, kernel_family="low_latency").low_latency_tokens("sm_90") == 1000  # the table: auto only
+    explicit = EpConfig(**base, low_latency_geometry=Geometry(4, 2, 1))
+    assert {(s.blocks, s.warps_per_block, s.unroll) for s in explicit.kernel_specs("sm_90") if s.op.low_latency} \
+        == {(4, 2, 1)}
+
+
+def test_the_table_geometry_of_a_low_latency_op_is_clamped_to_its_flags(table_dir):
+    """W x blocks <= abi.LL_FLAG_SLOTS: a table or default geometry takes at most 1024 // W blocks."""
+    from epgen.codegen.abi import LL_FLAG_SLOTS
+
+    wide = EpConfig(world_size=64, hidden=2048, topk=4, num_experts=64, max_tokens_per_rank=64)  # wave 64: gfx950
+    default_blocks = tuning.low_latency_default("gfx950")[1].blocks
+    assert default_blocks * 64 > LL_FLAG_SLOTS
+    assert {s.blocks for s in wide.kernel_specs("gfx950") if s.op.low_latency} == {LL_FLAG_SLOTS // 64}
+    cfg = EpConfig(world_size=8, hidden=2048, topk=4, num_experts=16, max_tokens_per_rank=64)
+    tuning.write_entry(_ll_key(cfg, "gfx950", Op.COMBINE_LL_SEND), [(64, Geometry(300, 4, 2))], "test", {})
+    assert cfg.geometry("gfx950", Op.COMBINE_LL_RECV, 1) == Geometry(128, 4, 2)
+    assert cfg.geometry("gfx950", Op.DISPATCH_LL, 1).blocks == min(default_blocks, 128)
+
