@@ -130,7 +130,9 @@ def resource_table(report_rows: list[dict], title: str):
     columns = [(head, key) for head, key in columns if head not in {h for h, _, _ in shared}]
     errors = any(r["status"] not in ("ok", "scratch/spill") for r in report_rows)  # compile errors wrap
     for c, _ in columns:
-        wraps = c == "variant" or c == "status" and errors  # the rest stay one word a cell
+        # the rest stay one word a cell; a long op name (dispatch_ll_send) folds where the columns of
+        # a spilling row leave the variant too little room at 80 columns
+        wraps = c in ("variant", "op") or c == "status" and errors
         t.add_column(c, overflow="fold", no_wrap=not wraps, justify="right" if c in _NUMBERS else "left")
     for r, label in zip(report_rows, labels):
         cells = []

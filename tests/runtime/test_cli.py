@@ -10,6 +10,10 @@ import sys
 import pytest
 
 from epgen.cli import main
+from epgen.codegen.spec import LOW_LATENCY_OPS, TRANSPORT_OPS
+
+OPS = [op.value for op in TRANSPORT_OPS + LOW_LATENCY_OPS]
+"""The kernels of one rank-layout shape (EpConfig's default kernel_family "auto": both families), in order."""
 
 
 def run(*argv):
@@ -30,16 +34,16 @@ def test_generate_check_passes_on_repo():
 def test_generate_one_model(tmp_path):
     assert main(["generate", "--model", "gpt-oss-120b", "--arch", "sm_90", "-o", str(tmp_path), "--quiet"]) == 0
     files = sorted(p.name for p in (tmp_path / "sm_90").iterdir())
-    assert len(files) == 2 and all(f.endswith(".cu") and "_h2880_k4_" in f for f in files)
+    assert len(files) == len(OPS) and all(f.endswith(".cu") and "_h2880_k4_" in f for f in files)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert {s["spec"]["op"] for s in manifest["sources"]} == {"dispatch", "combine"}
+    assert [s["spec"]["op"] for s in manifest["sources"]] == OPS
 
 
 def test_generate_the_expert_layout_with_a_receive_cap(tmp_path):
     assert main(["generate", "--model", "gpt-oss-120b", "--layout", "expert", "--expert-alignment", "16",
                  "--max-recv-tokens", "5000", "--arch", "sm_90", "-o", str(tmp_path), "--quiet"]) == 0
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert [s["spec"]["op"] for s in manifest["sources"]] == ["dispatch", "combine", "expand_plan", "expand", "fold"]
+    assert [s["spec"]["op"] for s in manifest["sources"]] == OPS + ["expand_plan", "expand", "fold"]
     assert all(s["spec"]["recv_tokens"] == 5000 and s["spec"]["expert_alignment"] == 16 for s in manifest["sources"])
 
 
@@ -80,7 +84,7 @@ def test_check_one_model_json():
     r = run("check", "--model", "mixtral-8x7b", "--json")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
-    assert len(rows) == 6 and all(row["status"] == "ok" for row in rows)
+    assert len(rows) == 3 * len(OPS) and all(row["status"] == "ok" for row in rows)
 
 
 def test_demo_without_gpu_says_so():
@@ -103,7 +107,7 @@ def test_report_json_has_occupancy_per_arch():
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
     assert {(x["arch"], x["op"]) for x in rows} == {(a, o) for a in ("gfx950", "gfx1250", "sm_90")
-                                                   for o in ("dispatch", "combine")}
+                                                   for o in OPS}
     assert all(x["status"] == "ok" and x["occupancy"] >= 1 for x in rows)
     units = {x["arch"]: x["occupancy_unit"] for x in rows}
     assert units == {"gfx950": "waves/SIMD", "gfx1250": "waves/SIMD", "sm_90": "blocks/SM"}
@@ -264,8 +268,8 @@ def test_list_models_and_diff_print_json(capsys):
     assert main(["diff", "--model", "deepseek-v3", "--arch", "sm_90", "--a", "unroll=2", "--b", "unroll=8",
                  "--json"]) == 1
     chunks = json.loads(capsys.readouterr().out)
-    assert [c["variant"] for c in chunks] == ["dispatch sm_90", "combine sm_90"]
-    assert all("+constexpr int kUnroll = 8;" in c["diff"] and c["a"].endswith("_u2") for c in chunks)
+    assert [c["variant"] for c in chunks] == [f"{op} sm_90" for op in OPS]
+    assert all("+constexpr int kUnroll = 8;" in c["diff"] and re.search(r"_u2(_ll\d+)?$", c["a"]) for c in chunks)
 
 
 def test_missing_compiler_hint_keeps_its_brackets_and_pins(monkeypatch, capsys):
@@ -305,7 +309,8 @@ def test_report_rows_use_null_and_tables_read_at_80_and_120_columns(capsys):
         text = console.export_text()
         assert "…" not in text and all(len(line) <= width for line in text.splitlines())
         lines = [line for line in text.splitlines() if line.startswith("sm_90 ")]
-        assert [line.split()[1:4] for line in lines] == [["dispatch", "bf16", "24x32u4"], ["combine", "bf16", "24x32u4"]]
+        assert [line.split()[1:4] for line in lines] == [["dispatch", "bf16", "24x32u4"], ["combine", "bf16", "24x32u4"]] + [
+            [op, "bf16", "64x8u4"] for op in OPS[2:]]  # the low-latency default, tuning.LOW_LATENCY_GEOMETRY
         assert "every row: w8 h4096 k2 l1 t4096" in text
 
 
@@ -561,17 +566,18 @@ def test_generate_leaves_files_it_did_not_write(tmp_path, capsys):
     (ours / "sm_90" / "epgen_mine.txt").write_text("not a source")
     assert main(["generate", "--model", "gpt-oss-120b", "--arch", "sm_90", "-o", str(ours), "--quiet"]) == 0
     names = sorted(p.name for p in (ours / "sm_90").iterdir())
-    assert len(names) == 3 and "epgen_mine.txt" in names and all("_h2880_" in n for n in names if n.endswith(".cu"))
+    assert len(names) == len(OPS) + 1 and "epgen_mine.txt" in names
+    assert all("_h2880_" in n for n in names if n.endswith(".cu"))
 
 
 def test_a_repeated_arch_counts_once(tmp_path, capsys):
     assert _generate(tmp_path, "--arch", "sm_90") == 0
-    assert len(json.loads((tmp_path / "manifest.json").read_text())["sources"]) == 2
+    assert len(json.loads((tmp_path / "manifest.json").read_text())["sources"]) == len(OPS)
     from epgen.codegen.offline import toolchain_status
 
     if not toolchain_status("sm_90"):
         assert main(["check", "--model", "mixtral-8x7b", "--arch", "sm_90", "--arch", "sm_90", "--json"]) == 0
-        assert len(json.loads(capsys.readouterr().out)) == 2
+        assert len(json.loads(capsys.readouterr().out)) == len(OPS)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -589,7 +595,7 @@ def test_errors_of_derived_values_name_the_flag_given(argv, message, capsys):
 
 def test_scale_bytes_reach_check_report_and_generate(tmp_path, capsys):
     assert _generate(tmp_path, "--scale-bytes", "16") == 0
-    assert all(p.name.endswith("_s16.cu") for p in (tmp_path / "sm_90").iterdir())
+    assert all(re.search(r"_s16(_ll\d+)?\.cu$", p.name) for p in (tmp_path / "sm_90").iterdir())
     from epgen.codegen.offline import toolchain_status
 
     if not toolchain_status("sm_90"):
@@ -719,7 +725,7 @@ def test_build_table_honours_the_console_width(width, capsys, monkeypatch, tmp_p
     assert lines[head].split() == ["arch", "entry", "key", "bytes", "compile", "s", "status"]
     entries = "".join(line.split()[1] if line.startswith(("gfx", "sm_")) else line.split()[0]
                       for line in lines[head + 2:] if line.startswith(("gfx", "sm_", " ")) and line.split())
-    assert len(built) == 6 and all(s.name in entries for s in built)
+    assert len(built) == 3 * len(OPS) and all(s.name in entries for s in built)
     assert "00000000" in text and "compiles in parallel" in text and "expected a ';'" in " ".join(text.split())
 
 
