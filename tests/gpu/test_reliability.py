@@ -504,18 +504,30 @@ class _Records:
 
 
 class EmulatedOp(EpDispatchCombine):
-    """EpDispatchCombine on the CPU with virtual ranks; ``_launch`` emulates the kernels: dedup by
-    destination rank, receive rows in a random order, bad expert ids recorded (code 1) and
-    skipped, combine summing the reached ranks' combine_input rows in fp32 in ascending rank."""
+    """EpDispatchCombine on the CPU with virtual ranks. The op's own ``_launch`` runs (its variant
+    pick and its validate rule); ``platform.launch`` emulates each kernel from the launch
+    argument's io records: dedup by destination rank, receive rows in a random order, bad expert
+    ids recorded (code 1) and skipped; combine summing the reached ranks' rows in fp32 in ascending
+    rank, the normal family's from each rank's combine_input, the low-latency family's from each
+    rank's y in place (io.y, io.y_rows; fewer rows than received recorded as code 4). A
+    low-latency sending half stages its rows, the receiving half places or sums them; the whole
+    op does both (``fused``: every low-latency call launches the whole op, else its halves, as the
+    op decides from the GPU's residency). ``launched`` lists the ops launched."""
 
-    def __init__(self, config: EpConfig, *, virtual: bool = True, validate: bool = False):
+    def __init__(self, config: EpConfig, *, virtual: bool = True, validate: bool = False, fused: bool = True):
         assert virtual, "the emulation drives virtual ranks only"
         self.config, self.validate, self.virtual = config, validate, True
         self.device = torch.device("cpu")
         self.local_ranks = list(range(config.world_size))
-        self.dispatch_spec = config.spec("sm_90", Op.DISPATCH, config.dispatch_geometry or GEO)
+        specs = {op: config.spec("sm_90", op, config.geometry("sm_90", op, config.max_tokens_per_rank))
+                 for op in config.ops}
+        self._variants = {op: [(config.max_tokens_per_rank, spec, op)] for op, spec in specs.items()}  # fn: the op
+        self.dispatch_spec = specs[next(op for op in config.ops if op.payload)]
+        self.low_latency_tokens = self.dispatch_spec.ll_tokens
+        self._fused = {op: fused and self.low_latency_tokens > 0 for op in (Op.DISPATCH, Op.COMBINE)}
         self.layout = self.dispatch_spec.layout
         self.expert_layout = False
+        self.platform = types.SimpleNamespace(launch=self._emulate)
         local = {r: torch.zeros(self.layout.total_bytes, dtype=torch.uint8) for r in self.local_ranks}
         sig = slice(self.layout.signals, self.layout.signals + 4 * abi.SIGNAL_WORDS)  # CUDA: the arena's region
         self.arenas = types.SimpleNamespace(local=local, local_signals={r: t[sig] for r, t in local.items()},
@@ -523,8 +535,15 @@ class EmulatedOp(EpDispatchCombine):
         self.errors = _Records(config.world_size)
         self._args = {op: np.zeros((), dtype=_args_dtype(config.world_size)) for op in config.ops}
         self._pending_tokens = None
+        self._pending_family = None
+        self._recv_handle = None
         self._fault = None
-        self.launches = 0
+        self._staged = None  # a low-latency sending half's rows until its receiving half
+        self.launched = []
+
+    @property
+    def launches(self) -> int:
+        return len(self.launched)
 
     def synchronize(self):
         self._raise_if_faulted(synchronized=True)
@@ -533,21 +552,29 @@ class EmulatedOp(EpDispatchCombine):
         cfg = self.config
         return self._view(rank, self.layout.send_slot, (cfg.max_tokens_per_rank, cfg.world_size), torch.int32)
 
-    def _launch(self, op, tokens, args):
-        self.launches += 1
-        (self._dispatch if op is Op.DISPATCH else self._combine)(args["io"])
-        if self.validate:
-            self.synchronize()
+    def _emulate(self, op, grid, block, args_address, device):
+        assert grid == (self._variants[op][0][1].blocks, len(self.local_ranks), 1) and device == self.device
+        self.launched.append(op)
+        dtype = _args_dtype(self.config.world_size)
+        io = np.frombuffer((ctypes.c_uint8 * dtype.itemsize).from_address(args_address), dtype=dtype)[0]["io"]
+        if op in (Op.DISPATCH, Op.DISPATCH_LL, Op.DISPATCH_LL_SEND):
+            self._staged = self._route(io)
+        if op in (Op.DISPATCH, Op.DISPATCH_LL, Op.DISPATCH_LL_RECV):
+            self._place(self._staged)
+        if op is Op.COMBINE:
+            self._combine(io)
+        if op in (Op.COMBINE_LL, Op.COMBINE_LL_SEND):
+            self._staged = self._push_back(io)
+        if op in (Op.COMBINE_LL, Op.COMBINE_LL_RECV):
+            self._sum_staged(io, self._staged)
 
-    def _dispatch(self, io):
+    def _route(self, io) -> dict:
+        """{destination: [(source rank, token, x, weights, indices, scales addresses)]}, bad ids recorded."""
         cfg, W, K, L = self.config, self.config.world_size, self.config.topk, self.config.experts_per_rank
-        row_bytes, S = self.dispatch_spec.row_bytes, cfg.scale_bytes
         incoming = {d: [] for d in range(W)}
         for r in self.local_ranks:
             x_ptr, w_ptr, i_ptr, s_ptr, T = (int(io[r][f]) for f in ("x", "weights", "indices", "scales", "num_tokens"))
             ids = _at(i_ptr, T * K * 4).view(torch.int32).view(T, K)
-            slot = self._send_slot(r)
-            slot[:T] = -1
             for t in range(T):
                 seen = set()
                 for k in range(K):
@@ -560,6 +587,13 @@ class EmulatedOp(EpDispatchCombine):
                     if e // L not in seen:
                         seen.add(e // L)
                         incoming[e // L].append((r, t, x_ptr, w_ptr, i_ptr, s_ptr))
+        return incoming
+
+    def _place(self, incoming: dict):
+        """The routed rows into each destination's receive rows; send_slot: each (token, rank)'s row."""
+        K, S, row_bytes = self.config.topk, self.config.scale_bytes, self.dispatch_spec.row_bytes
+        for r in self.local_ranks:
+            self._send_slot(r)[:] = -1
         for d, rows in incoming.items():
             buf = self.recv_buffers(d)
             for row, p in enumerate(torch.randperm(len(rows)).tolist()):  # row order is unspecified
@@ -573,27 +607,64 @@ class EmulatedOp(EpDispatchCombine):
                 self._send_slot(r)[t, d] = row
             buf.num_recv[0] = len(rows)
 
-    def _combine(self, io):
+    def _sum(self, io, row):
+        """Each local rank r's out[t]: the sum over the ranks d that token t reached (send_slot), in
+        ascending rank, in fp32, of ``row(r, d, t, slot)`` (fp32 [H]), rounded to bf16 once."""
         W, H = self.config.world_size, self.config.hidden
         for r in self.local_ranks:
             out_ptr, T = int(io[r]["out"]), int(io[r]["num_tokens"])
-            slots = self._send_slot(r)[:T]
+            slots = self._send_slot(r)[:T].tolist()
             acc = torch.zeros(T, H)
-            for d in range(W):
-                hit = slots[:, d] >= 0
-                acc[hit] += self.combine_input(d)[slots[hit, d].long()].float()
+            for t in range(T):
+                for d in range(W):
+                    if slots[t][d] >= 0:
+                        acc[t] += row(r, d, t, slots[t][d])
             _at(out_ptr, T * H * 2).copy_(acc.to(torch.bfloat16).view(torch.uint8).reshape(-1))
 
+    def _combine(self, io):
+        self._sum(io, lambda r, d, t, slot: self.combine_input(d)[slot].float())
 
-@pytest.fixture
-def emulated(monkeypatch):
-    monkeypatch.setattr(sys.modules[__name__], "_op", lambda cfg, virtual, validate=True: EmulatedOp(cfg, validate=validate))
+    def _push_back(self, io) -> dict:
+        """{(source rank, sending rank, token): row} from each rank's y in place (its first
+        min(num_recv, y_rows) rows); a y shorter than the rows received is recorded (code 4)."""
+        H, staged = self.config.hidden, {}
+        for d in self.local_ranks:
+            received, y_rows = int(self.recv_buffers(d).num_recv[0]), int(io[d]["y_rows"])
+            if received > y_rows:
+                self.errors.report(d, 4, y_rows, 0, received)
+            y = _at(int(io[d]["y"]), min(received, y_rows) * H * 2).view(torch.bfloat16).view(-1, H)
+            for row, (src, t) in enumerate(self.recv_buffers(d).recv_src[: y.shape[0]].tolist()):
+                staged[(src, d, t)] = y[row].float()
+        return staged
+
+    def _sum_staged(self, io, staged: dict):
+        zero = torch.zeros(self.config.hidden)
+        self._sum(io, lambda r, d, t, slot: staged.get((r, d, t), zero))  # a row past a short y: none
+
+
+EMULATED = ("whole", "halves", "normal")
+"""How the emulated op moves tokens: the configs' kernel_family "auto" (the low-latency family up
+to T_ll, as one kernel per op or, where its grid does not fit the GPU, as two halves), or "normal"."""
+
+
+def emulated_op(cfg: EpConfig, how: str, validate: bool = False) -> EmulatedOp:
+    """An EmulatedOp of ``cfg`` that moves tokens as ``how`` says (``EMULATED``)."""
+    if how == "normal":
+        return EmulatedOp(attrs.evolve(cfg, kernel_family="normal"), validate=validate)
+    return EmulatedOp(cfg, validate=validate, fused=how == "whole")
+
+
+@pytest.fixture(params=EMULATED)
+def emulated(monkeypatch, request):
+    monkeypatch.setattr(sys.modules[__name__], "_op",
+                        lambda cfg, virtual, validate=True: emulated_op(cfg, request.param, validate))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
 
 
-def test_the_emulation_keeps_the_contract():
+@pytest.mark.parametrize("how", EMULATED)
+def test_the_emulation_keeps_the_contract(how):
     cfg = edge_config(4)
-    op = EmulatedOp(cfg, validate=True)
+    op = emulated_op(cfg, how, validate=True)
     for seed, kind in enumerate(("uniform", "invalid", "duplicates", "skewed", "one_rank")):
         run_round(op, cfg, [64, 0, 17, 5], kind, seed)  # against the CPU reference
         run_exact_round(op, cfg, integer_inputs(cfg, [64, 0, 17, 5], kind, seed))
@@ -620,9 +691,10 @@ def test_jitter_body_logic(emulated):
     _jitter_body(0, 2, True, 25)
 
 
-def test_a_rejected_call_launches_nothing_and_a_fault_refuses_every_later_call():
+@pytest.mark.parametrize("how", EMULATED)
+def test_a_rejected_call_launches_nothing_and_a_fault_refuses_every_later_call(how):
     cfg = edge_config(8)
-    op = EmulatedOp(cfg, validate=False)
+    op = emulated_op(cfg, how)
     good = integer_inputs(cfg, [8] * 8, "uniform", 1)
     with pytest.raises(RuntimeError, match="needs a dispatch first"):
         op.combine([op.combine_input(r) for r in range(8)])
@@ -669,3 +741,90 @@ def test_a_record_that_stays_claimed_is_reported_as_a_fault_whose_details_are_un
     assert op.errors.reads == 3 + 1 + abi.CLAIM_REREADS
     with pytest.raises(EpError, match=r"rank 3: a kernel fault is being recorded.*build a new EpDispatchCombine"):
         op.synchronize()
+
+
+FAMILY_OPS = {"whole": {Op.DISPATCH_LL, Op.COMBINE_LL},
+              "halves": {Op.DISPATCH_LL_SEND, Op.DISPATCH_LL_RECV, Op.COMBINE_LL_SEND, Op.COMBINE_LL_RECV},
+              "normal": {Op.DISPATCH, Op.COMBINE}}
+
+
+@pytest.mark.parametrize("how", EMULATED)
+def test_a_round_launches_the_kernels_of_its_family(how):
+    cfg = edge_config(4, max_tokens=200)  # T_ll = tuning.LOW_LATENCY_MAX_TOKENS = 128 (no table entry)
+    op = emulated_op(cfg, how, validate=True)
+    assert op.low_latency_tokens == (0 if how == "normal" else 128)
+    run_exact_round(op, cfg, integer_inputs(cfg, [128, 0, 17, 5], "uniform", 1))
+    assert set(op.launched) == FAMILY_OPS[how]
+    launched = len(op.launched)
+    run_exact_round(op, cfg, integer_inputs(cfg, [129, 0, 17, 5], "uniform", 2))  # above T_ll: the normal family
+    assert op.launched[launched:] == [Op.DISPATCH, Op.COMBINE]
+
+
+@pytest.mark.parametrize("how", ["whole", "halves"])
+def test_the_async_recv_split_finishes_the_call_in_wait(how):
+    """The sending half alone, then ``wait()``: the same outputs as a synchronous call, and none
+    before it (the receive rows stay poisoned, the combine output NaN)."""
+    cfg = edge_config(4)
+    op = emulated_op(cfg, how, validate=True)
+    inputs = integer_inputs(cfg, [64, 0, 17, 5], "duplicates", 3)
+    exp = expect(cfg, inputs)
+    for r in op.local_ranks:
+        poison(op, r)
+    handle = op.dispatch(*op_inputs(op, inputs), async_recv=True)
+    assert op.launched == [Op.DISPATCH_LL_SEND]
+    assert all(bool(op.recv_buffers(r).recv_x.isnan().all()) for r in op.local_ranks), "rows placed before wait()"
+    outs = handle.wait()
+    assert op.launched == [Op.DISPATCH_LL_SEND, Op.DISPATCH_LL_RECV]
+    for r, out in zip(op.local_ranks, outs):
+        check_exact_dispatch(r, out, exp)
+    ys = [integer_expert_stage(op, r) for r in op.local_ranks]
+    nan = [torch.full((exp.tokens[r], cfg.hidden), float("nan"), dtype=torch.bfloat16) for r in op.local_ranks]
+    handle = op.combine(ys, out=nan, async_recv=True)
+    assert op.launched[2:] == [Op.COMBINE_LL_SEND] and all(bool(o.isnan().all()) for o in nan if o.numel())
+    combined = handle.wait()
+    assert op.launched[2:] == [Op.COMBINE_LL_SEND, Op.COMBINE_LL_RECV]
+    assert all(c is o for c, o in zip(combined, nan))
+    for r, c in zip(op.local_ranks, combined):
+        check_exact_combine(r, c, exp)
+    run_exact_round(op, cfg, integer_inputs(cfg, [1, 2, 3, 4], "uniform", 4))  # and the op goes on
+
+
+def test_a_fault_in_the_sending_half_is_raised_by_wait_never_between_the_halves():
+    """validate=True synchronizes after a receiving half only: a bad id the sending half records
+    is raised by ``wait()``, which has launched the receiving half first (the halves' call counts
+    stay in step), and the faulted dispatch is not combined."""
+    cfg = edge_config(8)
+    op = emulated_op(cfg, "halves", validate=True)
+    inputs = integer_inputs(cfg, [16] * 8, "uniform", 5)
+    inputs[7].indices[5, 2] = cfg.num_experts
+    handle = op.dispatch(*op_inputs(op, inputs), async_recv=True)  # no synchronize after the sending half
+    with pytest.raises(EpError, match=rf"^rank 7: indices\[5, 2\]={cfg.num_experts}: .*cleared: the op runs again"):
+        handle.wait()
+    assert op.launched == [Op.DISPATCH_LL_SEND, Op.DISPATCH_LL_RECV]
+    with pytest.raises(RuntimeError, match="needs a dispatch first"):
+        op.combine([op.combine_input(r) for r in op.local_ranks])
+    with pytest.raises(EpError, match=r"^rank 7: indices\[5, 2\]=.*cleared: the op runs again"):
+        op.dispatch(*op_inputs(op, inputs))  # the whole call, halves back to back, then the fault
+    assert op.launched[2:] == [Op.DISPATCH_LL_SEND, Op.DISPATCH_LL_RECV]
+    run_exact_round(op, cfg, integer_inputs(cfg, [16] * 8, "uniform", 6))
+
+
+def test_the_low_latency_combine_reads_y_in_place_and_checks_its_rows():
+    """The rank layout's low-latency combine sends y's own rows (no copy into combine_input), so a
+    y that is not combine_input() works as well; a y with fewer rows than received is a recorded
+    fault (short input), as in the normal family."""
+    cfg = edge_config(4)
+    op = emulated_op(cfg, "whole", validate=True)
+    inputs = integer_inputs(cfg, [20, 3, 0, 9], "uniform", 7)
+    exp = expect(cfg, inputs)
+    op.dispatch(*op_inputs(op, inputs))
+    ys = [integer_expert_stage(op, r).clone() for r in op.local_ranks]  # copies: combine_input then cleared
+    for r in op.local_ranks:
+        op.combine_input(r).zero_()
+    for r, c in zip(op.local_ranks, op.combine(ys)):
+        check_exact_combine(r, c, exp)
+    op.dispatch(*op_inputs(op, inputs))
+    short = [integer_expert_stage(op, r)[: max(int(op.recv_buffers(r).num_recv[0]) - 1, 0)] for r in op.local_ranks]
+    victim = next(r for r in op.local_ranks if int(op.recv_buffers(r).num_recv[0]) > 0)
+    with pytest.raises(EpError, match=rf"^rank {victim}: combine: y has \d+ rows but this rank's last dispatch produced"):
+        op.combine(short)

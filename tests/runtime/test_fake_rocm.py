@@ -7,6 +7,11 @@ touches and offers only calls CuPy's ROCm build has, and a fake ``libamdhip64.so
 ``ctypes.CDLL``. Device memory is host memory here; no kernel runs (the fake kernel records its
 launch arguments). The ahead-of-time cache holds the gfx950 code objects (built here with the
 offline clang), so the op must load them with ``RawModule(path=...)`` and compile nothing.
+
+The calls of ``FAMILY_CFG`` run ``dispatch()`` and ``combine()`` on host tensors (the ops' device
+set to the CPU after construction: device memory is host memory here) and record which kernels
+each call launches: the kernel family per call, the whole low-latency op or its halves, the
+async_recv split and its refusals.
 """
 
 from __future__ import annotations
@@ -19,13 +24,14 @@ import sys
 import types
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 import torch
 
 from epgen.aot import build, config_specs
 from epgen.cache import CACHE_ENV
-from epgen.codegen import offline
+from epgen.codegen import abi, offline
 from epgen.codegen.config import EpConfig, Geometry
 from epgen.codegen.spec import Op
 from epgen.ranks import start_and_join
@@ -36,10 +42,19 @@ CFG = EpConfig(world_size=2, hidden=2048, topk=4, num_experts=8, max_tokens_per_
                combine_quant="fp8_direct_cast",  # a quantized combine: the op computes resident blocks
                dispatch_geometry=Geometry(4, 4, 2), combine_geometry=Geometry(4, 4, 2), timeout_s=2.5)
 
+FAMILY_CFG = EpConfig(world_size=2, hidden=2048, topk=4, num_experts=8, max_tokens_per_rank=160,
+                      dispatch_geometry=Geometry(4, 4, 2), combine_geometry=Geometry(4, 4, 2), timeout_s=2.5)
+"""kernel_family "auto" (the default) with no tuning entry: T_ll = tuning.LOW_LATENCY_MAX_TOKENS =
+128 < max_tokens_per_rank, so a call takes either family."""
+NORMAL_CFG = attrs.evolve(FAMILY_CFG, kernel_family="normal")
+CONFIGS = (CFG, FAMILY_CFG, NORMAL_CFG)
+T_LL = 128
+SMALL, LARGE = 5, T_LL + 1
+
 HIP_UNCACHED = 0x3  # hipDeviceMallocUncached, hip/hip_runtime_api.h
 HIP_IPC_LAZY = 0x1  # hipIpcMemLazyEnablePeerAccess, hip/hip_runtime_api.h
 HIP_HOST_MAPPED_PORTABLE = 0x2 | 0x1  # hipHostMallocMapped | hipHostMallocPortable
-SIGNAL_BYTES = 1024
+SIGNAL_BYTES = 4 * abi.SIGNAL_WORDS
 
 # What the fake offers: CuPy names whose calls CuPy's ROCm build maps to HIP
 # (cupy_backends/hip/cupy_hip_runtime.h: cudaGetDevice, cudaMalloc, cudaMemset, cudaHostAlloc
@@ -239,6 +254,72 @@ def _fake_rocm(rank: int) -> _FakeCupyRocm:
     return fake
 
 
+def _family_calls(fake, cfg: EpConfig, rank: int) -> list[dict]:
+    """Calls of one ``cfg`` op on host tensors, each recorded as {"step", "ops" (the kernels it
+    launched), "error" (type and message, or None), "result" (type name)}; combine steps add
+    "y" (the address the combine kernels were given in io.y), "own_y" (y's own address) and
+    "combine_in" (what the rank's combine_in region held after the call: "zero", "y", or "other",
+    an earlier call's y)."""
+    from epgen.op import EpDispatchCombine
+
+    op = EpDispatchCombine(cfg)
+    op.device = torch.device("cpu")  # device memory is host memory here: the inputs are host tensors
+    H, K, E = cfg.hidden, cfg.topk, cfg.num_experts
+    steps = []
+
+    def inputs(T):
+        return (torch.zeros(T, H, dtype=torch.bfloat16), torch.ones(T, K),
+                torch.arange(T * K, dtype=torch.int32).view(T, K) % E)
+
+    kernel_op = {spec.name: o for o, variants in op._variants.items() for _, spec, _ in variants}
+
+    def step(name, call, y=None):
+        before = len(fake.launches)
+        try:
+            result, error = call(), None
+        except (TypeError, ValueError, RuntimeError) as e:
+            result, error = None, f"{type(e).__name__}: {e}"
+        launched = [kernel_op[x["entry"]] for x in fake.launches[before:]]
+        row = {"step": name, "ops": [o.value for o in launched], "error": error, "result": type(result).__name__}
+        if y is not None:
+            used = [int(op._args[o]["io"][0]["y"]) for o in launched
+                    if o in (Op.COMBINE, Op.COMBINE_LL, Op.COMBINE_LL_SEND, Op.COMBINE_LL_RECV)]
+            combine_in = op._combine_in(rank)[: y.shape[0]]
+            row.update(y=used, own_y=y.data_ptr(),
+                       combine_in="zero" if not combine_in.any() else "y" if torch.equal(combine_in, y) else "other")
+        steps.append(row)
+        return result
+
+    def combine(name, value, **kw):  # a fresh y each time: combine_in holds it only if this call copied it
+        y = torch.full((6, H), float(value), dtype=torch.bfloat16)
+        return step(name, lambda: op.combine(y, **kw), y)
+
+    step("dispatch small", lambda: op.dispatch(*inputs(SMALL)))
+    combine("combine", 1)
+    if cfg.kernel_family == "normal":  # no low-latency kernels: the split is refused before any launch
+        step("dispatch small async", lambda: op.dispatch(*inputs(SMALL), async_recv=True))
+        step("dispatch small", lambda: op.dispatch(*inputs(SMALL)))
+        combine("combine async", 2, async_recv=True)
+        combine("combine", 3)
+        op.close()
+        return steps
+    step("dispatch large", lambda: op.dispatch(*inputs(LARGE)))
+    combine("combine", 2)
+    handle = step("dispatch small async", lambda: op.dispatch(*inputs(SMALL), async_recv=True))
+    step("dispatch before wait", lambda: op.dispatch(*inputs(SMALL)))
+    combine("combine before wait", 3)
+    step("wait", lambda: handle.wait())
+    step("wait again", lambda: handle.wait())
+    handle = combine("combine async", 4, async_recv=True)
+    step("wait", lambda: handle.wait())
+    step("dispatch large async", lambda: op.dispatch(*inputs(LARGE), async_recv=True))
+    step("dispatch large", lambda: op.dispatch(*inputs(LARGE)))
+    combine("combine async", 5, async_recv=True)
+    combine("combine", 6)
+    op.close()
+    return steps
+
+
 def _rank(rank: int, world_size: int, store: str, cache: str, out: str):
     import warnings
 
@@ -258,8 +339,10 @@ def _rank(rank: int, world_size: int, store: str, cache: str, out: str):
         word = op.arenas.signals[rank] + 16  # kSigNumRecv (index 4) in this rank's signal words
         ctypes.c_uint32.from_address(word).value = 7
         record["num_recv"] = op.recv_buffers().num_recv.tolist()
+        record["launched"] = []
         for which in (Op.DISPATCH, Op.COMBINE):
             op._launch(which, 1, op._args[which])  # the host half of dispatch()/combine(): no tensors here
+            record["launched"].append(op.variant(which, 1).name)
         record["launch_args"] = []
         for launch in fake.launches:
             a = np.frombuffer((ctypes.c_uint8 * op._args[Op.DISPATCH].nbytes).from_address(launch["address"]),
@@ -268,20 +351,29 @@ def _rank(rank: int, world_size: int, store: str, cache: str, out: str):
                                           "errors": int(a["errors"]), "rank_base": int(a["rank_base"])})
         op.close()
         dist.barrier()
+        record.update(calls=list(fake.calls), launches=list(fake.launches))  # CFG's op alone
+        record["fused"] = _family_calls(fake, FAMILY_CFG, rank)
+        props = torch.cuda.get_device_properties(rank)
+        props.multi_processor_count = 1  # a GPU too small for a whole low-latency op's grid at once
+        record["halves"] = _family_calls(fake, FAMILY_CFG, rank)
+        props.multi_processor_count = 256
+        record["normal"] = _family_calls(fake, NORMAL_CFG, rank)
+        record["loads"] = [c[1:] for c in fake.calls if c[0] == "RawModule"]
+        dist.barrier()
     finally:
         dist.destroy_process_group()
-    record.update(calls=fake.calls, touched=sorted(set(fake.touched)), launches=fake.launches,
+    record.update(touched=sorted(set(fake.touched)),
                   modules=sorted(m for m in sys.modules if m.split(".")[0] in ("cupy", "cupy_backends")))
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
 
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
-    """The ahead-of-time cache with CFG's gfx950 code objects (``epgen build``'s compile)."""
+    """The ahead-of-time cache with the gfx950 code objects of CONFIGS (``epgen build``'s compile)."""
     if offline.toolchain_status(ARCH):
         pytest.skip(offline.toolchain_status(ARCH))
     directory = tmp_path_factory.mktemp("aot")
-    build(config_specs(CFG, ARCH), directory)
+    build(list(dict.fromkeys(s for cfg in CONFIGS for s in config_specs(cfg, ARCH))), directory)
     return directory
 
 
@@ -341,7 +433,8 @@ def test_both_regions_ipc_handles_are_exchanged_opened_and_closed(records):
 
 def test_every_launch_passes_every_ranks_signal_words_on_torchs_stream(records):
     for rank, r in enumerate(records):
-        assert [x["entry"] for x in r["launches"]] == [s.name for s in config_specs(CFG, ARCH)]
+        assert [x["entry"] for x in r["launches"]] == r["launched"]
+        assert r["launched"] == [s.name for s in config_specs(CFG, ARCH) if s.op in (Op.DISPATCH, Op.COMBINE)]
         for launch, args in zip(r["launches"], r["launch_args"]):
             assert args["arena"] == r["pointers"] and args["signals"] == r["signals"] and args["rank_base"] == rank
             assert launch["grid"] == [4, 1, 1] and launch["block"] == [4 * 64, 1, 1]  # gfx950: wave 64
@@ -350,11 +443,78 @@ def test_every_launch_passes_every_ranks_signal_words_on_torchs_stream(records):
 
 def test_the_cached_code_objects_load_without_a_compile_and_feed_the_occupancy(records, cache):
     for r in records:
-        loads = _calls(r, "RawModule")
-        assert [kind for kind, _ in loads] == ["path", "path"]  # no RawModule(code=...): no hipcc/hiprtc
+        loads = r["loads"]  # every config's op: each distinct source once (the loader's memo)
+        assert [kind for kind, _ in loads] == ["path"] * len({s.name for c in CONFIGS for s in config_specs(c, ARCH)})
+        assert len(_calls(r, "RawModule")) == len(config_specs(CFG, ARCH))  # no RawModule(code=...): no hipcc/hiprtc
         assert all(Path(p).parent == cache / ARCH and p.endswith(".hsaco") for _, p in loads)
         assert {"kernel.num_regs", "kernel.shared_size_bytes"} <= set(r["touched"])
         assert r["combine_blocks"] == 4
+
+
+PENDING = "RuntimeError: {}: the last async_recv call's receiving half has not run; call its handle.wait() first"
+
+
+def _family_steps(whole: bool) -> list[tuple[str, list[str], str | None, str]]:
+    """(step, kernels launched, error or None, result type) of ``_family_calls`` on FAMILY_CFG:
+    the low-latency family up to T_ll tokens, the normal one above; ``whole``: one kernel per
+    low-latency op (its grid fits the GPU at once), else its two halves."""
+    dispatch_ll = ["dispatch_ll"] if whole else ["dispatch_ll_send", "dispatch_ll_recv"]
+    combine_ll = ["combine_ll"] if whole else ["combine_ll_send", "combine_ll_recv"]
+    return [
+        ("dispatch small", dispatch_ll, None, "DispatchOutput"),
+        ("combine", combine_ll, None, "Tensor"),
+        ("dispatch large", ["dispatch"], None, "DispatchOutput"),
+        ("combine", ["combine"], None, "Tensor"),
+        ("dispatch small async", ["dispatch_ll_send"], None, "RecvHandle"),
+        ("dispatch before wait", [], PENDING.format("dispatch"), "NoneType"),
+        ("combine before wait", [], PENDING.format("combine"), "NoneType"),
+        ("wait", ["dispatch_ll_recv"], None, "DispatchOutput"),
+        ("wait again", [], "RuntimeError: RecvHandle.wait: already waited (each handle finishes its call once)",
+         "NoneType"),
+        ("combine async", ["combine_ll_send"], None, "RecvHandle"),
+        ("wait", ["combine_ll_recv"], None, "Tensor"),
+        ("dispatch large async", [], f"ValueError: dispatch(async_recv=True) with {LARGE} tokens: the split needs the "
+         f"low-latency family, and the low-latency family takes at most low_latency_tokens={T_LL} tokens a rank "
+         "(EpConfig.kernel_family='low_latency' sizes it for max_tokens_per_rank)", "NoneType"),
+        ("dispatch large", ["dispatch"], None, "DispatchOutput"),
+        ("combine async", [], "ValueError: combine(async_recv=True): the split needs the low-latency family, and the "
+         f"dispatch being combined took the normal family ({LARGE} tokens; low_latency_tokens={T_LL})", "NoneType"),
+        ("combine", ["combine"], None, "Tensor"),
+    ]
+
+
+@pytest.mark.parametrize("mode", ["fused", "halves"])
+def test_each_call_takes_the_family_its_tokens_pick_and_async_recv_splits_it(records, mode):
+    for r in records:
+        got = [(x["step"], x["ops"], x["error"], x["result"]) for x in r[mode]]
+        assert got == _family_steps(whole=mode == "fused")
+
+
+@pytest.mark.parametrize("mode", ["fused", "halves"])
+def test_the_low_latency_combine_reads_y_in_place_and_the_normal_one_copies_it(records, mode):
+    for r in records:
+        assert next(x for x in r[mode] if "y" in x)["combine_in"] == "zero"  # the first combine: low-latency
+        for x in (x for x in r[mode] if "y" in x and not x["error"]):
+            if x["ops"][0].startswith("combine_ll"):  # both halves get y's own address; this y is not copied
+                assert x["y"] == [x["own_y"]] * len(x["ops"]) and x["combine_in"] != "y", x
+            else:  # the normal combine's peers read combine_in: y is copied there
+                assert x["ops"] == ["combine"] and x["y"] != [x["own_y"]] and x["combine_in"] == "y", x
+
+
+def test_the_normal_family_refuses_the_split_before_any_launch(records):
+    for r in records:
+        got = [(x["step"], x["ops"], x["error"]) for x in r["normal"]]
+        assert got == [
+            ("dispatch small", ["dispatch"], None),
+            ("combine", ["combine"], None),
+            ("dispatch small async", [], f"ValueError: dispatch(async_recv=True) with {SMALL} tokens: the split needs "
+             "the low-latency family, and this op builds no low-latency kernels (EpConfig.kernel_family='normal', or "
+             "'auto' where the tuning table's threshold is 0)"),
+            ("dispatch small", ["dispatch"], None),
+            ("combine async", [], "ValueError: combine(async_recv=True): the split needs the low-latency family, and "
+             f"the dispatch being combined took the normal family ({SMALL} tokens; low_latency_tokens=0)"),
+            ("combine", ["combine"], None),
+        ]
 
 
 def test_a_failed_hip_call_raises_naming_the_call_the_code_and_its_text_and_the_library_is_found_by_soname(monkeypatch):
