@@ -12,7 +12,7 @@ from rich.markup import escape
 from epgen.codegen.dtypes import combine_quant
 from epgen.codegen.occupancy import occupancy
 from epgen.codegen.offline import CompileError
-from epgen.codegen.spec import KernelSpec
+from epgen.codegen.spec import KernelSpec, Op
 
 COLUMNS = ("arch", "op", "entry", "registers", "agprs", "sgprs", "scratch_bytes", "spill_bytes", "shared_bytes",
            "occupancy", "occupancy_unit", "status")
@@ -69,13 +69,13 @@ _OPTIONAL_PARTS = (("recv_tokens", "r"), ("expert_alignment", "a"))
 
 def variant_labels(specs: list[dict]) -> tuple[list[str], str]:
     """Short labels of ``specs`` (``KernelSpec.as_dict`` dicts) for a table, and what they leave
-    out: per spec its payload (dispatch: the dtype; combine: the wire, bf16 or a quant tag such
-    as qfp8b), the shape fields that differ between the specs (w, h, k, l, t, s as in the entry
+    out: per spec its payload (the dispatch kernels, expand_plan, expand: the dtype; the combine
+    kernels of both families and fold: the wire, bf16 or a quant tag such as qfp8b), the shape fields that differ between the specs (w, h, k, l, t, s as in the entry
     name) and the launch geometry BLOCKSxWARPSuUNROLL. The shape fields every spec shares form the
     second value, e.g. ``"w8 h7168 k8 l32 t4096"``; a receive cap and the expert layout's
     alignment (``_OPTIONAL_PARTS``) are named where set."""
     def payload(s: dict) -> str:
-        return combine_quant(s["combine_quant"]).tag or "bf16" if s["op"] == "combine" else s["dtype"]
+        return s["dtype"] if Op(s["op"]).payload else combine_quant(s["combine_quant"]).tag or "bf16"
 
     shared = [(f, tag) for f, tag in _SHAPE_PARTS if len({s[f] for s in specs}) == 1]
     varying = [(f, tag) for f, tag in _SHAPE_PARTS if (f, tag) not in shared]

@@ -1,4 +1,4 @@
-"""Occupancy arithmetic of the resource report, hand-worked."""
+"""Occupancy arithmetic of the resource report, hand-worked, and its variant labels."""
 
 from epgen.codegen.offline import Resources
 from epgen.codegen.occupancy import occupancy, resident_blocks
@@ -45,3 +45,19 @@ def test_resident_blocks_per_cu_or_sm():
     assert resident_blocks("gfx950", 16, registers=66, shared_bytes=104) == 1  # 7 waves/SIMD, 4 a block
     assert resident_blocks("gfx950", 4, registers=40, shared_bytes=0, agprs=40) == 6
     assert resident_blocks("gfx1250", 8, registers=32, shared_bytes=100 * 1024) == 3  # LDS-bound
+
+
+def test_variant_labels_name_each_kernels_payload_or_wire():
+    """The dispatch kernels (both families) and the expert layout's expansion show the payload
+    dtype, the combine kernels (both families) and fold the combine wire."""
+    from epgen.codegen.config import EpConfig
+    from epgen.codegen.report import variant_labels
+
+    cfg = EpConfig(world_size=2, hidden=2048, topk=4, num_experts=8, max_tokens_per_rank=64, dtype="fp8",
+                   combine_quant="fp8_blockwise", layout="expert", expert_alignment=16)
+    specs = [s.as_dict() for s in cfg.kernel_specs("sm_90")]
+    labels, _ = variant_labels(specs)
+    payload = {s["op"]: label.split()[0] for s, label in zip(specs, labels)}
+    assert payload == {"dispatch": "fp8", "dispatch_ll": "fp8", "dispatch_ll_send": "fp8", "dispatch_ll_recv": "fp8",
+                       "expand_plan": "fp8", "expand": "fp8", "combine": "qfp8b", "combine_ll": "qfp8b",
+                       "combine_ll_send": "qfp8b", "combine_ll_recv": "qfp8b", "fold": "qfp8b"}
