@@ -62,15 +62,16 @@ torch's grouped GEMM reads best, README "Expert layout")."""
 
 
 def catalogue_specs(models=None, arches=ARCHES, dtypes=CATALOGUE_DTYPES) -> list[KernelSpec]:
-    """The committed catalogue (W = 8, Tmax = 4096, table geometry): for every model and arch,
-    dispatch of every payload dtype, the bf16-wire combine and the combine of every quantized wire
-    (``COMBINE_QUANTS``), in a fixed order without repeats; then the bf16 expert layout of
-    ``CATALOGUE_EXPERT_LAYOUT`` (when that model is among ``models``)."""
+    """The committed catalogue (W = 8, Tmax = 4096, table geometry, EpConfig's default
+    kernel_family "auto": both families' kernels): for every model and arch, dispatch of every
+    payload dtype, the bf16-wire combine and the combine of every quantized wire
+    (``COMBINE_QUANTS``; the combine kernels of both families), in a fixed order without repeats;
+    then the bf16 expert layout of ``CATALOGUE_EXPERT_LAYOUT`` (when that model is among ``models``)."""
     specs = []
     for name in models or MODELS:
         specs += [s for d in dtypes for s in model_specs(name, arches, dtype=d)]
         specs += [s for q in COMBINE_QUANTS if q != "none"
-                  for s in model_specs(name, arches, combine_quant=q) if s.op is Op.COMBINE]
+                  for s in model_specs(name, arches, combine_quant=q) if s.op.transport is Op.COMBINE]
     name, alignment = CATALOGUE_EXPERT_LAYOUT
     if name in (models or MODELS) and "bf16" in dtypes:
         specs += model_specs(name, arches, layout="expert", expert_alignment=alignment)
