@@ -5,7 +5,7 @@ defines what the HIP runtime defines compiles bare and fails under it.
 
 The full compile (to assembly, not ``-fsyntax-only``) also runs clang's code generation under
 hiprtc's options, where target-feature checks of builtins and the backend's own errors show, and
-yields the resources to compare with ``generated/report.csv``; it takes 25 to 40 s for the 98
+yields the resources to compare with ``generated/report.csv``; it takes about 50 s for the 414
 sources on 2 cores (``-fsyntax-only`` would take a third of that and prove only the first part,
 that the declarations do not clash)."""
 
