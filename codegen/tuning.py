@@ -78,11 +78,13 @@ fp8 payload with scales at top-k 1-2 (offline compiles, clang 22 and NVRTC 13.0)
 point, not a measurement."""
 
 
-LOW_LATENCY_GEOMETRY = (64, 256, 4)
-"""(blocks, threads, unroll) of a low-latency op and its halves without a table entry: the best at 1
-and 128 tokens together among eight geometries ``tools/latency.py --sweep`` timed at W = 1 and
-virtual W = 2 on the H200 (tools/NOTES.md, session 6 run 2), until ``epgen tune`` writes an entry;
-on AMD a starting point, not a measurement."""
+LOW_LATENCY_GEOMETRY = (64, 256, 2)
+"""(blocks, threads, unroll) of a low-latency op and its halves without a table entry: 64 x 256 threads,
+the best at 1 and 128 tokens together among eight geometries ``tools/latency.py --sweep`` timed at
+W = 1 and virtual W = 2 on the H200 (tools/NOTES.md, session 6 run 2, at unroll 4), at unroll 2:
+at unroll 4 sm_90's whole-op dispatch of the fp4 catalogue shape (H 2880, top-4) spills 16 bytes
+(NVRTC 13.0). The measured shapes have table entries (``epgen tune``); on AMD a starting point,
+not a measurement."""
 
 LOW_LATENCY_MAX_TOKENS = 128
 """Tokens per rank up to which ``EpConfig(kernel_family="auto")`` takes the low-latency family
