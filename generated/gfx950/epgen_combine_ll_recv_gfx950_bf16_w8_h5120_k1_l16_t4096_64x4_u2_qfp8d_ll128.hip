@@ -17,6 +17,7 @@ typedef ep_u64 ep_mask;
 #define EP_SHARED __attribute__((shared))
 #define EP_KERNEL(threads) extern "C" __attribute__((global)) __attribute__((amdgpu_flat_work_group_size(1, threads))) void
 #define EP_GRID_CONSTANT
+#define EP_DEVICE_OUTLINED EP_DEVICE  // inlined here: an out-of-line call would need a scratch stack
 
 EP_DEVICE int ep_thread_idx() { return (int)__builtin_amdgcn_workitem_id_x(); }
 EP_DEVICE int ep_block_idx() { return (int)__builtin_amdgcn_workgroup_id_x(); }
@@ -258,33 +259,35 @@ EP_DEVICE void ep_report(const EpArgs& a, int rank, ep_u32 code, ep_u32 x, ep_u3
 }
 
 // Bounded spin-wait until flag *flag (32-bit: the generation; 64-bit: the generation in its low
-// word) reaches generation g (wrap-safe); seen holds the flag's value. The loop polls with
-// ep_load_poll_system; what follows is ordered after the peer's release only once
+// word) reaches generation g (wrap-safe); returns the last value seen (ep_flag_reached tells
+// whether it did). The loop polls with ep_load_poll_system; what follows is ordered after the
+// peer's release only once
 // ep_fence_after_poll has run (each platform picks the cheaper pair: AMD relaxed polls and one
 // acquire fence, NVIDIA acquire polls and nothing after): ep_wait_generation adds it, and a
 // thread that polls several flags calls it once after its last (an AMD fence per flag would
 // invalidate the caches in every turn of its loop). On expiry report a timeout naming the phase
-// and the peer and return false.
+// and the peer (ep_wait_generation then returns false).
 EP_DEVICE ep_u32 ep_flag_generation(ep_u32 v) { return v; }
 EP_DEVICE ep_u32 ep_flag_generation(ep_u64 v) { return (ep_u32)v; }
 template <typename Flag>
-EP_DEVICE bool ep_poll_flag(const EpArgs& a, int rank, const Flag* flag, ep_u32 g, ep_u32 phase, int peer, Flag& seen) {
-  seen = ep_load_poll_system(flag);
-  if ((int)(ep_flag_generation(seen) - g) < 0) {
+EP_DEVICE bool ep_flag_reached(Flag v, ep_u32 g) { return (int)(ep_flag_generation(v) - g) >= 0; }
+template <typename Flag>
+EP_DEVICE Flag ep_poll_flag(const EpArgs& a, int rank, const Flag* flag, ep_u32 g, ep_u32 phase, int peer) {
+  Flag seen = ep_load_poll_system(flag);
+  if (!ep_flag_reached(seen, g)) {
     const ep_u64 start = ep_clock_ns();
-    while ((int)(ep_flag_generation(seen = ep_load_poll_system(flag)) - g) < 0) {
+    while (!ep_flag_reached(seen = ep_load_poll_system(flag), g)) {
       if (ep_clock_ns() - start > (ep_u64)a.timeout_ns) {
         ep_report(a, rank, kErrTimeout, phase, (ep_u32)peer, g);
-        return false;
+        break;
       }
       ep_backoff();
     }
   }
-  return true;
+  return seen;
 }
 EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag, ep_u32 g, ep_u32 phase, int peer) {
-  ep_u32 seen;
-  if (!ep_poll_flag(a, rank, flag, g, phase, peer, seen)) return false;
+  if (!ep_flag_reached(ep_poll_flag(a, rank, flag, g, phase, peer), g)) return false;
   ep_fence_after_poll();
   return true;
 }
@@ -468,8 +471,7 @@ EP_DEVICE void ep_combine_recv(const EpArgs& a) {
   int pos = lane < kWorld && item < items ? send_pos[(ep_u64)(item / kChunksPerRow) * kWorld + lane] : -1;
   ep_sync_block();
   for (int j = tid; j < kFlags; j += kThreads) {
-    ep_u32 seen;
-    if (!ep_poll_flag(a, rank, sig + kSigLlCombineFrom + j, gen, kPhaseLlCombine, j / kBlocks, seen)) {
+    if (!ep_flag_reached(ep_poll_flag(a, rank, sig + kSigLlCombineFrom + j, gen, kPhaseLlCombine, j / kBlocks), gen)) {
       s_ok[j / kBlocks] = 0;  // a rank that timed out contributes nothing (the op is then unusable)
     }
   }
