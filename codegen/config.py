@@ -67,7 +67,8 @@ class EpConfig:
             kernels per op, a sending half that pushes rows into fixed slots and raises one flag per
             (receiver, block), and a receiving half that waits for the flags and finishes the op
             (built for decode sizes; the only family with ``async_recv``); its stages hold W x
-            max_tokens_per_rank rows, at most 65535 tokens a rank. "auto" (default): both, and each
+            max_tokens_per_rank rows, at most 65535 tokens a rank (fewer at W >= 16:
+            ``KernelSpec.ll_shared_bytes``). "auto" (default): both, and each
             call takes the low-latency family when its token count is at most
             ``low_latency_tokens(arch)`` (the tuning table's threshold, which ``epgen tune``
             measures; its stages are sized for that many). Both return the same outputs. With one
@@ -116,6 +117,9 @@ class EpConfig:
         _check(self.topk <= self.num_experts, "topk", self.topk, f"must be at most num_experts={self.num_experts}")
         _check(isinstance(self.kernel_family, str) and self.kernel_family in KERNEL_FAMILIES, "kernel_family",
                self.kernel_family, f"must be one of {', '.join(KERNEL_FAMILIES)}")
+        _check(self.low_latency_geometry is None or self.kernel_family != "normal", "low_latency_geometry",
+               self.low_latency_geometry, "applies to kernel_family 'auto' or 'low_latency' (kernel_family='normal' "
+               "builds no low-latency kernels)")
         _check(self.kernel_family != "low_latency" or not isinstance(self.max_tokens_per_rank, int)
                or self.max_tokens_per_rank <= LL_MAX_TOKENS, "max_tokens_per_rank", self.max_tokens_per_rank,
                f"kernel_family='low_latency' holds at most {LL_MAX_TOKENS} tokens a rank (use 'auto' or 'normal')")

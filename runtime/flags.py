@@ -207,7 +207,7 @@ def add_tune_args(t) -> None:
                    help="token counts of the low-latency sweep and its threshold (default "
                    f"{' '.join(map(str, tune.low_latency_tokens))}; at most {LL_MAX_TOKENS})")
     t.add_argument("--low-latency-geometry", type=geometry, nargs="+", default=None, help="low-latency candidates "
-                   "BLOCKSxWARPS[uUNROLL] (default 8, 16, 32, 64 blocks of 512 threads, unroll 2 and 4, at most "
+                   "BLOCKSxWARPS[uUNROLL] (default 16, 32, 64, 128 blocks of 256 and 512 threads, unroll 4, at most "
                    "1024 / world size blocks)")
     t.add_argument("--routing", default=tune.routing, choices=ROUTINGS, help=f"routing kind (default {tune.routing})")
     t.add_argument("--iters", type=positive, default=tune.iters,

@@ -102,9 +102,10 @@ class RecvHandle:
 
     Between the sending half (already on the stream) and ``wait()`` the stream runs whatever the
     caller enqueues (attention, a shared expert): no kernel of the op holds an SM and nothing
-    synchronizes the host. ``wait()`` enqueues the receiving half on the current stream and
+    synchronizes the host. ``wait()`` enqueues the receiving half on the current stream, which
+    must be the stream the sending half ran on (the halves rely on that stream's order), and
     returns what the synchronous call returns; it captures into CUDA graphs like any launch. The
-    op refuses other calls until it has run.
+    op refuses other calls until ``wait()`` has been called.
 
     Raises (wait):
         RuntimeError: wait() was already called.

@@ -44,8 +44,8 @@ CANDIDATE_BLOCKS = (8, 16, 24, 32, 48, 64, 132)
 LOW_LATENCY_CANDIDATE_BLOCKS = (16, 32, 64, 128)
 LOW_LATENCY_CANDIDATE_THREADS = (256, 512)
 LOW_LATENCY_CANDIDATE_UNROLL = 4
-"""Around the default (64 x 256 u4), which led ``tools/latency.py --sweep`` on the H200 (tools/NOTES.md,
-session 6 run 2): unroll 4 beat 2 at 256 threads, and 132 blocks helped at 128 tokens."""
+"""Around the geometry that led ``tools/latency.py --sweep`` on the H200 (64 x 256 u4; tools/NOTES.md,
+session 6 run 2), where 132 blocks helped at 128 tokens."""
 
 
 def default_candidates(arch: str) -> tuple[Geometry, ...]:

@@ -764,8 +764,8 @@ def test_low_latency_geometry_must_be_a_geometry(value):
 def test_an_explicit_low_latency_geometry_is_not_clamped_but_refused():
     with pytest.raises(ValueError, match=r"^KernelSpec.blocks=129: the low-latency family raises one flag per"):
         cfg(low_latency_geometry=Geometry(blocks=129, warps_per_block=8, unroll=2))  # W = 8: at most 128
-    assert cfg(low_latency_geometry=Geometry(blocks=129, warps_per_block=8, unroll=2),
-               kernel_family="normal").ops == (Op.DISPATCH, Op.COMBINE)  # no low-latency kernel: nothing refused
+    with pytest.raises(ValueError, match=r"^EpConfig.low_latency_geometry=.*: applies to kernel_family 'auto' or "):
+        cfg(low_latency_geometry=Geometry(blocks=64, warps_per_block=8, unroll=2), kernel_family="normal")
     assert cfg(low_latency_geometry=Geometry(blocks=128, warps_per_block=8, unroll=2)).geometry(
         "sm_90", Op.COMBINE_LL, 1).blocks == 128
 
