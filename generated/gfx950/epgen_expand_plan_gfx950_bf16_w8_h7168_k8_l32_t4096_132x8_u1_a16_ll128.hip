@@ -272,6 +272,38 @@ EP_DEVICE void ep_report(const EpArgs& a, int rank, ep_u32 code, ep_u32 x, ep_u3
   ep_store_release_system(rec, code);
 }
 
+// Chunk c (vectors c .. c + kChunkVectors) of a row (its first byte at src) into v (zeros past the row's end).
+EP_DEVICE void ep_load_chunk(const ep_u8* src, int lane, int c, ep_vec (&v)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int i = c + u * kWave + lane;
+    v[u] = i < kRowVectors ? ep_load16(src + (ep_u64)i * 16) : ep_vec_zero();
+  }
+}
+
+// Exclusive prefix sum of s[0, n) in place, by one warp (lane: its lane id): each lane sums a
+// contiguous run of ceil(n / kWave) entries, the runs' sums are scanned across the lanes, then each
+// lane rewrites its own run. Returns the total on every lane; the caller syncs around it.
+EP_DEVICE ep_u32 ep_warp_exclusive_scan(ep_u32* s, int n, int lane) {
+  const int run = (n + kWave - 1) / kWave;
+  const int j0 = lane * run;
+  ep_u32 sum = 0u;
+  for (int j = j0; j < j0 + run && j < n; ++j) sum += s[j];
+  ep_u32 inclusive = sum;
+#pragma unroll
+  for (int o = 1; o < kWave; o *= 2) {
+    const ep_u32 other = (ep_u32)ep_shfl((int)inclusive, lane >= o ? lane - o : lane);
+    if (lane >= o) inclusive += other;
+  }
+  ep_u32 before = inclusive - sum;
+  for (int j = j0; j < j0 + run && j < n; ++j) {
+    const ep_u32 v = s[j];
+    s[j] = before;
+    before += v;
+  }
+  return (ep_u32)ep_shfl((int)inclusive, kWave - 1);
+}
+
 // Bounded spin-wait until flag *flag (32-bit: the generation; 64-bit: the generation in its low
 // word) reaches generation g (wrap-safe); returns the last value seen (ep_flag_reached tells
 // whether it did). The loop polls with ep_load_poll_system; what follows is ordered after the
@@ -427,23 +459,11 @@ EP_KERNEL(kThreads) epgen_expand_plan_gfx950_bf16_w8_h7168_k8_l32_t4096_132x8_u1
     s_count[e] = (ep_u32)((total + kExpertAlign - 1) / kExpertAlign * kExpertAlign);  // the group's rows
   }
   ep_sync_block();
-  if (warp == 0) {  // exclusive scan of the group sizes: each lane a contiguous run of experts
-    constexpr int kPerLane = (kExpertsPerRank + kWave - 1) / kWave;
-    const int e0 = lane * kPerLane;
-    ep_u32 run = 0u;
-    for (int e = e0; e < e0 + kPerLane && e < kExpertsPerRank; ++e) run += s_count[e];
-    ep_u32 before = 0u;  // runs of the lanes below this one
-    for (int j = 0; j < kWave; ++j) {
-      const ep_u32 rj = (ep_u32)ep_shfl((int)run, j);
-      if (j < lane) before += rj;
-    }
-    for (int e = e0; e < e0 + kPerLane && e < kExpertsPerRank; ++e) {
-      const ep_u32 size = s_count[e];
-      offsets[e] = (ep_i32)before;
-      s_count[e] = before;
-      before += size;
-    }
-    if (lane == kWave - 1) offsets[kExpertsPerRank] = (ep_i32)before;
+  if (warp == 0) {  // exclusive scan of the group sizes: the group starts
+    const ep_u32 total = ep_warp_exclusive_scan(s_count, kExpertsPerRank, lane);
+    ep_sync_warp();  // every lane's run rewritten before the lanes read each other's
+    for (int e = lane; e < kExpertsPerRank; e += kWave) offsets[e] = (ep_i32)s_count[e];
+    if (lane == 0) offsets[kExpertsPerRank] = (ep_i32)total;
   }
   ep_sync_block();
   for (int e = tid; e < kExpertsPerRank; e += kThreads) {

@@ -254,6 +254,38 @@ EP_DEVICE void ep_report(const EpArgs& a, int rank, ep_u32 code, ep_u32 x, ep_u3
   ep_store_release_system(rec, code);
 }
 
+// Chunk c (vectors c .. c + kChunkVectors) of a row (its first byte at src) into v (zeros past the row's end).
+EP_DEVICE void ep_load_chunk(const ep_u8* src, int lane, int c, ep_vec (&v)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int i = c + u * kWave + lane;
+    v[u] = i < kRowVectors ? ep_load16(src + (ep_u64)i * 16) : ep_vec_zero();
+  }
+}
+
+// Exclusive prefix sum of s[0, n) in place, by one warp (lane: its lane id): each lane sums a
+// contiguous run of ceil(n / kWave) entries, the runs' sums are scanned across the lanes, then each
+// lane rewrites its own run. Returns the total on every lane; the caller syncs around it.
+EP_DEVICE ep_u32 ep_warp_exclusive_scan(ep_u32* s, int n, int lane) {
+  const int run = (n + kWave - 1) / kWave;
+  const int j0 = lane * run;
+  ep_u32 sum = 0u;
+  for (int j = j0; j < j0 + run && j < n; ++j) sum += s[j];
+  ep_u32 inclusive = sum;
+#pragma unroll
+  for (int o = 1; o < kWave; o *= 2) {
+    const ep_u32 other = (ep_u32)ep_shfl((int)inclusive, lane >= o ? lane - o : lane);
+    if (lane >= o) inclusive += other;
+  }
+  ep_u32 before = inclusive - sum;
+  for (int j = j0; j < j0 + run && j < n; ++j) {
+    const ep_u32 v = s[j];
+    s[j] = before;
+    before += v;
+  }
+  return (ep_u32)ep_shfl((int)inclusive, kWave - 1);
+}
+
 // Bounded spin-wait until flag *flag (32-bit: the generation; 64-bit: the generation in its low
 // word) reaches generation g (wrap-safe); returns the last value seen (ep_flag_reached tells
 // whether it did). The loop polls with ep_load_poll_system; what follows is ordered after the
