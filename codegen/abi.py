@@ -50,9 +50,12 @@ RANK_IO = (
     Field("indices", "ep_u64", "dispatch: [T, K] int32"),
     Field("scales", "ep_u64", "dispatch: [T, S] bytes (0 when S = 0)"),
     Field("out", "ep_u64", "combine: [T, H] bf16 output"),
-    Field("y", "ep_u64", "fold, combine_ll_send: [y_rows, H] bf16 expert outputs (the expert layout's, or combine_in)"),
+    Field("y", "ep_u64", "fold, combine_quantize, the low-latency combine, the quantized combine (its own rows; 0: "
+                         "from its wire rows): [y_rows, H] bf16 expert outputs (the caller's, the expert layout's, "
+                         "or combine_in)"),
     Field("y_rows", "ep_u64", "combine, fold: rows of the caller's y (checked against the rows used)"),
     Field("num_tokens", "ep_u64", "T of this rank"),
+    Field("quantize", "ep_u64", "fold: 1 = rows from other ranks as combine wire rows (the normal combine follows)"),
 )
 """struct EpRankIO: the buffers of one rank launched by the grid (addresses, 0 when unused)."""
 

@@ -7,13 +7,22 @@ import numbers
 import attrs
 
 from epgen.codegen.arch import ARCH_TRAITS
-from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES, dtype_info
+from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES, combine_quant, dtype_info
 from epgen.codegen.errors import FieldError
 from epgen.codegen.models import model as _model
 from epgen.codegen.abi import LL_FLAG_SLOTS
 from epgen.codegen.spec import (EXPERT_ALIGNMENTS, EXPERT_OPS, LL_MAX_TOKENS, LOW_LATENCY_OPS, PLAN_BLOCKS,
                                 PLAN_SHARED_LIMIT, TRANSPORT_OPS, KernelSpec, Op)
+from epgen.codegen.occupancy import resident_blocks
 from epgen.codegen.tuning import Geometry, TuningKey, buckets, local_geometry, lookup, low_latency_default
+
+QUANTIZED_COMBINE_REGISTERS = 128
+"""Registers a thread of the normal family's combine with a quantized wire needs: a rank's own rows
+are encoded where they are summed, 102-126 registers at unroll 4 (NVRTC 13.0 and clang 22,
+deepseek-v3), more than the 64 a 1024-thread block leaves on sm_90 (which spilled 240-384 bytes)."""
+
+LOCAL_OPS = EXPERT_OPS + (Op.COMBINE_QUANTIZE,)
+"""Kernels local to a rank whose geometry is the tuning table's entry, else ``local_geometry``."""
 
 LAYOUTS = ("rank", "expert")
 """``EpConfig.layout`` values."""
@@ -179,12 +188,23 @@ class EpConfig:
     def ops(self) -> tuple[Op, ...]:
         """The kernels an op of this config compiles: the normal family's dispatch and combine
         and the low-latency family's halves (``LOW_LATENCY_OPS``), as ``kernel_family`` says, and
-        in the expert layout its three local kernels (``EXPERT_OPS``). On an arch where "auto"
+        in the expert layout its three local kernels (``EXPERT_OPS``), and the combine's quantize
+        kernel where the normal family needs one (``quantize_kernel``). On an arch where "auto"
         finds a table threshold of 0 (``low_latency_tokens`` 0: the low-latency family never
         won) the low-latency halves have no variants and no specs there."""
-        return ((TRANSPORT_OPS if self.kernel_family != "low_latency" else ())
+        normal = self.kernel_family != "low_latency"
+        return ((TRANSPORT_OPS if normal else ())
                 + (LOW_LATENCY_OPS if self.kernel_family != "normal" else ())
-                + (EXPERT_OPS if self.layout == "expert" else ()))
+                + (EXPERT_OPS if self.layout == "expert" else ())
+                + ((Op.COMBINE_QUANTIZE,) if normal and self.quantize_kernel else ()))
+
+    @property
+    def quantize_kernel(self) -> bool:
+        """Whether the normal family's combine needs the quantize kernel (``Op.COMBINE_QUANTIZE``):
+        a quantized combine wire in the rank layout with peers (W > 1). The expert layout's fold
+        writes the wire rows itself, and at W = 1 no row leaves the rank (its own rows are encoded
+        where the combine sums them)."""
+        return combine_quant(self.combine_quant).quantized and self.layout == "rank" and self.world_size > 1
 
     def tuning_key(self, arch: str, op: Op) -> TuningKey:
         """Key of this layer's ``op`` in the tuning tables (both halves of a low-latency op share
@@ -218,8 +238,9 @@ class EpConfig:
         return {Op.DISPATCH: self.dispatch_geometry, Op.COMBINE: self.combine_geometry}.get(op)
 
     def geometry(self, arch: str, op: Op, tokens: int) -> Geometry:
-        """Explicit geometry if given, else the tuning table's bucket for ``tokens``. The expert
-        layout's expand and fold take the table's entry, else ``local_geometry``; expand at most
+        """Explicit geometry if given, else the tuning table's bucket for ``tokens``. The local
+        kernels (the expert layout's expand and fold, the combine's quantize kernel) take the
+        table's entry, else ``local_geometry``; expand at most
         ``PLAN_BLOCKS`` blocks and as many warps as its per-warp expert counts fit in shared memory;
         the plan splits the rows as expand does, so it takes expand's geometry."""
         if op is Op.EXPAND_PLAN:  # splits the rows as expand does: the same blocks and warps
@@ -229,13 +250,36 @@ class EpConfig:
             return g if self.low_latency_geometry else attrs.evolve(
                 g, blocks=max(1, min(g.blocks, LL_FLAG_SLOTS // self.world_size)))
         key = self.tuning_key(arch, op)
-        if op not in EXPERT_OPS:
-            return self._explicit(op) or lookup(key, tokens)
+        if op not in LOCAL_OPS:
+            explicit = self._explicit(op)
+            return self._fitted(arch, op, explicit or lookup(key, tokens), explicit=explicit is not None)
         g = lookup(key, tokens, local_geometry(arch, op.value))
         if op is Op.EXPAND:
             fit = (PLAN_SHARED_LIMIT // 4 - self.experts_per_rank - 1) // self.experts_per_rank  # expand's counts
             g = attrs.evolve(g, blocks=min(g.blocks, PLAN_BLOCKS), warps_per_block=max(1, min(g.warps_per_block, fit)))
         return g
+
+    def _fitted(self, arch: str, op: Op, g: Geometry, explicit: bool = False) -> Geometry:
+        """``g`` within ``op``'s register needs on ``arch``: a combine with a quantized wire runs as
+        many warps a block as fit with ``QUANTIZED_COMBINE_REGISTERS`` registers a thread (the
+        occupancy rules of ``epgen.codegen.occupancy``): a table geometry keeps its blocks and
+        loses warps, an explicit one is refused.
+
+        Raises:
+            FieldError: an explicit ``combine_geometry`` with more warps than fit.
+        """
+        if op is not Op.COMBINE or not combine_quant(self.combine_quant).quantized:
+            return g
+        fit = g.warps_per_block
+        while fit > 1 and resident_blocks(arch, fit, QUANTIZED_COMBINE_REGISTERS, 0) < 1:
+            fit -= 1
+        if fit == g.warps_per_block:
+            return g
+        if explicit:
+            raise FieldError("combine_geometry", f"EpConfig.combine_geometry={g}: a combine with a quantized wire "
+                             f"({self.combine_quant}) needs {QUANTIZED_COMBINE_REGISTERS} registers a thread (it "
+                             f"encodes the rank's own rows where it sums them); on {arch} at most {fit} warps a block")
+        return attrs.evolve(g, warps_per_block=fit)
 
     def spec(self, arch: str, op: Op, geometry: Geometry) -> KernelSpec:
         """The KernelSpec of ``op`` on ``arch`` with ``geometry``; all of one layer's specs share
@@ -264,9 +308,10 @@ class EpConfig:
         if not self._builds(arch, op):
             return ()
         explicit = self._explicit(op)
-        if op in EXPERT_OPS or op.low_latency:  # one variant: the expert ops' work follows the rows
+        if op in LOCAL_OPS or op.low_latency:  # one variant: the local ops' work follows the rows
             explicit = self.geometry(arch, op, self.max_tokens_per_rank)  # received; both low-latency halves agree on blocks
-        table = ((self.max_tokens_per_rank, explicit),) if explicit else buckets(self.tuning_key(arch, op))
+        table = ((self.max_tokens_per_rank, self._fitted(arch, op, explicit, explicit=True)),) if explicit else tuple(
+            (max_tokens, self._fitted(arch, op, g)) for max_tokens, g in buckets(self.tuning_key(arch, op)))
         out = []
         for max_tokens, geometry in table:
             out.append((max_tokens, self.spec(arch, op, geometry)))

@@ -34,13 +34,16 @@ class Op(str, enum.Enum):
     ``combine_ll.j2``) runs each transport op as a sending half, which pushes rows into fixed slots
     of the receivers' arenas and raises one flag per (receiver, block), and a receiving half, which
     waits for those flags and finishes the op: both in one kernel (DISPATCH_LL, COMBINE_LL) or each
-    in its own (the ``_SEND`` and ``_RECV`` ops: the async_recv split)."""
+    in its own (the ``_SEND`` and ``_RECV`` ops: the async_recv split). COMBINE_QUANTIZE (local)
+    writes the quantized combine wire rows that peers read, before the normal family's COMBINE, in
+    the rank layout (the expert layout's FOLD writes them itself)."""
 
     DISPATCH = "dispatch"
     COMBINE = "combine"
     EXPAND_PLAN = "expand_plan"
     EXPAND = "expand"
     FOLD = "fold"
+    COMBINE_QUANTIZE = "combine_quantize"
     DISPATCH_LL = "dispatch_ll"
     DISPATCH_LL_SEND = "dispatch_ll_send"
     DISPATCH_LL_RECV = "dispatch_ll_recv"
@@ -66,10 +69,11 @@ class Op(str, enum.Enum):
 
     @property
     def transport(self) -> "Op":
-        """The transport op this kernel belongs to (DISPATCH or COMBINE; the op itself otherwise):
-        the name its tuning entries and geometry flags use."""
+        """The transport op this kernel serves (DISPATCH or COMBINE: the low-latency halves and the
+        combine's quantize kernel; the op itself otherwise)."""
         return {Op.DISPATCH_LL: Op.DISPATCH, Op.DISPATCH_LL_SEND: Op.DISPATCH, Op.DISPATCH_LL_RECV: Op.DISPATCH,
-                Op.COMBINE_LL: Op.COMBINE, Op.COMBINE_LL_SEND: Op.COMBINE, Op.COMBINE_LL_RECV: Op.COMBINE}.get(self, self)
+                Op.COMBINE_LL: Op.COMBINE, Op.COMBINE_LL_SEND: Op.COMBINE, Op.COMBINE_LL_RECV: Op.COMBINE,
+                Op.COMBINE_QUANTIZE: Op.COMBINE}.get(self, self)
 
     @property
     def template(self) -> str:
@@ -356,6 +360,9 @@ class KernelSpec:
                              f"token positions in shared memory, ceil(ll_tokens / blocks) x world_size x 4 = "
                              f"{self.ll_shared_bytes} bytes, more than {PLAN_SHARED_LIMIT}; use more blocks or fewer "
                              "ll_tokens")
+        if self.op is Op.COMBINE_QUANTIZE and not self.quant.quantized:
+            raise FieldError("combine_quant", f"KernelSpec.combine_quant={self.combine_quant!r}: op 'combine_quantize' "
+                             "writes a quantized combine wire (any mode but 'none')")
         if self.op in EXPERT_OPS and not self.expert_alignment:
             raise FieldError("expert_alignment", f"KernelSpec.expert_alignment=0: op {self.op.value!r} belongs to "
                              "the expert layout (expert_alignment >= 1)")
@@ -569,7 +576,8 @@ class KernelSpec:
         """The combine wire's template variables (the same keys for every spec; unquantized: zeros
         and None): the wire format ``quant``, its row geometry in bytes, the lanes sharing one
         scale, the element format's numbers (``MINIFLOATS``), whether the element codec is the
-        software one and the flush threshold's log2."""
+        software one, the flush threshold's log2, and whether the kernel encodes a rank's own rows
+        where it sums them (``encode_own_rows``)."""
         q = self.quant
         element = MINIFLOATS.get(q.element) if q.quantized else None
         return {
@@ -583,6 +591,8 @@ class KernelSpec:
             # fp4 has no hardware convert anywhere; fp8 takes one only where traits say it is verified
             "wire_software_codec": element is not None and not (q.element == "fp8" and self.traits.hw_fp8_convert),
             "wire_flush_log2": COMBINE_FLUSH_LOG2,
+            # the normal family's combine reads a rank's own rows as bf16 and encodes them itself
+            "encode_own_rows": q.quantized and self.op is Op.COMBINE,
         }
 
     def key(self, text: str, options: tuple[str, ...] = ()) -> str:

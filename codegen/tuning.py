@@ -67,8 +67,9 @@ def default_geometry(arch: str) -> Geometry:
                     unroll=DEFAULT_UNROLL)
 
 
-LOCAL_GEOMETRY = {"expand": (132, 512, 1), "fold": (256, 512, 1)}
-"""(blocks, threads, unroll) of the expert layout's local kernels without a table entry, from
+LOCAL_GEOMETRY = {"expand": (132, 512, 1), "fold": (256, 512, 1), "combine_quantize": (264, 512, 2)}
+"""(blocks, threads, unroll) of the local kernels without a table entry. The combine's quantize
+kernel: PENDING. The expert layout's, from
 ``tools/local_sweep.py`` on the H200 (tools/NOTES.md, session 5 runs 4 and 6: deepseek-v3 at 1024
 tokens a rank, W = 1 and virtual W = 8): the fold at unroll 1 with 16 warps a block (45 / 523 us
 against 62 / 711 us at 256 x 8 warps, unroll 2); expand within 1 % of any geometry at W = 8 and
@@ -99,7 +100,7 @@ def low_latency_default(arch: str) -> tuple[int, Geometry]:
 
 
 def local_geometry(arch: str, op: str) -> Geometry:
-    """Geometry of the expert layout's ``op`` ("expand", "fold") without a table entry
+    """Geometry of the local ``op`` ("expand", "fold", "combine_quantize") without a table entry
     (``LOCAL_GEOMETRY``)."""
     blocks, threads, unroll = LOCAL_GEOMETRY[op]
     return Geometry(blocks=blocks, warps_per_block=threads // traits(arch).wave_size, unroll=unroll)

@@ -97,6 +97,29 @@ class ExpertDispatchOutput:
     recv: DispatchOutput
 
 
+@attrs.frozen
+class CombineWireInput:
+    """One rank's combine wire rows, for an expert stage that writes its outputs already in the
+    combine wire's format (``EpDispatchCombine.combine_wire_input``): passed to ``combine`` as y,
+    no quantize pass runs. Views into the rank's arena (rows strided by the wire row's bytes).
+
+    Row i < num_recv must hold receive row i's expert output encoded as
+    ``epgen.quant.combine_wire_rows(mode, y)`` encodes it (the bytes the quantize kernel would
+    write; rows >= num_recv are not read), and stay unchanged until the combine has run.
+
+    Attributes:
+        rank: the rank whose rows these are.
+        codes: [N, C] uint8, N receive rows, C code bytes a row (fp8: H, one e4m3 code a byte; fp4:
+            H / 2, element 2j in byte j's low nibble).
+        scales: [N, B] float32 block scales (B = ceil(H / block): element j of a row decodes as
+            code x scales[j // block]), or None for a wire without scales (fp8_direct_cast).
+    """
+
+    rank: int
+    codes: torch.Tensor
+    scales: torch.Tensor | None
+
+
 class RecvHandle:
     """The receiving half of a low-latency dispatch or combine launched with ``async_recv=True``.
 
@@ -209,23 +232,25 @@ def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x, weights, indic
 def check_combine_inputs(cfg: EpConfig, device: torch.device, y, out, tokens: int, capacity: int,
                          tag: str = "", in_place: bool = False) -> None:
     """Check one rank's combine inputs: y [n, H] bf16 with n <= ``capacity`` (the receive rows, or
-    in the expert layout its R rows); out None or [T, H] bf16 (T of the dispatch being combined);
+    in the expert layout its R rows), or None (the caller wrote the wire rows: ``combine_wire_input``);
+    out None or [T, H] bf16 (T of the dispatch being combined);
     contiguous, on ``device``; out, and y when a kernel reads it in place (the expert layout's
-    fold, and the low-latency combine: ``in_place``), start on a 16-byte boundary (16-byte vector
-    accesses; the normal rank-layout combine copies y into the arena with torch, so any address
-    of it works there). Whether y holds every row the dispatch produced is known on the device
-    only: the kernels check it and raise ``EpError`` (short input).
+    fold, the low-latency combine and the quantized wire's kernels: ``in_place``), start on a
+    16-byte boundary (16-byte vector accesses; the normal bf16-wire combine copies y into the
+    arena with torch, so any address of it works there). Whether y holds every row the dispatch
+    produced is known on the device only: the kernels check it and raise ``EpError`` (short input).
 
     Raises:
         TypeError, ValueError: as ``check_dispatch_inputs``.
     """
     expert = cfg.layout == "expert"
-    _check_tensor(y, f"y{tag}", dtype=torch.bfloat16, shape=(None, cfg.hidden), device=device,
-                  vectors=expert or in_place)
-    if y.shape[0] > capacity:
-        what = ("the expert layout's rows (max_recv_tokens x min(topk, experts per rank) + padding)" if expert
-                else "the receive capacity (max_recv_tokens, or world_size x max_tokens_per_rank)")
-        raise ValueError(f"y{tag}.shape[0]={y.shape[0]}: more rows than {what}, {capacity}")
+    if y is not None:
+        _check_tensor(y, f"y{tag}", dtype=torch.bfloat16, shape=(None, cfg.hidden), device=device,
+                      vectors=expert or in_place)
+        if y.shape[0] > capacity:
+            what = ("the expert layout's rows (max_recv_tokens x min(topk, experts per rank) + padding)" if expert
+                    else "the receive capacity (max_recv_tokens, or world_size x max_tokens_per_rank)")
+            raise ValueError(f"y{tag}.shape[0]={y.shape[0]}: more rows than {what}, {capacity}")
     if out is not None:
         _check_tensor(out, f"out{tag}", dtype=torch.bfloat16, shape=(tokens, cfg.hidden), device=device,
                       vectors=True)
@@ -253,8 +278,7 @@ class EpDispatchCombine:
         RuntimeError: no GPU, no CuPy, or W > 1 without a process group and without ``virtual``.
         ValueError: the process group size differs from ``config.world_size``, ranks hold
             different configs, no kernels exist for this GPU's arch, or an explicit geometry
-            whose blocks must all be resident at once does not fit the GPU (virtual ranks; the
-            quantized combine).
+            whose blocks must all be resident at once does not fit the GPU (virtual ranks).
     """
 
     def __init__(self, config: EpConfig, *, group=None, virtual: bool = False, device: int | None = None,
@@ -388,6 +412,50 @@ class EpDispatchCombine:
         """[N, H] bf16 view of ``rank``'s combine_in region (the rows the normal combine's peers read)."""
         return self._view(rank, self.layout.combine_in, (self.layout.capacity_rows, self.config.hidden),
                           torch.bfloat16)
+
+    def combine_wire_input(self, rank: int | None = None) -> CombineWireInput:
+        """The combine wire rows of ``rank`` (default: this process's rank), for an expert stage
+        that writes its outputs already quantized: pass the result (a list of them in virtual
+        mode) to ``combine`` as y and no quantize pass runs (``CombineWireInput`` says what each
+        row must hold).
+
+        Raises:
+            RuntimeError: the combine wire is bf16 (``EpConfig.combine_quant`` "none"), or the
+                op's layout is "expert" (its fold writes the wire rows).
+        """
+        cfg = self.config
+        quant = self.dispatch_spec.quant
+        if not quant.quantized:
+            raise RuntimeError("combine_wire_input: needs a quantized combine wire; EpConfig.combine_quant='none' "
+                               "(pass the bf16 rows as y, or write them into combine_input())")
+        if self.expert_layout:
+            raise RuntimeError("combine_wire_input: the expert layout's fold writes the wire rows; pass y "
+                               "(the expert outputs) to combine")
+        rank = self._local(rank)
+        cap, row = self.layout.capacity_rows, quant.wire_row_bytes(cfg.hidden)
+        rows = self._view(rank, self.layout.combine_wire, (cap, row), torch.uint8)
+        offset, count = quant.scale_offset(cfg.hidden), quant.scale_count(cfg.hidden)
+        return CombineWireInput(rank=rank, codes=rows[:, :quant.code_bytes(cfg.hidden)],
+                                scales=rows[:, offset:offset + 4 * count].view(torch.float32) if count else None)
+
+    def _wire_inputs(self, y) -> bool:
+        """Whether ``combine``'s y is ``combine_wire_input()`` (a list of them, one per rank, in
+        virtual mode), checked against this op, its ranks and the dispatch being combined."""
+        items = y if self.virtual and isinstance(y, (list, tuple)) else [y]
+        given = [isinstance(v, CombineWireInput) for v in items]
+        if not any(given):
+            return False
+        if not all(given) or [v.rank for v in items] != self.local_ranks:
+            raise ValueError(f"y: a CombineWireInput must be this op's combine_wire_input(rank) for every rank it drives "
+                             f"({self.local_ranks}), in that order; got {[getattr(v, 'rank', type(v).__name__) for v in items]}")
+        if any(v.codes.data_ptr() != self.combine_wire_input(v.rank).codes.data_ptr() for v in items):
+            raise ValueError("y: a CombineWireInput of another op; pass this op's combine_wire_input()")
+        if self._pending_family != "normal":
+            raise ValueError("y=combine_wire_input(): the low-latency combine encodes its rows as it sends them and "
+                             f"cannot take them pre-quantized; this dispatch took it ({max(self._pending_tokens)} tokens, "
+                             f"low_latency_tokens={self.low_latency_tokens}); build the op with "
+                             "EpConfig(kernel_family='normal') to pass wire rows at every size")
+        return True
 
     def _local(self, rank):
         if rank is None:
@@ -544,9 +612,12 @@ class EpDispatchCombine:
             raise RuntimeError(f"{name}: needs a dispatch first ({why})")
 
     def _fold(self, ys):
+        # Before the normal family's quantized combine the fold writes the rows for other ranks as
+        # wire rows (the low-latency combine encodes them itself as it sends them).
+        quantize = int(self.dispatch_spec.quant.quantized and self._pending_family == "normal")
         a = self._args[Op.FOLD]
         for i, y in enumerate(ys):
-            a["io"][i] = _rank_io(y=y.data_ptr(), y_rows=y.shape[0])
+            a["io"][i] = _rank_io(y=y.data_ptr(), y_rows=y.shape[0], quantize=quantize)
         self._launch(Op.FOLD, 0, a)
 
     def combine(self, y, out=None, async_recv: bool = False):
@@ -560,8 +631,12 @@ class EpDispatchCombine:
                 ``combine_input()`` itself is used without a copy. A list with one entry per rank
                 in virtual mode.
                 The low-latency family reads y in place too (16-byte aligned) and copies nothing;
-                y must stay unchanged until its receiving half has run (with the bf16 wire it reads
-                a rank's rows for its own tokens from y; with ``async_recv``: until ``wait()``).
+                y must stay unchanged until its receiving half has run (it reads a rank's rows for
+                its own tokens from y; with ``async_recv``: until ``wait()``). So does the normal
+                family with a quantized wire (the quantize kernel encodes the rows for other ranks
+                into the wire rows, the combine the rank's own rows as it sums them).
+                Or ``combine_wire_input()`` (a list of them in virtual mode), whose rows the caller
+                wrote in the wire's format: no quantize pass (rank layout, normal family).
             out: optional [T, H] bf16 contiguous output (T of the last dispatch); a new tensor
                 when None. A list in virtual mode.
             async_recv: launch only the sending half (after the expert layout's fold) and return a
@@ -596,29 +671,49 @@ class EpDispatchCombine:
             raise ValueError("combine(async_recv=True): the split needs the low-latency family, and the dispatch "
                              f"being combined took the normal family ({max(self._pending_tokens)} tokens; "
                              f"low_latency_tokens={self.low_latency_tokens})")
-        ys, given = self._per_rank(y, "y"), self._per_rank(out, "out", optional=True)
         cfg = self.config
+        wire_input = self._wire_inputs(y)
+        ys, given = self._per_rank(y, "y"), self._per_rank(out, "out", optional=True)
+        # The normal family's quantized combine in the rank layout reads y in place: the quantize
+        # kernel encodes the rows for other ranks into the wire rows, the combine a rank's own.
+        quantized = self.dispatch_spec.quant.quantized and not low_latency and not self.expert_layout
         capacity = self.layout.expert_rows if self.expert_layout else self.layout.capacity_rows
         for i, rank in enumerate(self.local_ranks):  # every rank's inputs before any copy or launch
-            check_combine_inputs(cfg, self.device, ys[i], given[i], self._pending_tokens[i], capacity,
-                                 f"[rank {rank}]" if self.virtual else "", in_place=low_latency)
+            tag = f"[rank {rank}]" if self.virtual else ""
+            if wire_input:
+                check_combine_inputs(cfg, self.device, None, given[i], self._pending_tokens[i], capacity, tag)
+            else:
+                check_combine_inputs(cfg, self.device, ys[i], given[i], self._pending_tokens[i], capacity, tag,
+                                     in_place=low_latency or quantized)
         if self.expert_layout:
-            self._fold(ys)  # fills combine_in with every received row: combine reads no y rows
+            self._fold(ys)  # fills combine_in (and the wire rows) with every received row: combine reads no y
         send = self._first_kernel(Op.COMBINE, self._pending_family, async_recv)
         a = self._args[send]
         outs = []
         for i, rank in enumerate(self.local_ranks):
             T = self._pending_tokens[i]
-            # the rows combine sends: the expert layout's folded rows, else y (the normal family
-            # reads it from combine_in, where peers can reach it; the low-latency one in place)
-            source = ys[i] if low_latency and not self.expert_layout else self._combine_in(rank)
-            if source is not ys[i] and not self.expert_layout and ys[i].data_ptr() != source.data_ptr():
-                source[: ys[i].shape[0]].copy_(ys[i])
+            # y: the rows this rank's kernels read as bf16 (the low-latency family and the quantized
+            # wire: in place; the expert layout: the folded rows; the bf16 wire: combine_in, where
+            # peers reach them, filled from y unless y is combine_input() itself); 0 with wire rows
+            if wire_input:
+                source, rows = None, self.layout.capacity_rows
+            elif self.expert_layout:
+                source, rows = self._combine_in(rank), self.layout.capacity_rows
+            elif low_latency or quantized:
+                source, rows = ys[i], ys[i].shape[0]
+            else:
+                source, rows = self._combine_in(rank), ys[i].shape[0]
+                if ys[i].data_ptr() != source.data_ptr():
+                    source[:rows].copy_(ys[i])
             o = given[i] if given[i] is not None else torch.empty((T, cfg.hidden), dtype=torch.bfloat16,
                                                                   device=self.device)
-            rows = self.layout.capacity_rows if self.expert_layout else ys[i].shape[0]
-            a["io"][i] = _rank_io(out=o.data_ptr(), num_tokens=T, y_rows=rows, y=source.data_ptr())
+            a["io"][i] = _rank_io(out=o.data_ptr(), num_tokens=T, y_rows=rows,
+                                  y=source.data_ptr() if source is not None else 0)
             outs.append(o)
+        if quantized and not wire_input and cfg.quantize_kernel:
+            q = self._args[Op.COMBINE_QUANTIZE]
+            q["io"] = a["io"]
+            self._launch(Op.COMBINE_QUANTIZE, 0, q)
         self._launch(send, max(self._pending_tokens), a)
         self._pending_tokens = None
         recv = self._args[Op.COMBINE_LL_RECV] if send is Op.COMBINE_LL_SEND else None
@@ -711,18 +806,16 @@ class EpDispatchCombine:
         variants = []
         for max_tokens, spec in cfg.variants(self.arch, op):
             fn = self._compile(spec)
-            # Every block of every rank this grid runs must be resident at once when blocks wait on
-            # each other: virtual ranks (one rank's blocks wait for another's on the same GPU) and
-            # the quantized combine (the last of a rank's blocks to finish its wire rows releases
-            # the peers, whose blocks wait for it).
-            if op in TRANSPORT_OPS and (self.virtual or (op is Op.COMBINE and spec.quant.quantized)):
+            # With virtual ranks every block of every rank this grid runs must be resident at once:
+            # one rank's blocks wait for another's on the same GPU. (With one rank a process no
+            # kernel waits for a block of its own grid.)
+            if op in TRANSPORT_OPS and self.virtual:
                 ranks = len(self.local_ranks)
                 fits = self._resident_blocks(fn, spec) // ranks
                 if fits < spec.blocks:
-                    why = "virtual ranks need" if self.virtual else "a quantized combine needs"
                     if explicit or fits < 1:
                         raise ValueError(
-                            f"{op.value} geometry {spec.blocks}x{spec.warps_per_block}u{spec.unroll}: {why} all "
+                            f"{op.value} geometry {spec.blocks}x{spec.warps_per_block}u{spec.unroll}: virtual ranks need all "
                             f"{spec.blocks * ranks} blocks resident at once but this GPU holds "
                             f"{self._resident_blocks(fn, spec)}; lower EpConfig.{op.value}_geometry blocks to "
                             f"{max(fits, 1)} or fewer warps")

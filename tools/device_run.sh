@@ -20,6 +20,10 @@
 #   moe     epgen demo --moe (deepseek-v3 MoE layer, 8 virtual ranks, $MOE_TOKENS tokens a rank, default
 #           the demo's), then at W = 1 -> tools/results/moe-demo-h200-w{8,1}.txt
 #   moebench tools/bench_moe.py at W = 1 (a one-rank NCCL group: correctness) -> tools/results/bench_moe-ep1-*
+#   qprofile tools/quant_profile.py: the quantized combine's kernels alone, ablations, geometry sweeps
+#           ($QPROFILE_ARGS, default --sweep) -> tools/results/quant-profile-h200.csv
+#   qbench  epgen bench W=2 virtual for each combine wire (none, fp8_blockwise, fp4_blockwise), uniform,
+#           tokens $QBENCH_TOKENS (default 128 1024 4096 8192) -> tools/results/bench-ep2v-h200-<wire>.*
 #   build   epgen build W=2 Tmax=8192 for sm_90 into a fresh cache, then time load_kernel per variant:
 #           warm import from it against a cold compile (fresh processes, empty CUPY_CACHE_DIR, 5 runs)
 #           -> tools/results/aot-import-ep2-h200.txt
@@ -65,6 +69,11 @@ for step in ${STEPS:-demo tune bench bench24 fp8 tests}; do
              | tee tools/results/moe-demo-h200-w$w.txt
          done ;;
     moebench) timeout ${MOE_TIMEOUT:-300} python tools/bench_moe.py --world-size 1 ${MOE_TOKENS:+--tokens $MOE_TOKENS} ;;
+    qprofile) timeout ${QPROFILE_TIMEOUT:-400} python tools/quant_profile.py ${QPROFILE_ARGS:---sweep} ;;
+    qbench) for q in none fp8_blockwise fp4_blockwise; do
+              timeout ${BENCH_TIMEOUT:-300} python -m epgen bench --world-size 2 --virtual --quant $q --routing uniform \
+                --tokens ${QBENCH_TOKENS:-128 1024 4096 8192} -o tools/results/bench-ep2v-h200-$q
+            done ;;
     probe) timeout ${PROBE_TIMEOUT:-200} python tools/p2p_probe.py ;;
     tests) timeout ${TEST_TIMEOUT:-400} python -m pytest ${TESTS:-tests} -m "gpu or multigpu" -q -rA --durations=15 \
              ${K:+-k "$K"} ;;

@@ -230,9 +230,10 @@ struct EpRankIO {        // one per rank launched by this grid (gridDim.y ranks)
   ep_u64 indices;        // dispatch: [T, K] int32
   ep_u64 scales;         // dispatch: [T, S] bytes (0 when S = 0)
   ep_u64 out;            // combine: [T, H] bf16 output
-  ep_u64 y;              // fold, combine_ll_send: [y_rows, H] bf16 expert outputs (the expert layout's, or combine_in)
+  ep_u64 y;              // fold, combine_quantize, the low-latency combine, the quantized combine (its own rows; 0: from its wire rows): [y_rows, H] bf16 expert outputs (the caller's, the expert layout's, or combine_in)
   ep_u64 y_rows;         // combine, fold: rows of the caller's y (checked against the rows used)
   ep_u64 num_tokens;     // T of this rank
+  ep_u64 quantize;       // fold: 1 = rows from other ranks as combine wire rows (the normal combine follows)
 };
 struct EpArgs {
   ep_u64 arena[kWorld];  // every rank's arena, as mapped in this process
@@ -326,8 +327,10 @@ EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag,
   return true;
 }
 // ---- combine wire: fp4_blockwise ----
-// Each rank first quantizes its received rows of combine_in into wire rows of its own arena;
-// peers read those. Wire row: fp4 codes (2048 bytes), then
+// Each rank's received rows from other ranks become wire rows in its own arena (the quantize
+// kernel, or the expert layout's fold), which those ranks read; its own rows are encoded and
+// decoded in registers where they are summed.
+// Wire row: fp4 codes (2048 bytes), then
 // 128 float32 scales at byte 2048, one per 32 elements (the last block may be
 // partial): s = fl(block amax / 6), 1 when amax < 2^-80; code = encode(fl(x / s)); dq = fl(decode(code) * s).
 // Reference, bit for bit: epgen.quant.combine_roundtrip("fp4_blockwise", ...).
@@ -382,10 +385,11 @@ EP_DEVICE float ep_bf16_element(const ep_vec& v, int k) {
   return ep_bits_to_float(k % 2 ? w & 0xffff0000u : w << 16);
 }
 
-// One lane quantizes 8 consecutive elements (vector i of a row); every lane of the wave calls
-// it (the scale's amax is a shuffle reduction), lanes past the row end with valid = false. The
-// elements stay packed in v and are unpacked one at a time, keeping registers for 1024 threads.
-EP_DEVICE void ep_wire_quantize(const ep_vec& v, int i, bool valid, ep_u8* wire_row) {
+// The codes of 8 consecutive elements (a lane's vector v of a row) and, in s, their block's
+// scale; every lane of the wave calls it (the scale's amax is a shuffle reduction), lanes past the
+// row end with valid = false. The elements stay packed in v and are unpacked one at a time,
+// keeping registers for 1024 threads.
+EP_DEVICE ep_u32 ep_wire_encode(const ep_vec& v, bool valid, float& s) {
   float amax = 0.0f;
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
@@ -400,20 +404,30 @@ EP_DEVICE void ep_wire_quantize(const ep_vec& v, int i, bool valid, ep_u8* wire_
   // s = fl(amax / max) as the reference; blocks with amax below 2^-80 (or NaN) take s = 1 and so
   // travel as zeros (or NaN). Above it every quotient that can round to a nonzero code, and its
   // division residual, are normal float32: exact under the runtime's -ftz=true.
-  const float s = amax >= 0x1p-80f ? ep_div_rn(amax, kElementMax) : 1.0f;
-  if (valid && ep_lane_id() % kLanesPerScale == 0)
-    ep_store4(wire_row + kWireScaleOffset + (ep_u64)(i / kLanesPerScale) * 4, ep_float_to_bits(s));
-  if (!valid) return;
+  s = amax >= 0x1p-80f ? ep_div_rn(amax, kElementMax) : 1.0f;
 #define EP_WIRE_ELEMENT(k) ep_div_rn(ep_bf16_element(v, k), s)
   ep_u32 codes = 0u;
 #pragma unroll
   for (int k = 0; k < 8; ++k) codes |= ep_e2m1(EP_WIRE_ELEMENT(k)) << (4 * k);  // element 2j in byte j's low nibble
-  ep_store4(wire_row + (ep_u64)i * 4, codes);
+  return codes;
 #undef EP_WIRE_ELEMENT
 }
 
 typedef ep_u32 ep_wire;
 EP_DEVICE ep_wire ep_wire_load(const ep_u8* row, int i) { return ep_load4_peer(row + (ep_u64)i * 4); }
+EP_DEVICE void ep_wire_store(ep_u8* row, int i, ep_wire w) { ep_store4(row + (ep_u64)i * 4, w); }
+// Vector i of a row (v, 8 elements) into wire_row: its codes, and its block's scale by the
+// block's first lane. Every lane of the wave calls it (ep_wire_encode), lanes past the row end
+// with valid = false.
+EP_DEVICE void ep_wire_quantize(const ep_vec& v, int i, bool valid, ep_u8* wire_row) {
+  float s;
+  const ep_wire codes = ep_wire_encode(v, valid, s);
+  if (!valid) return;
+  ep_wire_store(wire_row, i, codes);
+  if (ep_lane_id() % kLanesPerScale == 0)
+    ep_store4(wire_row + kWireScaleOffset + (ep_u64)(i / kLanesPerScale) * 4, ep_float_to_bits(s));
+}
+
 EP_DEVICE ep_wire ep_wire_zero() { return 0u; }
 EP_DEVICE float ep_wire_scale(const ep_u8* row, int i) {
   return ep_bits_to_float(ep_load4_peer(row + kWireScaleOffset + (ep_u64)(i / kLanesPerScale) * 4));
@@ -430,22 +444,28 @@ EP_DEVICE void ep_wire_add(float* acc, const ep_wire& w, float s) {
 
 // ---- combine ----
 // Pull: out[t] = sum over the ranks d that token t reached of d's expert output for t, read from
-// d's arena (combine_in rows, or their quantized wire rows), accumulated in fp32 in ascending d
-// and rounded to bf16 once. A rank's expert outputs are ready for peers once every one of its
-// blocks has prepared its share of the wire rows (bf16 wire: nothing to prepare, so the first
-// block to arrive tells the peers); every block waits for all peers' signals before it reads. A
-// token that reached no rank gets zeros. Work items are (token, chunk) pairs spread over every
-// warp of the grid, so a few tokens still keep many peer reads in flight; each item loads
-// kFanIn source rows before accumulating.
-constexpr ep_u32 kReadyAfter = 24u;  // arrivals that make this rank's rows ready
+// d's arena (combine_in rows, or with a quantized wire their wire rows), accumulated in fp32 in
+// ascending d and rounded to bf16 once. A rank's rows are ready for peers before this kernel
+// starts: written by the kernels before it on the stream (the caller's expert stage, the expert
+// layout's fold, or the quantize kernel, which writes the wire rows), so the first block to
+// arrive tells the peers, its system-scope release cumulative over those writes (PTX memory model:
+// causality order through the stream's kernel order; LLVM AMDGPUUsage: a system-scope release
+// writes back the whole L2 on GFX942/GFX950 and GFX125x). Every block waits for all peers' signals
+// before it reads; no block waits for another block of its own grid. With a quantized wire a
+// rank's own rows are read as bf16 (io.y, row send_slot[t, rank]) and encoded in registers where
+// they are summed (io.y = 0: its own wire rows, as peers read them). A token that reached no rank
+// gets zeros. Work items are (token, chunk) pairs spread over every warp of the grid, so a few
+// tokens still keep many peer reads in flight; each item loads kFanIn source rows before
+// accumulating.
 
-// Chunk c of up to kFanIn source rows of one item, taken from m in ascending rank (lane d holds
-// rank d's row address in src_row); a missing row loads as zeros with scale 0.
-EP_DEVICE void ep_load_rows(ep_mask& m, ep_u64 src_row, int c, int lane, ep_wire (&v)[kFanIn][kUnroll],
+// Chunk c of up to kFanIn source rows of one item, taken from m in ascending rank up to rank own
+// (left in m; -1: none), lane d holding rank d's row address in src_row; a missing row loads as
+// zeros with scale 0.
+EP_DEVICE void ep_load_rows(ep_mask& m, ep_u64 src_row, int c, int lane, int own, ep_wire (&v)[kFanIn][kUnroll],
                             float (&scale)[kFanIn][kUnroll]) {
 #pragma unroll
   for (int f = 0; f < kFanIn; ++f) {
-    const bool have = m != 0ull;
+    const bool have = m != 0ull && ep_ctz(m) != own;
     const ep_u8* src = (const ep_u8*)ep_shfl64(src_row, have ? ep_ctz(m) : 0);
     if (have) m &= m - 1;
 #pragma unroll
@@ -465,14 +485,29 @@ EP_DEVICE void ep_add_rows(float (&acc)[kUnroll][8], const ep_wire (&v)[kFanIn][
     for (int u = 0; u < kUnroll; ++u) ep_wire_add(acc[u], v[f][u], scale[f][u]);
 }
 
+// Chunk c of a rank's own row, bf16 at src, added as its wire row decodes: encoded here with the
+// quantize kernel's codes and scales, never written. Every lane calls it (ep_wire_encode's
+// shuffles see the whole wave).
+EP_DEVICE void ep_add_own_row(float (&acc)[kUnroll][8], const ep_u8* src, int c, int lane) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int i = c + u * kWave + lane;
+    const bool valid = i < kRowVectors;
+    float s;
+    const ep_wire w = ep_wire_encode(valid ? ep_load16(src + (ep_u64)i * 16) : ep_vec_zero(), valid, s);
+    ep_wire_add(acc[u], w, valid ? s : 0.0f);
+  }
+}
+
 // Chunk c of out row dst = the sum over the ranks in m of their rows (lane d holds rank d's row
-// address in src_row), ascending rank. The first kFanIn rows load before acc is live: with acc
-// held across the loads, the 64 registers of a 1024-thread block leave room for only half of
-// them in flight (tools/NOTES.md).
-EP_DEVICE void ep_combine_chunk(ep_mask m, ep_u64 src_row, int c, int lane, ep_u8* dst) {
+// address in src_row), ascending rank; rank own's row (-1: none) is bf16, encoded where it is
+// added (ep_add_own_row). The first kFanIn rows load before acc is live: with acc held
+// across the loads, the 64 registers of a 1024-thread block leave room for only half of them in
+// flight (tools/NOTES.md).
+EP_DEVICE void ep_combine_chunk(ep_mask m, ep_u64 src_row, int c, int lane, int own, ep_u8* dst) {
   ep_wire v[kFanIn][kUnroll];
   float scale[kFanIn][kUnroll];
-  ep_load_rows(m, src_row, c, lane, v, scale);
+  ep_load_rows(m, src_row, c, lane, own, v, scale);
   float acc[kUnroll][8];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u)
@@ -480,7 +515,12 @@ EP_DEVICE void ep_combine_chunk(ep_mask m, ep_u64 src_row, int c, int lane, ep_u
     for (int k = 0; k < 8; ++k) acc[u][k] = 0.0f;
   ep_add_rows(acc, v, scale);
   while (m) {
-    ep_load_rows(m, src_row, c, lane, v, scale);
+    if (ep_ctz(m) == own) {
+      ep_add_own_row(acc, (const ep_u8*)ep_shfl64(src_row, own), c, lane);
+      m &= m - 1;
+      continue;
+    }
+    ep_load_rows(m, src_row, c, lane, own, v, scale);
     ep_add_rows(acc, v, scale);
   }
 #pragma unroll
@@ -515,34 +555,14 @@ EP_KERNEL(kThreads) epgen_combine_gfx1250_bf16_w8_h4096_k2_l1_t4096_24x32_u4_qfp
   }
   ep_sync_block();
   const ep_u32 gen = s_gen;
-
-  {  // this block's share of the wire rows: the rows this rank received, in (row, chunk) items
-    const int rows = (int)sig[kSigNumRecv];
-    const ep_u8* const cin = (const ep_u8*)(a.arena[rank] + kOffCombineIn);
-    ep_u8* const wire = (ep_u8*)(a.arena[rank] + kOffCombineWire);
-    for (int item = ep_block_idx() * kWarps + warp; item < rows * kChunksPerRow; item += kBlocks * kWarps) {
-      const int r = item / kChunksPerRow;
-      const int c = (item - r * kChunksPerRow) * kChunkVectors;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int i = c + u * kWave + lane;
-        const ep_vec v = i < kRowVectors ? ep_load16(cin + (ep_u64)r * kRowBytes + (ep_u64)i * 16) : ep_vec_zero();
-        ep_wire_quantize(v, i, i < kRowVectors, wire + (ep_u64)r * kSrcRowBytes);
-      }
-    }
-  }
-  ep_sync_block_for_release();  // every thread's wire rows before thread 0's release
-  if (tid == 0) {
-    ep_fence_release_system();  // this block's wire rows before its arrival
-    if (ep_atomic_add_device(&sig[kSigCombineArrive], 1u) == kReadyAfter - 1u) {
-      ep_fence_acquire_system();  // every block's wire rows (their releases) before the flags
-      for (int d = 0; d < kWorld; ++d) ep_store_release_system(ep_signals(a, d) + kSigCombineReadyFrom + rank, gen);
-    }
+  if (tid == 0 && ep_atomic_add_device(&sig[kSigCombineArrive], 1u) == 0u) {
+    for (int d = 0; d < kWorld; ++d) ep_store_release_system(ep_signals(a, d) + kSigCombineReadyFrom + rank, gen);
   }
   if (tid < kWorld) s_ok[tid] = ep_wait_generation(a, rank, sig + kSigCombineReadyFrom + tid, gen, kPhaseCombineReady, tid);
   ep_sync_block();
 
   ep_u8* const out = (ep_u8*)io.out;
+  const int own = io.y ? rank : -1;  // this rank's rows: bf16 in y, or (0) its own wire rows
   const int items = num_tokens * kChunksPerRow;
   const int stride = kBlocks * kWarps;
   // The next item's receive rows are loaded one item ahead: the peer reads of an item never
@@ -557,10 +577,11 @@ EP_KERNEL(kThreads) epgen_combine_gfx1250_bf16_w8_h4096_k2_l1_t4096_24x32_u4_qfp
     next_row = lane < kWorld && ahead < items ? send_slot[(ep_u64)(ahead / kChunksPerRow) * kWorld + lane] : -1;
     ep_u64 src_row = 0ull;
     if (lane < kWorld) {
-      if (!s_ok[lane]) row = -1;
-      if (row >= 0) src_row = a.arena[lane] + kOffCombineSrc + (ep_u64)row * kSrcRowBytes;
+      if (!s_ok[lane] || (lane == own && row >= (int)io.y_rows)) row = -1;  // past y: reported above
+      if (row >= 0) src_row = lane == own ? io.y + (ep_u64)row * kRowBytes
+                                          : a.arena[lane] + kOffCombineSrc + (ep_u64)row * kSrcRowBytes;
     }
-    ep_combine_chunk(ep_ballot(row >= 0), src_row, c, lane, out + (ep_u64)t * kRowBytes);
+    ep_combine_chunk(ep_ballot(row >= 0), src_row, c, lane, own, out + (ep_u64)t * kRowBytes);
   }
 
   ep_sync_block();

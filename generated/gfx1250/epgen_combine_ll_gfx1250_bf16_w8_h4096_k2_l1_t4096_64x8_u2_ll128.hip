@@ -230,9 +230,10 @@ struct EpRankIO {        // one per rank launched by this grid (gridDim.y ranks)
   ep_u64 indices;        // dispatch: [T, K] int32
   ep_u64 scales;         // dispatch: [T, S] bytes (0 when S = 0)
   ep_u64 out;            // combine: [T, H] bf16 output
-  ep_u64 y;              // fold, combine_ll_send: [y_rows, H] bf16 expert outputs (the expert layout's, or combine_in)
+  ep_u64 y;              // fold, combine_quantize, the low-latency combine, the quantized combine (its own rows; 0: from its wire rows): [y_rows, H] bf16 expert outputs (the caller's, the expert layout's, or combine_in)
   ep_u64 y_rows;         // combine, fold: rows of the caller's y (checked against the rows used)
   ep_u64 num_tokens;     // T of this rank
+  ep_u64 quantize;       // fold: 1 = rows from other ranks as combine wire rows (the normal combine follows)
 };
 struct EpArgs {
   ep_u64 arena[kWorld];  // every rank's arena, as mapped in this process
@@ -416,9 +417,9 @@ EP_DEVICE void ep_combine_send(const EpArgs& a) {
   }
   if (tid == 0) *calls = gen;
 }
-// Chunk c of up to kFanIn source rows of one item, taken from m in ascending rank (lane d holds
-// rank d's row address in src_row); a missing row loads as zeros with scale 0.
-EP_DEVICE void ep_load_rows(ep_mask& m, ep_u64 src_row, int c, int lane, ep_wire (&v)[kFanIn][kUnroll],
+// Chunk c of up to kFanIn source rows of one item, taken from m in ascending rank, lane d holding rank d's row address in src_row; a missing row loads as
+// zeros with scale 0.
+EP_DEVICE void ep_load_rows(ep_mask& m, ep_u64 src_row, int c, int lane, int own, ep_wire (&v)[kFanIn][kUnroll],
                             float (&scale)[kFanIn][kUnroll]) {
 #pragma unroll
   for (int f = 0; f < kFanIn; ++f) {
@@ -443,13 +444,13 @@ EP_DEVICE void ep_add_rows(float (&acc)[kUnroll][8], const ep_wire (&v)[kFanIn][
 }
 
 // Chunk c of out row dst = the sum over the ranks in m of their rows (lane d holds rank d's row
-// address in src_row), ascending rank. The first kFanIn rows load before acc is live: with acc
-// held across the loads, the 64 registers of a 1024-thread block leave room for only half of
-// them in flight (tools/NOTES.md).
-EP_DEVICE void ep_combine_chunk(ep_mask m, ep_u64 src_row, int c, int lane, ep_u8* dst) {
+// address in src_row), ascending rank. The first kFanIn rows load before acc is live: with acc held
+// across the loads, the 64 registers of a 1024-thread block leave room for only half of them in
+// flight (tools/NOTES.md).
+EP_DEVICE void ep_combine_chunk(ep_mask m, ep_u64 src_row, int c, int lane, int own, ep_u8* dst) {
   ep_wire v[kFanIn][kUnroll];
   float scale[kFanIn][kUnroll];
-  ep_load_rows(m, src_row, c, lane, v, scale);
+  ep_load_rows(m, src_row, c, lane, own, v, scale);
   float acc[kUnroll][8];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u)
@@ -457,7 +458,7 @@ EP_DEVICE void ep_combine_chunk(ep_mask m, ep_u64 src_row, int c, int lane, ep_u
     for (int k = 0; k < 8; ++k) acc[u][k] = 0.0f;
   ep_add_rows(acc, v, scale);
   while (m) {
-    ep_load_rows(m, src_row, c, lane, v, scale);
+    ep_load_rows(m, src_row, c, lane, own, v, scale);
     ep_add_rows(acc, v, scale);
   }
 #pragma unroll
@@ -519,7 +520,7 @@ EP_DEVICE void ep_combine_recv(const EpArgs& a) {
     const bool own = lane == rank && own_row >= 0 && own_row < (int)io.y_rows;
     const bool reached = lane == rank ? own : pos >= 0 && s_ok[lane];
     const ep_u64 src_row = own ? (ep_u64)(y + (ep_u64)own_row * kRowBytes) : reached ? ep_ll_stage_row(arena, gen, lane, t) : 0ull;
-    ep_combine_chunk(ep_ballot(reached), src_row, c, lane, out + (ep_u64)t * kRowBytes);
+    ep_combine_chunk(ep_ballot(reached), src_row, c, lane, -1, out + (ep_u64)t * kRowBytes);
   }
   if (tid == 0) *calls = gen;
 }

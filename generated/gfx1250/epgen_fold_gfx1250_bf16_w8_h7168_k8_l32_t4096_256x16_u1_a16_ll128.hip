@@ -240,9 +240,10 @@ struct EpRankIO {        // one per rank launched by this grid (gridDim.y ranks)
   ep_u64 indices;        // dispatch: [T, K] int32
   ep_u64 scales;         // dispatch: [T, S] bytes (0 when S = 0)
   ep_u64 out;            // combine: [T, H] bf16 output
-  ep_u64 y;              // fold, combine_ll_send: [y_rows, H] bf16 expert outputs (the expert layout's, or combine_in)
+  ep_u64 y;              // fold, combine_quantize, the low-latency combine, the quantized combine (its own rows; 0: from its wire rows): [y_rows, H] bf16 expert outputs (the caller's, the expert layout's, or combine_in)
   ep_u64 y_rows;         // combine, fold: rows of the caller's y (checked against the rows used)
   ep_u64 num_tokens;     // T of this rank
+  ep_u64 quantize;       // fold: 1 = rows from other ranks as combine wire rows (the normal combine follows)
 };
 struct EpArgs {
   ep_u64 arena[kWorld];  // every rank's arena, as mapped in this process
@@ -335,6 +336,22 @@ EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag,
   ep_fence_after_poll();
   return true;
 }
+// ---- combine wire: none ----
+// Peers read the bf16 expert outputs (combine_in) as they are: 8 elements per 16-byte vector.
+constexpr ep_u64 kOffCombineSrc = kOffCombineIn;
+constexpr int kSrcRowBytes = kRowBytes;
+typedef ep_vec ep_wire;
+EP_DEVICE ep_wire ep_wire_zero() { return ep_vec_zero(); }
+EP_DEVICE ep_wire ep_wire_load(const ep_u8* row, int i) { return ep_load16_peer(row + (ep_u64)i * 16); }
+EP_DEVICE float ep_wire_scale(const ep_u8* row, int i) { return 1.0f; }
+EP_DEVICE void ep_wire_add(float* acc, const ep_wire& w, float s) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const ep_u32 x = ep_vec_word(w, k);
+    acc[2 * k] += ep_bits_to_float(x << 16);
+    acc[2 * k + 1] += ep_bits_to_float(x & 0xffff0000u);
+  }
+}
 
 // ---- fold (expert layout, local to the rank; runs before combine) ----
 // For every received row i: F[i] = bf16(sum over its distinct local experts, in ascending first
@@ -402,11 +419,9 @@ EP_KERNEL(kThreads) epgen_fold_gfx1250_bf16_w8_h7168_k8_l32_t4096_256x16_u1_a16_
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int e = c + u * kWave + lane;
-      if (e < kRowVectors) {
-        ep_store16(folded + (ep_u64)i * kRowBytes + (ep_u64)e * 16,
-                   ep_vec_make(ep_pack_bf16x2(acc[u][0], acc[u][1]), ep_pack_bf16x2(acc[u][2], acc[u][3]),
-                               ep_pack_bf16x2(acc[u][4], acc[u][5]), ep_pack_bf16x2(acc[u][6], acc[u][7])));
-      }
+      const ep_vec f = ep_vec_make(ep_pack_bf16x2(acc[u][0], acc[u][1]), ep_pack_bf16x2(acc[u][2], acc[u][3]),
+                                   ep_pack_bf16x2(acc[u][4], acc[u][5]), ep_pack_bf16x2(acc[u][6], acc[u][7]));
+      if (e < kRowVectors) ep_store16(folded + (ep_u64)i * kRowBytes + (ep_u64)e * 16, f);
     }
   }
 }

@@ -228,9 +228,10 @@ struct EpRankIO {        // one per rank launched by this grid (gridDim.y ranks)
   ep_u64 indices;        // dispatch: [T, K] int32
   ep_u64 scales;         // dispatch: [T, S] bytes (0 when S = 0)
   ep_u64 out;            // combine: [T, H] bf16 output
-  ep_u64 y;              // fold, combine_ll_send: [y_rows, H] bf16 expert outputs (the expert layout's, or combine_in)
+  ep_u64 y;              // fold, combine_quantize, the low-latency combine, the quantized combine (its own rows; 0: from its wire rows): [y_rows, H] bf16 expert outputs (the caller's, the expert layout's, or combine_in)
   ep_u64 y_rows;         // combine, fold: rows of the caller's y (checked against the rows used)
   ep_u64 num_tokens;     // T of this rank
+  ep_u64 quantize;       // fold: 1 = rows from other ranks as combine wire rows (the normal combine follows)
 };
 struct EpArgs {
   ep_u64 arena[kWorld];  // every rank's arena, as mapped in this process
@@ -342,18 +343,23 @@ EP_DEVICE void ep_wire_add(float* acc, const ep_wire& w, float s) {
 
 // ---- combine ----
 // Pull: out[t] = sum over the ranks d that token t reached of d's expert output for t, read from
-// d's arena (combine_in rows, or their quantized wire rows), accumulated in fp32 in ascending d
-// and rounded to bf16 once. A rank's expert outputs are ready for peers once every one of its
-// blocks has prepared its share of the wire rows (bf16 wire: nothing to prepare, so the first
-// block to arrive tells the peers); every block waits for all peers' signals before it reads. A
-// token that reached no rank gets zeros. Work items are (token, chunk) pairs spread over every
-// warp of the grid, so a few tokens still keep many peer reads in flight; each item loads
-// kFanIn source rows before accumulating.
-constexpr ep_u32 kReadyAfter = 1u;  // arrivals that make this rank's rows ready
+// d's arena (combine_in rows, or with a quantized wire their wire rows), accumulated in fp32 in
+// ascending d and rounded to bf16 once. A rank's rows are ready for peers before this kernel
+// starts: written by the kernels before it on the stream (the caller's expert stage, the expert
+// layout's fold, or the quantize kernel, which writes the wire rows), so the first block to
+// arrive tells the peers, its system-scope release cumulative over those writes (PTX memory model:
+// causality order through the stream's kernel order; LLVM AMDGPUUsage: a system-scope release
+// writes back the whole L2 on GFX942/GFX950 and GFX125x). Every block waits for all peers' signals
+// before it reads; no block waits for another block of its own grid. With a quantized wire a
+// rank's own rows are read as bf16 (io.y, row send_slot[t, rank]) and encoded in registers where
+// they are summed (io.y = 0: its own wire rows, as peers read them). A token that reached no rank
+// gets zeros. Work items are (token, chunk) pairs spread over every warp of the grid, so a few
+// tokens still keep many peer reads in flight; each item loads kFanIn source rows before
+// accumulating.
 
-// Chunk c of up to kFanIn source rows of one item, taken from m in ascending rank (lane d holds
-// rank d's row address in src_row); a missing row loads as zeros with scale 0.
-EP_DEVICE void ep_load_rows(ep_mask& m, ep_u64 src_row, int c, int lane, ep_wire (&v)[kFanIn][kUnroll],
+// Chunk c of up to kFanIn source rows of one item, taken from m in ascending rank, lane d holding rank d's row address in src_row; a missing row loads as
+// zeros with scale 0.
+EP_DEVICE void ep_load_rows(ep_mask& m, ep_u64 src_row, int c, int lane, int own, ep_wire (&v)[kFanIn][kUnroll],
                             float (&scale)[kFanIn][kUnroll]) {
 #pragma unroll
   for (int f = 0; f < kFanIn; ++f) {
@@ -378,13 +384,13 @@ EP_DEVICE void ep_add_rows(float (&acc)[kUnroll][8], const ep_wire (&v)[kFanIn][
 }
 
 // Chunk c of out row dst = the sum over the ranks in m of their rows (lane d holds rank d's row
-// address in src_row), ascending rank. The first kFanIn rows load before acc is live: with acc
-// held across the loads, the 64 registers of a 1024-thread block leave room for only half of
-// them in flight (tools/NOTES.md).
-EP_DEVICE void ep_combine_chunk(ep_mask m, ep_u64 src_row, int c, int lane, ep_u8* dst) {
+// address in src_row), ascending rank. The first kFanIn rows load before acc is live: with acc held
+// across the loads, the 64 registers of a 1024-thread block leave room for only half of them in
+// flight (tools/NOTES.md).
+EP_DEVICE void ep_combine_chunk(ep_mask m, ep_u64 src_row, int c, int lane, int own, ep_u8* dst) {
   ep_wire v[kFanIn][kUnroll];
   float scale[kFanIn][kUnroll];
-  ep_load_rows(m, src_row, c, lane, v, scale);
+  ep_load_rows(m, src_row, c, lane, own, v, scale);
   float acc[kUnroll][8];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u)
@@ -392,7 +398,7 @@ EP_DEVICE void ep_combine_chunk(ep_mask m, ep_u64 src_row, int c, int lane, ep_u
     for (int k = 0; k < 8; ++k) acc[u][k] = 0.0f;
   ep_add_rows(acc, v, scale);
   while (m) {
-    ep_load_rows(m, src_row, c, lane, v, scale);
+    ep_load_rows(m, src_row, c, lane, own, v, scale);
     ep_add_rows(acc, v, scale);
   }
 #pragma unroll
@@ -427,15 +433,14 @@ EP_KERNEL(kThreads) epgen_combine_gfx950_bf16_w8_h7168_k8_l32_t4096_56x15_u4_ll1
   }
   ep_sync_block();
   const ep_u32 gen = s_gen;
-  if (tid == 0) {
-    if (ep_atomic_add_device(&sig[kSigCombineArrive], 1u) == kReadyAfter - 1u) {
-      for (int d = 0; d < kWorld; ++d) ep_store_release_system(ep_signals(a, d) + kSigCombineReadyFrom + rank, gen);
-    }
+  if (tid == 0 && ep_atomic_add_device(&sig[kSigCombineArrive], 1u) == 0u) {
+    for (int d = 0; d < kWorld; ++d) ep_store_release_system(ep_signals(a, d) + kSigCombineReadyFrom + rank, gen);
   }
   if (tid < kWorld) s_ok[tid] = ep_wait_generation(a, rank, sig + kSigCombineReadyFrom + tid, gen, kPhaseCombineReady, tid);
   ep_sync_block();
 
   ep_u8* const out = (ep_u8*)io.out;
+  const int own = -1;
   const int items = num_tokens * kChunksPerRow;
   const int stride = kBlocks * kWarps;
   // The next item's receive rows are loaded one item ahead: the peer reads of an item never
@@ -450,10 +455,11 @@ EP_KERNEL(kThreads) epgen_combine_gfx950_bf16_w8_h7168_k8_l32_t4096_56x15_u4_ll1
     next_row = lane < kWorld && ahead < items ? send_slot[(ep_u64)(ahead / kChunksPerRow) * kWorld + lane] : -1;
     ep_u64 src_row = 0ull;
     if (lane < kWorld) {
-      if (!s_ok[lane]) row = -1;
-      if (row >= 0) src_row = a.arena[lane] + kOffCombineSrc + (ep_u64)row * kSrcRowBytes;
+      if (!s_ok[lane] || (lane == own && row >= (int)io.y_rows)) row = -1;  // past y: reported above
+      if (row >= 0) src_row = lane == own ? io.y + (ep_u64)row * kRowBytes
+                                          : a.arena[lane] + kOffCombineSrc + (ep_u64)row * kSrcRowBytes;
     }
-    ep_combine_chunk(ep_ballot(row >= 0), src_row, c, lane, out + (ep_u64)t * kRowBytes);
+    ep_combine_chunk(ep_ballot(row >= 0), src_row, c, lane, own, out + (ep_u64)t * kRowBytes);
   }
 
   ep_sync_block();

@@ -231,9 +231,10 @@ struct EpRankIO {        // one per rank launched by this grid (gridDim.y ranks)
   ep_u64 indices;        // dispatch: [T, K] int32
   ep_u64 scales;         // dispatch: [T, S] bytes (0 when S = 0)
   ep_u64 out;            // combine: [T, H] bf16 output
-  ep_u64 y;              // fold, combine_ll_send: [y_rows, H] bf16 expert outputs (the expert layout's, or combine_in)
+  ep_u64 y;              // fold, combine_quantize, the low-latency combine, the quantized combine (its own rows; 0: from its wire rows): [y_rows, H] bf16 expert outputs (the caller's, the expert layout's, or combine_in)
   ep_u64 y_rows;         // combine, fold: rows of the caller's y (checked against the rows used)
   ep_u64 num_tokens;     // T of this rank
+  ep_u64 quantize;       // fold: 1 = rows from other ranks as combine wire rows (the normal combine follows)
 };
 struct EpArgs {
   ep_u64 arena[kWorld];  // every rank's arena, as mapped in this process

@@ -224,9 +224,10 @@ struct EpRankIO {        // one per rank launched by this grid (gridDim.y ranks)
   ep_u64 indices;        // dispatch: [T, K] int32
   ep_u64 scales;         // dispatch: [T, S] bytes (0 when S = 0)
   ep_u64 out;            // combine: [T, H] bf16 output
-  ep_u64 y;              // fold, combine_ll_send: [y_rows, H] bf16 expert outputs (the expert layout's, or combine_in)
+  ep_u64 y;              // fold, combine_quantize, the low-latency combine, the quantized combine (its own rows; 0: from its wire rows): [y_rows, H] bf16 expert outputs (the caller's, the expert layout's, or combine_in)
   ep_u64 y_rows;         // combine, fold: rows of the caller's y (checked against the rows used)
   ep_u64 num_tokens;     // T of this rank
+  ep_u64 quantize;       // fold: 1 = rows from other ranks as combine wire rows (the normal combine follows)
 };
 struct EpArgs {
   ep_u64 arena[kWorld];  // every rank's arena, as mapped in this process
@@ -320,8 +321,10 @@ EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag,
   return true;
 }
 // ---- combine wire: fp8_direct_cast ----
-// Each rank first quantizes its received rows of combine_in into wire rows of its own arena;
-// peers read those. Wire row: fp8 codes (2880 bytes)// (saturating cast, no scales).
+// Each rank's received rows from other ranks become wire rows in its own arena (the quantize
+// kernel, or the expert layout's fold), which those ranks read; its own rows are encoded and
+// decoded in registers where they are summed.
+// Wire row: fp8 codes (2880 bytes), a saturating cast, no scales.
 // Reference, bit for bit: epgen.quant.combine_roundtrip("fp8_direct_cast", ...).
 constexpr ep_u64 kOffCombineSrc = kOffCombineWire;
 constexpr int kSrcRowBytes = 2880;
@@ -344,21 +347,28 @@ EP_DEVICE float ep_bf16_element(const ep_vec& v, int k) {
   return ep_bits_to_float(k % 2 ? w & 0xffff0000u : w << 16);
 }
 
-// One lane quantizes 8 consecutive elements (vector i of a row); every lane of the wave calls
-// it (the scale's amax is a shuffle reduction), lanes past the row end with valid = false. The
-// elements stay packed in v and are unpacked one at a time, keeping registers for 1024 threads.
-EP_DEVICE void ep_wire_quantize(const ep_vec& v, int i, bool valid, ep_u8* wire_row) {
-  if (!valid) return;
-#define EP_WIRE_ELEMENT(k) ep_bf16_element(v, k)
+// The codes of 8 consecutive elements (a lane's vector v of a row); s = 1 (no scales).
+EP_DEVICE ep_u64 ep_wire_encode(const ep_vec& v, bool valid, float& s) {
+  s = 1.0f;
   ep_u64 codes = 0ull;
 #pragma unroll
-  for (int k = 0; k < 8; k += 2) codes |= (ep_u64)ep_e4m3x2(EP_WIRE_ELEMENT(k), EP_WIRE_ELEMENT(k + 1)) << (8 * k);
-  ep_store8(wire_row + (ep_u64)i * 8, codes);
-#undef EP_WIRE_ELEMENT
+  for (int k = 0; k < 8; k += 2) codes |= (ep_u64)ep_e4m3x2(ep_bf16_element(v, k), ep_bf16_element(v, k + 1)) << (8 * k);
+  return codes;
 }
 
 typedef ep_u64 ep_wire;
 EP_DEVICE ep_wire ep_wire_load(const ep_u8* row, int i) { return ep_load8_peer(row + (ep_u64)i * 8); }
+EP_DEVICE void ep_wire_store(ep_u8* row, int i, ep_wire w) { ep_store8(row + (ep_u64)i * 8, w); }
+// Vector i of a row (v, 8 elements) into wire_row: its codes, and its block's scale by the
+// block's first lane. Every lane of the wave calls it (ep_wire_encode), lanes past the row end
+// with valid = false.
+EP_DEVICE void ep_wire_quantize(const ep_vec& v, int i, bool valid, ep_u8* wire_row) {
+  float s;
+  const ep_wire codes = ep_wire_encode(v, valid, s);
+  if (!valid) return;
+  ep_wire_store(wire_row, i, codes);
+}
+
 EP_DEVICE ep_wire ep_wire_zero() { return 0u; }
 EP_DEVICE float ep_wire_scale(const ep_u8* row, int i) {
   return 1.0f;
@@ -443,9 +453,9 @@ EP_DEVICE void ep_combine_send(const EpArgs& a) {
   }
   if (tid == 0) *calls = gen;
 }
-// Chunk c of up to kFanIn source rows of one item, taken from m in ascending rank (lane d holds
-// rank d's row address in src_row); a missing row loads as zeros with scale 0.
-EP_DEVICE void ep_load_rows(ep_mask& m, ep_u64 src_row, int c, int lane, ep_wire (&v)[kFanIn][kUnroll],
+// Chunk c of up to kFanIn source rows of one item, taken from m in ascending rank, lane d holding rank d's row address in src_row; a missing row loads as
+// zeros with scale 0.
+EP_DEVICE void ep_load_rows(ep_mask& m, ep_u64 src_row, int c, int lane, int own, ep_wire (&v)[kFanIn][kUnroll],
                             float (&scale)[kFanIn][kUnroll]) {
 #pragma unroll
   for (int f = 0; f < kFanIn; ++f) {
@@ -470,13 +480,13 @@ EP_DEVICE void ep_add_rows(float (&acc)[kUnroll][8], const ep_wire (&v)[kFanIn][
 }
 
 // Chunk c of out row dst = the sum over the ranks in m of their rows (lane d holds rank d's row
-// address in src_row), ascending rank. The first kFanIn rows load before acc is live: with acc
-// held across the loads, the 64 registers of a 1024-thread block leave room for only half of
-// them in flight (tools/NOTES.md).
-EP_DEVICE void ep_combine_chunk(ep_mask m, ep_u64 src_row, int c, int lane, ep_u8* dst) {
+// address in src_row), ascending rank. The first kFanIn rows load before acc is live: with acc held
+// across the loads, the 64 registers of a 1024-thread block leave room for only half of them in
+// flight (tools/NOTES.md).
+EP_DEVICE void ep_combine_chunk(ep_mask m, ep_u64 src_row, int c, int lane, int own, ep_u8* dst) {
   ep_wire v[kFanIn][kUnroll];
   float scale[kFanIn][kUnroll];
-  ep_load_rows(m, src_row, c, lane, v, scale);
+  ep_load_rows(m, src_row, c, lane, own, v, scale);
   float acc[kUnroll][8];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u)
@@ -484,7 +494,7 @@ EP_DEVICE void ep_combine_chunk(ep_mask m, ep_u64 src_row, int c, int lane, ep_u
     for (int k = 0; k < 8; ++k) acc[u][k] = 0.0f;
   ep_add_rows(acc, v, scale);
   while (m) {
-    ep_load_rows(m, src_row, c, lane, v, scale);
+    ep_load_rows(m, src_row, c, lane, own, v, scale);
     ep_add_rows(acc, v, scale);
   }
 #pragma unroll
@@ -540,7 +550,7 @@ EP_DEVICE void ep_combine_recv(const EpArgs& a) {
     }
     const bool reached = pos >= 0 && s_ok[lane];
     const ep_u64 src_row = reached ? ep_ll_stage_row(arena, gen, lane, t) : 0ull;
-    ep_combine_chunk(ep_ballot(reached), src_row, c, lane, out + (ep_u64)t * kRowBytes);
+    ep_combine_chunk(ep_ballot(reached), src_row, c, lane, -1, out + (ep_u64)t * kRowBytes);
   }
   if (tid == 0) *calls = gen;
 }

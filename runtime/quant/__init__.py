@@ -12,7 +12,8 @@ Modules (every public name is re-exported here, ``epgen.quant.X``):
 * ``epgen.quant.quantizers``: the wire modes' quantizers and dequantizers of [T, H] payloads
   (``fp8_blockwise``, ``fp8_direct_cast``, ``fp4_mx``, ``fp4_blockwise``), ``scale_bytes``, and
   their error bounds.
-* ``epgen.quant.wire``: the combine leg's wire, ``combine_roundtrip`` and ``combine_error_bound``.
+* ``epgen.quant.wire``: the combine leg's wire, ``combine_wire_rows``, ``combine_roundtrip`` and
+  ``combine_error_bound``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from epgen.quant.quantizers import (
     quantize_fp8_blockwise,
     scale_bytes,
 )
-from epgen.quant.wire import combine_error_bound, combine_roundtrip
+from epgen.quant.wire import combine_error_bound, combine_roundtrip, combine_wire_rows
 
 __all__ = [
     "E8M0_MAX_EXP",
@@ -57,6 +58,7 @@ __all__ = [
     "MODES",
     "combine_error_bound",
     "combine_roundtrip",
+    "combine_wire_rows",
     "dequantize_fp4_blockwise",
     "dequantize_fp4_mx",
     "dequantize_fp8_blockwise",

@@ -21,7 +21,7 @@ from epgen.quant.quantizers import (
     quantize_fp8_blockwise,
 )
 
-__all__ = ["combine_error_bound", "combine_roundtrip"]
+__all__ = ["combine_error_bound", "combine_roundtrip", "combine_wire_rows"]
 
 
 def _check_combine(mode: str, y) -> torch.Tensor:
@@ -57,6 +57,37 @@ def _half_steps(fmt: MiniFloat) -> tuple[float, float]:
     return 2.0 ** -(fmt.mbits + 1), 2.0 ** (fmt.emin - fmt.mbits - 1)
 
 
+def combine_wire_rows(mode: str, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The wire rows of a quantized combine wire for expert outputs ``y``: the codes and block
+    scales the kernels write for a row (the quantize kernel, the expert layout's fold) and decode
+    (``combine_roundtrip``), bit for bit. What an expert stage that writes its outputs already
+    quantized must write into ``EpDispatchCombine.combine_wire_input()``.
+
+    Modes: as ``combine_roundtrip`` ("none" has no wire rows: peers read the bf16 rows). A block
+    whose amax is below 2^-80 travels as zeros with scale 1.
+
+    Args:
+        mode: a quantized wire mode ("fp8_direct_cast", "fp8_blockwise", "fp4_blockwise").
+        y: [R, H] bfloat16 or float32 (finite for the blockwise modes).
+
+    Returns:
+        (codes, scales): codes uint8 [R, H] (fp8 e4m3fn) or [R, H / 2] (fp4 e2m1, ``pack_fp4``
+        order: element 2j in byte j's low nibble); scales float32 [R, ceil(H / block)], or None
+        for fp8_direct_cast.
+
+    Raises:
+        ValueError: as ``combine_roundtrip``, or mode "none".
+    """
+    y = _check_combine(mode, y)
+    quant = combine_quant(mode)
+    if not quant.quantized:
+        raise ValueError("mode='none': the bf16 combine wire has no wire rows (peers read the bf16 rows themselves)")
+    if mode == "fp8_direct_cast":
+        return fp8_direct_cast(y), None
+    quantize = quantize_fp8_blockwise if mode == "fp8_blockwise" else quantize_fp4_blockwise
+    return quantize(_flush_tiny_blocks(y, quant.block), quant.block)
+
+
 def combine_roundtrip(mode: str, y: torch.Tensor) -> torch.Tensor:
     """What the combine wire delivers for expert outputs ``y``: dequantize(quantize(y)) of ``mode``,
     bit for bit what the kernels decode before they sum (ascending rank, float32) and round to
@@ -64,10 +95,11 @@ def combine_roundtrip(mode: str, y: torch.Tensor) -> torch.Tensor:
 
     Modes (``epgen.codegen.dtypes.COMBINE_QUANTS``): "none" (y itself), "fp8_direct_cast"
     (``fp8_direct_cast``), "fp8_blockwise" (``quantize_fp8_blockwise``, block 128),
-    "fp4_blockwise" (``quantize_fp4_blockwise``, block 32). When H is not a multiple of the block
-    the last block is shorter, as in those quantizers. A block whose amax is below 2^-80 travels
-    as zeros: above that every quotient that can round to a nonzero code, and the kernels' division
-    residuals, are normal float32, so kernels compiled with flush-to-zero still match bit for bit.
+    "fp4_blockwise" (``quantize_fp4_blockwise``, block 32): the decode of ``combine_wire_rows``.
+    When H is not a multiple of the block the last block is shorter, as in those quantizers. A
+    block whose amax is below 2^-80 travels as zeros: above that every quotient that can round to
+    a nonzero code, and the kernels' division residuals, are normal float32, so kernels compiled
+    with flush-to-zero still match bit for bit.
 
     Args:
         mode: the wire mode.
@@ -83,13 +115,12 @@ def combine_roundtrip(mode: str, y: torch.Tensor) -> torch.Tensor:
     y = _check_combine(mode, y)
     if mode == "none":
         return y.to(torch.float32, copy=True)
+    codes, scales = combine_wire_rows(mode, y)
     if mode == "fp8_direct_cast":
-        return dequantize_fp8_direct(fp8_direct_cast(y))
+        return dequantize_fp8_direct(codes)
     block = combine_quant(mode).block
-    y = _flush_tiny_blocks(y, block)
-    if mode == "fp8_blockwise":
-        return dequantize_fp8_blockwise(*quantize_fp8_blockwise(y, block), block)
-    return dequantize_fp4_blockwise(*quantize_fp4_blockwise(y, block), block)
+    dequantize = dequantize_fp8_blockwise if mode == "fp8_blockwise" else dequantize_fp4_blockwise
+    return dequantize(codes, scales, block)
 
 
 def combine_error_bound(mode: str, y: torch.Tensor) -> torch.Tensor:

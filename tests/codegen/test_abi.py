@@ -26,7 +26,8 @@ def case(request) -> tuple[KernelSpec, str]:
     op, arch, w = request.param
     s = KernelSpec(op=op, arch=arch, dtype="bf16", hidden=2048, topk=4, experts_per_rank=2, world_size=w,
                    max_tokens_per_rank=64, blocks=8, warps_per_block=4, unroll=2,
-                   expert_alignment=16 if op in EXPERT_OPS else 0, ll_tokens=32 if op.low_latency else 0)
+                   expert_alignment=16 if op in EXPERT_OPS else 0, ll_tokens=32 if op.low_latency else 0,
+                   combine_quant="fp8_blockwise" if op is Op.COMBINE_QUANTIZE else "none")
     return s, render(s).text
 
 

@@ -192,7 +192,7 @@ def test_op_template_closure():
     assert {"common/_header.j2", "common/_prelude.j2"} <= set(names)
     assert {t.platform_template for t in ARCH_TRAITS.values()} <= set(names)
     assert {q.template for q in COMBINE_QUANTS.values()} <= set(names)
-    assert {"common/wire/_codec.j2", "common/wire/_block_scale.j2", "common/wire/_wire_read.j2"} <= set(names)
+    assert {"common/wire/_codec.j2", "common/wire/_block_scale.j2", "common/wire/_wire_rows.j2"} <= set(names)
     assert {"common/_dispatch_rows.j2", "common/_combine_sum.j2"} <= set(names)  # shared by both families
 
 

@@ -22,6 +22,7 @@ from epgen.codegen.errors import FieldError
 from epgen.codegen.spec import (ALIGN, EXPERT_OPS, LOW_LATENCY_OPS, MAX_TOKENS_LIMIT, PLAN_BLOCKS, SIGNAL_WORDS,
                                 TRANSPORT_OPS, ArenaLayout, KernelSpec, Op)
 from epgen.codegen.config import EpConfig, Geometry
+from epgen.codegen import tuning
 
 FIELDS = [f.name for f in attrs.fields(KernelSpec)]
 
@@ -732,7 +733,50 @@ def test_op_templates_and_families():
     assert [op.transport for op in LOW_LATENCY_OPS] == [Op.DISPATCH] * 3 + [Op.COMBINE] * 3
     assert [op.payload for op in LOW_LATENCY_OPS] == [True] * 3 + [False] * 3
     assert not any(op.low_latency for op in Op if op not in LOW_LATENCY_OPS)
-    assert all(op.template == op.value and op.transport is op for op in Op if op not in LOW_LATENCY_OPS)
+    assert Op.COMBINE_QUANTIZE.transport is Op.COMBINE and not Op.COMBINE_QUANTIZE.remote
+    assert all(op.template == op.value for op in Op if op not in LOW_LATENCY_OPS)
+    assert all(op.transport is op for op in Op if op not in LOW_LATENCY_OPS + (Op.COMBINE_QUANTIZE,))
+
+
+@pytest.mark.parametrize("world_size,layout,family,built", [
+    (2, "rank", "auto", True), (8, "rank", "normal", True), (1, "rank", "auto", False),
+    (2, "expert", "normal", False), (2, "rank", "low_latency", False),
+])
+def test_the_quantize_kernel_serves_the_normal_rank_layout_combine_with_peers(world_size, layout, family, built):
+    # W = 1 sends nothing; the expert layout's fold writes the wire rows; the low-latency family
+    # encodes the rows it sends
+    c = EpConfig(world_size=world_size, hidden=512, topk=2, num_experts=8, max_tokens_per_rank=256, layout=layout,
+                 kernel_family=family, combine_quant="fp8_blockwise")
+    assert (Op.COMBINE_QUANTIZE in c.ops) is built and c.quantize_kernel is (layout == "rank" and world_size > 1)
+    assert Op.COMBINE_QUANTIZE not in cfg(kernel_family=family, layout=layout).ops  # the bf16 wire never needs one
+    if built:
+        (max_tokens, s), = c.variants("sm_90", Op.COMBINE_QUANTIZE)
+        assert (s.blocks, s.threads, s.unroll) == tuning.LOCAL_GEOMETRY["combine_quantize"]
+
+
+def test_the_quantize_op_needs_a_quantized_wire():
+    with pytest.raises(ValueError, match=r"^KernelSpec.combine_quant='none': op 'combine_quantize' writes a quantized"):
+        spec(op="combine_quantize")
+    assert spec(op="combine_quantize", combine_quant="fp4_blockwise").name.startswith("epgen_combine_quantize_")
+
+
+def test_a_quantized_combine_runs_the_warps_its_registers_allow():
+    # 128 registers a thread: 16 warps a block on sm_90 (64K registers an SM), all 16 waves on
+    # gfx950 (4 a SIMD), all 32 on gfx1250; a table geometry keeps its blocks, an explicit one is refused
+    c = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096, combine_quant="fp8_blockwise")
+    table = {arch: tuning.lookup(c.tuning_key(arch, Op.COMBINE), 4096) for arch in ("sm_90", "gfx950", "gfx1250")}
+    for arch, want in (("sm_90", 16), ("gfx950", 16), ("gfx1250", 32)):
+        g = c.geometry(arch, Op.COMBINE, 4096)
+        assert (g.blocks, g.warps_per_block, g.unroll) == (table[arch].blocks, min(want, table[arch].warps_per_block),
+                                                           table[arch].unroll)
+        assert all(s.warps_per_block <= want for _, s in c.variants(arch, Op.COMBINE))
+    bf16 = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096)
+    assert bf16.geometry("sm_90", Op.COMBINE, 4096) == table["sm_90"]  # the bf16 wire keeps 32 warps
+    explicit = attrs.evolve(c, combine_geometry=Geometry(blocks=16, warps_per_block=32, unroll=4))
+    with pytest.raises(ValueError, match=r"^EpConfig.combine_geometry=.*: a combine with a quantized wire "
+                                         r"\(fp8_blockwise\) needs 128 registers a thread .* on sm_90 at most 16 warps"):
+        explicit.variants("sm_90", Op.COMBINE)
+    assert explicit.variants("gfx1250", Op.COMBINE)[0][1].warps_per_block == 32  # fits there
 
 
 @pytest.mark.parametrize("value", ["fast", "", "Normal", None, 1, ("auto",)])

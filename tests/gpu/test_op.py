@@ -142,31 +142,6 @@ def test_combine_wire_two_processes(mode):
     run_ranks(2, _combine_wire_body, mode, "deepseek-v3", False)
 
 
-@pytest.mark.gpu
-def test_quantized_combine_geometry_must_fit_the_gpu():
-    """A quantized combine waits for all of a rank's blocks, so they must be resident together:
-    an explicit geometry with more blocks than the GPU holds is refused at construction (one
-    real rank), and a table geometry is clamped to what fits."""
-    import torch
-
-    from epgen.op import EpDispatchCombine
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    too_many = Geometry(blocks=2 * sms, warps_per_block=32, unroll=4)  # 1024 threads: one block per SM
-    cfg = EpConfig.for_model("deepseek-v3", world_size=1, max_tokens_per_rank=256, combine_quant="fp8_blockwise",
-                             combine_geometry=too_many)
-    with pytest.raises(ValueError, match=rf"combine geometry {2 * sms}x32u4: a quantized combine needs all "
-                                         rf"{2 * sms} blocks resident at once but this GPU holds {sms}"):
-        EpDispatchCombine(cfg, virtual=False)
-    cfg = EpConfig.for_model("deepseek-v3", world_size=1, max_tokens_per_rank=256, combine_quant="fp8_blockwise",
-                             dispatch_geometry=too_many)  # dispatch never waits on its own blocks: allowed
-    op = EpDispatchCombine(cfg, virtual=False, validate=True)
-    assert op.variant(Op.DISPATCH, 256).blocks == 2 * sms
-    assert all(op.variant(Op.COMBINE, t).blocks <= sms for t in (1, 256))
-    run_round(op, cfg, [256], "uniform", 3)
-    op.close()
-
-
 # ---- resident blocks: epgen's occupancy formula against the CUDA driver's ----------------------
 
 def _driver_blocks(fn, spec) -> int:
