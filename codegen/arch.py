@@ -55,8 +55,9 @@ class ArchTraits:
         register_granule: allocation unit of registers (AMD: VGPRs per lane; NVIDIA: registers
             per warp).
         max_waves_per_simd: resident waves per SIMD (AMD) / warps per SM (NVIDIA).
-        simds_per_cu: SIMDs per CU (AMD; a block's waves spread over them); 1 on NVIDIA, where
-            occupancy is counted per SM.
+        simds_per_cu: SIMDs per CU (AMD; a block's waves spread over them) / SM sub-partitions
+            (NVIDIA: each holds its share of the register file, ``registers_per_simd`` the SM's
+            whole file; occupancy is counted per SM).
         shared_bytes_per_cu: LDS per CU (AMD) / shared memory per SM (NVIDIA), bytes.
         shared_reserved_per_block: shared memory the runtime reserves per resident block, bytes.
         max_blocks_per_cu: resident blocks per CU/SM.
@@ -131,7 +132,7 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
             offload_arch="sm_90", vector_bytes=16,
             shared_bytes_per_block=227 * 1024, steady_clock_hz=1_000_000_000, fp8_e4m3="ocp",
             hw_fp8_convert=True, registers_per_simd=65536, max_threads_per_block=1024, register_granule=256, max_waves_per_simd=64,
-            simds_per_cu=1, shared_bytes_per_cu=228 * 1024, shared_reserved_per_block=1024, max_blocks_per_cu=32,
+            simds_per_cu=4, shared_bytes_per_cu=228 * 1024, shared_reserved_per_block=1024, max_blocks_per_cu=32,
             release_needs_explicit_wait=False,
         ),
     )

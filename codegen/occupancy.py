@@ -10,7 +10,9 @@ to return ``hipErrorUnknown`` (``cupy_backends/hip/cupy_hip.h``).
   most ``max_waves_per_simd``); LDS allows ``shared_bytes_per_cu // lds`` blocks per CU. SGPRs do
   not limit occupancy on these targets. Reported as waves per SIMD.
 * NVIDIA: blocks per SM, limited by threads (``max_waves_per_simd`` warps per SM), registers
-  (``roundup(regs * 32, register_granule)`` per warp out of ``registers_per_simd``), shared
+  (``roundup(regs * 32, register_granule)`` per warp, allocated in each of the SM's
+  ``simds_per_cu`` sub-partitions out of its share of ``registers_per_simd``: with 96 registers
+  a 1-warp block fits 4 x 5 = 20 times, not 65536 / 3072 = 21, as the driver says), shared
   memory (``shared_bytes_per_cu // (roundup(smem, 128) + shared_reserved_per_block)``) and
   ``max_blocks_per_cu`` (the CUDA occupancy calculator's rules). On the H200 a GPU test checks
   this against the driver's ``cuOccupancyMaxActiveBlocksPerMultiprocessor`` for every variant the
@@ -49,7 +51,8 @@ def resident_blocks(arch: str, warps_per_block: int, registers: int, shared_byte
         by_lds = t.shared_bytes_per_cu // shared_bytes if shared_bytes else t.max_blocks_per_cu
         return min(by_vgpr, by_lds, t.max_blocks_per_cu)
     per_warp = _roundup(max(registers, 1) * t.wave_size, t.register_granule)
-    by_regs = (t.registers_per_simd // per_warp) // warps_per_block
+    # each sub-partition holds the warps its share of the register file allows
+    by_regs = t.simds_per_cu * (t.registers_per_simd // t.simds_per_cu // per_warp) // warps_per_block
     by_threads = t.max_waves_per_simd // warps_per_block
     by_smem = t.shared_bytes_per_cu // (_roundup(shared_bytes, 128) + t.shared_reserved_per_block)
     return min(by_regs, by_threads, by_smem, t.max_blocks_per_cu)

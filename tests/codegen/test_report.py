@@ -42,6 +42,9 @@ def test_resident_blocks_per_cu_or_sm():
     assert resident_blocks("sm_90", 16, registers=64, shared_bytes=40) == 2
     assert resident_blocks("sm_90", 32, registers=62, shared_bytes=104) == 1
     assert resident_blocks("sm_90", 1, registers=16, shared_bytes=0) == 32  # max_blocks_per_cu
+    # registers are allocated per sub-partition: 4 x floor(16384 / 3072) = 20 one-warp blocks of 96
+    # registers (the H200's driver says 20; one pool of 65536 would give 21)
+    assert resident_blocks("sm_90", 1, registers=96, shared_bytes=40) == 20
     assert resident_blocks("gfx950", 16, registers=66, shared_bytes=104) == 1  # 7 waves/SIMD, 4 a block
     assert resident_blocks("gfx950", 4, registers=40, shared_bytes=0, agprs=40) == 6
     assert resident_blocks("gfx1250", 8, registers=32, shared_bytes=100 * 1024) == 3  # LDS-bound

@@ -12,12 +12,12 @@ from epgen.verify import op_arg, run_round
 WIRES = ["fp8_direct_cast", "fp8_blockwise", "fp4_blockwise"]
 
 
-def _op(world_size, mode, virtual, tmax=1024, **kw):
+def _op(world_size, mode, virtual, tmax=1024, validate=True, **kw):
     from epgen.op import EpDispatchCombine
 
     cfg = EpConfig.for_model("deepseek-v3", world_size=world_size, max_tokens_per_rank=tmax, combine_quant=mode,
                              kernel_family="normal", timeout_s=10.0, **kw)
-    return cfg, EpDispatchCombine(cfg, virtual=virtual, validate=True)
+    return cfg, EpDispatchCombine(cfg, virtual=virtual, validate=validate)
 
 
 @pytest.mark.gpu
@@ -215,7 +215,7 @@ def test_graph_replays_of_the_quantized_combine_take_fresh_inputs(layout):
 
     from epgen.verify import make_inputs, op_inputs
 
-    cfg, op = _op(4, "fp8_blockwise", virtual=True, tmax=256, layout=layout)
+    cfg, op = _op(4, "fp8_blockwise", virtual=True, tmax=256, validate=False, layout=layout)  # no sync in a capture
     static = make_inputs(cfg, [256] * 4, "uniform", 1, device=op.device)
     rows = op.layout.expert_rows if layout == "expert" else op.layout.capacity_rows
     ys = [torch.zeros(rows, cfg.hidden, dtype=torch.bfloat16, device=op.device) for _ in range(4)]
