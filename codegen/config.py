@@ -13,13 +13,15 @@ from epgen.codegen.models import model as _model
 from epgen.codegen.abi import LL_FLAG_SLOTS
 from epgen.codegen.spec import (EXPERT_ALIGNMENTS, EXPERT_OPS, LL_MAX_TOKENS, LOW_LATENCY_OPS, PLAN_BLOCKS,
                                 PLAN_SHARED_LIMIT, TRANSPORT_OPS, KernelSpec, Op)
-from epgen.codegen.occupancy import resident_blocks
-from epgen.codegen.tuning import Geometry, TuningKey, buckets, local_geometry, lookup, low_latency_default
+from epgen.codegen.tuning import (Geometry, TuningKey, buckets, has_entry, local_geometry, lookup,
+                                  low_latency_default)
 
-QUANTIZED_COMBINE_REGISTERS = 128
-"""Registers a thread of the normal family's combine with a quantized wire needs: a rank's own rows
-are encoded where they are summed, 102-126 registers at unroll 4 (NVRTC 13.0 and clang 22,
-deepseek-v3), more than the 64 a 1024-thread block leaves on sm_90 (which spilled 240-384 bytes)."""
+QUANTIZED_COMBINE_THREADS = 512
+"""Most threads a block of the normal family's combine with a quantized wire runs: it encodes a
+rank's own rows where it sums them, which needs 105-111 registers a thread on sm_90 and up to 194
+VGPRs on gfx950 at unroll 4 (NVRTC 13.0, clang 22: deepseek-v3). 512 threads leave 128 on sm_90
+and 256 on gfx950 and gfx1250; 1024 leave 64 / 128, where NVRTC spilled 240-384 bytes and clang
+20-104."""
 
 LOCAL_OPS = EXPERT_OPS + (Op.COMBINE_QUANTIZE,)
 """Kernels local to a rank whose geometry is the tuning table's entry, else ``local_geometry``."""
@@ -208,10 +210,23 @@ class EpConfig:
 
     def tuning_key(self, arch: str, op: Op) -> TuningKey:
         """Key of this layer's ``op`` in the tuning tables (both halves of a low-latency op share
-        one entry, named after their template: "dispatch_ll", "combine_ll")."""
+        one entry, named after their template: "dispatch_ll", "combine_ll"). The normal family's
+        combine with a quantized wire, a kernel of its own, has its own entries: dtype the wire's
+        name (``_table_key`` falls back to the bf16 combine's entry where it has none)."""
         dtype = self.dtype if op.payload else "bf16"
-        return TuningKey(arch=arch, world_size=self.world_size, row_bytes=dtype_info(dtype).row_bytes(self.hidden),
-                         topk=self.topk, dtype=dtype, op=op.template)
+        row_bytes = dtype_info(dtype).row_bytes(self.hidden)
+        if op is Op.COMBINE and combine_quant(self.combine_quant).quantized:
+            dtype = self.combine_quant
+        return TuningKey(arch=arch, world_size=self.world_size, row_bytes=row_bytes, topk=self.topk, dtype=dtype,
+                         op=op.template)
+
+    def _table_key(self, arch: str, op: Op) -> TuningKey:
+        """The key whose entry ``op`` takes: ``tuning_key``, or for a quantized wire's combine
+        without an entry of its own the bf16 combine's."""
+        key = self.tuning_key(arch, op)
+        if op is Op.COMBINE and key.dtype != "bf16" and not has_entry(key):
+            return attrs.evolve(key, dtype="bf16")
+        return key
 
     def _low_latency_entry(self, arch: str, op: Op) -> tuple[int, Geometry]:
         """(max tokens, geometry) of the low-latency ``op``'s table entry (its one bucket), else
@@ -249,7 +264,7 @@ class EpConfig:
             g = self.low_latency_geometry or self._low_latency_entry(arch, op)[1]
             return g if self.low_latency_geometry else attrs.evolve(
                 g, blocks=max(1, min(g.blocks, LL_FLAG_SLOTS // self.world_size)))
-        key = self.tuning_key(arch, op)
+        key = self._table_key(arch, op)
         if op not in LOCAL_OPS:
             explicit = self._explicit(op)
             return self._fitted(arch, op, explicit or lookup(key, tokens), explicit=explicit is not None)
@@ -260,25 +275,21 @@ class EpConfig:
         return g
 
     def _fitted(self, arch: str, op: Op, g: Geometry, explicit: bool = False) -> Geometry:
-        """``g`` within ``op``'s register needs on ``arch``: a combine with a quantized wire runs as
-        many warps a block as fit with ``QUANTIZED_COMBINE_REGISTERS`` registers a thread (the
-        occupancy rules of ``epgen.codegen.occupancy``): a table geometry keeps its blocks and
-        loses warps, an explicit one is refused.
+        """``g`` within ``op``'s register needs on ``arch``: a combine with a quantized wire at most
+        ``QUANTIZED_COMBINE_THREADS`` threads a block; a table geometry keeps its blocks and loses
+        warps, an explicit one is refused.
 
         Raises:
-            FieldError: an explicit ``combine_geometry`` with more warps than fit.
+            FieldError: an explicit ``combine_geometry`` with more threads.
         """
-        if op is not Op.COMBINE or not combine_quant(self.combine_quant).quantized:
-            return g
-        fit = g.warps_per_block
-        while fit > 1 and resident_blocks(arch, fit, QUANTIZED_COMBINE_REGISTERS, 0) < 1:
-            fit -= 1
-        if fit == g.warps_per_block:
+        fit = QUANTIZED_COMBINE_THREADS // ARCH_TRAITS[arch].wave_size
+        if op is not Op.COMBINE or not combine_quant(self.combine_quant).quantized or g.warps_per_block <= fit:
             return g
         if explicit:
             raise FieldError("combine_geometry", f"EpConfig.combine_geometry={g}: a combine with a quantized wire "
-                             f"({self.combine_quant}) needs {QUANTIZED_COMBINE_REGISTERS} registers a thread (it "
-                             f"encodes the rank's own rows where it sums them); on {arch} at most {fit} warps a block")
+                             f"({self.combine_quant}) runs at most {QUANTIZED_COMBINE_THREADS} threads a block (it "
+                             f"encodes the rank's own rows where it sums them, in registers); on {arch} at most "
+                             f"{fit} warps")
         return attrs.evolve(g, warps_per_block=fit)
 
     def spec(self, arch: str, op: Op, geometry: Geometry) -> KernelSpec:
@@ -311,7 +322,7 @@ class EpConfig:
         if op in LOCAL_OPS or op.low_latency:  # one variant: the local ops' work follows the rows
             explicit = self.geometry(arch, op, self.max_tokens_per_rank)  # received; both low-latency halves agree on blocks
         table = ((self.max_tokens_per_rank, self._fitted(arch, op, explicit, explicit=True)),) if explicit else tuple(
-            (max_tokens, self._fitted(arch, op, g)) for max_tokens, g in buckets(self.tuning_key(arch, op)))
+            (max_tokens, self._fitted(arch, op, g)) for max_tokens, g in buckets(self._table_key(arch, op)))
         out = []
         for max_tokens, geometry in table:
             out.append((max_tokens, self.spec(arch, op, geometry)))

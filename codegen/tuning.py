@@ -125,6 +125,11 @@ def buckets(key: TuningKey, default: Geometry | None = None) -> tuple[tuple[int,
     return _table(key.arch).get(key) or ((1 << 30, default or default_geometry(key.arch)),)
 
 
+def has_entry(key: TuningKey) -> bool:
+    """Whether the tables hold an entry for ``key``."""
+    return key in _table(key.arch)
+
+
 def lookup(key: TuningKey, tokens: int, default: Geometry | None = None) -> Geometry:
     """Geometry for ``tokens``: the smallest bucket not below it, clamped to the largest (``buckets``,
     ``default`` when ``key`` has no entry)."""

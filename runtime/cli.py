@@ -330,7 +330,11 @@ def cmd_tune(args, parser, console) -> int:
         if given:
             parser.error(f"{' '.join(given)}: only with --family low_latency or both (--family normal tunes the "
                          "normal family alone)")
+    if args.quant != "none" and args.family != "normal":
+        parser.error(f"--quant {args.quant}: only with --family normal (the wire's combine has entries of its own; "
+                     "the low-latency entries do not depend on the wire)")
     opts = TuneOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens), dtype=args.dtype,
+                       combine_quant=args.quant,
                        geometries=tuple(args.geometry) if args.geometry else None, routing=args.routing,
                        iters=args.iters, write=not args.dry_run, family=args.family,
                        low_latency_tokens=tuple(args.low_latency_tokens or TuneOptions().low_latency_tokens),

@@ -193,7 +193,7 @@ def add_bench_args(b) -> None:
 def add_tune_args(t) -> None:
     """``epgen tune``'s flags, defaults from ``TuneOptions``."""
     tune = TuneOptions()
-    add_gpu_verb_args(t, tune, virtual=True, quant=False)
+    add_gpu_verb_args(t, tune, virtual=True, quant=True)
     t.add_argument("--family", choices=list(TUNE_FAMILIES), default=tune.family, help="families to tune (default "
                    f"{tune.family}): normal writes the dispatch/combine buckets; low_latency writes the dispatch_ll/"
                    "combine_ll entries (their geometry and the threshold up to which kernel_family auto takes them, "

@@ -90,6 +90,7 @@ class TuneOptions:
     low_latency_tokens: tuple[int, ...] = LOW_LATENCY_SWEEP
     low_latency_geometries: tuple[Geometry, ...] | None = None  # None: tune.default_low_latency_candidates
     virtual: bool = False  # every rank in this process on one GPU
+    combine_quant: str = "none"  # a quantized wire tunes that wire's combine entry alone (family "normal")
 
 
 @attrs.frozen

@@ -36,7 +36,8 @@ from epgen.codegen.abi import LL_FLAG_SLOTS
 from epgen.codegen.arch import traits
 from epgen.codegen.tuning import DEFAULT_UNROLL, Geometry, default_geometry, pick_fewest_blocks, write_entry
 from epgen.device import device_arch
-from epgen.codegen.config import EpConfig
+from epgen.codegen.config import QUANTIZED_COMBINE_THREADS, EpConfig
+from epgen.codegen.spec import Op
 from epgen.options import TuneOptions, tune_counts
 
 
@@ -48,9 +49,12 @@ LOW_LATENCY_CANDIDATE_UNROLL = 4
 session 6 run 2), where 132 blocks helped at 128 tokens."""
 
 
-def default_candidates(arch: str) -> tuple[Geometry, ...]:
-    """CANDIDATE_BLOCKS blocks of 1024 threads (the arch's wave size decides the warps), unroll 4."""
+def default_candidates(arch: str, combine_quant: str = "none") -> tuple[Geometry, ...]:
+    """CANDIDATE_BLOCKS blocks of 1024 threads (the arch's wave size decides the warps), unroll 4;
+    of ``QUANTIZED_COMBINE_THREADS`` for a quantized wire's combine."""
     warps = default_geometry(arch).warps_per_block
+    if combine_quant != "none":
+        warps = min(warps, QUANTIZED_COMBINE_THREADS // traits(arch).wave_size)
     return tuple(Geometry(b, warps, DEFAULT_UNROLL) for b in CANDIDATE_BLOCKS)
 
 
@@ -85,7 +89,7 @@ def plan(opts: TuneOptions, arch: str, world_size: int) -> tuple[Sweep, ...]:
         ValueError: ``opts.family`` not in ``TUNE_FAMILIES``.
     """
     counts = tune_counts(opts)
-    normal = opts.geometries or ((None,) if opts.family == "low_latency" else default_candidates(arch))
+    normal = opts.geometries or ((None,) if opts.family == "low_latency" else default_candidates(arch, opts.combine_quant))
     sweeps = [Sweep("normal", tuple(normal), counts["normal"])]
     if "low_latency" in counts:
         sweeps.append(Sweep("low_latency", tuple(opts.low_latency_geometries
@@ -161,7 +165,8 @@ def tune_process(rank: int, world_size: int, opts: TuneOptions) -> dict:
             kw = (dict(dispatch_geometry=geo, combine_geometry=geo) if sweep.family == "normal"
                   else dict(low_latency_geometry=geo))
             cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=max(sweep.counts),
-                                     dtype=opts.dtype, kernel_family=sweep.family, timeout_s=20.0, **kw)
+                                     dtype=opts.dtype, combine_quant=opts.combine_quant, kernel_family=sweep.family,
+                                     timeout_s=20.0, **kw)
             try:
                 op = EpDispatchCombine(cfg, virtual=opts.virtual)
             except ValueError as e:  # virtual ranks: the candidate's blocks of every rank do not fit at once
@@ -201,7 +206,8 @@ def _report(times: dict, sweeps: tuple[Sweep, ...], skipped: list, opts: TuneOpt
     console = Console(width=200)
     for line in skipped:
         console.print(f"skipped candidate {line}")
-    key_cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=1, dtype=opts.dtype)
+    key_cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=1, dtype=opts.dtype,
+                                 combine_quant=opts.combine_quant)
     where = f"{opts.model}, W={world_size}{' virtual' if opts.virtual else ''}, {arch}"
 
     def op_table(family: str, i: int, counts, pick_at=None) -> tuple[Table, list[tuple[int, Geometry]]]:
@@ -226,6 +232,8 @@ def _report(times: dict, sweeps: tuple[Sweep, ...], skipped: list, opts: TuneOpt
         if sweep.family != "normal" or opts.family == "low_latency":
             continue  # the normal sweep tunes only when asked to; otherwise it is the reference
         for i, op in enumerate(FAMILY_OPS["normal"]):
+            if op is Op.DISPATCH and opts.combine_quant != "none":
+                continue  # the dispatch does not depend on the combine wire: tuned without --quant
             table, rows = op_table("normal", i, tuple(sorted(set(opts.tokens))))
             console.print(table)
             if opts.write:

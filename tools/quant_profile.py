@@ -28,6 +28,12 @@ from epgen.verify import make_inputs, op_inputs, run_round
 K = 20
 WIRES = ("none", "fp8_blockwise", "fp4_blockwise", "fp8_direct_cast")
 QUANTIZE_CALL = "ep_wire_quantize(v[u], i, i < kRowVectors, wire + (ep_u64)r * kSrcRowBytes);"
+OWN_ROW_ENCODE = ("    const ep_wire w = ep_wire_encode(b[u], valid, s);\n    ep_wire_add(acc[u], w, valid ? s : 0.0f);")
+COMBINE_ABLATIONS = {
+    # a rank's own rows added as their bf16 values: what encoding them where they are summed costs
+    "own_as_bf16": [(OWN_ROW_ENCODE, "    s = 0.0f;\n#pragma unroll\n    for (int k = 0; k < 8; ++k) "
+                                     "acc[u][k] += valid ? ep_bf16_element(b[u], k) : s;")],
+}
 ABLATIONS = {
     "copy": [(QUANTIZE_CALL, "if (i < kRowVectors) ep_wire_store(wire + (ep_u64)r * kSrcRowBytes, i, "
                              "(ep_wire)(ep_vec_word(v[u], 0) ^ ep_vec_word(v[u], 1) ^ ep_vec_word(v[u], 2)));")],
@@ -123,17 +129,21 @@ def profile(mode: str, tokens: int, sweep: bool) -> list[dict]:
                 row(f"quantize, {name}", "combine_quantize", graph_us(s.launch(Op.COMBINE_QUANTIZE, fn, qspec)),
                     s.quantize_bytes, g)
     cspec = s.op.variant(Op.COMBINE, tokens)
-    row("combine kernel", "combine", graph_us(s.launch(Op.COMBINE)), s.combine_bytes,
-        f"{cspec.blocks}x{cspec.warps_per_block}u{cspec.unroll}")
+    g = f"{cspec.blocks}x{cspec.warps_per_block}u{cspec.unroll}"
+    row("combine kernel", "combine", graph_us(s.launch(Op.COMBINE)), s.combine_bytes, g)
+    for name, edits in COMBINE_ABLATIONS.items():
+        fn = s.variant(Op.COMBINE, cspec, edits)
+        if fn is not None:
+            row(f"combine, {name}", "combine", graph_us(s.launch(Op.COMBINE, fn, cspec)), s.combine_bytes, g)
     if sweep:
         if quantized:
-            for blocks in (132, 264, 528):
-                for warps in (8, 16, 32):
-                    for unroll in (1, 2, 4):
+            for blocks in (264, 528):
+                for warps in (8, 16):
+                    for unroll in (2, 4):
                         spec = qspec.replace(blocks=blocks, warps_per_block=warps, unroll=unroll)
                         us = graph_us(s.launch(Op.COMBINE_QUANTIZE, s.variant(Op.COMBINE_QUANTIZE, spec), spec))
                         row("sweep", "combine_quantize", us, s.quantize_bytes, f"{blocks}x{warps}u{unroll}")
-        for blocks in (16, 32, 64):
+        for blocks in (32, 64, 132):
             for warps in ((8, 16) if quantized else (16, 32)):
                 for unroll in (2, 4):
                     spec = cspec.replace(blocks=blocks, warps_per_block=warps, unroll=unroll)

@@ -340,41 +340,29 @@ constexpr int kWireScaleOffset = 1440;
 constexpr int kLanesPerScale = 4;  // lanes (8 elements each) sharing one scale
 static_assert(kWave % kLanesPerScale == 0, "a scale block must not straddle waves");
 
-// Saturating round-to-nearest-even float -> sign-magnitude minifloat code with kM mantissa bits
-// and smallest normal exponent kEmin. With E = max(floor(log2 |x|), kEmin) the grid step near
-// |x| is 2^(E - kM): n = rint(|x| * 2^(kM - E)) is an exact power-of-two scaling in
-// [0, 2^(kM + 1)], and the magnitude code is ((E - kEmin) << kM) + n (n = 2^(kM + 1) is the next
-// binade's first code, and the code's parity is n's), clamped to kMaxCode; NaN -> kNanCode. A
-// float32-subnormal |x| (flushed under -ftz=true) encodes to zero either way.
-template <int kM, int kEmin, int kMaxCode, int kNanCode, int kSignShift>
-EP_DEVICE ep_u32 ep_encode_minifloat(float x) {
-  const ep_u32 u = ep_float_to_bits(x);
-  const ep_u32 sign = (u >> 31) << kSignShift;
-  const ep_u32 mag = u & 0x7fffffffu;
-  if (mag > 0x7f800000u) return sign | (ep_u32)kNanCode;
-  int e = (int)(mag >> 23) - 127;
-  if (e < kEmin) e = kEmin;
-  if (e > kEmin + 32) return sign | (ep_u32)kMaxCode;  // far above the largest finite code
-  const int n = ep_rint(ep_bits_to_float(mag) * ep_bits_to_float((ep_u32)(kM - e + 127) << 23));
-  const int code = ((e - kEmin) << kM) + n;
-  return sign | (ep_u32)(code < kMaxCode ? code : kMaxCode);
-}
-// Exact sign-magnitude minifloat decode (kM mantissa, kE exponent bits, bias kBias) without
-// float32 subnormals, which the runtime's -ftz=true would flush: the integer significand n (the
-// implicit bit set for a normal code) times 2^(max(e, 1) - kBias - kM), a normal power of two.
-template <int kM, int kE, int kBias>
-EP_DEVICE float ep_decode_minifloat(ep_u32 c) {
-  const ep_u32 e = (c >> kM) & ((1u << kE) - 1u);
-  const ep_u32 m = c & ((1u << kM) - 1u);
-  const float mag = (float)(e ? m | (1u << kM) : m) * ep_bits_to_float((ep_u32)((int)(e ? e : 1u) - kBias - kM + 127) << 23);
-  return ep_bits_to_float(ep_float_to_bits(mag) | ((c >> (kM + kE)) << 31));
-}
 // fp4 e2m1 (OCP MX): bias 1, magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}, no NaN; decode is exact.
-EP_DEVICE ep_u32 ep_e2m1(float x) { return ep_encode_minifloat<1, 0, 7, 0, 3>(x); }
+// Round to nearest even by counting: the magnitude code of |x| is the number of midpoints between
+// consecutive magnitudes it passes, the one above an even code only strictly (a tie goes to the
+// even code); it saturates at 6, and a NaN (every comparison false) encodes to 0 with its sign, as
+// the generic minifloat encoder does. No float-to-integer conversion.
+EP_DEVICE ep_u32 ep_e2m1(float x) {
+  const ep_u32 u = ep_float_to_bits(x);
+  const float a = ep_bits_to_float(u & 0x7fffffffu);
+  const ep_u32 mag = (a > 0.25f ? 1u : 0u) + (a >= 0.75f ? 1u : 0u) + (a > 1.25f ? 1u : 0u) + (a >= 1.75f ? 1u : 0u) + (a > 2.5f ? 1u : 0u) + (a >= 3.5f ? 1u : 0u) + (a > 5.0f ? 1u : 0u);
+  return mag | ((u >> 31) << 3);
+}
+// Code -> float, exact, with integer operations: a normal code (exponent field >= 1) is
+// 2^(e - bias) (1 + m / 2), whose float32 bits are the magnitude code shifted to the mantissa's
+// top bit plus (127 - bias) << 23; the one subnormal code is 2^(1 - bias) / 2.
+EP_DEVICE float ep_e2m1_value(ep_u32 c) {
+  const ep_u32 mag = c & 7u;
+  const ep_u32 bits = mag >= 2u ? (mag << 22) + (126u << 23) : mag * 0x3f000000u;
+  return ep_bits_to_float(bits | ((c >> 3) << 31));
+}
 // Two codes (the first in bits 0-3) -> floats, exact.
 EP_DEVICE void ep_decode_pair(ep_u32 codes, float& lo, float& hi) {
-  lo = ep_decode_minifloat<1, 2, 1>(codes & 15u);
-  hi = ep_decode_minifloat<1, 2, 1>(codes >> 4);
+  lo = ep_e2m1_value(codes & 15u);
+  hi = ep_e2m1_value(codes >> 4);
 }
 constexpr int kElementBits = 4;
 constexpr float kElementMax = 6.0f;

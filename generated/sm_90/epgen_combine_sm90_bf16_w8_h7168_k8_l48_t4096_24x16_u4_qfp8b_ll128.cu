@@ -166,7 +166,7 @@ constexpr int kRowBytes = 14336;
 constexpr int kRowVectors = 896;
 constexpr int kChunkVectors = 128;  // kUnroll x kWave
 constexpr int kChunksPerRow = 7;
-constexpr int kFanIn = 1;
+constexpr int kFanIn = 2;
 constexpr int kScaleBytes = 0;
 constexpr ep_u32 kCapacityRows = 32768u;  // receive rows of each rank
 constexpr int kLlTokens = 128;  // tokens a rank may pass to the low-latency family
@@ -455,12 +455,13 @@ EP_DEVICE void ep_add_rows(float (&acc)[kUnroll][8], const ep_wire (&v)[kFanIn][
 // quantize kernel's codes and scales, never written. Every lane calls it (ep_wire_encode's
 // shuffles see the whole wave).
 EP_DEVICE void ep_add_own_row(float (&acc)[kUnroll][8], const ep_u8* src, int c, int lane) {
+  ep_vec b[kUnroll];
+  ep_load_chunk(src, lane, c, b);  // every load in flight before the first encode
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    const int i = c + u * kWave + lane;
-    const bool valid = i < kRowVectors;
+    const bool valid = c + u * kWave + lane < kRowVectors;
     float s;
-    const ep_wire w = ep_wire_encode(valid ? ep_load16(src + (ep_u64)i * 16) : ep_vec_zero(), valid, s);
+    const ep_wire w = ep_wire_encode(b[u], valid, s);
     ep_wire_add(acc[u], w, valid ? s : 0.0f);
   }
 }

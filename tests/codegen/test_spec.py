@@ -649,7 +649,9 @@ def test_combine_wire_rows(mode, hidden, wire):
 def test_combine_quant_names_layout_and_errors():
     base = spec(op="combine", hidden=2880)
     quantized = base.replace(combine_quant="fp8_blockwise")
-    assert quantized.name == base.name + "_qfp8b" and quantized.fan_in == 1 and base.fan_in == 2
+    assert quantized.name == base.name + "_qfp8b" and quantized.fan_in == base.fan_in == 2
+    ll = dict(op="combine_ll", ll_tokens=32, combine_quant="fp8_blockwise")
+    assert spec(**ll).fan_in == 1 and spec(**{**ll, "combine_quant": "fp8_direct_cast"}).fan_in == 2  # scales
     assert base.layout.combine_wire == base.layout.recv_x  # no wire region without quantization
     assert quantized.layout.recv_x - quantized.layout.combine_wire >= quantized.capacity_rows * (2880 + 96)
     d = spec(op="dispatch", hidden=2880)
@@ -760,23 +762,25 @@ def test_the_quantize_op_needs_a_quantized_wire():
     assert spec(op="combine_quantize", combine_quant="fp4_blockwise").name.startswith("epgen_combine_quantize_")
 
 
-def test_a_quantized_combine_runs_the_warps_its_registers_allow():
-    # 128 registers a thread: 16 warps a block on sm_90 (64K registers an SM), all 16 waves on
-    # gfx950 (4 a SIMD), all 32 on gfx1250; a table geometry keeps its blocks, an explicit one is refused
+def test_a_quantized_combine_runs_at_most_512_threads_a_block():
+    # 512 threads leave the own-row encoding its registers on every target (16 warps on sm_90,
+    # 8 waves on gfx950, 16 on gfx1250); a table geometry keeps its blocks, an explicit one is refused
     c = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096, combine_quant="fp8_blockwise")
     table = {arch: tuning.lookup(c.tuning_key(arch, Op.COMBINE), 4096) for arch in ("sm_90", "gfx950", "gfx1250")}
-    for arch, want in (("sm_90", 16), ("gfx950", 16), ("gfx1250", 32)):
+    for arch, want in (("sm_90", 16), ("gfx950", 8), ("gfx1250", 16)):
         g = c.geometry(arch, Op.COMBINE, 4096)
         assert (g.blocks, g.warps_per_block, g.unroll) == (table[arch].blocks, min(want, table[arch].warps_per_block),
                                                            table[arch].unroll)
-        assert all(s.warps_per_block <= want for _, s in c.variants(arch, Op.COMBINE))
+        assert all(s.threads <= 512 for _, s in c.variants(arch, Op.COMBINE))
     bf16 = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096)
     assert bf16.geometry("sm_90", Op.COMBINE, 4096) == table["sm_90"]  # the bf16 wire keeps 32 warps
-    explicit = attrs.evolve(c, combine_geometry=Geometry(blocks=16, warps_per_block=32, unroll=4))
-    with pytest.raises(ValueError, match=r"^EpConfig.combine_geometry=.*: a combine with a quantized wire "
-                                         r"\(fp8_blockwise\) needs 128 registers a thread .* on sm_90 at most 16 warps"):
-        explicit.variants("sm_90", Op.COMBINE)
-    assert explicit.variants("gfx1250", Op.COMBINE)[0][1].warps_per_block == 32  # fits there
+    with pytest.raises(ValueError, match=r"^EpConfig.combine_geometry=16x32u4: a combine with a quantized wire "
+                                         r"\(fp8_blockwise\) runs at most 512 threads a block .* at most \d+ warps"):
+        attrs.evolve(c, combine_geometry=Geometry(blocks=16, warps_per_block=32, unroll=4))  # on no arch
+    fits = attrs.evolve(c, combine_geometry=Geometry(blocks=16, warps_per_block=16, unroll=4))  # sm_90, gfx1250
+    with pytest.raises(ValueError, match=r"^EpConfig.combine_geometry=16x16u4: .* on gfx950 at most 8 warps"):
+        fits.variants("gfx950", Op.COMBINE)
+    assert fits.variants("sm_90", Op.COMBINE)[0][1].warps_per_block == 16
 
 
 @pytest.mark.parametrize("value", ["fast", "", "Normal", None, 1, ("auto",)])

@@ -2,6 +2,8 @@
 
 import json
 
+import attrs
+
 import pytest
 
 from epgen.codegen import tuning
@@ -169,3 +171,19 @@ def test_the_table_geometry_of_a_low_latency_op_is_clamped_to_its_flags(table_di
     assert cfg.geometry("gfx950", Op.COMBINE_LL_RECV, 1) == Geometry(128, 4, 2)
     assert cfg.geometry("gfx950", Op.DISPATCH_LL, 1).blocks == min(default_blocks, 128)
 
+
+
+def test_a_quantized_wires_combine_has_its_own_entry_else_takes_the_bf16_ones(table_dir):
+    cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=8192, combine_quant="fp8_blockwise")
+    key = cfg.tuning_key("sm_90", Op.COMBINE)
+    assert key == attrs.evolve(KEY, op="combine", dtype="fp8_blockwise")
+    assert cfg.tuning_key("sm_90", Op.DISPATCH) == KEY  # the payload's key, whatever the wire
+    bf16 = attrs.evolve(KEY, op="combine")
+    tuning.write_entry(bf16, [(4096, Geometry(16, 32, 4)), (8192, Geometry(24, 32, 4))], "bf16", {})
+    # no entry of its own: the bf16 combine's buckets, its warps cut to 512 threads
+    assert [(t, s.blocks, s.warps_per_block) for t, s in cfg.variants("sm_90", Op.COMBINE)] == [(4096, 16, 16),
+                                                                                                (8192, 24, 16)]
+    tuning.write_entry(key, [(8192, Geometry(64, 16, 4))], "fp8", {})
+    assert [(t, s.blocks, s.warps_per_block) for t, s in cfg.variants("sm_90", Op.COMBINE)] == [(8192, 64, 16)]
+    assert cfg.geometry("sm_90", Op.COMBINE, 100) == Geometry(64, 16, 4)
+    assert attrs.evolve(cfg, combine_quant="none").geometry("sm_90", Op.COMBINE, 100) == Geometry(16, 32, 4)

@@ -408,6 +408,7 @@ def _matplotlib(monkeypatch, present: bool) -> None:
      "--low-latency-tokens: only with --family low_latency or both"),
     (["tune", "--family", "normal", "--low-latency-geometry", "8x16u2"],
      "--low-latency-geometry: only with --family low_latency or both"),
+    (["tune", "--quant", "fp8_blockwise"], "--quant fp8_blockwise: only with --family normal"),
     (["stress", "--kernel-family", "low_latency", "--max-tokens", "70000"],
      "(--world-size 2, the low_latency family with tokens up to 70000, with --model deepseek-v3)"),
     (["bench", "--family", "fast"], "argument --family: invalid choice: 'fast'"),

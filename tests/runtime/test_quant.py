@@ -772,3 +772,29 @@ def test_quantizers_take_a_partial_last_block(hidden):
             width = whole if mode.startswith("fp8") else whole // 2
             assert torch.equal(wc, codes[:, :width])
         assert dequantize(codes, scales).shape == (5, hidden)
+
+
+def test_the_kernels_fp4_codec_counts_midpoints_and_builds_float_bits():
+    """The formulas of the kernels' fp4 codec (templates/common/wire/_codec.j2), from
+    ``MiniFloat.midpoints`` and the format's numbers, equal the reference codec: the encoder on every
+    float32 next to each midpoint and grid value, both signs, zeros, infinities and a spread of
+    others; the integer-only decoder on all 16 codes."""
+    fmt = MINIFLOATS["fp4"]
+    grid = [fmt.magnitude(k) for k in range(fmt.max_code + 1)]
+    assert grid == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0] and fmt.midpoints == (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+    probes = torch.tensor(list(fmt.midpoints) + grid[1:] + [7.0, 1e30, 1e-40], dtype=torch.float32)
+    bits = probes.view(torch.int32)
+    near = torch.cat([bits + d for d in (-2, -1, 0, 1, 2)] + [torch.tensor([0, 0x7F800000], dtype=torch.int32)])
+    near = near.view(torch.float32)  # each probe's neighbours, zero and infinity
+    spread = torch.linspace(-8, 8, 100001, dtype=torch.float32)
+    x = torch.cat([near, -near, spread])
+    a = x.abs()
+    mag = sum(((a > p) if k % 2 == 0 else (a >= p)).to(torch.int32) for k, p in enumerate(fmt.midpoints))
+    code = mag | ((x.view(torch.int32) < 0).to(torch.int32) << fmt.sign_shift)
+    assert torch.equal(code.to(torch.uint8), fp4_e2m1_encode(x))  # subnormals: zero magnitude, with or without -ftz
+    c = torch.arange(16, dtype=torch.int32)
+    m = c & fmt.max_code
+    normal = (m << (23 - fmt.mbits)) + ((127 - fmt.bias) << 23)
+    sub = m * ((128 - fmt.bias - fmt.mbits) << 23)
+    value = (torch.where(m >= 1 << fmt.mbits, normal, sub) | ((c >> fmt.sign_shift) << 31)).view(torch.float32)
+    assert torch.equal(value.view(torch.int32), fp4_e2m1_decode(c.to(torch.uint8)).view(torch.int32))

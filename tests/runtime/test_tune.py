@@ -4,6 +4,8 @@ derives from measured times, and the entries it writes (read back by EpConfig)."
 import json
 import math
 
+import attrs
+
 import pytest
 
 from epgen import tune
@@ -239,3 +241,20 @@ def test_tune_process_low_latency_alone_times_the_normal_family_at_the_table_geo
                                                 low_latency_geometries=(G8,)))
     assert times == {("normal", 1): {None: (4.0, 4.0)}, ("normal", 4): {None: (7.0, 7.0)},
                      ("low_latency", 1): {G8: (0.9, 0.9)}, ("low_latency", 4): {G8: (2.4, 2.4)}}
+
+
+def test_tune_with_a_quantized_wire_writes_that_wires_combine_entry_alone(table_dir, monkeypatch, capsys):
+    """--quant: candidates of 512 threads (the quantized combine's most), the combine entry keyed by
+    the wire, the dispatch entry left alone; EpConfig of that wire then takes it."""
+    monkeypatch.setattr(tune, "environment", _env)
+    assert {g.warps_per_block * 32 for g in tune.default_candidates("sm_90", "fp4_blockwise")} == {512}
+    q16, q64 = Geometry(16, 16, 4), Geometry(64, 16, 4)
+    opts = TuneOptions(tokens=(4096,), family="normal", combine_quant="fp4_blockwise", geometries=(q16, q64))
+    assert plan(opts, "sm_90", 2)[0].geometries == (q16, q64)
+    _report(opts, {("normal", 4096): {q16: (100.0, 400.0), q64: (90.0, 120.0)}})
+    entries = json.loads((table_dir / "sm_90.json").read_text())["entries"]
+    assert [(e["op"], e["dtype"]) for e in entries] == [("combine", "fp4_blockwise")]
+    assert entries[0]["buckets"] == [{"max_tokens": 4096, "blocks": 64, "warps_per_block": 16, "unroll": 4}]
+    cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096, combine_quant="fp4_blockwise")
+    assert cfg.geometry("sm_90", Op.COMBINE, 4096) == q64
+    assert attrs.evolve(cfg, combine_quant="fp8_blockwise").geometry("sm_90", Op.COMBINE, 4096) != q64
