@@ -441,13 +441,12 @@ class KernelSpec:
 
     @property
     def fan_in(self) -> int:
-        """Source ranks whose rows combine loads together before accumulating: min(W, K, 2). More
-        rows in flight per warp hide the peer read latency; 2 keeps registers below 128, which the
-        normal family's quantized combine has (``EpConfig`` gives it the warps that leave 128); the
-        low-latency combine of a scaled wire loads 1 (its per-vector scales would exceed 64 in
-        1024-thread blocks on sm_90)."""
-        one = self.quant.block and self.op is not Op.COMBINE
-        return min(self.world_size, self.topk, 1 if one else 2)
+        """Source ranks whose rows combine loads together before accumulating: min(W, K, 2), 1
+        for a scaled combine wire. More rows in flight per warp hide the peer read latency; a
+        scaled wire's per-vector scales would exceed 64 registers in 1024-thread blocks on sm_90,
+        and in the normal family, whose quantized combine has 128 (512 threads), two rows measured
+        slower than one on the H200 (546 against 406 us, tools/NOTES.md session 7)."""
+        return min(self.world_size, self.topk, 1 if self.quant.block else 2)
 
     @property
     def capacity_rows(self) -> int:

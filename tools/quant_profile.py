@@ -29,10 +29,18 @@ K = 20
 WIRES = ("none", "fp8_blockwise", "fp4_blockwise", "fp8_direct_cast")
 QUANTIZE_CALL = "ep_wire_quantize(v[u], i, i < kRowVectors, wire + (ep_u64)r * kSrcRowBytes);"
 OWN_ROW_ENCODE = ("    const ep_wire w = ep_wire_encode(b[u], valid, s);\n    ep_wire_add(acc[u], w, valid ? s : 0.0f);")
+OWN_ROW_LOADS = "  ep_vec b[kUnroll];\n  ep_load_chunk(src, lane, c, b);  // every load in flight before the first encode\n"
 COMBINE_ABLATIONS = {
     # a rank's own rows added as their bf16 values: what encoding them where they are summed costs
     "own_as_bf16": [(OWN_ROW_ENCODE, "    s = 0.0f;\n#pragma unroll\n    for (int k = 0; k < 8; ++k) "
                                      "acc[u][k] += valid ? ep_bf16_element(b[u], k) : s;")],
+    # the own row's vectors loaded one at a time, each just before its encode
+    "own_per_vector": [(OWN_ROW_LOADS, "  ep_vec b[kUnroll];\n"),
+                       ("    const ep_wire w = ep_wire_encode(b[u], valid, s);",
+                        "    b[u] = valid ? ep_load16(src + (ep_u64)(c + u * kWave + lane) * 16) : ep_vec_zero();\n"
+                        "    const ep_wire w = ep_wire_encode(b[u], valid, s);")],
+    # one source row in flight at a time
+    "fan_in_1": [("constexpr int kFanIn = 2;", "constexpr int kFanIn = 1;")],
 }
 ABLATIONS = {
     "copy": [(QUANTIZE_CALL, "if (i < kRowVectors) ep_wire_store(wire + (ep_u64)r * kSrcRowBytes, i, "

@@ -649,9 +649,7 @@ def test_combine_wire_rows(mode, hidden, wire):
 def test_combine_quant_names_layout_and_errors():
     base = spec(op="combine", hidden=2880)
     quantized = base.replace(combine_quant="fp8_blockwise")
-    assert quantized.name == base.name + "_qfp8b" and quantized.fan_in == base.fan_in == 2
-    ll = dict(op="combine_ll", ll_tokens=32, combine_quant="fp8_blockwise")
-    assert spec(**ll).fan_in == 1 and spec(**{**ll, "combine_quant": "fp8_direct_cast"}).fan_in == 2  # scales
+    assert quantized.name == base.name + "_qfp8b" and quantized.fan_in == 1 and base.fan_in == 2
     assert base.layout.combine_wire == base.layout.recv_x  # no wire region without quantization
     assert quantized.layout.recv_x - quantized.layout.combine_wire >= quantized.capacity_rows * (2880 + 96)
     d = spec(op="dispatch", hidden=2880)
@@ -766,13 +764,13 @@ def test_a_quantized_combine_runs_at_most_512_threads_a_block():
     # 512 threads leave the own-row encoding its registers on every target (16 warps on sm_90,
     # 8 waves on gfx950, 16 on gfx1250); a table geometry keeps its blocks, an explicit one is refused
     c = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096, combine_quant="fp8_blockwise")
-    table = {arch: tuning.lookup(c.tuning_key(arch, Op.COMBINE), 4096) for arch in ("sm_90", "gfx950", "gfx1250")}
+    bf16 = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096)
+    table = {arch: tuning.lookup(bf16.tuning_key(arch, Op.COMBINE), 4096) for arch in ("sm_90", "gfx950", "gfx1250")}
     for arch, want in (("sm_90", 16), ("gfx950", 8), ("gfx1250", 16)):
         g = c.geometry(arch, Op.COMBINE, 4096)
         assert (g.blocks, g.warps_per_block, g.unroll) == (table[arch].blocks, min(want, table[arch].warps_per_block),
                                                            table[arch].unroll)
         assert all(s.threads <= 512 for _, s in c.variants(arch, Op.COMBINE))
-    bf16 = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096)
     assert bf16.geometry("sm_90", Op.COMBINE, 4096) == table["sm_90"]  # the bf16 wire keeps 32 warps
     with pytest.raises(ValueError, match=r"^EpConfig.combine_geometry=16x32u4: a combine with a quantized wire "
                                          r"\(fp8_blockwise\) runs at most 512 threads a block .* at most \d+ warps"):
