@@ -123,7 +123,7 @@ def _exact_body(rank, world_size, virtual):
     bit for bit) of a "pull" op, x in dispatch_input and elsewhere (copied there) in turn."""
     cfg, op = _op(model="deepseek-v3", world_size=world_size, virtual=virtual, max_tokens=256)
     for seed in range(6):
-        inputs = integer_inputs(cfg, [256 - 40 * r for r in range(world_size)], "uniform", seed, device=op.device)
+        inputs = integer_inputs(cfg, [256 - 32 * r for r in range(world_size)], "uniform", seed, device=op.device)
         for zero_copy in (True, False):
             got = run_exact_round(op, cfg, _zero_copy(op, inputs) if zero_copy else inputs)
             assert got["recv"] is not None
