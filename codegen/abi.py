@@ -112,9 +112,9 @@ LL_FLAG_SLOTS = 1024
 """Flags of each low-latency range: one per (source rank, sending block), so world size x the
 low-latency blocks is at most this (``KernelSpec`` checks it)."""
 
-SIGNAL_WORDS = 256 + 3 * LL_FLAG_SLOTS
+SIGNAL_WORDS = 256 + 3 * LL_FLAG_SLOTS + 64
 """32-bit words in each rank's signal region (``ARGS`` field ``signals``; see ArenaLayout): the
-normal family's 256, then the low-latency flags (``SIGNALS``)."""
+normal family's 256, the low-latency flags, then the pull dispatch's per-peer flags (``SIGNALS``)."""
 
 SIGNALS = (
     Signal("dispatch_calls", 0, "last finished dispatch generation (this rank)"),
@@ -126,6 +126,7 @@ SIGNALS = (
     Signal("combine_arrive", 9),
     Signal("combine_depart", 10),
     Signal("expand_arrive", 11, "blocks of the running expand plan that counted their rows"),
+    Signal("pull_depart", 12, "blocks of the running dispatch_pull that finished their rows"),
     Signal("ready_from", 64, "peer entered dispatch g: its receive buffers are free", per_peer=True),
     Signal("done_from", 128, "peer finished writing its dispatch-g rows here", per_peer=True),
     Signal("combine_ready_from", 192, "peer's combine-g expert outputs are complete", per_peer=True),
@@ -133,6 +134,8 @@ SIGNALS = (
            slots=LL_FLAG_SLOTS, width=2),
     Signal("ll_combine_from", 256 + 2 * LL_FLAG_SLOTS, "[W x blocks] generation of sending block (peer, b) "
            "whose combine rows are here", slots=LL_FLAG_SLOTS),
+    Signal("pulled_from", 256 + 3 * LL_FLAG_SLOTS, "peer finished reading its dispatch-g rows from our dispatch_in",
+           per_peer=True),
 )
 """The signal words; per-peer ranges hold up to the widest wave (64) ranks."""
 
@@ -245,6 +248,9 @@ PHASES = (
           "EpConfig.kernel_family)"),
     Phase("ll_combine", 5, "the low-latency combine (waiting for the peer's expert outputs; every rank must pick "
           "the same kernel family, EpConfig.kernel_family)"),
+    Phase("dispatch_pulled", 6, "the pull dispatch (waiting until the peer has read its rows from this rank's "
+          "dispatch_in; a peer that took the push transport for this call never reads them: every rank must take "
+          "the same dispatch transport, EpConfig.dispatch_transport)"),
 )
 
 

@@ -29,12 +29,14 @@ MANIFEST = "manifest.json"
 def shape_specs(*, hidden: int, topk: int, num_experts: int, world_size: int = CATALOGUE_WORLD_SIZE,
                 max_tokens_per_rank: int = CATALOGUE_MAX_TOKENS, dtype: str = "bf16", combine_quant: str = "none",
                 scale_bytes: int = 0, arches=ARCHES, geometry: Geometry | None = None, layout: str = "rank",
-                expert_alignment: int = 1, max_recv_tokens: int | None = None) -> list[KernelSpec]:
+                expert_alignment: int = 1, max_recv_tokens: int | None = None,
+                dispatch_transport: str = "auto") -> list[KernelSpec]:
     """Dispatch and combine specs of one shape for each arch (and the expert layout's kernels with
-    ``layout="expert"``): ``geometry`` for both transport ops, or the tuning table's geometry at
+    ``layout="expert"``, and the pull dispatch's two kernels with ``dispatch_transport="pull"``):
+    ``geometry`` for both transport ops, or the tuning table's geometry at
     ``max_tokens_per_rank``; ``combine_quant`` is the combine wire, ``scale_bytes`` the per-token
-    scale bytes dispatch forwards; ``layout``, ``expert_alignment`` and ``max_recv_tokens`` as
-    ``EpConfig``'s.
+    scale bytes dispatch forwards; ``layout``, ``expert_alignment``, ``max_recv_tokens`` and
+    ``dispatch_transport`` as ``EpConfig``'s.
 
     Raises:
         ValueError: naming the bad field (e.g. num_experts not a multiple of world_size).
@@ -44,7 +46,8 @@ def shape_specs(*, hidden: int, topk: int, num_experts: int, world_size: int = C
     cfg = EpConfig(world_size=world_size, hidden=hidden, topk=topk, num_experts=num_experts,
                    max_tokens_per_rank=max_tokens_per_rank, dtype=dtype, combine_quant=combine_quant,
                    scale_bytes=scale_bytes, dispatch_geometry=geometry, combine_geometry=geometry, layout=layout,
-                   expert_alignment=expert_alignment, max_recv_tokens=max_recv_tokens)
+                   expert_alignment=expert_alignment, max_recv_tokens=max_recv_tokens,
+                   dispatch_transport=dispatch_transport)
     return [s for arch in arches for s in cfg.kernel_specs(arch)]
 
 
@@ -65,13 +68,16 @@ def catalogue_specs(models=None, arches=ARCHES, dtypes=CATALOGUE_DTYPES) -> list
     """The committed catalogue (W = 8, Tmax = 4096, table geometry, EpConfig's default
     kernel_family "auto": both families' kernels): for every model and arch, dispatch of every
     payload dtype, the bf16-wire combine and the combine of every quantized wire
-    (``COMBINE_QUANTS``; the combine kernels of both families), in a fixed order without repeats;
+    (``COMBINE_QUANTS``; the combine kernels of both families), the pull dispatch's two kernels
+    (``dispatch_transport="pull"``) of every payload dtype, in a fixed order without repeats;
     then the bf16 expert layout of ``CATALOGUE_EXPERT_LAYOUT`` (when that model is among ``models``)."""
     specs = []
     for name in models or MODELS:
         specs += [s for d in dtypes for s in model_specs(name, arches, dtype=d)]
         specs += [s for q in COMBINE_QUANTS if q != "none"
                   for s in model_specs(name, arches, combine_quant=q) if s.op.transport is Op.COMBINE]
+        specs += [s for d in dtypes for s in model_specs(name, arches, dtype=d, dispatch_transport="pull")
+                  if s.op is Op.DISPATCH_PULL or s.transport == "pull"]
     name, alignment = CATALOGUE_EXPERT_LAYOUT
     if name in (models or MODELS) and "bf16" in dtypes:
         specs += model_specs(name, arches, layout="expert", expert_alignment=alignment)

@@ -13,8 +13,8 @@ from epgen.codegen.models import model as _model
 from epgen.codegen.abi import LL_FLAG_SLOTS
 from epgen.codegen.spec import (EXPERT_ALIGNMENTS, EXPERT_OPS, LL_MAX_TOKENS, LOW_LATENCY_OPS, PLAN_BLOCKS,
                                 PLAN_SHARED_LIMIT, TRANSPORT_OPS, KernelSpec, Op)
-from epgen.codegen.tuning import (Geometry, TuningKey, buckets, has_entry, local_geometry, lookup,
-                                  low_latency_default)
+from epgen.codegen.tuning import (Geometry, TuningKey, bucket_transports, buckets, has_entry, local_geometry,
+                                  lookup, low_latency_default, transport)
 
 QUANTIZED_COMBINE_THREADS = 512
 """Most threads a block of the normal family's combine with a quantized wire runs: it encodes a
@@ -31,6 +31,9 @@ LAYOUTS = ("rank", "expert")
 
 KERNEL_FAMILIES = ("auto", "normal", "low_latency")
 """``EpConfig.kernel_family`` values."""
+
+DISPATCH_TRANSPORTS = ("auto", "push", "pull")
+"""``EpConfig.dispatch_transport`` values."""
 
 
 def _check(cond: bool, field: str, value, rule: str):
@@ -88,6 +91,17 @@ class EpConfig:
             out (``EpError`` naming the phase).
         low_latency_geometry: launch geometry of both halves of both low-latency ops; None
             (default) takes the tuning table's.
+        dispatch_transport: how the normal family's dispatch moves the payload rows. "push": the
+            dispatch kernel stores every row into its destinations (the pull kernels are not
+            built). "pull": the dispatch kernel sends only the metadata and a second kernel
+            (DISPATCH_PULL) on every destination loads the rows from the source rank's
+            ``dispatch_input`` (an x elsewhere is first copied there by torch: H x row bytes per
+            token, one more local copy). "auto" (default): a call pulls when its tuning bucket says
+            "pull" (``epgen tune`` measures both) and x is the op's ``dispatch_input`` (in
+            virtual mode on every rank), else it pushes; only the pull buckets' kernels are built.
+            Every rank must take the same transport in a call (``op.transport(T, x)`` says which);
+            a pulling rank whose peer pushed times out (``EpError`` naming the pull phase). The
+            low-latency family never pulls.
 
     The integer fields take any integer type (numpy's too) and hold a Python int; bools and
     floats are rejected.
@@ -114,6 +128,7 @@ class EpConfig:
     max_recv_tokens: int | None = attrs.field(default=None, converter=_int)
     kernel_family: str = "auto"
     low_latency_geometry: Geometry | None = None
+    dispatch_transport: str = "auto"
 
     def __attrs_post_init__(self):
         for f in ("world_size", "hidden", "topk", "num_experts", "max_tokens_per_rank"):
@@ -134,6 +149,11 @@ class EpConfig:
         _check(self.kernel_family != "low_latency" or not isinstance(self.max_tokens_per_rank, int)
                or self.max_tokens_per_rank <= LL_MAX_TOKENS, "max_tokens_per_rank", self.max_tokens_per_rank,
                f"kernel_family='low_latency' holds at most {LL_MAX_TOKENS} tokens a rank (use 'auto' or 'normal')")
+        _check(isinstance(self.dispatch_transport, str) and self.dispatch_transport in DISPATCH_TRANSPORTS,
+               "dispatch_transport", self.dispatch_transport, f"must be one of {', '.join(DISPATCH_TRANSPORTS)}")
+        _check(self.dispatch_transport != "pull" or self.kernel_family != "low_latency", "dispatch_transport",
+               self.dispatch_transport, "applies to the normal family's dispatch (kernel_family 'auto' or 'normal'; "
+               "the low-latency family never pulls)")
         for f in ("dispatch_geometry", "combine_geometry", "low_latency_geometry"):
             g = getattr(self, f)
             _check(g is None or isinstance(g, Geometry), f, g, "must be None (tuning table) or an "
@@ -193,9 +213,13 @@ class EpConfig:
         in the expert layout its three local kernels (``EXPERT_OPS``), and the combine's quantize
         kernel where the normal family needs one (``quantize_kernel``). On an arch where "auto"
         finds a table threshold of 0 (``low_latency_tokens`` 0: the low-latency family never
-        won) the low-latency halves have no variants and no specs there."""
+        won) the low-latency halves have no variants and no specs there. The pull dispatch's
+        second kernel (DISPATCH_PULL) follows the normal ops unless ``dispatch_transport`` is
+        "push"; under "auto" it exists only on an arch whose table has a pull bucket for the
+        shape (``_builds``)."""
         normal = self.kernel_family != "low_latency"
-        return ((TRANSPORT_OPS if normal else ())
+        pull = (Op.DISPATCH_PULL,) if normal and self.dispatch_transport != "push" else ()
+        return ((TRANSPORT_OPS if normal else ()) + pull
                 + (LOW_LATENCY_OPS if self.kernel_family != "normal" else ())
                 + (EXPERT_OPS if self.layout == "expert" else ())
                 + ((Op.COMBINE_QUANTIZE,) if normal and self.quantize_kernel else ()))
@@ -210,15 +234,17 @@ class EpConfig:
 
     def tuning_key(self, arch: str, op: Op) -> TuningKey:
         """Key of this layer's ``op`` in the tuning tables (both halves of a low-latency op share
-        one entry, named after their template: "dispatch_ll", "combine_ll"). The normal family's
-        combine with a quantized wire, a kernel of its own, has its own entries: dtype the wire's
-        name (``_table_key`` falls back to the bf16 combine's entry where it has none)."""
+        one entry, named after their template: "dispatch_ll", "combine_ll"; the pull dispatch's two
+        kernels take the "dispatch" entry's buckets). The normal family's combine with a quantized
+        wire, a kernel of its own, has its own entries: dtype the wire's name (``_table_key`` falls
+        back to the bf16 combine's entry where it has none)."""
         dtype = self.dtype if op.payload else "bf16"
         row_bytes = dtype_info(dtype).row_bytes(self.hidden)
         if op is Op.COMBINE and combine_quant(self.combine_quant).quantized:
             dtype = self.combine_quant
+        name = Op.DISPATCH.value if op is Op.DISPATCH_PULL else op.template
         return TuningKey(arch=arch, world_size=self.world_size, row_bytes=row_bytes, topk=self.topk, dtype=dtype,
-                         op=op.template)
+                         op=name)
 
     def _table_key(self, arch: str, op: Op) -> TuningKey:
         """The key whose entry ``op`` takes: ``tuning_key``, or for a quantized wire's combine
@@ -250,7 +276,23 @@ class EpConfig:
         return min(self.max_tokens_per_rank, threshold, LL_MAX_TOKENS)
 
     def _explicit(self, op: Op) -> Geometry | None:
-        return {Op.DISPATCH: self.dispatch_geometry, Op.COMBINE: self.combine_geometry}.get(op)
+        return {Op.DISPATCH: self.dispatch_geometry, Op.DISPATCH_PULL: self.dispatch_geometry,
+                Op.COMBINE: self.combine_geometry}.get(op)
+
+    def transport(self, arch: str, tokens: int) -> str:
+        """The transport the normal dispatch of a call with ``tokens`` takes on ``arch`` when x is
+        the op's ``dispatch_input``: "push" or "pull" as ``dispatch_transport`` forces, and for
+        "auto" the tuning bucket's (``epgen.codegen.tuning.transport``; "push" without one). An x
+        elsewhere makes "auto" push (``EpDispatchCombine.transport``)."""
+        if self.dispatch_transport != "auto" or self.kernel_family == "low_latency":
+            return "push" if self.kernel_family == "low_latency" else self.dispatch_transport
+        return transport(self.tuning_key(arch, Op.DISPATCH), tokens)
+
+    def transports(self, arch: str, op: Op) -> tuple[str, ...]:
+        """The transports of ``op``'s kernels an op of this config compiles on ``arch``: ("push",
+        "pull") for DISPATCH where the pull path is built (``_builds(arch, Op.DISPATCH_PULL)``),
+        else ("push",)."""
+        return ("push", "pull") if op is Op.DISPATCH and self._builds(arch, Op.DISPATCH_PULL) else ("push",)
 
     def geometry(self, arch: str, op: Op, tokens: int) -> Geometry:
         """Explicit geometry if given, else the tuning table's bucket for ``tokens``. The local
@@ -292,9 +334,9 @@ class EpConfig:
                              f"{fit} warps")
         return attrs.evolve(g, warps_per_block=fit)
 
-    def spec(self, arch: str, op: Op, geometry: Geometry) -> KernelSpec:
-        """The KernelSpec of ``op`` on ``arch`` with ``geometry``; all of one layer's specs share
-        one arena layout."""
+    def spec(self, arch: str, op: Op, geometry: Geometry, transport: str = "push") -> KernelSpec:
+        """The KernelSpec of ``op`` on ``arch`` with ``geometry`` (and ``transport``, DISPATCH
+        only); all of one layer's specs share one arena layout."""
         return KernelSpec(op=op, arch=arch, dtype=self.dtype if op.payload else "bf16",
                           hidden=self.hidden, topk=self.topk, experts_per_rank=self.experts_per_rank,
                           world_size=self.world_size, max_tokens_per_rank=self.max_tokens_per_rank,
@@ -302,41 +344,62 @@ class EpConfig:
                           warps_per_block=geometry.warps_per_block, unroll=geometry.unroll,
                           recv_tokens=self.max_recv_tokens or 0,
                           expert_alignment=self.expert_alignment if self.layout == "expert" else 0,
-                          ll_tokens=self.low_latency_tokens(arch))
+                          ll_tokens=self.low_latency_tokens(arch), transport=transport)
 
-    def variants(self, arch: str, op: Op) -> tuple[tuple[int, KernelSpec], ...]:
+    def variants(self, arch: str, op: Op, transport: str = "push") -> tuple[tuple[int, KernelSpec], ...]:
         """Every ``(max_tokens, spec)`` an ``EpDispatchCombine`` of this config compiles for
         ``op`` on ``arch`` at construction, ascending: the explicit geometry alone (bucket
         ``max_tokens_per_rank``), else the tuning table's buckets up to the first one that holds
         ``max_tokens_per_rank``. A call with T tokens launches the first bucket with
         ``max_tokens >= T``. (Virtual ranks may still clamp a table geometry's blocks at
         construction, which depends on the GPU.) Empty for a low-latency half on an arch where
-        ``low_latency_tokens`` is 0.
+        ``low_latency_tokens`` is 0. The pull path's kernels (DISPATCH_PULL, and DISPATCH with
+        ``transport`` "pull") take the same buckets, under "auto" only those whose transport is
+        "pull" (a call in another bucket pushes).
 
         Raises:
             ValueError: a spec breaks an ``arch`` limit (naming the field).
         """
-        if not self._builds(arch, op):
+        pull = op is Op.DISPATCH_PULL or transport == "pull"
+        if not self._builds(arch, Op.DISPATCH_PULL if pull else op):
             return ()
         explicit = self._explicit(op)
         if op in LOCAL_OPS or op.low_latency:  # one variant: the local ops' work follows the rows
             explicit = self.geometry(arch, op, self.max_tokens_per_rank)  # received; both low-latency halves agree on blocks
         table = ((self.max_tokens_per_rank, self._fitted(arch, op, explicit, explicit=True)),) if explicit else tuple(
             (max_tokens, self._fitted(arch, op, g)) for max_tokens, g in buckets(self._table_key(arch, op)))
+        pulls = dict(bucket_transports(self._table_key(arch, op)))
         out = []
         for max_tokens, geometry in table:
-            out.append((max_tokens, self.spec(arch, op, geometry)))
+            if not pull or explicit or self.dispatch_transport == "pull" or pulls.get(max_tokens) == "pull":
+                out.append((max_tokens, self.spec(arch, op, geometry, transport)))
             if max_tokens >= self.max_tokens_per_rank:
                 break
         return tuple(out)
 
+    def built_ops(self, arch: str) -> tuple[Op, ...]:
+        """The ops of ``ops`` an op of this config compiles on ``arch`` (``_builds``), in order."""
+        return tuple(op for op in self.ops if self._builds(arch, op))
+
     def kernel_specs(self, arch: str, tokens: int | None = None) -> tuple[KernelSpec, ...]:
         """The spec of each of ``ops`` (dispatch, combine, then the expert layout's) for ``arch``
-        at ``tokens`` (default max_tokens_per_rank)."""
+        at ``tokens`` (default max_tokens_per_rank); the dispatch of each of ``transports``."""
         t = self.max_tokens_per_rank if tokens is None else tokens
-        return tuple(self.spec(arch, op, self.geometry(arch, op, t)) for op in self.ops if self._builds(arch, op))
+        return tuple(self.spec(arch, op, self.geometry(arch, op, t), tr) for op in self.built_ops(arch)
+                     for tr in self.transports(arch, op))
 
     def _builds(self, arch: str, op: Op) -> bool:
         """Whether an op of this config compiles ``op`` on ``arch``: every op of ``ops`` but the
-        low-latency halves where T_ll is 0 ("auto" with a table threshold of 0)."""
-        return not op.low_latency or self.low_latency_tokens(arch) > 0
+        low-latency halves where T_ll is 0 ("auto" with a table threshold of 0), and DISPATCH_PULL
+        under "auto" where no bucket of the dispatch entry up to max_tokens_per_rank says "pull"."""
+        if op.low_latency:
+            return self.low_latency_tokens(arch) > 0
+        if op is Op.DISPATCH_PULL:
+            if op not in self.ops:
+                return False
+            if self.dispatch_transport == "pull":
+                return True
+            rows = bucket_transports(self.tuning_key(arch, Op.DISPATCH))
+            used = [tr for i, (t, tr) in enumerate(rows) if i == 0 or rows[i - 1][0] < self.max_tokens_per_rank]
+            return "pull" in used
+        return True

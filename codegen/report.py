@@ -73,7 +73,8 @@ def variant_labels(specs: list[dict]) -> tuple[list[str], str]:
     kernels of both families and fold: the wire, bf16 or a quant tag such as qfp8b), the shape fields that differ between the specs (w, h, k, l, t, s as in the entry
     name) and the launch geometry BLOCKSxWARPSuUNROLL. The shape fields every spec shares form the
     second value, e.g. ``"w8 h7168 k8 l32 t4096"``; a receive cap and the expert layout's
-    alignment (``_OPTIONAL_PARTS``) are named where set."""
+    alignment (``_OPTIONAL_PARTS``) are named where set, and "pull" ends the label of the pull
+    dispatch's first kernel (``transport``)."""
     def payload(s: dict) -> str:
         return s["dtype"] if Op(s["op"]).payload else combine_quant(s["combine_quant"]).tag or "bf16"
 
@@ -81,7 +82,8 @@ def variant_labels(specs: list[dict]) -> tuple[list[str], str]:
     varying = [(f, tag) for f, tag in _SHAPE_PARTS if (f, tag) not in shared]
     labels = [" ".join([payload(s), *(f"{tag}{s[f]}" for f, tag in varying),
                         *(f"{tag}{s[f]}" for f, tag in _OPTIONAL_PARTS if s.get(f)),
-                        f"{s['blocks']}x{s['warps_per_block']}u{s['unroll']}"]) for s in specs]
+                        f"{s['blocks']}x{s['warps_per_block']}u{s['unroll']}",
+                        *(["pull"] if s.get("transport") == "pull" else [])]) for s in specs]
     common = " ".join(f"{tag}{specs[0][f]}" for f, tag in shared if not (f == "scale_bytes" and not specs[0][f]))
     return labels, common
 

@@ -36,7 +36,10 @@ class Op(str, enum.Enum):
     waits for those flags and finishes the op: both in one kernel (DISPATCH_LL, COMBINE_LL) or each
     in its own (the ``_SEND`` and ``_RECV`` ops: the async_recv split). COMBINE_QUANTIZE (local)
     writes the quantized combine wire rows that peers read, before the normal family's COMBINE, in
-    the rank layout (the expert layout's FOLD writes them itself)."""
+    the rank layout (the expert layout's FOLD writes them itself). DISPATCH_PULL is the second
+    kernel of the pull dispatch (``KernelSpec.transport`` "pull"): launched after the DISPATCH
+    kernel that sent only the metadata, it loads each received row from its source rank's
+    ``dispatch_in``."""
 
     DISPATCH = "dispatch"
     COMBINE = "combine"
@@ -50,17 +53,19 @@ class Op(str, enum.Enum):
     COMBINE_LL = "combine_ll"
     COMBINE_LL_SEND = "combine_ll_send"
     COMBINE_LL_RECV = "combine_ll_recv"
+    DISPATCH_PULL = "dispatch_pull"
 
     @property
     def remote(self) -> bool:
         """The kernel reads or writes peers' arenas or waits for them (both families' transport ops)."""
-        return self in TRANSPORT_OPS or self in LOW_LATENCY_OPS
+        return self in TRANSPORT_OPS or self in LOW_LATENCY_OPS or self is Op.DISPATCH_PULL
 
     @property
     def payload(self) -> bool:
         """The kernel's dtype is the dispatch payload's (the dispatch kernels, expand_plan, expand);
         the others take bf16 expert outputs."""
-        return self in (Op.DISPATCH, Op.EXPAND_PLAN, Op.EXPAND, Op.DISPATCH_LL, Op.DISPATCH_LL_SEND, Op.DISPATCH_LL_RECV)
+        return self in (Op.DISPATCH, Op.DISPATCH_PULL, Op.EXPAND_PLAN, Op.EXPAND, Op.DISPATCH_LL, Op.DISPATCH_LL_SEND,
+                        Op.DISPATCH_LL_RECV)
 
     @property
     def low_latency(self) -> bool:
@@ -69,11 +74,11 @@ class Op(str, enum.Enum):
 
     @property
     def transport(self) -> "Op":
-        """The transport op this kernel serves (DISPATCH or COMBINE: the low-latency halves and the
-        combine's quantize kernel; the op itself otherwise)."""
-        return {Op.DISPATCH_LL: Op.DISPATCH, Op.DISPATCH_LL_SEND: Op.DISPATCH, Op.DISPATCH_LL_RECV: Op.DISPATCH,
-                Op.COMBINE_LL: Op.COMBINE, Op.COMBINE_LL_SEND: Op.COMBINE, Op.COMBINE_LL_RECV: Op.COMBINE,
-                Op.COMBINE_QUANTIZE: Op.COMBINE}.get(self, self)
+        """The transport op this kernel serves (DISPATCH or COMBINE: the low-latency halves, the pull
+        dispatch's second kernel and the combine's quantize kernel; the op itself otherwise)."""
+        return {Op.DISPATCH_PULL: Op.DISPATCH, Op.DISPATCH_LL: Op.DISPATCH, Op.DISPATCH_LL_SEND: Op.DISPATCH,
+                Op.DISPATCH_LL_RECV: Op.DISPATCH, Op.COMBINE_LL: Op.COMBINE, Op.COMBINE_LL_SEND: Op.COMBINE,
+                Op.COMBINE_LL_RECV: Op.COMBINE, Op.COMBINE_QUANTIZE: Op.COMBINE}.get(self, self)
 
     @property
     def template(self) -> str:
@@ -83,6 +88,8 @@ class Op(str, enum.Enum):
 
 TRANSPORT_OPS = (Op.DISPATCH, Op.COMBINE)
 """The normal family's ops that cross ranks (geometry flags and tuning tables name them)."""
+TRANSPORTS = ("push", "pull")
+"""``KernelSpec.transport`` values: how the normal dispatch moves the payload rows."""
 EXPERT_OPS = (Op.EXPAND_PLAN, Op.EXPAND, Op.FOLD)
 """The local ops the expert layout adds, in launch order (plan and expand after dispatch, fold
 before combine)."""
@@ -190,6 +197,8 @@ class ArenaLayout:
     and fold specs do not know (they are built with ``payload_row_bytes`` 0 and never use them):
       recv_x       [cap, H] dispatch dtype
       expert_x     [R, H] dispatch dtype (expert layout)
+      dispatch_in  [Tmax, H] dispatch dtype: the rows this rank publishes for the pull dispatch
+                   (its peers read token t's row here; the caller writes x into it: zero copy)
       ll_dispatch_stage [2, W, T_ll, record] rows pushed here by source rank s at [g % 2, s, slot]
                    (low-latency family): record = payload row, then (source rank, token), K weights,
                    K expert ids, S scale bytes, padded to 16 bytes (``ll_meta_bytes``; 0, as
@@ -230,6 +239,7 @@ class ArenaLayout:
     ll_combine_stage: int
     recv_x: int
     expert_x: int
+    dispatch_in: int
     ll_dispatch_stage: int
     payload_row_bytes: int
     capacity_rows: int
@@ -281,6 +291,7 @@ class ArenaLayout:
             ("ll_combine_stage", 2 * world_size * T_ll * stage_row),
             ("recv_x", cap * payload_row_bytes),
             ("expert_x", R * payload_row_bytes),
+            ("dispatch_in", max_tokens_per_rank * payload_row_bytes),
             ("ll_dispatch_stage", 0),
         ):
             fields[name] = off
@@ -315,6 +326,11 @@ class KernelSpec:
         ll_tokens: most tokens a rank passes to the low-latency family, T_ll (its stages hold W x
             T_ll rows each); 0 = no low-latency buffers. Every spec of one op carries it (it sizes
             the shared arena); the low-latency kernels need it >= 1.
+        transport: how the normal dispatch moves payload rows (op DISPATCH only; "push" otherwise):
+            "push" (default): the dispatch stores each row into every destination's receive rows;
+            "pull": it sends only the metadata (weights, ids, scales, source) and a DISPATCH_PULL
+            kernel launched after it loads each received row from its source rank's
+            ``dispatch_in`` (entry name suffix ``_pull``).
 
     Raises:
         epgen.codegen.errors.FieldError: a ValueError, on construction, naming the field, its
@@ -338,6 +354,7 @@ class KernelSpec:
     expert_alignment: int = attrs.field(default=0, validator=[_positive("expert_alignment", 0, 256),
                                                                _one_of("expert_alignment", EXPERT_ALIGNMENTS)])
     ll_tokens: int = attrs.field(default=0, validator=_positive("ll_tokens", 0, LL_MAX_TOKENS))
+    transport: str = attrs.field(default="push", validator=_one_of("transport", TRANSPORTS))
 
     def __attrs_post_init__(self):
         t = self.traits
@@ -363,6 +380,9 @@ class KernelSpec:
         if self.op is Op.COMBINE_QUANTIZE and not self.quant.quantized:
             raise FieldError("combine_quant", f"KernelSpec.combine_quant={self.combine_quant!r}: op 'combine_quantize' "
                              "writes a quantized combine wire (any mode but 'none')")
+        if self.transport == "pull" and self.op is not Op.DISPATCH:
+            raise FieldError("transport", f"KernelSpec.transport='pull': only op 'dispatch' pulls (op "
+                             f"{self.op.value!r} takes 'push')")
         if self.op in EXPERT_OPS and not self.expert_alignment:
             raise FieldError("expert_alignment", f"KernelSpec.expert_alignment=0: op {self.op.value!r} belongs to "
                              "the expert layout (expert_alignment >= 1)")
@@ -511,6 +531,7 @@ class KernelSpec:
         s += f"_r{self.recv_tokens}" if self.recv_tokens else ""
         s += f"_a{self.expert_alignment}" if self.expert_alignment else ""
         s += f"_ll{self.ll_tokens}" if self.ll_tokens else ""
+        s += "_pull" if self.transport == "pull" else ""
         return (
             f"epgen_{self.op.value}_{arch}_{self.dtype}_w{self.world_size}_h{self.hidden}_k{self.topk}"
             f"_l{self.experts_per_rank}_t{self.max_tokens_per_rank}"
@@ -556,6 +577,7 @@ class KernelSpec:
             "expert_rows": self.expert_rows,
             "expert_alignment": self.expert_alignment,
             "ll_tokens": self.ll_tokens,
+            "transport": self.transport,
             "segment_lanes": self.segment_lanes,
             "scale_bytes": self.scale_bytes,
             "blocks": self.blocks,

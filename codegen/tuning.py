@@ -8,7 +8,9 @@ Explicit geometry in ``EpConfig`` overrides the table. A shape with no entry get
 a starting point, not a measurement.
 
 Tables live in ``codegen/tuning/<arch>.json``; every entry records where its numbers came from
-(``provenance``), and ``epgen tune`` writes the measured ones.
+(``provenance``), and ``epgen tune`` writes the measured ones. A bucket of the "dispatch" op may
+also say which transport the normal dispatch takes there (``"transport": "push"`` or ``"pull"``;
+"push" when absent): ``transport``.
 """
 
 from __future__ import annotations
@@ -106,23 +108,49 @@ def local_geometry(arch: str, op: str) -> Geometry:
     return Geometry(blocks=blocks, warps_per_block=threads // traits(arch).wave_size, unroll=unroll)
 
 
+TRANSPORTS = ("push", "pull")
+"""A dispatch bucket's ``transport`` values (``epgen.codegen.spec.TRANSPORTS``)."""
+
+
 @functools.lru_cache(maxsize=None)
-def _table(arch: str) -> dict[TuningKey, tuple[tuple[int, Geometry], ...]]:
+def _table(arch: str) -> dict[TuningKey, tuple[tuple[int, Geometry, str], ...]]:
     path = TABLE_DIR / f"{arch}.json"
     if not path.exists():
         return {}
     table = {}
     for e in json.loads(path.read_text())["entries"]:
         key = TuningKey(**{f.name: e[f.name] for f in attrs.fields(TuningKey)})
-        table[key] = tuple(sorted((b["max_tokens"], Geometry(b["blocks"], b["warps_per_block"], b["unroll"]))
-                                  for b in e["buckets"]))
+        rows = []
+        for b in e["buckets"]:
+            transport = b.get("transport", "push")
+            if transport not in TRANSPORTS or ("transport" in b and key.op != "dispatch"):
+                raise ValueError(f"{path}: entry {key}: bucket max_tokens={b['max_tokens']} transport={transport!r}: "
+                                 f"only 'dispatch' buckets carry a transport, one of {', '.join(TRANSPORTS)}")
+            rows.append((b["max_tokens"], Geometry(b["blocks"], b["warps_per_block"], b["unroll"]), transport))
+        table[key] = tuple(sorted(rows, key=lambda r: r[0]))
     return table
+
+
+def _rows(key: TuningKey, default: Geometry | None) -> tuple[tuple[int, Geometry, str], ...]:
+    return _table(key.arch).get(key) or ((1 << 30, default or default_geometry(key.arch), "push"),)
 
 
 def buckets(key: TuningKey, default: Geometry | None = None) -> tuple[tuple[int, Geometry], ...]:
     """Buckets ``(max_tokens, geometry)`` of ``key``, ascending; when absent, ``default`` (else
     ``default_geometry``) alone."""
-    return _table(key.arch).get(key) or ((1 << 30, default or default_geometry(key.arch)),)
+    return tuple((t, g) for t, g, _ in _rows(key, default))
+
+
+def bucket_transports(key: TuningKey) -> tuple[tuple[int, str], ...]:
+    """``(max_tokens, transport)`` of each of ``buckets(key)``, ascending; "push" where a bucket
+    names none (and for a key without an entry)."""
+    return tuple((t, tr) for t, _, tr in _rows(key, None))
+
+
+def transport(key: TuningKey, tokens: int) -> str:
+    """The transport of the bucket ``lookup`` picks for ``tokens`` ("push" or "pull")."""
+    table = bucket_transports(key)
+    return next((tr for max_tokens, tr in table if tokens <= max_tokens), table[-1][1])
 
 
 def has_entry(key: TuningKey) -> bool:
@@ -140,13 +168,17 @@ def lookup(key: TuningKey, tokens: int, default: Geometry | None = None) -> Geom
     return table[-1][1]
 
 
-def write_entry(key: TuningKey, rows: list[tuple[int, Geometry]], provenance: str, measured: dict) -> Path:
-    """Replace (or add) the entry of ``key`` in its arch's table file and return the path."""
+def write_entry(key: TuningKey, rows: list[tuple[int, Geometry]], provenance: str, measured: dict,
+                transports: dict[int, str] | None = None) -> Path:
+    """Replace (or add) the entry of ``key`` in its arch's table file and return the path;
+    ``transports`` (dispatch only) maps a bucket's ``max_tokens`` to its transport, written as the
+    bucket's ``transport``."""
     path = TABLE_DIR / f"{key.arch}.json"
     doc = json.loads(path.read_text()) if path.exists() else {"entries": []}
     entries = [e for e in doc["entries"] if TuningKey(**{f.name: e[f.name] for f in attrs.fields(TuningKey)}) != key]
     entries.append({**attrs.asdict(key), "provenance": provenance, "measured_us": measured,
-                    "buckets": [{"max_tokens": t, **attrs.asdict(g)} for t, g in rows]})
+                    "buckets": [{"max_tokens": t, **attrs.asdict(g), **({"transport": transports[t]} if transports else {})}
+                                for t, g in rows]})
     entries.sort(key=lambda e: (e["op"], e["world_size"], e["row_bytes"], e["topk"], e["dtype"]))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"entries": entries}, indent=1) + "\n")

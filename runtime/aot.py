@@ -43,14 +43,16 @@ MANIFEST_SCHEMA = 1
 def config_specs(cfg: EpConfig, arches) -> list[KernelSpec]:
     """Every spec ``EpDispatchCombine(cfg)`` compiles at construction on each of ``arches`` (a
     sequence of arch names, or one name)
-    (``EpConfig.variants``: each token bucket of dispatch, then of combine), without repeats.
+    (``EpConfig.variants``: each token bucket of dispatch, of each transport it builds, then of
+    combine), without repeats.
 
     Raises:
         ValueError: a spec breaks an arch's limits (naming the field).
     """
     if isinstance(arches, str):  # one arch, e.g. "sm_90"
         arches = (arches,)
-    return list(dict.fromkeys(s for arch in arches for op in cfg.ops for _, s in cfg.variants(arch, op)))
+    return list(dict.fromkeys(s for arch in arches for op in cfg.ops for tr in cfg.transports(arch, op)
+                              for _, s in cfg.variants(arch, op, tr)))
 
 
 def build(specs: list[KernelSpec], directory: Path | None = None, max_workers: int | None = None,

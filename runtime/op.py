@@ -317,6 +317,10 @@ class EpDispatchCombine:
         self.arch = self.platform.arch(self.device.index)  # ValueError for an arch epgen has no kernels for
         # Every variant the op can pick is compiled here: dispatch() and combine() never compile.
         self._variants = {op: self._build_variants(op) for op in config.ops}
+        # The pull dispatch's first kernel: op DISPATCH of transport "pull" (empty where the op
+        # builds no pull kernels: EpConfig.transports).
+        self._pull_dispatch = self._build_variants(Op.DISPATCH, "pull") if "pull" in config.transports(
+            self.arch, Op.DISPATCH) else []
         self.dispatch_spec = self._variants[next(op for op in config.ops if op.payload)][-1][1]
         self.low_latency_tokens = self.dispatch_spec.ll_tokens  # T_ll: 0 without the low-latency family
         # A whole low-latency op in one kernel needs every block of its grid resident at once (a
@@ -408,6 +412,22 @@ class EpDispatchCombine:
                               torch.bfloat16)
         return self._combine_in(rank)
 
+    def dispatch_input(self, rank: int | None = None) -> torch.Tensor:
+        """[Tmax, H] view of ``rank``'s dispatch_in region in the payload dtype (fp4: [Tmax, H/2]
+        uint8), Tmax = ``max_tokens_per_rank``: the rows the pull dispatch's peers read. A caller
+        that writes its x into ``dispatch_input()[:T]`` and passes that slice as x dispatches
+        without a copy (zero copy; the twin of ``combine_input``); ``transport(T, x)`` says which
+        transport such a call takes. The rows may be overwritten once the dispatch that read them
+        has passed on this rank's stream (its last kernel waits until every rank has read them).
+
+        Raises:
+            ValueError: ``rank`` is not driven by this process (or None in virtual mode).
+        """
+        rank = self._local(rank)
+        info = self.dispatch_spec.dtype_info
+        return self._view(rank, self.layout.dispatch_in, (self.config.max_tokens_per_rank, info.columns(self.config.hidden)),
+                          info.torch_dtype)
+
     def _combine_in(self, rank: int) -> torch.Tensor:
         """[N, H] bf16 view of ``rank``'s combine_in region (the rows the normal combine's peers read)."""
         return self._view(rank, self.layout.combine_in, (self.layout.capacity_rows, self.config.hidden),
@@ -476,6 +496,37 @@ class EpDispatchCombine:
             return "low_latency" if self.low_latency_tokens and tokens <= self.low_latency_tokens else "normal"
         return kind
 
+    def transport(self, tokens: int, x) -> str:
+        """The transport a dispatch of ``tokens`` (the largest token count of the ranks this
+        process drives) with input ``x`` (a list in virtual mode) takes: "pull" or "push".
+        "push" for the low-latency family and ``dispatch_transport="push"``; "pull" for
+        ``dispatch_transport="pull"`` (an x outside ``dispatch_input`` is copied there first);
+        "auto" pulls where the tuning bucket of ``tokens`` says "pull" and x starts at
+        ``dispatch_input()`` (on every rank in virtual mode), else pushes."""
+        return self._transport(tokens, self._per_rank(x, "x"))
+
+    def _transport(self, tokens: int, xs: list) -> str:
+        if self.family(tokens) == "low_latency" or self.config.transport(self.arch, tokens) == "push":
+            return "push"
+        if self.config.dispatch_transport == "pull":
+            return "pull"
+        zero_copy = all(isinstance(t, torch.Tensor) and t.data_ptr() == self.dispatch_input(r).data_ptr()
+                        for r, t in zip(self.local_ranks, xs))
+        return "pull" if zero_copy else "push"
+
+    def _check_dispatch_input_use(self, rank: int, x: torch.Tensor, tag: str):
+        """An x that overlaps ``rank``'s dispatch_input must start at its first row.
+
+        Raises:
+            ValueError: naming x, its offset into dispatch_input and the rule.
+        """
+        region = self.dispatch_input(rank)
+        start, end = region.data_ptr(), region.data_ptr() + region.numel() * region.element_size()
+        p = x.data_ptr()
+        if x.numel() and p != start and p < end and p + x.numel() * x.element_size() > start:
+            raise ValueError(f"x{tag}.data_ptr()={p:#x}: {p - start} bytes into dispatch_input(); an x in "
+                             "dispatch_input must start at its first row (pass op.dispatch_input()[:T])")
+
     def dispatch(self, x, weights, indices, scales=None, async_recv: bool = False):
         """Send each token to every distinct rank that holds one of its top-k experts.
 
@@ -489,6 +540,12 @@ class EpDispatchCombine:
                 ``RecvHandle`` whose ``wait()`` launches the receiving half (and the expert
                 layout's expansion) and returns the outputs. Needs T <= ``low_latency_tokens``.
 
+        The normal family moves the rows by ``transport(T, x)``: "push" (one kernel), or "pull"
+        (the dispatch kernel sends the metadata, then DISPATCH_PULL loads each received row from
+        its source rank's ``dispatch_input``; with ``dispatch_transport="pull"`` an x elsewhere is
+        first copied there by torch on the current stream). Every rank must take the same
+        transport in a call.
+
         Returns:
             DispatchOutput, or in the expert layout ExpertDispatchOutput (its ``recv`` the
             rank-major rows; the expansion runs right after the dispatch kernel, see ``expand``);
@@ -497,8 +554,9 @@ class EpDispatchCombine:
             differs).
 
         Raises:
-            TypeError, ValueError: an input breaks the rules above (before any launch), or
-                ``async_recv`` without a low-latency family for T.
+            TypeError, ValueError: an input breaks the rules above (before any launch), an x that
+                overlaps ``dispatch_input`` but does not start at it, or ``async_recv`` without a
+                low-latency family for T.
             RuntimeError: an async_recv call's handle has not been waited for.
             EpError: an earlier call faulted in a kernel.
         """
@@ -509,17 +567,27 @@ class EpDispatchCombine:
         cfg = self.config
         io, tokens = [], []
         for i, rank in enumerate(self.local_ranks):
-            T = check_dispatch_inputs(cfg, self.device, xs[i], ws[i], ids[i], ss[i],
-                                      f"[rank {rank}]" if self.virtual else "")
+            tag = f"[rank {rank}]" if self.virtual else ""
+            T = check_dispatch_inputs(cfg, self.device, xs[i], ws[i], ids[i], ss[i], tag)
+            self._check_dispatch_input_use(rank, xs[i], tag)
             io.append(_rank_io(x=xs[i].data_ptr(), weights=ws[i].data_ptr(), indices=ids[i].data_ptr(),
                                scales=ss[i].data_ptr() if cfg.scale_bytes else 0, num_tokens=T))
             tokens.append(T)
         family = self._family_for_call(max(tokens), async_recv, "dispatch")
         send = self._first_kernel(Op.DISPATCH, family, async_recv)
+        transport = self._transport(max(tokens), xs) if send is Op.DISPATCH else "push"
         a = self._args[send]
         for i, record in enumerate(io):
             a["io"][i] = record
-        self._launch(send, max(tokens), a)
+        if transport == "pull":  # the rows must be in dispatch_input, where the peers read them
+            for i, rank in enumerate(self.local_ranks):
+                region = self.dispatch_input(rank)
+                if xs[i].data_ptr() != region.data_ptr() and tokens[i]:
+                    region[: tokens[i]].copy_(xs[i])
+                a["io"]["x"][i] = region.data_ptr()
+        self._launch(send, max(tokens), a, transport)
+        if transport == "pull":
+            self._launch(Op.DISPATCH_PULL, max(tokens), self._args[Op.DISPATCH_PULL])
         self._pending_tokens = tokens
         self._pending_family = family
 
@@ -789,27 +857,34 @@ class EpDispatchCombine:
             return list(value)
         return [value]
 
-    def variant(self, op: Op, tokens: int) -> KernelSpec:
+    def variant(self, op: Op, tokens: int, transport: str = "push") -> KernelSpec:
         """The spec ``op`` launches for ``tokens`` (the largest token count of the ranks this
-        process drives): the smallest bucket not below it, else the largest."""
-        return self._pick(op, tokens)[0]
+        process drives): the smallest bucket not below it, else the largest; ``transport`` "pull"
+        (op DISPATCH): the pull dispatch's first kernel.
 
-    def _pick(self, op: Op, tokens: int):
-        for max_tokens, spec, fn in self._variants[op]:
+        Raises:
+            KeyError: the op builds no kernels of ``op`` (or no pull kernels)."""
+        return self._pick(op, tokens, transport)[0]
+
+    def _pick(self, op: Op, tokens: int, transport: str = "push"):
+        variants = self._pull_dispatch if transport == "pull" else self._variants[op]
+        if not variants:
+            raise KeyError(f"this op builds no {op.value} kernels of transport {transport!r}")
+        for max_tokens, spec, fn in variants:
             if tokens <= max_tokens:
                 return spec, fn
-        return self._variants[op][-1][1:]
+        return variants[-1][1:]
 
-    def _build_variants(self, op: Op) -> list[tuple[int, KernelSpec, object]]:
+    def _build_variants(self, op: Op, transport: str = "push") -> list[tuple[int, KernelSpec, object]]:
         cfg = self.config
-        explicit = cfg.dispatch_geometry if op is Op.DISPATCH else cfg.combine_geometry
+        explicit = cfg.dispatch_geometry if op.transport is Op.DISPATCH else cfg.combine_geometry
         variants = []
-        for max_tokens, spec in cfg.variants(self.arch, op):
+        for max_tokens, spec in cfg.variants(self.arch, op, transport):
             fn = self._compile(spec)
             # With virtual ranks every block of every rank this grid runs must be resident at once:
             # one rank's blocks wait for another's on the same GPU. (With one rank a process no
             # kernel waits for a block of its own grid.)
-            if op in TRANSPORT_OPS and self.virtual:
+            if (op in TRANSPORT_OPS or op is Op.DISPATCH_PULL) and self.virtual:
                 ranks = len(self.local_ranks)
                 fits = self._resident_blocks(fn, spec) // ranks
                 if fits < spec.blocks:
@@ -817,7 +892,7 @@ class EpDispatchCombine:
                         raise ValueError(
                             f"{op.value} geometry {spec.blocks}x{spec.warps_per_block}u{spec.unroll}: virtual ranks need all "
                             f"{spec.blocks * ranks} blocks resident at once but this GPU holds "
-                            f"{self._resident_blocks(fn, spec)}; lower EpConfig.{op.value}_geometry blocks to "
+                            f"{self._resident_blocks(fn, spec)}; lower EpConfig.{op.transport.value}_geometry blocks to "
                             f"{max(fits, 1)} or fewer warps")
                     spec = spec.replace(blocks=fits)  # table geometry, clamped so every rank fits
                     fn = self._compile(spec)
@@ -828,14 +903,16 @@ class EpDispatchCombine:
         src = render(spec)
         return self.platform.load_kernel(src.text, src.entry, self.device.index)
 
-    def _launch(self, op: Op, tokens: int, args: np.ndarray):
-        """Launch the variant of ``op`` for ``tokens`` (local ops have one) over the local ranks."""
-        spec, fn = self._pick(op, tokens)
+    def _launch(self, op: Op, tokens: int, args: np.ndarray, transport: str = "push"):
+        """Launch the variant of ``op`` (of ``transport``) for ``tokens`` (local ops have one) over
+        the local ranks."""
+        spec, fn = self._pick(op, tokens, transport)
         self.platform.launch(fn, (spec.blocks, len(self.local_ranks), 1), (spec.threads, 1, 1), args.ctypes.data,
                              self.device)
         # A sending half is always followed by its receiving half (the halves' call counts must
-        # stay in step): validate after that one, so a fault raised here never skips it.
-        if self.validate and op not in (Op.DISPATCH_LL_SEND, Op.COMBINE_LL_SEND):
+        # stay in step), and the pull dispatch's first kernel by DISPATCH_PULL (peers wait for its
+        # "pulled" flags): validate after the second, so a fault raised here never skips it.
+        if self.validate and op not in (Op.DISPATCH_LL_SEND, Op.COMBINE_LL_SEND) and transport == "push":
             self.synchronize()
 
     def _resident_blocks(self, fn, spec: KernelSpec) -> int:

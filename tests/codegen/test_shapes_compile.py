@@ -1,7 +1,8 @@
 """Shapes beyond the catalogue compile for every arch without scratch or spill (but the known
 spills ``_known_spill`` lists): top-k that does
 not divide the wave (6, 9, 10) up to 16, hidden sizes that are not powers of two, every payload
-dtype, and unrolls whose chunk exceeds the row (the copy loop's predicated tail)."""
+dtype, and unrolls whose chunk exceeds the row (the copy loop's predicated tail); three of them
+with the pull dispatch's two kernels too."""
 
 import pytest
 
@@ -13,10 +14,11 @@ from epgen.codegen.tuning import Geometry
 
 CASES = [
     dict(hidden=2880, topk=6, num_experts=128, dtype="bf16"),
-    dict(hidden=3072, topk=9, num_experts=264, dtype="fp8"),
-    dict(hidden=6144, topk=10, num_experts=160, dtype="fp4"),
+    dict(hidden=3072, topk=9, num_experts=264, dtype="fp8", dispatch_transport="pull"),
+    dict(hidden=6144, topk=10, num_experts=160, dtype="fp4", dispatch_transport="pull"),
     dict(hidden=8192, topk=16, num_experts=256, dtype="bf16"),
-    dict(hidden=2880, topk=1, num_experts=8, dtype="fp8", geometry=Geometry(4, 4, 16)),  # chunk > row
+    dict(hidden=2880, topk=1, num_experts=8, dtype="fp8", geometry=Geometry(4, 4, 16),  # chunk > row
+         dispatch_transport="pull"),
 ]
 
 

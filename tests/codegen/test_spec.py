@@ -229,7 +229,7 @@ def test_derived_values(arch, i):
 REGIONS = ["signals", "send_slot", "send_pos", "recv_src", "recv_weights", "recv_indices", "recv_scales", "combine_in",
            "combine_wire", "slot_row", "expert_counts", "expert_offsets", "expert_weights", "expert_src",
            "expert_block_base", "expert_scales", "expert_y", "ll_calls", "ll_combine_stage", "recv_x", "expert_x",
-           "ll_dispatch_stage"]
+           "dispatch_in", "ll_dispatch_stage"]
 SHARED_REGIONS = REGIONS[: REGIONS.index("recv_x") + 1]
 """The regions before the payload-sized ones: every spec of one config places them alike."""
 
@@ -259,6 +259,7 @@ def _documented_sizes(s: KernelSpec) -> dict[str, int]:
         "expert_y": s.expert_rows * s.hidden * 2,
         "recv_x": cap * s.row_bytes if s.op.payload else 0,
         "expert_x": s.expert_rows * s.row_bytes if s.op.payload else 0,
+        "dispatch_in": tmax * s.row_bytes if s.op.payload else 0,
         "ll_calls": 4 * LL_FLAG_SLOTS * 4 if t_ll else 0,
         "ll_combine_stage": 2 * w * t_ll * stage_row,
         "ll_dispatch_stage": 2 * w * t_ll * (s.row_bytes + meta) if s.op.payload else 0,
@@ -327,8 +328,8 @@ def test_dispatch_and_combine_share_layout(arch):
                  kernel_family="low_latency"),
     ]
     for cfg in configs:
-        specs = dict(zip(cfg.ops, cfg.kernel_specs(arch)))
-        assert [s.op for s in specs.values()] == list(cfg.ops)
+        specs = dict(zip(cfg.built_ops(arch), cfg.kernel_specs(arch)))
+        assert [s.op for s in specs.values()] == list(cfg.built_ops(arch))
         payload = [s for s in specs.values() if s.op.payload]  # the dispatch kernels, expand_plan, expand
         local = [s for s in specs.values() if not s.op.payload]  # the combine kernels, fold
         d, c = payload[0], local[0]
@@ -370,6 +371,7 @@ VARIANTS = {
     "recv_tokens": [0, 100],
     "expert_alignment": [0, 16],
     "ll_tokens": [0, 64],
+    "transport": ["push"],  # "pull" takes op dispatch only: test_pull_names_and_rules
 }
 
 
@@ -444,12 +446,14 @@ def _name_tokens(s: KernelSpec) -> dict[str, str]:
         toks["expert_alignment"] = f"_a{s.expert_alignment}_"
     if s.ll_tokens:
         toks["ll_tokens"] = f"_ll{s.ll_tokens}_"
+    if s.transport == "pull":
+        toks["transport"] = "_pull_"
     return toks
 
 
 def test_name_contains_every_field():
     for s in (spec(scale_bytes=16, blocks=7, warps_per_block=3, unroll=5, combine_quant="fp8_blockwise",
-                   recv_tokens=9, expert_alignment=64, ll_tokens=12),
+                   recv_tokens=9, expert_alignment=64, ll_tokens=12, transport="pull"),
               spec(op="combine", arch="sm_90")):
         n = s.name
         assert n.startswith("epgen_")
@@ -458,7 +462,7 @@ def test_name_contains_every_field():
             assert tok in n + "_", f"{field}: {tok!r} not in {n!r}"
         optional = ({"scale_bytes"} if not s.scale_bytes else set()) | ({"combine_quant"} if not s.quant.quantized else set())
         optional |= ({"recv_tokens"} if not s.recv_tokens else set()) | ({"expert_alignment"} if not s.expert_alignment else set())
-        optional |= {"ll_tokens"} if not s.ll_tokens else set()
+        optional |= ({"ll_tokens"} if not s.ll_tokens else set()) | ({"transport"} if s.transport == "push" else set())
         assert set(toks) | optional == set(FIELDS)
 
 
@@ -514,7 +518,7 @@ def test_config_builds_and_derives():
     assert c.experts_per_rank == 32
     for arch in ARCHES:
         specs = c.kernel_specs(arch)
-        assert [s.op for s in specs] == list(c.ops)
+        assert [s.op for s in specs] == list(c.built_ops(arch))
         for s in specs:
             assert s.arch == arch
             assert (s.hidden, s.topk, s.world_size, s.max_tokens_per_rank) == (7168, 8, 8, 4096)
@@ -624,7 +628,7 @@ def test_every_catalogue_model_builds(name):
         assert c.experts_per_rank == m.num_experts // w
         for arch in ARCHES:
             specs = c.kernel_specs(arch)
-            assert [s.op for s in specs] == list(c.ops)
+            assert [s.op for s in specs] == list(c.built_ops(arch))
             assert all(s.num_experts == m.num_experts for s in specs)
 
 
@@ -735,7 +739,9 @@ def test_op_templates_and_families():
     assert not any(op.low_latency for op in Op if op not in LOW_LATENCY_OPS)
     assert Op.COMBINE_QUANTIZE.transport is Op.COMBINE and not Op.COMBINE_QUANTIZE.remote
     assert all(op.template == op.value for op in Op if op not in LOW_LATENCY_OPS)
-    assert all(op.transport is op for op in Op if op not in LOW_LATENCY_OPS + (Op.COMBINE_QUANTIZE,))
+    assert all(op.transport is op for op in Op if op not in LOW_LATENCY_OPS + (Op.COMBINE_QUANTIZE, Op.DISPATCH_PULL))
+    assert Op.DISPATCH_PULL.template == "dispatch_pull" and Op.DISPATCH_PULL.transport is Op.DISPATCH
+    assert Op.DISPATCH_PULL.payload and Op.DISPATCH_PULL.remote and not Op.DISPATCH_PULL.low_latency
 
 
 @pytest.mark.parametrize("world_size,layout,family,built", [
@@ -817,17 +823,86 @@ def test_an_explicit_low_latency_geometry_is_not_clamped_but_refused():
 
 
 @pytest.mark.parametrize("family,layout,ops", [
-    ("auto", "rank", TRANSPORT_OPS + LOW_LATENCY_OPS),
-    ("normal", "rank", TRANSPORT_OPS),
+    ("auto", "rank", TRANSPORT_OPS + (Op.DISPATCH_PULL,) + LOW_LATENCY_OPS),
+    ("normal", "rank", TRANSPORT_OPS + (Op.DISPATCH_PULL,)),
     ("low_latency", "rank", LOW_LATENCY_OPS),
-    ("auto", "expert", TRANSPORT_OPS + LOW_LATENCY_OPS + EXPERT_OPS),
-    ("normal", "expert", TRANSPORT_OPS + EXPERT_OPS),
+    ("auto", "expert", TRANSPORT_OPS + (Op.DISPATCH_PULL,) + LOW_LATENCY_OPS + EXPERT_OPS),
+    ("normal", "expert", TRANSPORT_OPS + (Op.DISPATCH_PULL,) + EXPERT_OPS),
     ("low_latency", "expert", LOW_LATENCY_OPS + EXPERT_OPS),
 ])
 def test_config_ops_per_family(family, layout, ops):
     c = cfg(kernel_family=family, layout=layout, max_tokens_per_rank=512)
     assert c.ops == ops
-    assert [s.op for s in c.kernel_specs("gfx950")] == list(ops)
+    # no gfx950 table bucket says "pull": "auto" builds no pull kernels there
+    assert [s.op for s in c.kernel_specs("gfx950")] == [op for op in ops if op is not Op.DISPATCH_PULL]
     want = {"normal": 0, "low_latency": 512, "auto": 128}[family]  # auto: tuning.LOW_LATENCY_MAX_TOKENS
     assert c.low_latency_tokens("gfx950") == want
     assert all(s.ll_tokens == want for s in c.kernel_specs("gfx950"))  # every spec of the layer: one arena layout
+
+
+# --------------------------------------------------------------------------------------------------
+# The pull dispatch (KernelSpec.transport, Op.DISPATCH_PULL, EpConfig.dispatch_transport)
+# --------------------------------------------------------------------------------------------------
+
+def test_pull_names_and_rules():
+    push, pull = spec(), spec(transport="pull")
+    assert pull.name == push.name + "_pull" and push.transport == "push"
+    assert spec(op="dispatch_pull").name.startswith("epgen_dispatch_pull_gfx950_bf16_")
+    assert pull.layout == push.layout == spec(op="dispatch_pull").layout  # one arena for every payload kernel
+    with pytest.raises(ValueError, match=r"^KernelSpec.transport='pull': only op 'dispatch' pulls \(op 'combine'"):
+        spec(op="combine", transport="pull")
+    with pytest.raises(ValueError, match=r"^KernelSpec.transport='pull': only op 'dispatch' pulls \(op 'dispatch_pull'"):
+        spec(op="dispatch_pull", transport="pull")
+    with pytest.raises(ValueError, match=r"^KernelSpec.transport='both': must be one of push, pull"):
+        spec(transport="both")
+
+
+def test_dispatch_in_is_tmax_payload_rows_after_expert_x_and_absent_from_combine_specs():
+    d, c = spec(dtype="fp4", scale_bytes=16), spec(op="combine", scale_bytes=16)
+    assert d.layout.dispatch_in - d.layout.expert_x >= 0
+    assert d.layout.ll_dispatch_stage - d.layout.dispatch_in >= d.max_tokens_per_rank * d.row_bytes
+    assert d.row_bytes == 7168 // 2  # fp4: two codes a byte
+    assert c.layout.dispatch_in == c.layout.ll_dispatch_stage == c.layout.recv_x  # combine: payload regions empty
+
+
+@pytest.mark.parametrize("value", ["both", "", "Pull", None, 1])
+def test_dispatch_transport_must_be_one_of_three(value):
+    with pytest.raises(ValueError, match=r"^EpConfig.dispatch_transport=.*: must be one of auto, push, pull"):
+        cfg(dispatch_transport=value)
+
+
+def test_pull_refused_with_the_low_latency_family_alone():
+    with pytest.raises(ValueError, match=r"^EpConfig.dispatch_transport='pull': applies to the normal family"):
+        cfg(dispatch_transport="pull", kernel_family="low_latency")
+    c = cfg(kernel_family="low_latency", dispatch_transport="auto")
+    assert Op.DISPATCH_PULL not in c.ops and c.transport("sm_90", 1) == "push"
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_transport_selection_and_the_kernels_each_builds(arch):
+    push, pull, auto = (cfg(dispatch_transport=t, max_tokens_per_rank=512) for t in ("push", "pull", "auto"))
+    assert Op.DISPATCH_PULL not in push.ops and push.transports(arch, Op.DISPATCH) == ("push",)
+    assert push.transport(arch, 1) == "push" and pull.transport(arch, 1) == "pull"
+    assert pull.transports(arch, Op.DISPATCH) == ("push", "pull")
+    specs = pull.kernel_specs(arch)
+    assert [(s.op, s.transport) for s in specs if s.op.transport is Op.DISPATCH and not s.op.low_latency] == [
+        (Op.DISPATCH, "push"), (Op.DISPATCH, "pull"), (Op.DISPATCH_PULL, "push")]
+    # the pull path's kernels take the dispatch entry's buckets and geometry
+    assert pull.tuning_key(arch, Op.DISPATCH_PULL) == pull.tuning_key(arch, Op.DISPATCH)
+    for tr, op in (("pull", Op.DISPATCH), ("push", Op.DISPATCH_PULL)):
+        got = pull.variants(arch, op, tr)
+        want = pull.variants(arch, Op.DISPATCH)
+        assert [(t, s.blocks, s.warps_per_block, s.unroll) for t, s in got] == [
+            (t, s.blocks, s.warps_per_block, s.unroll) for t, s in want]
+        assert all(s.op is op and s.transport == tr for _, s in got)
+    # no shipped table bucket says pull: "auto" pushes and builds no pull kernels
+    assert auto.transport(arch, 1) == "push" and auto.transports(arch, Op.DISPATCH) == ("push",)
+    assert auto.variants(arch, Op.DISPATCH_PULL) == () and auto.variants(arch, Op.DISPATCH, "pull") == ()
+
+
+def test_explicit_dispatch_geometry_applies_to_both_pull_kernels():
+    g = Geometry(blocks=8, warps_per_block=4, unroll=2)
+    c = cfg(dispatch_transport="pull", dispatch_geometry=g)
+    for op, tr in ((Op.DISPATCH, "pull"), (Op.DISPATCH_PULL, "push")):
+        ((t, s),) = c.variants("gfx950", op, tr)
+        assert (t, s.blocks, s.warps_per_block, s.unroll) == (c.max_tokens_per_rank, 8, 4, 2)

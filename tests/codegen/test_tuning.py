@@ -83,7 +83,8 @@ def test_shipped_tables_are_valid(arch):
         assert rows, key
         op = next(op for op in Op if op.template == key.op)  # a low-latency entry: its sending half
         assert not op.low_latency or len(rows) == 1, f"{key}: a low-latency entry has one bucket, its threshold"
-        for max_tokens, geo in rows:
+        for max_tokens, geo, transport in rows:
+            assert transport in tuning.TRANSPORTS and (transport == "push" or op is Op.DISPATCH)
             assert max_tokens >= 1
             KernelSpec(op=op, arch=arch, dtype=key.dtype, world_size=key.world_size,
                        hidden=key.row_bytes // 2, topk=key.topk, experts_per_rank=1, max_tokens_per_rank=max_tokens,
@@ -117,7 +118,7 @@ def test_a_low_latency_threshold_of_0_builds_no_low_latency_kernels_for_auto(tab
     assert [s.op for s in cfg.kernel_specs("sm_90")] == [Op.DISPATCH, Op.COMBINE]
     assert [cfg.variants("sm_90", op) for op in LOW_LATENCY_OPS] == [()] * len(LOW_LATENCY_OPS)
     assert cfg.low_latency_tokens("gfx950") == tuning.LOW_LATENCY_MAX_TOKENS  # no entry there: the default
-    assert [s.ll_tokens for s in cfg.kernel_specs("gfx950")] == [tuning.LOW_LATENCY_MAX_TOKENS] * len(cfg.ops)
+    assert [s.ll_tokens for s in cfg.kernel_specs("gfx950")] == [tuning.LOW_LATENCY_MAX_TOKENS] * len(cfg.built_ops("gfx950"))
     ll = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096, kernel_family="low_latency")
     specs = ll.kernel_specs("sm_90")
     assert [s.op for s in specs] == list(LOW_LATENCY_OPS)
@@ -187,3 +188,33 @@ def test_a_quantized_wires_combine_has_its_own_entry_else_takes_the_bf16_ones(ta
     assert [(t, s.blocks, s.warps_per_block) for t, s in cfg.variants("sm_90", Op.COMBINE)] == [(8192, 64, 16)]
     assert cfg.geometry("sm_90", Op.COMBINE, 100) == Geometry(64, 16, 4)
     assert attrs.evolve(cfg, combine_quant="none").geometry("sm_90", Op.COMBINE, 100) == Geometry(16, 32, 4)
+
+
+def test_a_pull_bucket_makes_auto_pull_there_and_build_only_that_buckets_pull_kernels(table_dir):
+    cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096)
+    key = cfg.tuning_key("sm_90", Op.DISPATCH)
+    rows = [(128, Geometry(16, 32, 4)), (4096, Geometry(24, 32, 4))]
+    tuning.write_entry(key, rows, "test", {}, transports={128: "push", 4096: "pull"})
+    doc = json.loads((table_dir / "sm_90.json").read_text())
+    entry = next(e for e in doc["entries"] if e["op"] == "dispatch" and e["world_size"] == 2)
+    assert [b["transport"] for b in entry["buckets"]] == ["push", "pull"]
+    assert tuning.bucket_transports(key) == ((128, "push"), (4096, "pull"))
+    assert [cfg.transport("sm_90", t) for t in (1, 128, 129, 4096, 10**6)] == ["push", "push", "pull", "pull", "pull"]
+    assert cfg.transports("sm_90", Op.DISPATCH) == ("push", "pull")
+    assert [(t, s.blocks, s.transport) for t, s in cfg.variants("sm_90", Op.DISPATCH, "pull")] == [(4096, 24, "pull")]
+    assert [(t, s.blocks, s.op) for t, s in cfg.variants("sm_90", Op.DISPATCH_PULL)] == [(4096, 24, Op.DISPATCH_PULL)]
+    assert cfg.transports("gfx950", Op.DISPATCH) == ("push",)  # other arches keep theirs
+    push = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096, dispatch_transport="push")
+    assert push.transport("sm_90", 4096) == "push" and push.variants("sm_90", Op.DISPATCH_PULL) == ()
+    small = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=128)  # never reaches the pull bucket
+    assert small.transports("sm_90", Op.DISPATCH) == ("push",)
+
+
+def test_a_transport_on_a_bucket_of_another_op_or_an_unknown_one_is_refused(table_dir):
+    cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096)
+    for op, transport in ((Op.COMBINE, "pull"), (Op.DISPATCH, "sideways")):
+        tuning.write_entry(cfg.tuning_key("sm_90", op), [(4096, Geometry(16, 32, 4))], "test", {},
+                           transports={4096: transport})
+        with pytest.raises(ValueError, match=r"only 'dispatch' buckets carry a transport, one of push, pull"):
+            tuning.bucket_transports(cfg.tuning_key("sm_90", op))
+        tuning.write_entry(cfg.tuning_key("sm_90", op), [(4096, Geometry(16, 32, 4))], "test", {})

@@ -47,7 +47,9 @@ FAMILY_CFG = EpConfig(world_size=2, hidden=2048, topk=4, num_experts=8, max_toke
 """kernel_family "auto" (the default) with no tuning entry: T_ll = tuning.LOW_LATENCY_MAX_TOKENS =
 128 < max_tokens_per_rank, so a call takes either family."""
 NORMAL_CFG = attrs.evolve(FAMILY_CFG, kernel_family="normal")
-CONFIGS = (CFG, FAMILY_CFG, NORMAL_CFG)
+PULL_CFG = attrs.evolve(NORMAL_CFG, dispatch_transport="pull", dtype="fp4")
+"""The pull dispatch (fp4: dispatch_input is [Tmax, H/2] uint8)."""
+CONFIGS = (CFG, FAMILY_CFG, NORMAL_CFG, PULL_CFG)
 T_LL = 128
 SMALL, LARGE = 5, T_LL + 1
 
@@ -320,6 +322,43 @@ def _family_calls(fake, cfg: EpConfig, rank: int) -> list[dict]:
     return steps
 
 
+def _pull_calls(fake, cfg: EpConfig, rank: int) -> list[dict]:
+    """Dispatches of a ``dispatch_transport="pull"`` op on host tensors, each recorded as {"step",
+    "ops" (kernels launched, with the pull dispatch's first kernel as "dispatch:pull"), "x" (the
+    io.x address the dispatch kernel got, as "dispatch_input" or "own"), "copied" (dispatch_input
+    holds the call's x), "error"}."""
+    from epgen.op import EpDispatchCombine
+
+    op = EpDispatchCombine(cfg)
+    op.device = torch.device("cpu")
+    H, K, E = cfg.hidden, cfg.topk, cfg.num_experts
+    kernel = {spec.name: o.value for o, variants in op._variants.items() for _, spec, _ in variants}
+    kernel.update({spec.name: "dispatch:pull" for _, spec, _ in op._pull_dispatch})
+    region = op.dispatch_input()
+    steps = []
+
+    def step(name, x):
+        before = len(fake.launches)
+        w, i = torch.ones(x.shape[0], K), torch.arange(x.shape[0] * K, dtype=torch.int32).view(-1, K) % E
+        try:
+            op.dispatch(x, w, i)
+            error = None
+        except (TypeError, ValueError, RuntimeError) as e:
+            error = f"{type(e).__name__}: {e}"
+        got = int(op._args[Op.DISPATCH]["io"]["x"][0])
+        steps.append({"step": name, "ops": [kernel[x["entry"]] for x in fake.launches[before:]], "error": error,
+                      "x": "dispatch_input" if got == region.data_ptr() else "own" if got == x.data_ptr() else "other",
+                      "copied": bool(torch.equal(region[: x.shape[0]], x)), "transport": op.transport(x.shape[0], x)})
+
+    own = torch.full((5, H // 2), 7 + rank, dtype=torch.uint8)
+    step("x elsewhere", own)
+    region[:5].fill_(3)
+    step("x is dispatch_input", region[:5])
+    step("x inside dispatch_input", region[1:6])
+    op.close()
+    return steps
+
+
 def _rank(rank: int, world_size: int, store: str, cache: str, out: str):
     import warnings
 
@@ -358,6 +397,7 @@ def _rank(rank: int, world_size: int, store: str, cache: str, out: str):
         record["halves"] = _family_calls(fake, FAMILY_CFG, rank)
         props.multi_processor_count = 256
         record["normal"] = _family_calls(fake, NORMAL_CFG, rank)
+        record["pull"] = _pull_calls(fake, PULL_CFG, rank)
         record["loads"] = [c[1:] for c in fake.calls if c[0] == "RawModule"]
         dist.barrier()
     finally:
@@ -542,3 +582,16 @@ def test_a_failed_hip_call_raises_naming_the_call_the_code_and_its_text_and_the_
     with pytest.raises(OSError, match=r"^the HIP runtime library could not be loaded \(libamdhip64\.so: .*"
                                       r"libamdhip64\.so\.6: .*\); ROCm's lib directory must be on the loader path"):
         Platform(rocm=True).free_signals(0x1000)
+
+
+def test_the_pull_dispatch_launches_both_kernels_and_copies_an_x_elsewhere_into_dispatch_input(records):
+    for r in records:
+        got = [(x["step"], x["ops"], x["x"], x["copied"], x["transport"], x["error"]) for x in r["pull"]]
+        assert got[0] == ("x elsewhere", ["dispatch:pull", "dispatch_pull"], "dispatch_input", True, "pull", None)
+        assert got[1] == ("x is dispatch_input", ["dispatch:pull", "dispatch_pull"], "dispatch_input", True, "pull",
+                          None)
+        step, ops, _, _, _, error = got[2]  # refused before any launch
+        assert (step, ops) == ("x inside dispatch_input", [])
+        assert error.startswith("ValueError: x.data_ptr()=0x") and error.endswith(
+            ": 1024 bytes into dispatch_input(); an x in dispatch_input must start at its first row "
+            "(pass op.dispatch_input()[:T])"), error
