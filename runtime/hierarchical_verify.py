@@ -14,7 +14,7 @@ from epgen import reference
 from epgen.codegen.config import EpConfig
 from epgen.codegen.dtypes import dtype_info
 
-__all__ = ["CASES", "ROUTINGS", "RankInputs", "check_round", "expert_stage", "make_inputs", "run_cases", "small_config"]
+__all__ = ["CASES", "ROUTINGS", "RankInputs", "check_round", "expert_stage", "make_inputs", "VARIANTS", "run_cases", "small_config"]
 
 ROUTINGS = ("uniform", "skewed", "minus_one", "duplicates")
 """Routing kinds of ``make_inputs``: uniform distinct experts; every expert on node 0 (the other
@@ -154,6 +154,16 @@ CASES = (
 """(tokens per global rank, routing) of the tests' rounds on 2 nodes x 2 ranks: uniform, skewed
 to node 0, -1 rows, duplicate ids, zero-token ranks, a zero-token node (node 1 in the sixth, node
 0 in the seventh, whose tokens all go to node 0), no tokens at all, and every rank full."""
+
+
+VARIANTS = {
+    "bf16": {},
+    "fp8-scales-blockwise-wire": {"dtype": "fp8", "scale_bytes": 3, "combine_quant": "fp8_blockwise"},
+    "capped-recv-direct-cast": {"max_recv_tokens": 60, "combine_quant": "fp8_direct_cast"},
+}
+"""The tests' layers, by name: ``small_config`` overrides (bf16; fp8 with 3 scale bytes, padded to
+4 in the node-local scale bytes, and the fp8 blockwise wire; receive rows capped at 60 of 64 with
+the fp8 direct-cast wire)."""
 
 
 def small_config(**kw) -> EpConfig:

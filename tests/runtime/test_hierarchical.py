@@ -14,7 +14,7 @@ import torch.distributed as dist
 from epgen import reference
 from epgen.codegen.config import EpConfig
 from epgen.hierarchical import HierarchicalEp, HierarchicalError, ReferenceNodeOp, process_groups
-from epgen.hierarchical_verify import CASES, make_inputs, run_cases, small_config
+from epgen.hierarchical_verify import CASES, VARIANTS, check_round, make_inputs, run_cases, small_config
 from epgen.ranks import start_and_join
 
 PROCS_TIMEOUT_S = 120
@@ -42,13 +42,10 @@ def _cases_worker(rank, world_size, store, fields):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("fields", [
-    {},
-    {"dtype": "fp8", "scale_bytes": 3, "combine_quant": "fp8_blockwise"},  # scale bytes padded to 4
-    {"max_recv_tokens": 60, "combine_quant": "fp8_direct_cast"},
-], ids=["bf16", "fp8-scales-blockwise-wire", "capped-recv-direct-cast"])
-def test_two_nodes_match_the_reference(tmp_path, fields):
-    start_and_join(_cases_worker, (2, os.path.join(tmp_path, "store"), fields), 2, timeout_s=PROCS_TIMEOUT_S)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_two_nodes_match_the_reference(tmp_path, variant):
+    start_and_join(_cases_worker, (2, os.path.join(tmp_path, "store"), VARIANTS[variant]), 2,
+                   timeout_s=PROCS_TIMEOUT_S)
 
 
 def _groups_worker(rank, world_size, store):
@@ -60,7 +57,6 @@ def _groups_worker(rank, world_size, store):
         op = HierarchicalEp(cfg, ReferenceNodeOp(cfg.node_config(), virtual=False), network_group=network_group)
         assert op.ranks == [rank]
         for i, (tokens, kind) in enumerate([([5, 7], "uniform"), ([0, 9], "minus_one"), ([3, 0], "duplicates")]):
-            from epgen.hierarchical_verify import check_round
             check_round(op, make_inputs(cfg, tokens, kind, 50 + i))
     finally:
         dist.destroy_process_group()
