@@ -21,6 +21,8 @@ with the same interface built from ``epgen.reference``.
 
 from __future__ import annotations
 
+import time
+
 import attrs
 import torch
 import torch.distributed as dist
@@ -213,6 +215,11 @@ class HierarchicalEp:
         network_group: the N processes that drive the same local ranks on every node, ranked by node
             (default: the world group).
         wire_device: where the network leg's tensors live (None: as above).
+        time_legs: after every call, ``legs`` maps each leg ("dispatch network", "dispatch
+            node-local", "combine node-local", "combine network") to (seconds, bytes): host wall
+            time with the device synchronized at the leg's ends, and the bytes this process moved
+            in it (network: rows to other nodes; node-local: rows its ranks received, payload
+            bytes for dispatch and bf16 for combine). Off by default (it synchronizes).
 
     Raises:
         TypeError: config is not an EpConfig.
@@ -222,7 +229,7 @@ class HierarchicalEp:
             processes of the group with another config or other local ranks (naming the node).
     """
 
-    def __init__(self, config: EpConfig, node_op, *, network_group=None, wire_device=None):
+    def __init__(self, config: EpConfig, node_op, *, network_group=None, wire_device=None, time_legs: bool = False):
         if not isinstance(config, EpConfig):
             raise TypeError(f"config: expected an EpConfig, got {type(config).__name__}")
         if config.layout != "rank":
@@ -261,6 +268,9 @@ class HierarchicalEp:
                                  "group needs the same EpConfig and local ranks")
         self._pending = None
         self._broken = None
+        self.time_legs = time_legs
+        self.legs = {}
+        self._clock = None
 
     # ---- helpers -----------------------------------------------------------------------------
     def _who(self) -> str:
@@ -300,6 +310,17 @@ class HierarchicalEp:
         except EpError as e:
             raise EpError(f"{self._who()}: node-local kernel ({leg}) failed (node-local rank r is global rank "
                           f"{self.node} x {self.config.ranks_per_node} + r): {e}", recoverable=e.recoverable) from e
+
+    def _mark(self, leg: str | None = None, nbytes: int = 0):
+        """With ``time_legs``: close the running leg as ``leg`` (its bytes ``nbytes``) and start the next."""
+        if not self.time_legs:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        if leg is not None:
+            self.legs[leg] = (now - self._clock, nbytes)
+        self._clock = now
 
     def _row_bytes(self) -> tuple[int, int]:
         """(payload bytes of x, network row bytes) of one forwarded row."""
@@ -343,6 +364,7 @@ class HierarchicalEp:
         ss = self._lists(scales, "scales", optional=True)
         tokens = [check_dispatch_inputs(cfg, self.device, xs[i], ws[i], ids[i], ss[i], f"[rank {r}]")
                   for i, r in enumerate(self.ranks)]
+        self._mark()
         nodes = torch.arange(N, device=self.device)
         counts = torch.zeros((N, len(self.ranks), _BAD), dtype=torch.int64, device=self.device)
         order = []
@@ -410,6 +432,7 @@ class HierarchicalEp:
             fi.append(torch.where((gids >= lo) & (gids < hi), gids - lo, -1).to(torch.int32))
             fs.append(torch.cat([fwd[:, xb + 4 * cfg.topk:], fwd.new_zeros((fwd.shape[0], pad))], dim=1))
         args = (fx, fw, fi, fs) if self.node_op.virtual else (fx[0], fw[0], fi[0], fs[0])
+        self._mark("dispatch network", B * (sum(sent) - sent[self.node]))
         outs = self._node_call("dispatch", self.node_op.dispatch, *args)
         self._pending = [_Sent(tok=order[i], sent=tuple(sent_counts[n][i] for n in range(N)),
                                received=tuple(got[n][i][0] for n in range(N)), tokens=tokens[i])
@@ -422,6 +445,9 @@ class HierarchicalEp:
                                         recv_indices=meta[:, :4 * K].view(torch.int32),
                                         recv_scales=meta[:, 4 * K + 8:4 * K + 8 + S] if S else None,
                                         recv_src=meta[:, 4 * K:4 * K + 8].view(torch.int32), num_recv=o.num_recv))
+        if self.time_legs:
+            self._received = sum(int(v.num_recv.item()) for v in views)
+            self._mark("dispatch node-local", self._received * xb)
         return views if self.node_op.virtual else views[0]
 
     def combine_input(self, rank: int | None = None) -> torch.Tensor:
@@ -459,8 +485,10 @@ class HierarchicalEp:
                 _check_tensor(given[i], f"out[rank {r}]", dtype=torch.bfloat16,
                               shape=(self._pending[i].tokens, cfg.hidden), device=self.device)
         pending, self._pending = self._pending, None
+        self._mark()
         partial = self._node_call("combine", self.node_op.combine, y)
         partial = partial if self.node_op.virtual else [partial]
+        self._mark("combine node-local", self._received * 2 * cfg.hidden if self.time_legs else 0)
         blocks = []
         starts = [[0] for _ in self.ranks]
         for i, p in enumerate(pending):
@@ -485,6 +513,7 @@ class HierarchicalEp:
                 given[i].copy_(o)
                 o = given[i]
             outs.append(o)
+        self._mark("combine network", 2 * cfg.hidden * (sum(sent) - sent[self.node]))
         return outs if self.node_op.virtual else outs[0]
 
 

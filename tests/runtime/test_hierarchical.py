@@ -175,3 +175,39 @@ def test_cases_cover_the_edges():
     kinds = {k for _, k in CASES}
     assert kinds == {"uniform", "skewed", "minus_one", "duplicates"}
     assert any(t[:2] == [0, 0] for t, _ in CASES) and any(t[2:] == [0, 0] for t, _ in CASES)
+
+
+# ---- epgen bench --nodes on the CPU stand-in ------------------------------------------------------
+
+def test_bench_nodes_on_the_cpu_stand_in(tmp_path, capsys):
+    import csv
+
+    from epgen.cli import main
+
+    out = tmp_path / "nodes.csv"
+    assert main(["bench", "--nodes", "2", "--world-size", "4", "--model", "mixtral-8x7b", "--tokens", "3", "--iters",
+                 "2", "--routing", "uniform", "--cpu", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "gloo over CPU tensors" in text and "ReferenceNodeOp (CPU stand-in)" in text
+    rows = list(csv.DictReader(out.open()))
+    legs = {(r["node"], r["leg"]) for r in rows}
+    for node in ("0", "1"):
+        for leg in ("dispatch network", "dispatch node-local", "combine node-local", "combine network", "total",
+                    "flat all_to_all_single"):
+            assert (node, leg) in legs
+    total = {r["node"]: r for r in rows if r["leg"] == "total"}
+    assert all(int(r["bytes"]) > 0 and float(r["time_us"]) > 0 for r in total.values())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nodes", "1"], "--nodes 1: the hierarchical bench needs at least 2 nodes"),
+    (["--nodes", "2", "--virtual"], "--virtual: not with --nodes"),
+    (["--nodes", "3", "--world-size", "4"], "EpConfig.nodes=3: must divide world_size=4"),
+    (["--cpu"], "--cpu: applies with --nodes only"),
+])
+def test_bench_nodes_usage_errors(argv, message, capsys):
+    from epgen.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--tokens", "4"] + argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
