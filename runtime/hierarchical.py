@@ -401,7 +401,7 @@ class HierarchicalEp:
             src = torch.stack([torch.full_like(tok, r), tok], dim=1).to(torch.int32)
             parts = [xs[i][tok].view(torch.uint8), ws[i][tok].view(torch.uint8), ids[i][tok].view(torch.uint8),
                      src.view(torch.uint8)] + ([ss[i][tok]] if cfg.scale_bytes else [])
-            packed.append(torch.cat(parts, dim=1).reshape(-1, B))
+            packed.append(torch.cat(parts, dim=1))  # [C, B]
         blocks, sent = [], []
         starts = [[0] * (N + 1) for _ in self.ranks]
         for i in range(len(self.ranks)):
@@ -412,8 +412,7 @@ class HierarchicalEp:
                 blocks.append(packed[i][starts[i][n]:starts[i][n + 1]])
             sent.append(sum(sent_counts[n]))
         received = [sum(got[n][i][0] for i in range(len(self.ranks))) for n in range(N)]
-        rows = self._exchange("dispatch rows", torch.cat(blocks) if blocks else torch.empty((0, B), dtype=torch.uint8),
-                              sent, received)
+        rows = self._exchange("dispatch rows", torch.cat(blocks), sent, received)
         per_rank = [[] for _ in self.ranks]
         at = 0
         for n in range(N):
