@@ -54,36 +54,41 @@ class HierarchicalError(RuntimeError):
 
 class ReferenceNodeOp:
     """CPU stand-in for the node-local ``EpDispatchCombine``: the same calls, inputs and outputs,
-    computed by ``epgen.reference`` (every rank of the node in this process).
+    computed by ``epgen.reference``.
 
-    Receive rows come back in a shuffled order (``EpDispatchCombine`` specifies none) in buffers of
-    the receive capacity (``max_recv_tokens``, else W x max_tokens_per_rank), the rows from
-    ``num_recv`` on filled with 0xFF bytes; an over-capacity dispatch or a short ``y`` raises
-    ``EpError`` (recoverable) as the kernels' faults do.
+    Modes, as the op's: every rank of the node in this process (``group`` None: virtual ranks, lists
+    of one tensor per rank), or one process per rank (``group``: the node's W processes; tensors),
+    where each call gathers every rank's inputs (``all_gather_object``), computes the whole node and
+    keeps this rank's part. Receive rows come back in a shuffled order (``EpDispatchCombine``
+    specifies none; the same shuffle in every process of a group) in buffers of the receive
+    capacity (``max_recv_tokens``, else W x max_tokens_per_rank), the rows from ``num_recv`` on
+    filled with 0xFF bytes; an over-capacity dispatch or a short ``y`` raises ``EpError``
+    (recoverable) as the kernels' faults do.
 
     Args:
         config: the node-local layer (nodes 1, layout "rank").
-        virtual: True: lists of one tensor per rank; False (world_size 1 only): tensors.
-        seed: seed of the row shuffle.
+        group: None, or the process group of the node's W ranks (gloo: CPU tensors).
+        seed: seed of the row shuffle (the same in every process of a group).
 
     Raises:
         TypeError: config is not an EpConfig.
-        ValueError: config spans nodes or has the expert layout; virtual=False with world_size > 1.
+        ValueError: config spans nodes or has the expert layout; a group whose size is not W.
     """
 
-    def __init__(self, config: EpConfig, *, virtual: bool = True, seed: int = 0):
+    def __init__(self, config: EpConfig, *, group=None, seed: int = 0):
         if not isinstance(config, EpConfig):
             raise TypeError(f"config: expected an EpConfig, got {type(config).__name__}")
         if config.nodes != 1:
             raise ValueError(f"EpConfig.nodes={config.nodes}: the node-local op runs one node (node_config())")
         if config.layout != "rank":
             raise ValueError(f"EpConfig.layout={config.layout!r}: ReferenceNodeOp runs the rank layout only")
-        if not virtual and config.world_size != 1:
-            raise ValueError(f"virtual=False: only with world_size 1 (EpConfig.world_size={config.world_size}); "
-                             "the stand-in runs every rank of a node in one process")
+        if group is not None and dist.get_world_size(group) != config.world_size:
+            raise ValueError(f"EpConfig.world_size={config.world_size}: the node group has "
+                             f"{dist.get_world_size(group)} processes")
         self.config = config
-        self.virtual = virtual
-        self.local_ranks = list(range(config.world_size))
+        self.group = group
+        self.virtual = group is None
+        self.local_ranks = list(range(config.world_size)) if group is None else [dist.get_rank(group)]
         self.device = torch.device("cpu")
         self.capacity = config.max_recv_tokens or config.world_size * config.max_tokens_per_rank
         self._generator = torch.Generator().manual_seed(seed)
@@ -98,6 +103,15 @@ class ReferenceNodeOp:
         if not isinstance(value, (list, tuple)) or len(value) != len(self.local_ranks):
             raise TypeError(f"{name}: virtual mode takes a list of {len(self.local_ranks)} tensors (one per rank)")
         return list(value)
+
+    def _everyone(self, values: list) -> list:
+        """Every rank's entry of ``values`` (this process's ranks'): itself in virtual mode, else
+        gathered over the group."""
+        if self.virtual:
+            return values
+        gathered = [None] * self.config.world_size
+        dist.all_gather_object(gathered, values[0], group=self.group)
+        return gathered
 
     def _padded(self, rows: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
         width = rows.shape[1] * rows.element_size()
@@ -116,28 +130,27 @@ class ReferenceNodeOp:
         cfg = self.config
         xs, ws, ids = self._lists(x, "x"), self._lists(weights, "weights"), self._lists(indices, "indices")
         ss = self._lists(scales, "scales", optional=True)
-        tokens = [check_dispatch_inputs(cfg, self.device, xs[r], ws[r], ids[r], ss[r],
-                                        f"[rank {r}]" if self.virtual else "") for r in self.local_ranks]
+        for i, r in enumerate(self.local_ranks):
+            check_dispatch_inputs(cfg, self.device, xs[i], ws[i], ids[i], ss[i], f"[rank {r}]" if self.virtual else "")
+        xs, ws, ids, ss = (self._everyone(v) for v in (xs, ws, ids, ss))
         try:
             recv = reference.dispatch(xs, ws, ids, experts_per_rank=cfg.experts_per_rank,
                                       scales=ss if cfg.scale_bytes else None, max_recv_tokens=self.capacity)
         except ValueError as e:  # what the kernels report as a fault
             raise EpError(f"node-local dispatch: {e}", recoverable=True) from e
-        outs, perms = [], []
-        for rows in recv:
-            perm = torch.randperm(rows.num_rows, generator=self._generator)
-            perms.append(perm)
-            outs.append(DispatchOutput(
-                recv_x=self._padded(rows.x, perm), recv_weights=self._padded(rows.weights, perm),
-                recv_indices=self._padded(rows.indices, perm),
-                recv_scales=self._padded(rows.scales, perm) if cfg.scale_bytes else None,
-                recv_src=self._padded(rows.src, perm), num_recv=torch.tensor([rows.num_rows], dtype=torch.int32)))
-        self._pending = (recv, perms, tokens)
+        perms = [torch.randperm(rows.num_rows, generator=self._generator) for rows in recv]
+        outs = [DispatchOutput(
+            recv_x=self._padded(recv[r].x, perms[r]), recv_weights=self._padded(recv[r].weights, perms[r]),
+            recv_indices=self._padded(recv[r].indices, perms[r]),
+            recv_scales=self._padded(recv[r].scales, perms[r]) if cfg.scale_bytes else None,
+            recv_src=self._padded(recv[r].src, perms[r]), num_recv=torch.tensor([recv[r].num_rows], dtype=torch.int32))
+            for r in self.local_ranks]
+        self._pending = (recv, perms, [t.shape[0] for t in xs])
         return outs if self.virtual else outs[0]
 
     def combine_input(self, rank: int | None = None) -> torch.Tensor:
         """[capacity, H] bf16 buffer of ``rank`` for the expert outputs (as the op's zero-copy input)."""
-        rank = 0 if rank is None else rank
+        rank = self.local_ranks[0] if rank is None else rank
         if rank not in self.local_ranks:
             raise ValueError(f"rank={rank}: this stand-in drives ranks {self.local_ranks}")
         if rank not in self._combine_in:
@@ -158,10 +171,11 @@ class ReferenceNodeOp:
         recv, perms, tokens = self._pending
         cfg = self.config
         ys, given = self._lists(y, "y"), self._lists(out, "out", optional=True)
-        for r in self.local_ranks:
-            check_combine_inputs(cfg, self.device, ys[r], given[r], tokens[r], self.capacity,
+        for i, r in enumerate(self.local_ranks):
+            check_combine_inputs(cfg, self.device, ys[i], given[i], tokens[r], self.capacity,
                                  f"[rank {r}]" if self.virtual else "")
         self._pending = None
+        ys = self._everyone(ys)
         wire = []
         for r, rows in enumerate(recv):
             if ys[r].shape[0] < rows.num_rows:
@@ -170,12 +184,13 @@ class ReferenceNodeOp:
             inverse = torch.empty_like(perms[r])
             inverse[perms[r]] = torch.arange(perms[r].numel())
             wire.append(combine_roundtrip(cfg.combine_quant, ys[r][: rows.num_rows][inverse]))
+        summed = reference.combine(wire, recv, tokens)
         outs = []
-        for r, o in enumerate(reference.combine(wire, recv, tokens)):
-            o = o.to(torch.bfloat16)
-            if given[r] is not None:
-                given[r].copy_(o)
-                o = given[r]
+        for i, r in enumerate(self.local_ranks):
+            o = summed[r].to(torch.bfloat16)
+            if given[i] is not None:
+                given[i].copy_(o)
+                o = given[i]
             outs.append(o)
         return outs if self.virtual else outs[0]
 
