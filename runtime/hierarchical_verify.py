@@ -160,10 +160,12 @@ VARIANTS = {
     "bf16": {},
     "fp8-scales-blockwise-wire": {"dtype": "fp8", "scale_bytes": 3, "combine_quant": "fp8_blockwise"},
     "capped-recv-direct-cast": {"max_recv_tokens": 60, "combine_quant": "fp8_direct_cast"},
+    "normal-family": {"kernel_family": "normal"},
 }
 """The tests' layers, by name: ``small_config`` overrides (bf16; fp8 with 3 scale bytes, padded to
 4 in the node-local scale bytes, and the fp8 blockwise wire; receive rows capped at 60 of 64 with
-the fp8 direct-cast wire)."""
+the fp8 direct-cast wire; the normal kernel family alone, where "auto" takes the low-latency family
+for the small node-local calls of these cases on a GPU)."""
 
 
 def small_config(**kw) -> EpConfig:
