@@ -173,8 +173,9 @@ def run(options: NodesBenchOptions, print_fn=print) -> list[dict]:
             w.writeheader()
             w.writerows(rows)
     G = options.world_size // options.nodes
+    kind = rows[0]["node_op"] if rows else "-"
     print_fn(f"epgen bench --nodes {options.nodes}: {options.model}, {options.nodes} nodes x {G} ranks, "
-             f"{options.dtype}, combine wire {options.combine_quant}; node-local op {rows[0]['node_op'] if rows else '-'}")
+             f"{options.dtype}, combine wire {options.combine_quant}; node-local op {kind}")
     print_fn(NETWORK_NOTE)
     print_fn(f"{'routing':<10} {'tokens':>7} {'node':>4}  {'leg':<24} {'time_us':>11} {'bytes':>12} {'GB/s':>8}")
     for r in rows:

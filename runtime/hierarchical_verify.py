@@ -14,7 +14,8 @@ from epgen import reference
 from epgen.codegen.config import EpConfig
 from epgen.codegen.dtypes import dtype_info
 
-__all__ = ["CASES", "ROUTINGS", "RankInputs", "check_round", "expert_stage", "make_inputs", "VARIANTS", "run_cases", "small_config"]
+__all__ = ["CASES", "ROUTINGS", "VARIANTS", "RankInputs", "check_round", "expert_stage", "make_inputs", "run_cases",
+           "small_config"]
 
 ROUTINGS = ("uniform", "skewed", "minus_one", "duplicates")
 """Routing kinds of ``make_inputs``: uniform distinct experts; every expert on node 0 (the other

@@ -145,9 +145,9 @@ def test_reference_one_node_is_the_flat_combine():
 def test_reference_rounds_once_per_node():
     # One token reaching ranks 0, 1 (node 0) and 2 (node 1); bf16 ulp at 1 is 2^-7.
     x = torch.zeros(1, 16, dtype=torch.bfloat16)
-    recv = reference.dispatch([x, x[:0], x[:0], x[:0]], [torch.ones(1, 3), torch.ones(0, 3)] + [torch.ones(0, 3)] * 2,
-                              [torch.tensor([[0, 1, 2]], dtype=torch.int32)] + [torch.zeros(0, 3, dtype=torch.int32)] * 3,
-                              experts_per_rank=1)
+    none = torch.zeros(0, 3, dtype=torch.int32)
+    recv = reference.dispatch([x, x[:0], x[:0], x[:0]], [torch.ones(1, 3)] + [torch.ones(0, 3)] * 3,
+                              [torch.tensor([[0, 1, 2]], dtype=torch.int32), none, none, none], experts_per_rank=1)
     v = [1.0, 2 ** -8, 2 ** -8]  # node 0: bf16(1 + 2^-8) = 1 (tie to even); then 1 + 2^-8 -> 1
     ys = [torch.full((r.num_rows, 16), v[d] if d < 3 else 0.0, dtype=torch.bfloat16) for d, r in enumerate(recv)]
     hier = reference.combine_hierarchical(ys, recv, [1, 0, 0, 0], gpus_per_node=2)[0]
