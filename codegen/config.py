@@ -102,6 +102,12 @@ class EpConfig:
             Every rank must take the same transport in a call (``op.transport(T, x)`` says which);
             a pulling rank whose peer pushed times out (``EpError`` naming the pull phase). The
             low-latency family never pulls.
+        nodes: nodes N the W ranks span (default 1: one node, every peer reached by IPC). With
+            N > 1 the layer runs hierarchically (``epgen.hierarchical``, docs/multinode.md): W = N x G
+            ranks, global rank = node x G + local rank, and the node-local kernels are those of
+            ``node_config()`` (G ranks); the flat W-rank kernels are never built.
+        gpus_per_node: ranks G on each node; None (default) = world_size / nodes. world_size must
+            be nodes x gpus_per_node.
 
     The integer fields take any integer type (numpy's too) and hold a Python int; bools and
     floats are rejected.
@@ -129,6 +135,8 @@ class EpConfig:
     kernel_family: str = "auto"
     low_latency_geometry: Geometry | None = None
     dispatch_transport: str = "auto"
+    nodes: int = attrs.field(default=1, converter=_int)
+    gpus_per_node: int | None = attrs.field(default=None, converter=_int)
 
     def __attrs_post_init__(self):
         for f in ("world_size", "hidden", "topk", "num_experts", "max_tokens_per_rank"):
@@ -175,6 +183,9 @@ class EpConfig:
                                                 and worst is not None and 1 <= self.max_recv_tokens <= worst),
                "max_recv_tokens", self.max_recv_tokens,
                f"must be None or an int in [1, world_size x max_tokens_per_rank = {worst}]")
+        if self._check_nodes() > 1:
+            self._check_node_config()
+            return
         # Shape rules fail here, not at first use: the specs must build for at least one arch (the
         # op builds them again for its GPU's arch, whose limits may be narrower, e.g. wave 32).
         errors = []
@@ -185,6 +196,59 @@ class EpConfig:
                 errors.append(e)
         if len(errors) == len(ARCH_TRAITS):
             raise errors[0]
+
+    def _check_nodes(self) -> int:
+        """Validate ``nodes`` and ``gpus_per_node``; returns N."""
+        N, G = self.nodes, self.gpus_per_node
+        _check(isinstance(N, int) and not isinstance(N, bool) and N >= 1, "nodes", N, "must be a positive int")
+        _check(G is None or (isinstance(G, int) and not isinstance(G, bool) and G >= 1), "gpus_per_node", G,
+               "must be None (world_size / nodes) or a positive int")
+        if G is None:
+            _check(self.world_size % N == 0, "nodes", N, f"must divide world_size={self.world_size}")
+        else:
+            _check(self.world_size == N * G, "gpus_per_node", G,
+                   f"nodes x gpus_per_node must be world_size={self.world_size} (nodes={N})")
+        return N
+
+    def _check_node_config(self) -> None:
+        """With nodes > 1: the node-local layer must be valid (its field errors re-raised naming this
+        layer's nodes, since its fields derive from this one's)."""
+        _check(self.node_scale_bytes <= 4096, "scale_bytes", self.scale_bytes,
+               f"with nodes={self.nodes} the node-local layer carries the K global ids, the global source and "
+               f"these scale bytes in its own scale bytes ({self.node_scale_bytes} in all), at most 4096")
+        try:
+            self.node_config()
+        except FieldError as e:
+            raise FieldError(e.field, f"EpConfig(nodes={self.nodes}, gpus_per_node={self.ranks_per_node}): the "
+                             f"node-local layer (node_config()) is invalid: {e}") from e
+
+    @property
+    def ranks_per_node(self) -> int:
+        """G: ``gpus_per_node``, or world_size / nodes when it is None."""
+        return self.gpus_per_node if self.gpus_per_node is not None else self.world_size // self.nodes
+
+    @property
+    def node_scale_bytes(self) -> int:
+        """Scale bytes of the node-local layer: per forwarded row the K global expert ids (int32),
+        the global (source rank, source token) (2 x int32), then this layer's S scale bytes, padded
+        to a multiple of 4 bytes (so the ids and the source read as int32 views)."""
+        return 4 * self.topk + 8 + self.scale_bytes + (-self.scale_bytes) % 4
+
+    def node_config(self) -> "EpConfig":
+        """The node-local layer of a hierarchical config (``epgen.hierarchical``): G ranks, their
+        G x L experts, at most N x max_tokens_per_rank rows a rank (the rows forwarded to it from
+        every node), ``node_scale_bytes`` scale bytes; every other field as here (max_recv_tokens
+        keeps its meaning: the rows one rank receives). ``self`` when nodes is 1.
+
+        Raises:
+            epgen.codegen.errors.FieldError: a field of the node-local layer breaks a rule.
+        """
+        if self.nodes == 1:
+            return self
+        G = self.ranks_per_node
+        return attrs.evolve(self, world_size=G, num_experts=G * self.experts_per_rank,
+                            max_tokens_per_rank=self.nodes * self.max_tokens_per_rank,
+                            scale_bytes=self.node_scale_bytes, nodes=1, gpus_per_node=None)
 
     @classmethod
     def for_model(cls, name: str, *, world_size: int, max_tokens_per_rank: int, **kw) -> "EpConfig":

@@ -1,6 +1,7 @@
 """epgen: generated MoE expert-parallel dispatch/combine kernels on torch tensors.
 
-``EpConfig`` describes a layer, ``EpDispatchCombine`` runs it (``epgen.op``); ``epgen.reference``
+``EpConfig`` describes a layer, ``EpDispatchCombine`` runs it (``epgen.op``), ``HierarchicalEp``
+runs one spanning nodes (``epgen.hierarchical``); ``epgen.reference``
 is the pure-torch reference; ``epgen.codegen`` renders and checks kernels without a GPU.
 
 Package map (folder in the checkout -> import package), and the one-way rule:
@@ -19,10 +20,12 @@ from epgen.codegen.config import EpConfig
 from epgen.codegen.models import MODELS
 from epgen.codegen.spec import KernelSpec, Op
 
-__all__ = ["MODELS", "DispatchOutput", "EpConfig", "EpDispatchCombine", "EpError", "ExpertDispatchOutput", "KernelSpec", "Op"]
+__all__ = ["MODELS", "DispatchOutput", "EpConfig", "EpDispatchCombine", "EpError", "ExpertDispatchOutput",
+           "HierarchicalEp", "HierarchicalError", "KernelSpec", "Op", "ReferenceNodeOp"]
 __version__ = "0.1.0"
 
 _FROM_OP = ("DispatchOutput", "EpDispatchCombine", "EpError", "ExpertDispatchOutput")
+_FROM_HIERARCHICAL = ("HierarchicalEp", "HierarchicalError", "ReferenceNodeOp")
 
 
 def __getattr__(name: str):
@@ -30,4 +33,8 @@ def __getattr__(name: str):
         from epgen import op
 
         return getattr(op, name)
+    if name in _FROM_HIERARCHICAL:
+        from epgen import hierarchical
+
+        return getattr(hierarchical, name)
     raise AttributeError(f"module 'epgen' has no attribute {name!r}")

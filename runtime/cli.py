@@ -305,6 +305,10 @@ def _moe_demo(args, parser, console) -> int:
 
 
 def cmd_bench(args, parser, console) -> int:
+    if args.nodes is not None:
+        return _bench_nodes(args, parser, console)
+    if args.cpu:
+        parser.error("--cpu: applies with --nodes only")
     from epgen.bench import default_output
 
     output = args.output or default_output(args.world_size, args.virtual, flags.in_checkout())
@@ -320,6 +324,28 @@ def cmd_bench(args, parser, console) -> int:
                      combine_quant=args.quant, routings=tuple(args.routing), dispatch_geometry=args.dispatch_geometry,
                      combine_geometry=args.combine_geometry, iters=args.iters, virtual=args.virtual, output=output,
                      family=args.family, low_latency_geometry=args.low_latency_geometry))
+    return 0
+
+
+def _bench_nodes(args, parser, console) -> int:
+    from epgen.bench_nodes import NodesBenchOptions, config, run
+    from epgen.hierarchical_verify import ROUTINGS as NODE_ROUTINGS
+
+    if args.nodes < 2:
+        parser.error(f"--nodes {args.nodes}: the hierarchical bench needs at least 2 nodes")
+    if args.virtual:
+        parser.error("--virtual: not with --nodes (each node's ranks are virtual ranks of its process already)")
+    bad = [r for r in args.routing if r not in NODE_ROUTINGS]
+    if bad:
+        parser.error(f"--routing {' '.join(bad)}: with --nodes one of {', '.join(NODE_ROUTINGS)}")
+    options = NodesBenchOptions(model=args.model, world_size=args.world_size, nodes=args.nodes,
+                                tokens=tuple(args.tokens), routings=tuple(args.routing), dtype=args.dtype,
+                                combine_quant=args.quant, iters=args.iters, cpu=args.cpu, output=args.output)
+    try:
+        config(options)
+    except ValueError as e:
+        parser.error(f"{e} (--nodes {args.nodes} --world-size {args.world_size}, tokens up to {max(args.tokens)})")
+    run(options, print_fn=console.print if not args.quiet else (lambda *a: None))
     return 0
 
 

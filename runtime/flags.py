@@ -188,6 +188,12 @@ def add_bench_args(b) -> None:
                    help=f"timed graph replays per point (default {bench.iters})")
     b.add_argument("-o", "--output", type=path, help="path prefix of the .csv/.png (default "
                    "tools/results/bench-ep<W>-<gpu> in an epgen checkout's root, else ./bench-ep<W>-<gpu>)")
+    b.add_argument("--nodes", type=positive, default=None, help="instead: the hierarchical op across N nodes of "
+                   "world-size / N ranks (epgen.hierarchical), N processes on this machine with a gloo network leg, "
+                   "each leg's time and bytes against a flat all_to_all_single of the same bytes; the node-local leg "
+                   "on virtual ranks of the GPU, or the CPU stand-in without one (or with --cpu); -o is then the "
+                   "CSV's path (default: none written)")
+    b.add_argument("--cpu", action="store_true", help="with --nodes: the CPU stand-in node-local op even with a GPU")
 
 
 def add_tune_args(t) -> None:

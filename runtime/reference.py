@@ -29,6 +29,12 @@ Weighted combine (``fold``, ``combine_weighted``): per receive row, ``acc = 0.0`
 its expanded rows in ascending first slot ``acc = acc + (w * float32(y))`` (product and sum each
 rounded to float32, no fused multiply-add), rounded to bf16 once: ``F``. The combine wire's
 ``epgen.quant.combine_roundtrip`` of ``F`` is then summed over ranks exactly like ``combine``.
+
+Nodes (``combine_hierarchical``, docs/multinode.md): with the W ranks on N nodes of G (rank d on
+node d // G), the hierarchical op delivers exactly ``dispatch``'s rows (each token once to every
+rank holding one of its experts), and its combine sums in two levels: per (token, node) the wire
+rows of the node's ranks in ascending rank, fp32, rounded to bf16 once; then those partial sums in
+ascending node, fp32, rounded once more.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ __all__ = [
     "RecvRows",
     "align_rows",
     "combine",
+    "combine_hierarchical",
     "combine_weighted",
     "dispatch",
     "expand",
@@ -371,6 +378,59 @@ def combine(ys: list[torch.Tensor], recv: list[RecvRows], num_tokens: list[int])
 
     out = acc.to(dtype)
     return [out[offsets[r] : offsets[r + 1]].clone() for r in range(world)]
+
+
+def combine_hierarchical(
+    ys: list[torch.Tensor],
+    recv: list[RecvRows],
+    num_tokens: list[int],
+    *,
+    gpus_per_node: int,
+    combine_quant: str = "none",
+) -> list[torch.Tensor]:
+    """Simulate the hierarchical combine (N nodes of G ranks) on all ranks; W = len(ys) = N x G.
+
+    With wire_d = ``epgen.quant.combine_roundtrip(combine_quant, ys[d])`` (what the node-local
+    combine delivers from rank d): P_n(r, t) = bf16 of the fp32 sum, in ascending d over node n's
+    ranks [n G, (n + 1) G), of wire_d's row for (r, t) (0 where t reached no rank of n); out_r[t] =
+    bf16 of the fp32 sum of P_n(r, t) in ascending n. A token that reached no rank gets zeros. With
+    N = 1 (G = W) this is ``combine`` of the wire rows.
+
+    Args:
+        ys: per rank d, [R_d, H] bfloat16 expert outputs, row i for received row i of ``recv[d]``.
+        recv: per rank d, its RecvRows (``dispatch`` with W = N x G ranks; (source rank, source
+            token) are global).
+        num_tokens: per rank r, T_r.
+        gpus_per_node: G (>= 1), dividing W.
+        combine_quant: the combine wire (``epgen.codegen.dtypes.COMBINE_QUANTS``), applied by the
+            node-local leg to each rank's rows.
+
+    Returns:
+        Per rank r, [T_r, H] bfloat16.
+
+    Raises:
+        ValueError: G not a positive int dividing W; ys[d] not 2-D bfloat16; an unknown
+            combine_quant, or a non-finite y for a blockwise mode (``combine_roundtrip``); as
+            ``combine``.
+    """
+    if not isinstance(ys, (list, tuple)) or len(ys) == 0:
+        raise ValueError("ys: must be a non-empty list with one [R_d, H] tensor per rank")
+    _check_positive_int("gpus_per_node", gpus_per_node)
+    world = len(ys)
+    if world % gpus_per_node:
+        raise ValueError(f"gpus_per_node={gpus_per_node}: must divide the {world} ranks of ys")
+    for d, y in enumerate(ys):
+        if _check_2d(f"ys[rank {d}]", y).dtype != torch.bfloat16:
+            raise ValueError(f"ys[rank {d}]: dtype {y.dtype} must be torch.bfloat16")
+    wire = [combine_roundtrip(combine_quant, y) for y in ys]
+    acc = None
+    for n in range(world // gpus_per_node):
+        mine = range(n * gpus_per_node, (n + 1) * gpus_per_node)
+        # The other nodes' rows as +0.0: the fp32 sum from +0.0 is unchanged by adding them.
+        partial = combine([w if d in mine else torch.zeros_like(w) for d, w in enumerate(wire)], recv, num_tokens)
+        partial = [p.to(torch.bfloat16).to(torch.float32) for p in partial]
+        acc = partial if acc is None else [a + p for a, p in zip(acc, partial)]
+    return [a.to(torch.bfloat16) for a in acc]
 
 
 # --- expert-major layout and weighted combine ----------------------------------------------------
