@@ -1,5 +1,5 @@
 """GPU tests of the pull dispatch (``EpConfig.dispatch_transport``): its outputs against the torch
-reference, its combine, graph capture with zero-copy inputs, push and pull calls in one op, two ops
+reference, its combine (also with a quantized combine wire), graph capture with zero-copy inputs, push and pull calls in one op, two ops
 in one process and a bounded wait that cannot complete.
 
 W = 1 and W = 2, 4, 8 as virtual ranks on one GPU; W = 2 with one process per GPU (multigpu).
@@ -49,8 +49,9 @@ def _zero_copy(op, inputs):
 
 def _rounds(op, cfg, zero_copy: bool, kinds=KINDS, seed=0):
     """Reference rounds (``run_round``: poisoned receive rows and outputs, payload, weights, ids,
-    scales and source bit-equal, the combine within its bound) over ``TOKENS[W]`` and ``kinds``,
-    with x in dispatch_input (``zero_copy``) or elsewhere; every call must take the pull."""
+    scales and source bit-equal, the combine within its bound and, with a quantized combine wire,
+    bit-equal to the wire reference) over ``TOKENS[W]`` and ``kinds``, with x in dispatch_input
+    (``zero_copy``) or elsewhere; every call must take the pull."""
     import epgen.verify as verify
 
     original = verify.op_inputs
@@ -65,9 +66,10 @@ def _rounds(op, cfg, zero_copy: bool, kinds=KINDS, seed=0):
             if zero_copy:
                 verify.op_inputs = inputs_in_dispatch_input
             try:
-                run_round(op, cfg, tokens, kind, seed)
+                stats = run_round(op, cfg, tokens, kind, seed)
             finally:
                 verify.op_inputs = original
+            assert cfg.combine_quant == "none" or stats["wire_mismatches"] == 0, (tokens, kind, stats)
             x = op_arg(op, [op.dispatch_input(r)[: tokens[r]] for r in op.local_ranks])
             assert op.transport(mine, x) == "pull"
     return seed
@@ -96,12 +98,26 @@ def test_pull_dispatch_of_quantized_payloads_with_scales_virtual8(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp8_direct_cast", "fp8_blockwise", "fp4_blockwise"])
+@pytest.mark.parametrize("world_size", [2, 8])
+def test_pull_dispatch_then_the_quantized_combine(world_size, mode):
+    """The quantized combine wire after a pull dispatch: its quantize kernel (rows from other ranks)
+    and the combine's own-row encoding read the rows and sources the pull path placed; the combine
+    geometry's 512 threads fit the quantized combine on sm_90 (16 warps)."""
+    cfg, op = _op(world_size=world_size, virtual=True, combine_quant=mode)
+    assert Op.COMBINE_QUANTIZE in op._variants and op.variant(Op.DISPATCH_PULL, 1)
+    _rounds(op, cfg, zero_copy=True, kinds=("uniform", "invalid", "duplicates"))
+    _rounds(op, cfg, zero_copy=False, kinds=("skewed",), seed=100)
+    op.close()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W,L,K,A,rounds", [(1, 8, 4, 1, [[0], [77], [96]]), (4, 3, 9, 64, [[96, 1, 0, 40], [96] * 4]),
                                            (8, 2, 16, 16, [[96] * 8, [0, 1, 2, 3, 96, 0, 7, 0]])])
 def test_pull_dispatch_in_the_expert_layout_and_its_weighted_combine(W, L, K, A, rounds):
     """The expert layout's rounds of tests/gpu/test_expert_layout.py (expanded rows and the weighted
     combine bit-equal to the reference) on an op that pulls: the expansion runs after the pull."""
-    from test_expert_layout import _config, _op as _expert_op, _round  # the same directory's helpers
+    from expert_rounds import _config, _op as _expert_op, _round  # the same directory's helpers
 
     cfg = _config(W, experts_per_rank=L, topk=K, alignment=A, kernel_family="normal", dispatch_transport="pull")
     op = _expert_op(cfg)

@@ -519,7 +519,8 @@ class EmulatedOp(EpDispatchCombine):
         self.config, self.validate, self.virtual = config, validate, True
         self.device = torch.device("cpu")
         self.local_ranks = list(range(config.world_size))
-        specs = {op: config.spec("sm_90", op, config.geometry("sm_90", op, config.max_tokens_per_rank))
+        self.arch = "sm_90"  # the specs' arch (the op's transport and family picks read it)
+        specs = {op: config.spec(self.arch, op, config.geometry(self.arch, op, config.max_tokens_per_rank))
                  for op in config.ops}
         self._variants = {op: [(config.max_tokens_per_rank, spec, op)] for op, spec in specs.items()}  # fn: the op
         self.dispatch_spec = specs[next(op for op in config.ops if op.payload)]
