@@ -43,13 +43,13 @@ class ArchTraits:
         shared_bytes_per_block: shared memory / LDS a block may use, bytes.
         steady_clock_hz: frequency of the clock the bounded spin-waits read, Hz.
         fp8_e4m3: fp8 flavour of the hardware conversions (``ocp`` = OCP e4m3fn).
-        hw_fp8_convert: the combine wire encodes fp8 e4m3 with the platform's ``ep_e4m3x2_hw``
-            (sm_90: ``cvt.rn.satfinite.e4m3x2.f32``); otherwise with the bit-exact software
-            encoder of common/wire/_codec.j2. gfx950 and gfx1250 have converts too, but their
-            rounding and saturation were not verified on hardware here, so they take the software
-            path. Decoding is the integer decoder everywhere (faster than sm_90's converts,
-            tools/NOTES.md session 7); fp4 has its own encoder everywhere (sm_90 has no e2m1
-            convert).
+        hw_fp8_convert: the combine wire encodes and decodes fp8 e4m3 with the platform's
+            ``ep_e4m3x2_hw`` / ``ep_e4m3x2_decode_hw`` (sm_90: ``cvt.rn.satfinite.e4m3x2.f32``,
+            ``cvt.rn.f16x2.e4m3x2``); otherwise with the bit-exact software encoder and decoder
+            of common/wire/_codec.j2. gfx950 and gfx1250
+            have converts too, but their rounding and saturation were not verified on hardware
+            here, so they take the software path. fp4 is software everywhere (sm_90 has no
+            e2m1 convert).
         registers_per_simd: 32-bit registers per SIMD (AMD, per lane) or per SM (NVIDIA).
         max_threads_per_block: hardware limit on threads per block.
         register_granule: allocation unit of registers (AMD: VGPRs per lane; NVIDIA: registers

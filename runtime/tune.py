@@ -195,7 +195,8 @@ def _provenance(opts: TuneOptions, world_size: int, env: dict, how: str) -> str:
     virtual = " --virtual (every rank on one GPU)" if opts.virtual else ""
     return (f"measured {env['date']} on {env['gpus']}x {env['gpu']} (driver {env['driver']}, torch {env['torch']}, "
             f"cupy {env['cupy']}, commit {env['commit']}) by epgen tune --model {opts.model} --world-size "
-            f"{world_size}{virtual} --family {opts.family}, routing {opts.routing}; {how}")
+            f"{world_size}{virtual} --family {opts.family}"
+            f"{f' --quant {opts.combine_quant}' if opts.combine_quant != 'none' else ''}, routing {opts.routing}; {how}")
 
 
 def _report(times: dict, sweeps: tuple[Sweep, ...], skipped: list, opts: TuneOptions, arch: str, world_size: int):

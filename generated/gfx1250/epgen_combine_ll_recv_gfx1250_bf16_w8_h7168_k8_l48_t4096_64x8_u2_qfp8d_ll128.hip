@@ -358,20 +358,15 @@ EP_DEVICE ep_u32 ep_encode_minifloat(float x) {
   const int code = ((e - kEmin) << kM) + n;
   return sign | (ep_u32)(code < kMaxCode ? code : kMaxCode);
 }
-// Exact sign-magnitude minifloat decode (kM mantissa, kE exponent bits, bias kBias) with integer
-// operations and one subtraction, no conversion instruction (an H200 SM converts 16 values a
-// clock, an eighth of its float rate: the decode bounded the combine, tools/NOTES.md session 7).
-// A normal code's value 2^(e - kBias)(1 + m 2^-kM) has the float32 bits of its magnitude code
-// shifted to the mantissa's top bits plus (127 - kBias) << 23. A subnormal code m (e = 0) is built
-// as the normal code 2^kM + m, 2^(1 - kBias)(1 + m 2^-kM), minus 2^(1 - kBias): m 2^(1 - kBias - kM),
-// exactly (Sterbenz), and a normal float32 (no -ftz=true flush).
+// Exact sign-magnitude minifloat decode (kM mantissa, kE exponent bits, bias kBias) without
+// float32 subnormals, which the runtime's -ftz=true would flush: the integer significand n (the
+// implicit bit set for a normal code) times 2^(max(e, 1) - kBias - kM), a normal power of two.
 template <int kM, int kE, int kBias>
 EP_DEVICE float ep_decode_minifloat(ep_u32 c) {
-  const ep_u32 mag = c & ((1u << (kM + kE)) - 1u);
-  const bool sub = mag < (1u << kM);
-  const float v = ep_bits_to_float(((sub ? mag + (1u << kM) : mag) << (23 - kM)) + ((ep_u32)(127 - kBias) << 23)) -
-                  (sub ? ep_bits_to_float((ep_u32)(128 - kBias) << 23) : 0.0f);
-  return ep_bits_to_float(ep_float_to_bits(v) | ((c >> (kM + kE)) << 31));
+  const ep_u32 e = (c >> kM) & ((1u << kE) - 1u);
+  const ep_u32 m = c & ((1u << kM) - 1u);
+  const float mag = (float)(e ? m | (1u << kM) : m) * ep_bits_to_float((ep_u32)((int)(e ? e : 1u) - kBias - kM + 127) << 23);
+  return ep_bits_to_float(ep_float_to_bits(mag) | ((c >> (kM + kE)) << 31));
 }
 // fp8 e4m3 (OCP e4m3fn): bias 7, max 448 (0x7E), 0x7F / 0xFF NaN; decode is exact.
 EP_DEVICE ep_u32 ep_e4m3x2(float lo, float hi) {

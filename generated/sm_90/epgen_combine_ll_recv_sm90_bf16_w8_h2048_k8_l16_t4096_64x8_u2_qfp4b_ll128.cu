@@ -138,6 +138,14 @@ EP_DEVICE ep_u32 ep_e4m3x2_hw(float lo, float hi) {
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
   return r;
 }
+// Two fp8 e4m3 codes (lo in bits 0-7) -> floats, exact: through f16x2, where every e4m3 value,
+// subnormals included, is a normal f16 (so -ftz=true changes nothing).
+EP_DEVICE void ep_e4m3x2_decode_hw(ep_u32 codes, float& lo, float& hi) {
+  unsigned short a, b;
+  asm("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, %2; mov.b32 { %0, %1 }, t; }" : "=h"(a), "=h"(b) : "h"((unsigned short)codes));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(a));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(b));
+}
 EP_DEVICE ep_u32 ep_pack_bf16x2(float lo, float hi) {
   ep_u32 r;  // round to nearest even, NaN preserved
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -329,21 +337,6 @@ constexpr int kWireScaleOffset = 1024;
 constexpr int kLanesPerScale = 4;  // lanes (8 elements each) sharing one scale
 static_assert(kWave % kLanesPerScale == 0, "a scale block must not straddle waves");
 
-// Exact sign-magnitude minifloat decode (kM mantissa, kE exponent bits, bias kBias) with integer
-// operations and one subtraction, no conversion instruction (an H200 SM converts 16 values a
-// clock, an eighth of its float rate: the decode bounded the combine, tools/NOTES.md session 7).
-// A normal code's value 2^(e - kBias)(1 + m 2^-kM) has the float32 bits of its magnitude code
-// shifted to the mantissa's top bits plus (127 - kBias) << 23. A subnormal code m (e = 0) is built
-// as the normal code 2^kM + m, 2^(1 - kBias)(1 + m 2^-kM), minus 2^(1 - kBias): m 2^(1 - kBias - kM),
-// exactly (Sterbenz), and a normal float32 (no -ftz=true flush).
-template <int kM, int kE, int kBias>
-EP_DEVICE float ep_decode_minifloat(ep_u32 c) {
-  const ep_u32 mag = c & ((1u << (kM + kE)) - 1u);
-  const bool sub = mag < (1u << kM);
-  const float v = ep_bits_to_float(((sub ? mag + (1u << kM) : mag) << (23 - kM)) + ((ep_u32)(127 - kBias) << 23)) -
-                  (sub ? ep_bits_to_float((ep_u32)(128 - kBias) << 23) : 0.0f);
-  return ep_bits_to_float(ep_float_to_bits(v) | ((c >> (kM + kE)) << 31));
-}
 // fp4 e2m1 (OCP MX): bias 1, magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}, no NaN; decode is exact.
 // Round to nearest even by counting: the magnitude code of |x| is the number of midpoints between
 // consecutive magnitudes it passes, the one above an even code only strictly (a tie goes to the
@@ -355,10 +348,18 @@ EP_DEVICE ep_u32 ep_e2m1(float x) {
   const ep_u32 mag = (a > 0.25f ? 1u : 0u) + (a >= 0.75f ? 1u : 0u) + (a > 1.25f ? 1u : 0u) + (a >= 1.75f ? 1u : 0u) + (a > 2.5f ? 1u : 0u) + (a >= 3.5f ? 1u : 0u) + (a > 5.0f ? 1u : 0u);
   return mag | ((u >> 31) << 3);
 }
+// Code -> float, exact, with integer operations: a normal code (exponent field >= 1) is
+// 2^(e - bias) (1 + m / 2), whose float32 bits are the magnitude code shifted to the mantissa's
+// top bit plus (127 - bias) << 23; the one subnormal code is 2^(1 - bias) / 2.
+EP_DEVICE float ep_e2m1_value(ep_u32 c) {
+  const ep_u32 mag = c & 7u;
+  const ep_u32 bits = mag >= 2u ? (mag << 22) + (126u << 23) : mag * 0x3f000000u;
+  return ep_bits_to_float(bits | ((c >> 3) << 31));
+}
 // Two codes (the first in bits 0-3) -> floats, exact.
 EP_DEVICE void ep_decode_pair(ep_u32 codes, float& lo, float& hi) {
-  lo = ep_decode_minifloat<1, 2, 1>(codes & 15u);
-  hi = ep_decode_minifloat<1, 2, 1>(codes >> 4);
+  lo = ep_e2m1_value(codes & 15u);
+  hi = ep_e2m1_value(codes >> 4);
 }
 constexpr int kElementBits = 4;
 constexpr float kElementMax = 6.0f;

@@ -138,6 +138,14 @@ EP_DEVICE ep_u32 ep_e4m3x2_hw(float lo, float hi) {
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
   return r;
 }
+// Two fp8 e4m3 codes (lo in bits 0-7) -> floats, exact: through f16x2, where every e4m3 value,
+// subnormals included, is a normal f16 (so -ftz=true changes nothing).
+EP_DEVICE void ep_e4m3x2_decode_hw(ep_u32 codes, float& lo, float& hi) {
+  unsigned short a, b;
+  asm("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, %2; mov.b32 { %0, %1 }, t; }" : "=h"(a), "=h"(b) : "h"((unsigned short)codes));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(a));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(b));
+}
 EP_DEVICE ep_u32 ep_pack_bf16x2(float lo, float hi) {
   ep_u32 r;  // round to nearest even, NaN preserved
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -325,29 +333,13 @@ constexpr ep_u64 kOffCombineSrc = kOffCombineWire;
 constexpr int kSrcRowBytes = 5120;
 constexpr int kWireScaleOffset = 5120;
 
-// Exact sign-magnitude minifloat decode (kM mantissa, kE exponent bits, bias kBias) with integer
-// operations and one subtraction, no conversion instruction (an H200 SM converts 16 values a
-// clock, an eighth of its float rate: the decode bounded the combine, tools/NOTES.md session 7).
-// A normal code's value 2^(e - kBias)(1 + m 2^-kM) has the float32 bits of its magnitude code
-// shifted to the mantissa's top bits plus (127 - kBias) << 23. A subnormal code m (e = 0) is built
-// as the normal code 2^kM + m, 2^(1 - kBias)(1 + m 2^-kM), minus 2^(1 - kBias): m 2^(1 - kBias - kM),
-// exactly (Sterbenz), and a normal float32 (no -ftz=true flush).
-template <int kM, int kE, int kBias>
-EP_DEVICE float ep_decode_minifloat(ep_u32 c) {
-  const ep_u32 mag = c & ((1u << (kM + kE)) - 1u);
-  const bool sub = mag < (1u << kM);
-  const float v = ep_bits_to_float(((sub ? mag + (1u << kM) : mag) << (23 - kM)) + ((ep_u32)(127 - kBias) << 23)) -
-                  (sub ? ep_bits_to_float((ep_u32)(128 - kBias) << 23) : 0.0f);
-  return ep_bits_to_float(ep_float_to_bits(v) | ((c >> (kM + kE)) << 31));
-}
 // fp8 e4m3 (OCP e4m3fn): bias 7, max 448 (0x7E), 0x7F / 0xFF NaN; decode is exact.
 EP_DEVICE ep_u32 ep_e4m3x2(float lo, float hi) {
   return ep_e4m3x2_hw(lo, hi);
 }
 // Two codes (the first in bits 0-7) -> floats, exact; 0x7F / 0xFF decode to NaN.
 EP_DEVICE void ep_decode_pair(ep_u32 codes, float& lo, float& hi) {
-  lo = (codes & 0x7fu) == 0x7fu ? ep_bits_to_float(0x7fc00000u) : ep_decode_minifloat<3, 4, 7>(codes & 0xffu);
-  hi = (codes & 0x7f00u) == 0x7f00u ? ep_bits_to_float(0x7fc00000u) : ep_decode_minifloat<3, 4, 7>(codes >> 8);
+  ep_e4m3x2_decode_hw(codes, lo, hi);
 }
 constexpr int kElementBits = 8;
 constexpr float kElementMax = 448.0f;

@@ -138,6 +138,14 @@ EP_DEVICE ep_u32 ep_e4m3x2_hw(float lo, float hi) {
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
   return r;
 }
+// Two fp8 e4m3 codes (lo in bits 0-7) -> floats, exact: through f16x2, where every e4m3 value,
+// subnormals included, is a normal f16 (so -ftz=true changes nothing).
+EP_DEVICE void ep_e4m3x2_decode_hw(ep_u32 codes, float& lo, float& hi) {
+  unsigned short a, b;
+  asm("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, %2; mov.b32 { %0, %1 }, t; }" : "=h"(a), "=h"(b) : "h"((unsigned short)codes));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(a));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(b));
+}
 EP_DEVICE ep_u32 ep_pack_bf16x2(float lo, float hi) {
   ep_u32 r;  // round to nearest even, NaN preserved
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));

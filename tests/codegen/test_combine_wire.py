@@ -72,17 +72,19 @@ def test_printed_numbers_are_the_tables(arch, mode):
         assert "kLanesPerScale" not in text and "a saturating cast, no scales" in text
     encodes = re.findall(r"ep_encode_minifloat<(-?\w+), (-?\w+), (\w+), (\w+), (\w+)>\(", text)
     decodes = re.findall(r"ep_decode_minifloat<(\w+), (\w+), (\w+)>\(", text)
-    assert {tuple(map(_int, a)) for a in decodes} == {(e.mbits, e.ebits, e.bias)}  # one integer decoder everywhere
-    assert "cvt.rn.f16x2.e4m3x2" not in text and "(float)" not in text  # no conversion decodes
-    if q.element == "fp4":  # its own encoder: midpoint counting, no conversion
-        assert not encodes
+    if q.element == "fp4":  # its own codec: midpoint counting and float bits, no conversion
+        assert not encodes and not decodes and "template <int kM" not in text
         counted = re.findall(r"\(a (>=?) ([0-9.]+)f \? 1u : 0u\)", text)
         assert [float(p) for _, p in counted] == list(e.midpoints)
         assert [op for op, _ in counted] == [">" if k % 2 == 0 else ">=" for k in range(e.max_code)]
+        assert "ep_e2m1_value(codes & 15u)" in text
     elif not traits(arch).hw_fp8_convert:
+        assert encodes and decodes
         assert {tuple(map(_int, a)) for a in encodes} == {(e.mbits, e.emin, e.max_code, e.nan_code, e.sign_shift)}
+        assert {tuple(map(_int, a)) for a in decodes} == {(e.mbits, e.ebits, e.bias)}
     else:
-        assert not encodes and "ep_e4m3x2_hw(lo, hi)" in text
+        assert not encodes and not decodes and "template <int kM" not in text
+        assert "ep_e4m3x2_hw(lo, hi)" in text and "ep_e4m3x2_decode_hw(codes, lo, hi)" in text
 
 
 def test_both_codec_paths_are_rendered():

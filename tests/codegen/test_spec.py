@@ -769,8 +769,8 @@ def test_the_quantize_op_needs_a_quantized_wire():
 def test_a_quantized_combine_runs_at_most_512_threads_a_block():
     # 512 threads leave the own-row encoding its registers on every target (16 warps on sm_90,
     # 8 waves on gfx950, 16 on gfx1250); a table geometry keeps its blocks, an explicit one is refused
-    c = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096, combine_quant="fp8_blockwise")
-    bf16 = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096)
+    c = EpConfig.for_model("deepseek-v3", world_size=4, max_tokens_per_rank=4096, combine_quant="fp8_blockwise")
+    bf16 = EpConfig.for_model("deepseek-v3", world_size=4, max_tokens_per_rank=4096)  # no table entries: defaults
     table = {arch: tuning.lookup(bf16.tuning_key(arch, Op.COMBINE), 4096) for arch in ("sm_90", "gfx950", "gfx1250")}
     for arch, want in (("sm_90", 16), ("gfx950", 8), ("gfx1250", 16)):
         g = c.geometry(arch, Op.COMBINE, 4096)

@@ -10,7 +10,8 @@ from epgen.codegen import tuning
 from epgen.codegen.arch import ARCHES
 from epgen.codegen.spec import KernelSpec, Op
 from epgen.codegen.tuning import Geometry, TuningKey, default_geometry, lookup, pick_fewest_blocks
-from epgen.codegen.config import EpConfig
+from epgen.codegen.config import QUANTIZED_COMBINE_THREADS, EpConfig
+from epgen.codegen.dtypes import COMBINE_QUANTS
 
 KEY = TuningKey(arch="sm_90", world_size=2, row_bytes=14336, topk=8, dtype="bf16", op="dispatch")
 
@@ -83,13 +84,15 @@ def test_shipped_tables_are_valid(arch):
         assert rows, key
         op = next(op for op in Op if op.template == key.op)  # a low-latency entry: its sending half
         assert not op.low_latency or len(rows) == 1, f"{key}: a low-latency entry has one bucket, its threshold"
+        wire = key.dtype in COMBINE_QUANTS  # a quantized wire's combine entry: dtype names the wire
         for max_tokens, geo, transport in rows:
             assert transport in tuning.TRANSPORTS and (transport == "push" or op is Op.DISPATCH)
             assert max_tokens >= 1
-            KernelSpec(op=op, arch=arch, dtype=key.dtype, world_size=key.world_size,
-                       hidden=key.row_bytes // 2, topk=key.topk, experts_per_rank=1, max_tokens_per_rank=max_tokens,
-                       blocks=geo.blocks, warps_per_block=geo.warps_per_block, unroll=geo.unroll,
-                       ll_tokens=max_tokens if op.low_latency else 0)
+            s = KernelSpec(op=op, arch=arch, dtype="bf16" if wire else key.dtype, world_size=key.world_size,
+                           hidden=key.row_bytes // 2, topk=key.topk, experts_per_rank=1, max_tokens_per_rank=max_tokens,
+                           blocks=geo.blocks, warps_per_block=geo.warps_per_block, unroll=geo.unroll,
+                           ll_tokens=max_tokens if op.low_latency else 0, combine_quant=key.dtype if wire else "none")
+            assert not wire or (op is Op.COMBINE and s.threads <= QUANTIZED_COMBINE_THREADS), key
     path = tuning.TABLE_DIR / f"{arch}.json"
     if path.exists():
         assert all(e["provenance"] for e in json.loads(path.read_text())["entries"])

@@ -255,6 +255,7 @@ def test_tune_with_a_quantized_wire_writes_that_wires_combine_entry_alone(table_
     entries = json.loads((table_dir / "sm_90.json").read_text())["entries"]
     assert [(e["op"], e["dtype"]) for e in entries] == [("combine", "fp4_blockwise")]
     assert entries[0]["buckets"] == [{"max_tokens": 4096, "blocks": 64, "warps_per_block": 16, "unroll": 4}]
+    assert "--family normal --quant fp4_blockwise," in entries[0]["provenance"]
     cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096, combine_quant="fp4_blockwise")
     assert cfg.geometry("sm_90", Op.COMBINE, 4096) == q64
     assert attrs.evolve(cfg, combine_quant="fp8_blockwise").geometry("sm_90", Op.COMBINE, 4096) != q64
