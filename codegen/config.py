@@ -97,11 +97,13 @@ class EpConfig:
             (DISPATCH_PULL) on every destination loads the rows from the source rank's
             ``dispatch_input`` (an x elsewhere is first copied there by torch: H x row bytes per
             token, one more local copy). "auto" (default): a call pulls when its tuning bucket says
-            "pull" (``epgen tune`` measures both) and x is the op's ``dispatch_input`` (in
-            virtual mode on every rank), else it pushes; only the pull buckets' kernels are built.
-            Every rank must take the same transport in a call (``op.transport(T, x)`` says which);
-            a pulling rank whose peer pushed times out (``EpError`` naming the pull phase). The
-            low-latency family never pulls.
+            "pull" and x is the op's ``dispatch_input`` (in virtual mode on every rank), else it
+            pushes; with one rank a process (W > 1) "auto" always pushes, since no process sees its
+            peers' inputs; only the pull buckets' kernels are built. The shipped tables hold push
+            buckets only: ``epgen tune`` measures the push dispatch (a pull bucket is written by
+            hand, with its measurement in the provenance). Every rank must take the same transport
+            in a call (``op.transport(T, x)`` says which): a pulling rank whose peer pushed times
+            out (``EpError`` naming the pull phase). The low-latency family never pulls.
         nodes: nodes N the W ranks span (default 1: one node, every peer reached by IPC). With
             N > 1 the layer runs hierarchically (``epgen.hierarchical``, docs/multinode.md): W = N x G
             ranks, global rank = node x G + local rank, and the node-local kernels are those of

@@ -276,7 +276,8 @@ class EpDispatchCombine:
     Raises:
         TypeError: ``config`` is not an EpConfig.
         RuntimeError: no GPU, no CuPy, or W > 1 without a process group and without ``virtual``.
-        ValueError: the process group size differs from ``config.world_size``, ranks hold
+        ValueError: ``config.nodes`` > 1 (that layer runs as ``epgen.hierarchical.HierarchicalEp``),
+            the process group size differs from ``config.world_size``, ranks hold
             different configs, no kernels exist for this GPU's arch, or an explicit geometry
             whose blocks must all be resident at once does not fit the GPU (virtual ranks).
     """
@@ -285,6 +286,10 @@ class EpDispatchCombine:
                  validate: bool = False):
         if not isinstance(config, EpConfig):
             raise TypeError(f"config: expected an EpConfig, got {type(config).__name__}")
+        if config.nodes > 1:
+            raise ValueError(f"EpConfig.nodes={config.nodes}: a layer across nodes runs as "
+                             "epgen.hierarchical.HierarchicalEp (whose node-local op is "
+                             "EpDispatchCombine(config.node_config())); this op spans one node")
         if not torch.cuda.is_available():
             raise RuntimeError("EpDispatchCombine needs a GPU: torch.cuda.is_available() is False")
         if importlib.util.find_spec("cupy") is None:  # fail here, with the install hint, not at a launch
@@ -502,7 +507,9 @@ class EpDispatchCombine:
         "push" for the low-latency family and ``dispatch_transport="push"``; "pull" for
         ``dispatch_transport="pull"`` (an x outside ``dispatch_input`` is copied there first);
         "auto" pulls where the tuning bucket of ``tokens`` says "pull" and x starts at
-        ``dispatch_input()`` (on every rank in virtual mode), else pushes."""
+        ``dispatch_input()`` (on every rank in virtual mode), else pushes; with one rank a process
+        (W > 1) "auto" always pushes: no process sees its peers' x or token counts, and every rank
+        must take the same transport."""
         return self._transport(tokens, self._per_rank(x, "x"))
 
     def _transport(self, tokens: int, xs: list) -> str:
@@ -510,6 +517,10 @@ class EpDispatchCombine:
             return "push"
         if self.config.dispatch_transport == "pull":
             return "pull"
+        if not self.virtual and self.config.world_size > 1:
+            # one rank a process: this process sees only its own x and token count, and a rank
+            # that pulls while a peer pushes corrupts rows, so "auto" pushes (set "pull" on every rank)
+            return "push"
         zero_copy = all(isinstance(t, torch.Tensor) and t.data_ptr() == self.dispatch_input(r).data_ptr()
                         for r, t in zip(self.local_ranks, xs))
         return "pull" if zero_copy else "push"

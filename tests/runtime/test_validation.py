@@ -157,3 +157,33 @@ def test_misaligned_out_is_rejected_and_y_is_not():
     out = _offset_view(y, 4, (8, CFG.hidden))
     with pytest.raises(ValueError, match=r"out\[rank 0\]\.data_ptr\(\)=0x[0-9a-f]+: 8 bytes past a 16-byte"):
         check_combine_inputs(CFG, CPU, torch.zeros(5, CFG.hidden, dtype=torch.bfloat16), out, tokens=8, capacity=CAP, tag="[rank 0]")
+
+
+def test_a_layer_across_nodes_is_refused_before_anything_else():
+    from epgen.op import EpDispatchCombine
+
+    cfg = EpConfig(world_size=4, hidden=256, topk=2, num_experts=8, max_tokens_per_rank=8, nodes=2, gpus_per_node=2)
+    with pytest.raises(ValueError, match=r"^EpConfig.nodes=2: a layer across nodes runs as "
+                                         r"epgen.hierarchical.HierarchicalEp"):
+        EpDispatchCombine(cfg)
+
+
+@pytest.mark.parametrize("virtual,transport,want", [
+    (True, "auto", "pull"), (False, "auto", "push"), (False, "pull", "pull"), (True, "push", "push"),
+])
+def test_auto_pulls_only_where_one_process_decides_for_every_rank(monkeypatch, virtual, transport, want):
+    """With one rank a process each process sees only its own x and token count, and ranks must
+    take the same transport: "auto" pushes there even where the bucket says pull and x is
+    dispatch_input; "pull" pulls on every rank."""
+    from epgen.op import EpDispatchCombine
+
+    cfg = EpConfig(world_size=2, hidden=256, topk=2, num_experts=4, max_tokens_per_rank=64, kernel_family="normal",
+                   dispatch_transport=transport)
+    if transport == "auto":
+        monkeypatch.setattr(EpConfig, "transport", lambda self, arch, tokens: "pull")  # a pull bucket
+    op = object.__new__(EpDispatchCombine)  # the decision alone: no GPU
+    region = torch.zeros(64, 256, dtype=torch.bfloat16)
+    op.config, op.arch, op.low_latency_tokens, op.virtual = cfg, "sm_90", 0, virtual
+    op.local_ranks = [0, 1] if virtual else [1]
+    op.dispatch_input = lambda rank=None: region
+    assert op._transport(64, [region[:64]] * len(op.local_ranks)) == want
