@@ -375,14 +375,14 @@ class EpConfig:
         key = self._table_key(arch, op)
         if op not in LOCAL_OPS:
             explicit = self._explicit(op)
-            return self._fitted(arch, op, explicit or lookup(key, tokens), explicit=explicit is not None)
+            return self.fit_geometry(arch, op, explicit or lookup(key, tokens), explicit=explicit is not None)
         g = lookup(key, tokens, local_geometry(arch, op.value))
         if op is Op.EXPAND:
             fit = (PLAN_SHARED_LIMIT // 4 - self.experts_per_rank - 1) // self.experts_per_rank  # expand's counts
             g = attrs.evolve(g, blocks=min(g.blocks, PLAN_BLOCKS), warps_per_block=max(1, min(g.warps_per_block, fit)))
         return g
 
-    def _fitted(self, arch: str, op: Op, g: Geometry, explicit: bool = False) -> Geometry:
+    def fit_geometry(self, arch: str, op: Op, g: Geometry, explicit: bool = False) -> Geometry:
         """``g`` within ``op``'s register needs on ``arch``: a combine with a quantized wire at most
         ``QUANTIZED_COMBINE_THREADS`` threads a block; a table geometry keeps its blocks and loses
         warps, an explicit one is refused.
@@ -432,8 +432,8 @@ class EpConfig:
         explicit = self._explicit(op)
         if op in LOCAL_OPS or op.low_latency:  # one variant: the local ops' work follows the rows
             explicit = self.geometry(arch, op, self.max_tokens_per_rank)  # received; both low-latency halves agree on blocks
-        table = ((self.max_tokens_per_rank, self._fitted(arch, op, explicit, explicit=True)),) if explicit else tuple(
-            (max_tokens, self._fitted(arch, op, g)) for max_tokens, g in buckets(self._table_key(arch, op)))
+        table = ((self.max_tokens_per_rank, self.fit_geometry(arch, op, explicit, explicit=True)),) if explicit else tuple(
+            (max_tokens, self.fit_geometry(arch, op, g)) for max_tokens, g in buckets(self._table_key(arch, op)))
         pulls = dict(bucket_transports(self._table_key(arch, op)))
         out = []
         for max_tokens, geometry in table:

@@ -338,6 +338,15 @@ def _bench_nodes(args, parser, console) -> int:
     bad = [r for r in args.routing if r not in NODE_ROUTINGS]
     if bad:
         parser.error(f"--routing {' '.join(bad)}: with --nodes one of {', '.join(NODE_ROUTINGS)}")
+    unused = [flag for flag, given in (("--json", args.json), ("--dispatch-geometry", args.dispatch_geometry),
+                                       ("--combine-geometry", args.combine_geometry),
+                                       ("--low-latency-geometry", args.low_latency_geometry),
+                                       ("--family", args.family != "both")) if given]
+    if unused:
+        parser.error(f"{' '.join(unused)}: not with --nodes (the hierarchical bench runs the node-local op of its "
+                     "kernel_family as the hierarchy builds it, with the tuning table's geometry, and prints a table)")
+    if args.output is not None:
+        flags.check_output(args.output, parser)
     options = NodesBenchOptions(model=args.model, world_size=args.world_size, nodes=args.nodes,
                                 tokens=tuple(args.tokens), routings=tuple(args.routing), dtype=args.dtype,
                                 combine_quant=args.quant, iters=args.iters, cpu=args.cpu, output=args.output)

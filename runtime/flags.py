@@ -143,7 +143,7 @@ def add_jobs_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=positive, default=None, help="parallel compiles (default: CPU count)")
 
 
-def add_gpu_verb_args(p, defaults, *, virtual: bool, quant: bool) -> None:
+def add_gpu_verb_args(p, defaults, *, virtual: bool, quant: bool, quant_help: str = "") -> None:
     """--model, --world-size (, --virtual), --dtype (, --quant) of a GPU verb, defaults from its options."""
     p.add_argument("--model", type=model_name, default=defaults.model,
                    help=f"catalogue model (default {defaults.model})")
@@ -155,7 +155,7 @@ def add_gpu_verb_args(p, defaults, *, virtual: bool, quant: bool) -> None:
                    help=f"dispatch payload dtype (default {defaults.dtype})")
     if quant:
         p.add_argument("--quant", default=defaults.combine_quant, choices=list(COMBINE_QUANTS),
-                       help=f"combine wire format (default {defaults.combine_quant})")
+                       help=f"combine wire format (default {defaults.combine_quant}){quant_help}")
 
 
 def add_demo_args(d) -> None:
@@ -199,7 +199,8 @@ def add_bench_args(b) -> None:
 def add_tune_args(t) -> None:
     """``epgen tune``'s flags, defaults from ``TuneOptions``."""
     tune = TuneOptions()
-    add_gpu_verb_args(t, tune, virtual=True, quant=True)
+    add_gpu_verb_args(t, tune, virtual=True, quant=True,
+                      quant_help="; with --family normal: tunes that wire's combine entries alone")
     t.add_argument("--family", choices=list(TUNE_FAMILIES), default=tune.family, help="families to tune (default "
                    f"{tune.family}): normal writes the dispatch/combine buckets; low_latency writes the dispatch_ll/"
                    "combine_ll entries (their geometry and the threshold up to which kernel_family auto takes them, "
@@ -423,6 +424,17 @@ def check_output_files(outputs, parser) -> None:
                          f"{'is not a directory' if file.parent.exists() else 'does not exist'}")
 
 
+def check_output(output: str, parser) -> None:
+    """A parser error unless ``output`` is a path prefix in an existing, writable folder."""
+    if output.endswith(os.sep) or os.path.isdir(output):
+        parser.error(f"-o {output}: a path prefix for the .csv/.png/.env.txt files, not a folder")
+    folder = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(folder):
+        parser.error(f"-o {output}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        parser.error(f"-o {output}: folder {folder} is not writable")
+
+
 def gpu_preflight(args, parser, error, verb: str, *, families: dict[str, int], virtual: bool = False,
                   output: str | None = None, geometries: dict | None = None,
                   low_latency_geometries: dict | None = None) -> EpConfig | None:
@@ -450,13 +462,7 @@ def gpu_preflight(args, parser, error, verb: str, *, families: dict[str, int], v
             parser.error(f"{e} (--world-size {args.world_size}, the {family} family with tokens up to {max_tokens}, "
                          f"with --model {args.model})")
     if output is not None:
-        if output.endswith(os.sep) or os.path.isdir(output):
-            parser.error(f"-o {output}: a path prefix for the .csv/.png/.env.txt files, not a folder")
-        folder = os.path.dirname(os.path.abspath(output))
-        if not os.path.isdir(folder):
-            parser.error(f"-o {output}: folder {folder} does not exist")
-        if not os.access(folder, os.W_OK):
-            parser.error(f"-o {output}: folder {folder} is not writable")
+        check_output(output, parser)
     if not torch.cuda.is_available():
         return error(verb, "needs a GPU (torch.cuda.is_available() is False)")
     gpus = torch.cuda.device_count()
@@ -482,7 +488,7 @@ def gpu_preflight(args, parser, error, verb: str, *, families: dict[str, int], v
                                  "family's kernels, which this run does not build")
                 try:
                     for op in ops:
-                        holder.spec(arch, op, g)
+                        holder.spec(arch, op, holder.fit_geometry(arch, op, g, explicit=True))
                 except ValueError as e:
                     parser.error(f"{e} ({flag} {g} on this GPU's arch {arch})")
     return cfgs[0]
