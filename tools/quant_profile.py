@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 
 import torch
 
@@ -102,7 +103,7 @@ class Setup:
         a = op._args[op_kind]
         return lambda: op.platform.launch(fn, (spec.blocks, 2, 1), (spec.threads, 1, 1), a.ctypes.data, op.device)
 
-    def variant(self, op_kind: Op, spec, edits=()):
+    def variant(self, spec, edits=()):
         """``spec``'s kernel loaded with ``edits`` applied to its source; None when one does not apply
         (the wire has no such step, e.g. no division in fp8_direct_cast)."""
         text = render(spec).text
@@ -127,36 +128,25 @@ def profile(mode: str, tokens: int, sweep: bool) -> list[dict]:
     kernels.append(s.launch(Op.COMBINE))
     row("combine (whole call)", "op.combine", graph_us(lambda: [k() for k in kernels]),
         s.quantize_bytes + s.combine_bytes)
-    if quantized:
-        qspec = s.op.variant(Op.COMBINE_QUANTIZE, tokens)
-        g = f"{qspec.blocks}x{qspec.warps_per_block}u{qspec.unroll}"
-        row("quantize kernel", "combine_quantize", graph_us(s.launch(Op.COMBINE_QUANTIZE)), s.quantize_bytes, g)
-        for name, edits in ABLATIONS.items():
-            fn = s.variant(Op.COMBINE_QUANTIZE, qspec, edits)
+
+    def kernel(op_kind, label, nbytes, ablations, grid):
+        """``op_kind``'s kernel alone, its ablations, then (with ``sweep``) the geometries of ``grid``."""
+        spec = s.op.variant(op_kind, tokens)
+        g = f"{spec.blocks}x{spec.warps_per_block}u{spec.unroll}"
+        row(f"{label} kernel", op_kind.value, graph_us(s.launch(op_kind)), nbytes, g)
+        for name, edits in ablations.items():
+            fn = s.variant(spec, edits)
             if fn is not None:
-                row(f"quantize, {name}", "combine_quantize", graph_us(s.launch(Op.COMBINE_QUANTIZE, fn, qspec)),
-                    s.quantize_bytes, g)
-    cspec = s.op.variant(Op.COMBINE, tokens)
-    g = f"{cspec.blocks}x{cspec.warps_per_block}u{cspec.unroll}"
-    row("combine kernel", "combine", graph_us(s.launch(Op.COMBINE)), s.combine_bytes, g)
-    for name, edits in COMBINE_ABLATIONS.items():
-        fn = s.variant(Op.COMBINE, cspec, edits)
-        if fn is not None:
-            row(f"combine, {name}", "combine", graph_us(s.launch(Op.COMBINE, fn, cspec)), s.combine_bytes, g)
-    if sweep:
-        if quantized:
-            for blocks in (264, 528):
-                for warps in (8, 16):
-                    for unroll in (2, 4):
-                        spec = qspec.replace(blocks=blocks, warps_per_block=warps, unroll=unroll)
-                        us = graph_us(s.launch(Op.COMBINE_QUANTIZE, s.variant(Op.COMBINE_QUANTIZE, spec), spec))
-                        row("sweep", "combine_quantize", us, s.quantize_bytes, f"{blocks}x{warps}u{unroll}")
-        for blocks in (32, 64, 132):
-            for warps in ((8, 16) if quantized else (16, 32)):
-                for unroll in (2, 4):
-                    spec = cspec.replace(blocks=blocks, warps_per_block=warps, unroll=unroll)
-                    us = graph_us(s.launch(Op.COMBINE, s.variant(Op.COMBINE, spec), spec))
-                    row("sweep", "combine", us, s.combine_bytes, f"{blocks}x{warps}u{unroll}")
+                row(f"{label}, {name}", op_kind.value, graph_us(s.launch(op_kind, fn, spec)), nbytes, g)
+        for blocks, warps, unroll in (itertools.product(*grid) if sweep else ()):
+            other = spec.replace(blocks=blocks, warps_per_block=warps, unroll=unroll)
+            us = graph_us(s.launch(op_kind, s.variant(other), other))
+            row("sweep", op_kind.value, us, nbytes, f"{blocks}x{warps}u{unroll}")
+
+    if quantized:
+        kernel(Op.COMBINE_QUANTIZE, "quantize", s.quantize_bytes, ABLATIONS, ((264, 528), (8, 16), (2, 4)))
+    kernel(Op.COMBINE, "combine", s.combine_bytes, COMBINE_ABLATIONS,
+           ((32, 64, 132), (8, 16) if quantized else (16, 32), (2, 4)))
     s.op.close()
     return rows
 
