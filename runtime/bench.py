@@ -60,8 +60,13 @@ CSV_COLUMNS = ("op", "family", "dtype", "routing", "tokens", "rank", "world_size
 
 
 def environment() -> dict:
-    """GPU model and count, driver, versions and commit recorded with every result."""
-    import cupy
+    """GPU model and count, driver, versions and commit recorded with every result (on a machine
+    without a GPU or CuPy: gpu "none", cupy "not installed")."""
+    try:
+        import cupy
+        cupy_version = cupy.__version__
+    except ImportError:
+        cupy_version = "not installed"
 
     def sh(*cmd):
         try:
@@ -69,9 +74,10 @@ def environment() -> dict:
         except (OSError, subprocess.SubprocessError):
             return "?"
 
-    return {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return {"gpu": gpu, "gpus": torch.cuda.device_count(),
             "driver": sh("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader").split("\n")[0],
-            "torch": torch.__version__, "cupy": cupy.__version__, "python": platform.python_version(),
+            "torch": torch.__version__, "cupy": cupy_version, "python": platform.python_version(),
             "commit": (sh("git", "rev-parse", "--short", "HEAD") or "unknown (no .git)")
             + ("+dirty" if sh("git", "status", "--porcelain") else ""),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

@@ -168,10 +168,14 @@ def run(options: NodesBenchOptions, print_fn=print) -> list[dict]:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     if options.output:
-        with open(options.output, "w", newline="") as f:
+        from epgen.bench import environment
+
+        with open(f"{options.output}.csv", "w", newline="") as f:
             w = csv.DictWriter(f, CSV_COLUMNS)
             w.writeheader()
             w.writerows(rows)
+        with open(f"{options.output}.env.txt", "w") as f:
+            f.write("".join(f"{k}: {v}\n" for k, v in environment().items()))
     G = options.world_size // options.nodes
     kind = rows[0]["node_op"] if rows else "-"
     print_fn(f"epgen bench --nodes {options.nodes}: {options.model}, {options.nodes} nodes x {G} ranks, "
@@ -182,5 +186,5 @@ def run(options: NodesBenchOptions, print_fn=print) -> list[dict]:
         print_fn(f"{r['routing']:<10} {r['tokens']:>7} {r['node']:>4}  {r['leg']:<24} {r['time_us']:>11} "
                  f"{r['bytes']:>12} {r['gbps']:>8}")
     if options.output:
-        print_fn(f"wrote {options.output}")
+        print_fn(f"wrote {options.output}.csv and {options.output}.env.txt")
     return rows

@@ -193,12 +193,13 @@ def test_bench_nodes_on_the_cpu_stand_in(tmp_path, capsys):
 
     from epgen.cli import main
 
-    out = tmp_path / "nodes.csv"
+    out = tmp_path / "nodes"
     assert main(["bench", "--nodes", "2", "--world-size", "4", "--model", "mixtral-8x7b", "--tokens", "3", "--iters",
                  "2", "--routing", "uniform", "--cpu", "-o", str(out)]) == 0
     text = capsys.readouterr().out
     assert "gloo over CPU tensors" in text and "ReferenceNodeOp (CPU stand-in)" in text
-    rows = list(csv.DictReader(out.open()))
+    assert "gpus: " in (tmp_path / "nodes.env.txt").read_text()
+    rows = list(csv.DictReader((tmp_path / "nodes.csv").open()))
     legs = {(r["node"], r["leg"]) for r in rows}
     for node in ("0", "1"):
         for leg in ("dispatch network", "dispatch node-local", "combine node-local", "combine network", "total",
