@@ -109,20 +109,6 @@ class MiniFloat:
         """Position of the sign bit in a code."""
         return self.ebits + self.mbits
 
-    def magnitude(self, code: int) -> float:
-        """The value of magnitude code ``code`` (sign bit clear; the NaN code is not one)."""
-        e, m = code >> self.mbits, code & ((1 << self.mbits) - 1)
-        if e == 0:
-            return 2.0 ** (1 - self.bias) * m / 2**self.mbits
-        return 2.0 ** (e - self.bias) * (1 + m / 2**self.mbits)
-
-    @property
-    def midpoints(self) -> tuple[float, ...]:
-        """Midpoints between consecutive magnitudes, codes 0..max_code: a round-to-nearest-even
-        encoder's magnitude code is the number of them a magnitude passes (the one above an even
-        code only strictly)."""
-        return tuple((self.magnitude(k) + self.magnitude(k + 1)) / 2 for k in range(self.max_code))
-
 
 MINIFLOATS: dict[str, MiniFloat] = {
     "fp8": MiniFloat(name="e4m3fn", ebits=4, mbits=3, bias=7, max=448.0, max_code=0x7E, has_nan=True,

@@ -51,11 +51,14 @@ session 6 run 2), where 132 blocks helped at 128 tokens."""
 
 def default_candidates(arch: str, combine_quant: str = "none") -> tuple[Geometry, ...]:
     """CANDIDATE_BLOCKS blocks of 1024 threads (the arch's wave size decides the warps), unroll 4;
-    of ``QUANTIZED_COMBINE_THREADS`` for a quantized wire's combine."""
+    for a quantized wire's combine, of ``QUANTIZED_COMBINE_THREADS`` and unroll 4 or 2 (its
+    registers at unroll 4 allow one 512-thread block an SM on sm_90, at unroll 2 two: 132 x 16 u2
+    led the geometry sweep of virtual W = 2 there, tools/NOTES.md session 8)."""
     warps = default_geometry(arch).warps_per_block
-    if combine_quant != "none":
-        warps = min(warps, QUANTIZED_COMBINE_THREADS // traits(arch).wave_size)
-    return tuple(Geometry(b, warps, DEFAULT_UNROLL) for b in CANDIDATE_BLOCKS)
+    if combine_quant == "none":
+        return tuple(Geometry(b, warps, DEFAULT_UNROLL) for b in CANDIDATE_BLOCKS)
+    warps = min(warps, QUANTIZED_COMBINE_THREADS // traits(arch).wave_size)
+    return tuple(Geometry(b, warps, u) for u in (DEFAULT_UNROLL, 2) for b in CANDIDATE_BLOCKS)
 
 
 def default_low_latency_candidates(arch: str, world_size: int) -> tuple[Geometry, ...]:

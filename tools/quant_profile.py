@@ -5,7 +5,11 @@ whole combine (quantize kernel + combine kernel, as ``op.combine`` runs them), e
 and ablations of the quantize kernel built from its rendered source (the same access pattern with
 the encoder cut down): ``copy`` stores bits of the loaded vector instead of codes (pure memory
 traffic), ``no_div`` multiplies by the scale instead of dividing (timing only: not the wire's
-rounding). Then geometry sweeps of both kernels. Every figure is the mean of K launches captured in
+rounding), and of the combine kernel: ``own_as_bf16`` adds a rank's own rows as bf16 (what adding
+them as their wire rows decode costs), ``own_codes`` encodes them to codes and decodes those
+(session 7's kernel) instead of rounding them to the format's grid. Then geometry sweeps of both
+kernels (those whose blocks fit at once). The CSV's ``exact`` column says whether a variant wrote
+the same bytes as the stock kernel. Every figure is the mean of K launches captured in
 one CUDA graph, replayed 5 times (DESIGN.md section 4: no host launch in the figure), with the bytes
 each kernel moves and the rate they imply.
 
@@ -29,25 +33,18 @@ from epgen.verify import make_inputs, op_inputs, run_round
 K = 20
 WIRES = ("none", "fp8_blockwise", "fp4_blockwise", "fp8_direct_cast")
 QUANTIZE_CALL = "ep_wire_quantize(v[u], i, i < kRowVectors, wire + (ep_u64)r * kSrcRowBytes);"
-OWN_ROW_ENCODE = ("    const ep_wire w = ep_wire_encode(b[u], valid, s);\n    ep_wire_add(acc[u], w, valid ? s : 0.0f);")
-OWN_ROW_LOADS = "  ep_vec b[kUnroll];\n  ep_load_chunk(src, lane, c, b);  // every load in flight before the first encode\n"
+OWN_ROW_ADD = "ep_wire_add_roundtrip(acc[u], b[u], c + u * kWave + lane < kRowVectors);"
 COMBINE_ABLATIONS = {
-    # a rank's own rows added as their bf16 values: what encoding them where they are summed costs
-    "own_as_bf16": [(OWN_ROW_ENCODE, "    s = 0.0f;\n#pragma unroll\n    for (int k = 0; k < 8; ++k) "
-                                     "acc[u][k] += valid ? ep_bf16_element(b[u], k) : s;")],
-    # the own row's vectors loaded one at a time, each just before its encode
-    "own_per_vector": [(OWN_ROW_LOADS, "  ep_vec b[kUnroll];\n"),
-                       ("    const ep_wire w = ep_wire_encode(b[u], valid, s);",
-                        "    b[u] = valid ? ep_load16(src + (ep_u64)(c + u * kWave + lane) * 16) : ep_vec_zero();\n"
-                        "    const ep_wire w = ep_wire_encode(b[u], valid, s);")],
-    # one source row in flight at a time
-    "fan_in_1": [("constexpr int kFanIn = 2;", "constexpr int kFanIn = 1;")],
+    # a rank's own rows added as their bf16 values: what adding them as their wire rows decode costs
+    "own_as_bf16": [(OWN_ROW_ADD, "for (int k = 0; k < 8; ++k) acc[u][k] += ep_bf16_element(b[u], k);")],
+    # the own rows encoded to codes and decoded (session 7's kernel) instead of rounded to the grid
+    "own_codes": [(OWN_ROW_ADD, "{ const bool valid = c + u * kWave + lane < kRowVectors; float s; "
+                                "const ep_wire w = ep_wire_encode(b[u], valid, s); ep_wire_add(acc[u], w, valid ? s : 0.0f); }")],
 }
 ABLATIONS = {
     "copy": [(QUANTIZE_CALL, "if (i < kRowVectors) ep_wire_store(wire + (ep_u64)r * kSrcRowBytes, i, "
                              "(ep_wire)(ep_vec_word(v[u], 0) ^ ep_vec_word(v[u], 1) ^ ep_vec_word(v[u], 2)));")],
-    "no_div": [("#define EP_WIRE_ELEMENT(k) ep_div_rn(ep_bf16_element(v, k), s)",
-                "#define EP_WIRE_ELEMENT(k) (ep_bf16_element(v, k) * s)")],
+    "no_div": [("{ return ep_div_rn(ep_bf16_element(v, k), s); }", "{ return ep_bf16_element(v, k) * s; }")],
 }
 
 
@@ -103,6 +100,16 @@ class Setup:
         a = op._args[op_kind]
         return lambda: op.platform.launch(fn, (spec.blocks, 2, 1), (spec.threads, 1, 1), a.ctypes.data, op.device)
 
+    def result(self, op_kind: Op) -> bytes:
+        """What the last launches of ``op_kind``'s kernel wrote: the wire rows (the quantize
+        kernel) or the outputs (the combine kernel), as bytes, to compare a variant with the stock
+        kernel (False in the CSV's exact column: it computed something else)."""
+        self.op.synchronize()
+        if op_kind is Op.COMBINE:
+            return b"".join(o.cpu().view(torch.uint8).numpy().tobytes() for o in self.outs)
+        wires = [self.op.combine_wire_input(r) for r in self.op.local_ranks]
+        return b"".join(t.cpu().numpy().tobytes() for w in wires for t in (w.codes, w.scales) if t is not None)
+
     def variant(self, spec, edits=()):
         """``spec``'s kernel loaded with ``edits`` applied to its source; None when one does not apply
         (the wire has no such step, e.g. no division in fp8_direct_cast)."""
@@ -118,9 +125,10 @@ def profile(mode: str, tokens: int, sweep: bool) -> list[dict]:
     s = Setup(mode, tokens)
     rows = []
 
-    def row(what, kernel, us, nbytes, geometry=""):
+    def row(what, kernel, us, nbytes, geometry="", exact=""):
         rows.append({"wire": mode, "tokens": tokens, "what": what, "kernel": kernel, "geometry": geometry,
-                     "us": round(us, 2), "bytes": nbytes, "tb_s": round(nbytes / us / 1e6, 2) if nbytes else ""})
+                     "us": round(us, 2), "bytes": nbytes, "tb_s": round(nbytes / us / 1e6, 2) if nbytes else "",
+                     "exact": exact})
 
     quantized = Op.COMBINE_QUANTIZE in s.op._variants
     # the call's kernels as op.combine launches them (each call needs a dispatch before it)
@@ -134,19 +142,24 @@ def profile(mode: str, tokens: int, sweep: bool) -> list[dict]:
         spec = s.op.variant(op_kind, tokens)
         g = f"{spec.blocks}x{spec.warps_per_block}u{spec.unroll}"
         row(f"{label} kernel", op_kind.value, graph_us(s.launch(op_kind)), nbytes, g)
+        stock = s.result(op_kind)
         for name, edits in ablations.items():
             fn = s.variant(spec, edits)
             if fn is not None:
-                row(f"{label}, {name}", op_kind.value, graph_us(s.launch(op_kind, fn, spec)), nbytes, g)
+                row(f"{label}, {name}", op_kind.value, graph_us(s.launch(op_kind, fn, spec)), nbytes, g,
+                    s.result(op_kind) == stock)
         for blocks, warps, unroll in (itertools.product(*grid) if sweep else ()):
             other = spec.replace(blocks=blocks, warps_per_block=warps, unroll=unroll)
-            us = graph_us(s.launch(op_kind, s.variant(other), other))
-            row("sweep", op_kind.value, us, nbytes, f"{blocks}x{warps}u{unroll}")
+            fn = s.variant(other)
+            if 2 * blocks > s.op._resident_blocks(fn, other):
+                continue  # virtual ranks: every block of both ranks must be resident at once
+            us = graph_us(s.launch(op_kind, fn, other))
+            row("sweep", op_kind.value, us, nbytes, f"{blocks}x{warps}u{unroll}", s.result(op_kind) == stock)
 
     if quantized:
         kernel(Op.COMBINE_QUANTIZE, "quantize", s.quantize_bytes, ABLATIONS, ((264, 528), (8, 16), (2, 4)))
     kernel(Op.COMBINE, "combine", s.combine_bytes, COMBINE_ABLATIONS,
-           ((32, 64, 132), (8, 16) if quantized else (16, 32), (2, 4)))
+           ((32, 64, 66, 132), (8, 16) if quantized else (16, 32), (2, 4)))
     s.op.close()
     return rows
 
@@ -169,7 +182,7 @@ def main():
     for r in rows:
         if r["what"] != "sweep":
             print(f"{r['wire']:>15} T={r['tokens']:>5} {r['what']:<22} {r['geometry']:>10} {r['us']:>9.2f} us "
-                  f"{r['bytes'] / 1e6:>8.1f} MB {r['tb_s']!s:>6} TB/s")
+                  f"{r['bytes'] / 1e6:>8.1f} MB {r['tb_s']!s:>6} TB/s {'exact' if r['exact'] is True else r['exact']}")
     for kernel in ("combine_quantize", "combine"):
         best = {}
         for r in rows:
@@ -178,7 +191,8 @@ def main():
                 if key not in best or r["us"] < best[key]["us"]:
                     best[key] = r
         for (mode, tokens), r in best.items():
-            print(f"best {kernel} geometry {mode} T={tokens}: {r['geometry']} {r['us']} us ({r['tb_s']} TB/s)")
+            print(f"best {kernel} geometry {mode} T={tokens}: {r['geometry']} {r['us']} us ({r['tb_s']} TB/s, "
+                  f"exact {r['exact']})")
 
 
 if __name__ == "__main__":

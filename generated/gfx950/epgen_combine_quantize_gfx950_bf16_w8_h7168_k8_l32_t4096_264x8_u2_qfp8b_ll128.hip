@@ -145,6 +145,11 @@ EP_DEVICE float ep_bits_to_float(ep_u32 u) { return __builtin_bit_cast(float, u)
 EP_DEVICE ep_u32 ep_float_to_bits(float f) { return __builtin_bit_cast(ep_u32, f); }
 EP_DEVICE int ep_rint(float x) { return (int)__builtin_rintf(x); }  // round to nearest even
 EP_DEVICE float ep_div_rn(float x, float s) { return x / s; }  // clang: correctly rounded, no call
+// Per 16-bit half, the larger unsigned value (one v_pk_max_u16).
+EP_DEVICE ep_u32 ep_max_u16x2(ep_u32 a, ep_u32 b) {
+  typedef unsigned short u16x2 __attribute__((ext_vector_type(2)));
+  return __builtin_bit_cast(ep_u32, __builtin_elementwise_max(__builtin_bit_cast(u16x2, a), __builtin_bit_cast(u16x2, b)));
+}
 EP_DEVICE float ep_mul_rn(float a, float b) {  // rounded: never fused into an FMA
 #pragma clang fp contract(off)
   return a * b;
@@ -341,24 +346,39 @@ constexpr int kWireScaleOffset = 7168;
 constexpr int kLanesPerScale = 16;  // lanes (8 elements each) sharing one scale
 static_assert(kWave % kLanesPerScale == 0, "a scale block must not straddle waves");
 
-// Saturating round-to-nearest-even float -> sign-magnitude minifloat code with kM mantissa bits
-// and smallest normal exponent kEmin. With E = max(floor(log2 |x|), kEmin) the grid step near
-// |x| is 2^(E - kM): n = rint(|x| * 2^(kM - E)) is an exact power-of-two scaling in
-// [0, 2^(kM + 1)], and the magnitude code is ((E - kEmin) << kM) + n (n = 2^(kM + 1) is the next
-// binade's first code, and the code's parity is n's), clamped to kMaxCode; NaN -> kNanCode. A
-// float32-subnormal |x| (flushed under -ftz=true) encodes to zero either way.
-template <int kM, int kEmin, int kMaxCode, int kNanCode, int kSignShift>
-EP_DEVICE ep_u32 ep_encode_minifloat(float x) {
+// Rounding to the e4m3fn grid in float32 arithmetic, without conversions. A magnitude a in the
+// binade [2^E, 2^(E + 1)), E clamped below at emin = -6 (the subnormal step continues the first
+// normal binade's), lies on a grid of step 2^(E - 3). With k = 2^(E + 23 - 3), a + k lies in
+// [k, 2k], where float32's step is that same 2^(E - 3): fl(a + k) rounds a to the grid, to
+// nearest even (k is an even multiple of the step), fl(a + k) - k is exact, and the float32 bits
+// of fl(a + k) less those of k count the steps. Returns fl(a + k); t gets E's float32 exponent
+// field, clamped (k's bits are t + 0xa000000). A float32-subnormal a rounds to 0 with or
+// without -ftz=true; an a past the saturation (k's bits may overflow there) and NaN are the
+// callers' selects. Plain IEEE float operations: neither runtime compiler reassociates without
+// fast-math, which neither is given.
+EP_DEVICE float ep_grid_sum(float a, ep_u32& t) {
+  const ep_u32 binade = ep_float_to_bits(a) & 0x7f800000u;
+  t = binade > 0x3c800000u ? binade : 0x3c800000u;
+  return a + ep_bits_to_float(t + 0xa000000u);
+}
+// Saturating round-to-nearest-even float -> sign-magnitude code: the steps above k plus the codes
+// of the binades below E, 0x7e past 448, NaN -> 0x7f.
+EP_DEVICE ep_u32 ep_grid_code(float x) {
   const ep_u32 u = ep_float_to_bits(x);
-  const ep_u32 sign = (u >> 31) << kSignShift;
-  const ep_u32 mag = u & 0x7fffffffu;
-  if (mag > 0x7f800000u) return sign | (ep_u32)kNanCode;
-  int e = (int)(mag >> 23) - 127;
-  if (e < kEmin) e = kEmin;
-  if (e > kEmin + 32) return sign | (ep_u32)kMaxCode;  // far above the largest finite code
-  const int n = ep_rint(ep_bits_to_float(mag) * ep_bits_to_float((ep_u32)(kM - e + 127) << 23));
-  const int code = ((e - kEmin) << kM) + n;
-  return sign | (ep_u32)(code < kMaxCode ? code : kMaxCode);
+  const float a = ep_bits_to_float(u & 0x7fffffffu);
+  ep_u32 t;
+  const ep_u32 steps = ep_float_to_bits(ep_grid_sum(a, t)) - (t + 0xa000000u);
+  const ep_u32 code = steps + ((t - 0x3c800000u) >> 20);
+  return (a > 448.0f ? 0x7eu : a == a ? code : 0x7fu) | ((u >> 31) << 7);
+}
+// decode(encode(q)) as a float: fl(a + k) - k, 448 past the saturation, NaN kept, q's sign.
+EP_DEVICE float ep_grid_round(float q) {
+  const ep_u32 u = ep_float_to_bits(q);
+  const float a = ep_bits_to_float(u & 0x7fffffffu);
+  ep_u32 t;
+  const float r = ep_grid_sum(a, t) - ep_bits_to_float(t + 0xa000000u);
+  const float m = a > 448.0f ? 448.0f : r;
+  return ep_bits_to_float(ep_float_to_bits(m) | (u & 0x80000000u));
 }
 // Exact sign-magnitude minifloat decode (kM mantissa, kE exponent bits, bias kBias) without
 // float32 subnormals, which the runtime's -ftz=true would flush: the integer significand n (the
@@ -372,12 +392,18 @@ EP_DEVICE float ep_decode_minifloat(ep_u32 c) {
 }
 // fp8 e4m3 (OCP e4m3fn): bias 7, max 448 (0x7E), 0x7F / 0xFF NaN; decode is exact.
 EP_DEVICE ep_u32 ep_e4m3x2(float lo, float hi) {
-  return ep_encode_minifloat<3, -6, 0x7e, 0x7f, 7>(lo) | (ep_encode_minifloat<3, -6, 0x7e, 0x7f, 7>(hi) << 8);
+  return ep_grid_code(lo) | (ep_grid_code(hi) << 8);
 }
 // Two codes (the first in bits 0-7) -> floats, exact; 0x7F / 0xFF decode to NaN.
 EP_DEVICE void ep_decode_pair(ep_u32 codes, float& lo, float& hi) {
   lo = (codes & 0x7fu) == 0x7fu ? ep_bits_to_float(0x7fc00000u) : ep_decode_minifloat<3, 4, 7>(codes & 0xffu);
   hi = (codes & 0x7f00u) == 0x7f00u ? ep_bits_to_float(0x7fc00000u) : ep_decode_minifloat<3, 4, 7>(codes >> 8);
+}
+// decode(encode(x)) for two floats, without forming codes where none is stored (a rank's own row,
+// where it is summed): ep_grid_round.
+EP_DEVICE void ep_roundtrip_pair(float lo, float hi, float& rlo, float& rhi) {
+  rlo = ep_grid_round(lo);
+  rhi = ep_grid_round(hi);
 }
 constexpr int kElementBits = 8;
 constexpr float kElementMax = 448.0f;
@@ -388,32 +414,39 @@ EP_DEVICE float ep_bf16_element(const ep_vec& v, int k) {
   return ep_bits_to_float(k % 2 ? w & 0xffff0000u : w << 16);
 }
 
-// The codes of 8 consecutive elements (a lane's vector v of a row) and, in s, their block's
-// scale; every lane of the wave calls it (the scale's amax is a shuffle reduction), lanes past the
-// row end with valid = false. The elements stay packed in v and are unpacked one at a time,
-// keeping registers for 1024 threads.
-EP_DEVICE ep_u64 ep_wire_encode(const ep_vec& v, bool valid, float& s) {
-  float amax = 0.0f;
+// The scale s of the block holding a lane's vector v (8 elements of a row). Every lane of the
+// wave calls it (the amax is a shuffle reduction), lanes past the row end with valid = false.
+EP_DEVICE float ep_wire_encode_scale(const ep_vec& v, bool valid) {
+  // amax as float32 bits: bf16 magnitudes order as unsigned integers, a NaN's above infinity's (so
+  // a NaN propagates, as in the reference); both halves of a word at once.
+  ep_u32 pair = 0u;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    const float ax = valid ? ep_bits_to_float(ep_float_to_bits(ep_bf16_element(v, k)) & 0x7fffffffu) : 0.0f;
-    amax = (ax > amax || ax != ax) ? ax : amax;  // NaN propagates, as in the reference
-  }
+  for (int w = 0; w < 4; ++w) pair = ep_max_u16x2(pair, valid ? ep_vec_word(v, w) & 0x7fff7fffu : 0u);
+  ep_u32 bits = (pair >> 16 > (pair & 0xffffu) ? pair >> 16 : pair & 0xffffu) << 16;
 #pragma unroll
   for (int m = kLanesPerScale / 2; m > 0; m /= 2) {
-    const float other = ep_bits_to_float((ep_u32)ep_shfl((int)ep_float_to_bits(amax), ep_lane_id() ^ m));
-    amax = (other > amax || other != other) ? other : amax;
+    const ep_u32 other = (ep_u32)ep_shfl((int)bits, ep_lane_id() ^ m);
+    bits = other > bits ? other : bits;
   }
+  const float amax = ep_bits_to_float(bits);
   // s = fl(amax / max) as the reference; blocks with amax below 2^-80 (or NaN) take s = 1 and so
   // travel as zeros (or NaN). Above it every quotient that can round to a nonzero code, and its
   // division residual, are normal float32: exact under the runtime's -ftz=true.
-  s = amax >= 0x1p-80f ? ep_div_rn(amax, kElementMax) : 1.0f;
-#define EP_WIRE_ELEMENT(k) ep_div_rn(ep_bf16_element(v, k), s)
+  return amax >= 0x1p-80f ? ep_div_rn(amax, kElementMax) : 1.0f;
+}
+// Element k of v as it is encoded: fl(x / s).
+EP_DEVICE float ep_wire_quotient(const ep_vec& v, int k, float s) { return ep_div_rn(ep_bf16_element(v, k), s); }
+
+// The codes of 8 consecutive elements (a lane's vector v of a row) and, in s, their block's
+// scale; every lane of the wave calls it, lanes past the row end with valid = false. The elements
+// stay packed in v and are unpacked one at a time, keeping registers for 1024 threads.
+EP_DEVICE ep_u64 ep_wire_encode(const ep_vec& v, bool valid, float& s) {
+  s = ep_wire_encode_scale(v, valid);
   ep_u64 codes = 0ull;
 #pragma unroll
-  for (int k = 0; k < 8; k += 2) codes |= (ep_u64)ep_e4m3x2(EP_WIRE_ELEMENT(k), EP_WIRE_ELEMENT(k + 1)) << (8 * k);
+  for (int k = 0; k < 8; k += 2)
+    codes |= (ep_u64)ep_e4m3x2(ep_wire_quotient(v, k, s), ep_wire_quotient(v, k + 1, s)) << (8 * k);
   return codes;
-#undef EP_WIRE_ELEMENT
 }
 
 typedef ep_u64 ep_wire;
@@ -429,6 +462,20 @@ EP_DEVICE void ep_wire_quantize(const ep_vec& v, int i, bool valid, ep_u8* wire_
   ep_wire_store(wire_row, i, codes);
   if (ep_lane_id() % kLanesPerScale == 0)
     ep_store4(wire_row + kWireScaleOffset + (ep_u64)(i / kLanesPerScale) * 4, ep_float_to_bits(s));
+}
+
+// A rank's own vector v where its row is summed: acc += fl(decode(encode(q)) * s) for its 8
+// elements, the values ep_wire_add adds for ep_wire_encode's codes and scale, bit for bit, without
+// forming the codes (ep_roundtrip_pair). Every lane of the wave calls it (ep_wire_encode_scale).
+EP_DEVICE void ep_wire_add_roundtrip(float* acc, const ep_vec& v, bool valid) {
+  const float s = ep_wire_encode_scale(v, valid);
+#pragma unroll
+  for (int k = 0; k < 8; k += 2) {
+    float lo, hi;
+    ep_roundtrip_pair(ep_wire_quotient(v, k, s), ep_wire_quotient(v, k + 1, s), lo, hi);
+    acc[k] += ep_mul_rn(lo, s);
+    acc[k + 1] += ep_mul_rn(hi, s);
+  }
 }
 
 EP_DEVICE ep_wire ep_wire_zero() { return 0u; }

@@ -145,6 +145,11 @@ EP_DEVICE float ep_bits_to_float(ep_u32 u) { return __builtin_bit_cast(float, u)
 EP_DEVICE ep_u32 ep_float_to_bits(float f) { return __builtin_bit_cast(ep_u32, f); }
 EP_DEVICE int ep_rint(float x) { return (int)__builtin_rintf(x); }  // round to nearest even
 EP_DEVICE float ep_div_rn(float x, float s) { return x / s; }  // clang: correctly rounded, no call
+// Per 16-bit half, the larger unsigned value (one v_pk_max_u16).
+EP_DEVICE ep_u32 ep_max_u16x2(ep_u32 a, ep_u32 b) {
+  typedef unsigned short u16x2 __attribute__((ext_vector_type(2)));
+  return __builtin_bit_cast(ep_u32, __builtin_elementwise_max(__builtin_bit_cast(u16x2, a), __builtin_bit_cast(u16x2, b)));
+}
 EP_DEVICE float ep_mul_rn(float a, float b) {  // rounded: never fused into an FMA
 #pragma clang fp contract(off)
   return a * b;

@@ -120,6 +120,12 @@ EP_DEVICE float ep_bits_to_float(ep_u32 u) { return __uint_as_float(u); }
 EP_DEVICE ep_u32 ep_float_to_bits(float f) { return __float_as_uint(f); }
 EP_DEVICE int ep_rint(float x) { return __float2int_rn(x); }
 EP_DEVICE float ep_mul_rn(float a, float b) { return __fmul_rn(a, b); }  // rounded: never fused into an FMA
+// Per 16-bit half, the larger unsigned value (PTX ISA 8.0, sm_90+: max.u16x2).
+EP_DEVICE ep_u32 ep_max_u16x2(ep_u32 a, ep_u32 b) {
+  ep_u32 r;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
 // x / s rounded to nearest even without div.rn.f32's slow-path call (whose registers spill
 // 1024-thread blocks): the approximate reciprocal refined by one Newton step, the quotient
 // corrected by one FMA residual step. Correctly rounded for normal s and a normal quotient
@@ -345,6 +351,12 @@ EP_DEVICE ep_u32 ep_e4m3x2(float lo, float hi) {
 EP_DEVICE void ep_decode_pair(ep_u32 codes, float& lo, float& hi) {
   ep_e4m3x2_decode_hw(codes, lo, hi);
 }
+// decode(encode(x)) for two floats, without forming codes where none is stored (a rank's own row,
+// where it is summed): through the hardware conversions, cheaper than rounding to the grid in ALU
+// operations (tools/NOTES.md, session 8).
+EP_DEVICE void ep_roundtrip_pair(float lo, float hi, float& rlo, float& rhi) {
+  ep_e4m3x2_decode_hw(ep_e4m3x2_hw(lo, hi), rlo, rhi);
+}
 constexpr int kElementBits = 8;
 constexpr float kElementMax = 448.0f;
 
@@ -354,32 +366,39 @@ EP_DEVICE float ep_bf16_element(const ep_vec& v, int k) {
   return ep_bits_to_float(k % 2 ? w & 0xffff0000u : w << 16);
 }
 
-// The codes of 8 consecutive elements (a lane's vector v of a row) and, in s, their block's
-// scale; every lane of the wave calls it (the scale's amax is a shuffle reduction), lanes past the
-// row end with valid = false. The elements stay packed in v and are unpacked one at a time,
-// keeping registers for 1024 threads.
-EP_DEVICE ep_u64 ep_wire_encode(const ep_vec& v, bool valid, float& s) {
-  float amax = 0.0f;
+// The scale s of the block holding a lane's vector v (8 elements of a row). Every lane of the
+// wave calls it (the amax is a shuffle reduction), lanes past the row end with valid = false.
+EP_DEVICE float ep_wire_encode_scale(const ep_vec& v, bool valid) {
+  // amax as float32 bits: bf16 magnitudes order as unsigned integers, a NaN's above infinity's (so
+  // a NaN propagates, as in the reference); both halves of a word at once.
+  ep_u32 pair = 0u;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    const float ax = valid ? ep_bits_to_float(ep_float_to_bits(ep_bf16_element(v, k)) & 0x7fffffffu) : 0.0f;
-    amax = (ax > amax || ax != ax) ? ax : amax;  // NaN propagates, as in the reference
-  }
+  for (int w = 0; w < 4; ++w) pair = ep_max_u16x2(pair, valid ? ep_vec_word(v, w) & 0x7fff7fffu : 0u);
+  ep_u32 bits = (pair >> 16 > (pair & 0xffffu) ? pair >> 16 : pair & 0xffffu) << 16;
 #pragma unroll
   for (int m = kLanesPerScale / 2; m > 0; m /= 2) {
-    const float other = ep_bits_to_float((ep_u32)ep_shfl((int)ep_float_to_bits(amax), ep_lane_id() ^ m));
-    amax = (other > amax || other != other) ? other : amax;
+    const ep_u32 other = (ep_u32)ep_shfl((int)bits, ep_lane_id() ^ m);
+    bits = other > bits ? other : bits;
   }
+  const float amax = ep_bits_to_float(bits);
   // s = fl(amax / max) as the reference; blocks with amax below 2^-80 (or NaN) take s = 1 and so
   // travel as zeros (or NaN). Above it every quotient that can round to a nonzero code, and its
   // division residual, are normal float32: exact under the runtime's -ftz=true.
-  s = amax >= 0x1p-80f ? ep_div_rn(amax, kElementMax) : 1.0f;
-#define EP_WIRE_ELEMENT(k) ep_div_rn(ep_bf16_element(v, k), s)
+  return amax >= 0x1p-80f ? ep_div_rn(amax, kElementMax) : 1.0f;
+}
+// Element k of v as it is encoded: fl(x / s).
+EP_DEVICE float ep_wire_quotient(const ep_vec& v, int k, float s) { return ep_div_rn(ep_bf16_element(v, k), s); }
+
+// The codes of 8 consecutive elements (a lane's vector v of a row) and, in s, their block's
+// scale; every lane of the wave calls it, lanes past the row end with valid = false. The elements
+// stay packed in v and are unpacked one at a time, keeping registers for 1024 threads.
+EP_DEVICE ep_u64 ep_wire_encode(const ep_vec& v, bool valid, float& s) {
+  s = ep_wire_encode_scale(v, valid);
   ep_u64 codes = 0ull;
 #pragma unroll
-  for (int k = 0; k < 8; k += 2) codes |= (ep_u64)ep_e4m3x2(EP_WIRE_ELEMENT(k), EP_WIRE_ELEMENT(k + 1)) << (8 * k);
+  for (int k = 0; k < 8; k += 2)
+    codes |= (ep_u64)ep_e4m3x2(ep_wire_quotient(v, k, s), ep_wire_quotient(v, k + 1, s)) << (8 * k);
   return codes;
-#undef EP_WIRE_ELEMENT
 }
 
 typedef ep_u64 ep_wire;
@@ -395,6 +414,20 @@ EP_DEVICE void ep_wire_quantize(const ep_vec& v, int i, bool valid, ep_u8* wire_
   ep_wire_store(wire_row, i, codes);
   if (ep_lane_id() % kLanesPerScale == 0)
     ep_store4(wire_row + kWireScaleOffset + (ep_u64)(i / kLanesPerScale) * 4, ep_float_to_bits(s));
+}
+
+// A rank's own vector v where its row is summed: acc += fl(decode(encode(q)) * s) for its 8
+// elements, the values ep_wire_add adds for ep_wire_encode's codes and scale, bit for bit, without
+// forming the codes (ep_roundtrip_pair). Every lane of the wave calls it (ep_wire_encode_scale).
+EP_DEVICE void ep_wire_add_roundtrip(float* acc, const ep_vec& v, bool valid) {
+  const float s = ep_wire_encode_scale(v, valid);
+#pragma unroll
+  for (int k = 0; k < 8; k += 2) {
+    float lo, hi;
+    ep_roundtrip_pair(ep_wire_quotient(v, k, s), ep_wire_quotient(v, k + 1, s), lo, hi);
+    acc[k] += ep_mul_rn(lo, s);
+    acc[k + 1] += ep_mul_rn(hi, s);
+  }
 }
 
 EP_DEVICE ep_wire ep_wire_zero() { return 0u; }

@@ -120,6 +120,12 @@ EP_DEVICE float ep_bits_to_float(ep_u32 u) { return __uint_as_float(u); }
 EP_DEVICE ep_u32 ep_float_to_bits(float f) { return __float_as_uint(f); }
 EP_DEVICE int ep_rint(float x) { return __float2int_rn(x); }
 EP_DEVICE float ep_mul_rn(float a, float b) { return __fmul_rn(a, b); }  // rounded: never fused into an FMA
+// Per 16-bit half, the larger unsigned value (PTX ISA 8.0, sm_90+: max.u16x2).
+EP_DEVICE ep_u32 ep_max_u16x2(ep_u32 a, ep_u32 b) {
+  ep_u32 r;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
 // x / s rounded to nearest even without div.rn.f32's slow-path call (whose registers spill
 // 1024-thread blocks): the approximate reciprocal refined by one Newton step, the quotient
 // corrected by one FMA residual step. Correctly rounded for normal s and a normal quotient
@@ -341,6 +347,12 @@ EP_DEVICE ep_u32 ep_e4m3x2(float lo, float hi) {
 EP_DEVICE void ep_decode_pair(ep_u32 codes, float& lo, float& hi) {
   ep_e4m3x2_decode_hw(codes, lo, hi);
 }
+// decode(encode(x)) for two floats, without forming codes where none is stored (a rank's own row,
+// where it is summed): through the hardware conversions, cheaper than rounding to the grid in ALU
+// operations (tools/NOTES.md, session 8).
+EP_DEVICE void ep_roundtrip_pair(float lo, float hi, float& rlo, float& rhi) {
+  ep_e4m3x2_decode_hw(ep_e4m3x2_hw(lo, hi), rlo, rhi);
+}
 constexpr int kElementBits = 8;
 constexpr float kElementMax = 448.0f;
 
@@ -350,7 +362,11 @@ EP_DEVICE float ep_bf16_element(const ep_vec& v, int k) {
   return ep_bits_to_float(k % 2 ? w & 0xffff0000u : w << 16);
 }
 
-// The codes of 8 consecutive elements (a lane's vector v of a row); s = 1 (no scales).
+// No scales: s = 1, and element k is encoded as it is.
+EP_DEVICE float ep_wire_encode_scale(const ep_vec& v, bool valid) { return 1.0f; }
+EP_DEVICE float ep_wire_quotient(const ep_vec& v, int k, float s) { return ep_bf16_element(v, k); }
+
+// The codes of 8 consecutive elements (a lane's vector v of a row); s = 1.
 EP_DEVICE ep_u64 ep_wire_encode(const ep_vec& v, bool valid, float& s) {
   s = 1.0f;
   ep_u64 codes = 0ull;
@@ -370,6 +386,20 @@ EP_DEVICE void ep_wire_quantize(const ep_vec& v, int i, bool valid, ep_u8* wire_
   const ep_wire codes = ep_wire_encode(v, valid, s);
   if (!valid) return;
   ep_wire_store(wire_row, i, codes);
+}
+
+// A rank's own vector v where its row is summed: acc += fl(decode(encode(q)) * s) for its 8
+// elements, the values ep_wire_add adds for ep_wire_encode's codes and scale, bit for bit, without
+// forming the codes (ep_roundtrip_pair). Every lane of the wave calls it (ep_wire_encode_scale).
+EP_DEVICE void ep_wire_add_roundtrip(float* acc, const ep_vec& v, bool valid) {
+  const float s = ep_wire_encode_scale(v, valid);
+#pragma unroll
+  for (int k = 0; k < 8; k += 2) {
+    float lo, hi;
+    ep_roundtrip_pair(ep_wire_quotient(v, k, s), ep_wire_quotient(v, k + 1, s), lo, hi);
+    acc[k] += ep_mul_rn(lo, s);
+    acc[k + 1] += ep_mul_rn(hi, s);
+  }
 }
 
 EP_DEVICE ep_wire ep_wire_zero() { return 0u; }

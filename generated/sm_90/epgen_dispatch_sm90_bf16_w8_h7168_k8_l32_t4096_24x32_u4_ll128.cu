@@ -120,6 +120,12 @@ EP_DEVICE float ep_bits_to_float(ep_u32 u) { return __uint_as_float(u); }
 EP_DEVICE ep_u32 ep_float_to_bits(float f) { return __float_as_uint(f); }
 EP_DEVICE int ep_rint(float x) { return __float2int_rn(x); }
 EP_DEVICE float ep_mul_rn(float a, float b) { return __fmul_rn(a, b); }  // rounded: never fused into an FMA
+// Per 16-bit half, the larger unsigned value (PTX ISA 8.0, sm_90+: max.u16x2).
+EP_DEVICE ep_u32 ep_max_u16x2(ep_u32 a, ep_u32 b) {
+  ep_u32 r;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
 // x / s rounded to nearest even without div.rn.f32's slow-path call (whose registers spill
 // 1024-thread blocks): the approximate reciprocal refined by one Newton step, the quotient
 // corrected by one FMA residual step. Correctly rounded for normal s and a normal quotient

@@ -66,25 +66,33 @@ def test_printed_numbers_are_the_tables(arch, mode):
         assert [int(g) for g in scales.groups()] == [q.scale_count(s.hidden), q.scale_offset(s.hidden), q.block]
         header = _one(r"s = fl\(block amax / ([0-9.]+)\), 1 when amax < 2\^(-?\d+);", text)
         assert float(header.group(1)) == e.max and int(header.group(2)) == COMBINE_FLUSH_LOG2
-        flush = _one(r"^  s = amax >= (0x1p-?\d+)f \? ep_div_rn\(amax, kElementMax\) : 1\.0f;", text)
+        flush = _one(r"^  return amax >= (0x1p-?\d+)f \? ep_div_rn\(amax, kElementMax\) : 1\.0f;", text)
         assert float.fromhex(flush.group(1)) == 2.0**COMBINE_FLUSH_LOG2
     else:
         assert "kLanesPerScale" not in text and "a saturating cast, no scales" in text
-    encodes = re.findall(r"ep_encode_minifloat<(-?\w+), (-?\w+), (\w+), (\w+), (\w+)>\(", text)
     decodes = re.findall(r"ep_decode_minifloat<(\w+), (\w+), (\w+)>\(", text)
-    if q.element == "fp4":  # its own codec: midpoint counting and float bits, no conversion
-        assert not encodes and not decodes and "template <int kM" not in text
-        counted = re.findall(r"\(a (>=?) ([0-9.]+)f \? 1u : 0u\)", text)
-        assert [float(p) for _, p in counted] == list(e.midpoints)
-        assert [op for op, _ in counted] == [">" if k % 2 == 0 else ">=" for k in range(e.max_code)]
-        assert "ep_e2m1_value(codes & 15u)" in text
-    elif not traits(arch).hw_fp8_convert:
-        assert encodes and decodes
-        assert {tuple(map(_int, a)) for a in encodes} == {(e.mbits, e.emin, e.max_code, e.nan_code, e.sign_shift)}
-        assert {tuple(map(_int, a)) for a in decodes} == {(e.mbits, e.ebits, e.bias)}
-    else:
-        assert not encodes and not decodes and "template <int kM" not in text
+    if traits(arch).hw_fp8_convert and q.element == "fp8":
+        assert "ep_grid_code" not in text and not decodes and "template <int kM" not in text
         assert "ep_e4m3x2_hw(lo, hi)" in text and "ep_e4m3x2_decode_hw(codes, lo, hi)" in text
+        assert "ep_e4m3x2_decode_hw(ep_e4m3x2_hw(lo, hi), rlo, rhi)" in text  # own rows through the conversions
+        return
+    # the software codec: rounding to the grid by adding k (_codec.j2), the format's numbers printed
+    t = _one(r"t = binade > (0x[0-9a-f]+)u \? binade : \1u;\n  return a \+ ep_bits_to_float\(t \+ (0x[0-9a-f]+)u\);", text)
+    assert [int(g, 16) for g in t.groups()] == [(127 + e.emin) << 23, (23 - e.mbits) << 23]
+    code = _one(r"return \(a > ([0-9.]+)f \? (0x[0-9a-f]+)u : a == a \? code : (0x[0-9a-f]+)u\) \| \(\(u >> 31\) << (\d+)\);", text)
+    assert (float(code.group(1)), int(code.group(2), 16), int(code.group(3), 16), int(code.group(4))) == (
+        e.max, e.max_code, e.nan_code, e.sign_shift)
+    assert _one(r"const ep_u32 code = steps \+ \(\(t - (0x[0-9a-f]+)u\) >> (\d+)\);", text).groups() == (
+        "%#x" % ((127 + e.emin) << 23), str(23 - e.mbits))
+    value = _one(r"const float m = a > ([0-9.]+)f \? \1f : (.*);", text)
+    assert float(value.group(1)) == e.max and value.group(2) == ("r" if e.has_nan else "(a == a ? r : 0.0f)")
+    assert "rlo = ep_grid_round(lo);" in text
+    if q.element == "fp4":  # integer decoder, no conversion
+        assert not decodes and "template <int kM" not in text and "ep_e2m1_value(codes & 15u)" in text
+        assert "ep_e2m1(float x) { return ep_grid_code(x); }" in text
+    else:
+        assert {tuple(map(_int, a)) for a in decodes} == {(e.mbits, e.ebits, e.bias)}
+        assert "return ep_grid_code(lo) | (ep_grid_code(hi) << 8);" in text
 
 
 def test_both_codec_paths_are_rendered():

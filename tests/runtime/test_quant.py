@@ -774,24 +774,65 @@ def test_quantizers_take_a_partial_last_block(hidden):
         assert dequantize(codes, scales).shape == (5, hidden)
 
 
-def test_the_kernels_fp4_codec_counts_midpoints_and_builds_float_bits():
-    """The formulas of the kernels' fp4 codec (templates/common/wire/_codec.j2), from
-    ``MiniFloat.midpoints`` and the format's numbers, equal the reference codec: the encoder on every
-    float32 next to each midpoint and grid value, both signs, zeros, infinities and a spread of
-    others; the integer-only decoder on all 16 codes."""
+def _kernel_grid(q: torch.Tensor, element: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The software codec's rounding (templates/common/wire/_codec.j2) in float32 as the kernels
+    compute it: (ep_grid_code(q) as int32, ep_grid_round(q))."""
+    fmt = MINIFLOATS[element]
+    u = q.view(torch.int32)
+    a = (u & 0x7FFFFFFF).view(torch.float32)
+    emin_bits, step_bits = (127 + fmt.emin) << 23, (23 - fmt.mbits) << 23
+    t = torch.maximum(u & 0x7F800000, torch.tensor(emin_bits, dtype=torch.int32))
+    k = (t + step_bits).view(torch.float32)  # int32 wraps where the C++ u32 does: the same bits
+    total = a + k
+    sign = (u >> 31) & 1
+    code = total.view(torch.int32) - (t + step_bits) + ((t - emin_bits) >> (23 - fmt.mbits))
+    code = torch.where(a > fmt.max, fmt.max_code, torch.where(a == a, code, fmt.nan_code)) | (sign << fmt.sign_shift)
+    r = total - k
+    m = torch.where(a > fmt.max, torch.tensor(fmt.max), r if fmt.has_nan else torch.where(a == a, r, 0.0))
+    value = (m.view(torch.int32) | (u & torch.tensor(-0x80000000, dtype=torch.int32))).view(torch.float32)
+    return code, value
+
+
+def _grid_probes(element: str) -> torch.Tensor:
+    """Every float32 within 2 ulps of each value, midpoint between values and binade boundary of the
+    format (both signs), float32 subnormals, zeros, values past the saturation, infinity, float32
+    binades whose k's bits overflow, and a spread over twice the format's range."""
+    fmt = MINIFLOATS[element]
+    decode = fp8_e4m3_decode if element == "fp8" else fp4_e2m1_decode
+    grid = decode(torch.arange(fmt.max_code + 1, dtype=U8)).double()
+    mids = ((grid[1:] + grid[:-1]) / 2).float()
+    probes = torch.cat([grid.float(), mids, torch.tensor([2.0**e for e in range(-140, 128)] + [1e-40, 3e38])])
+    b = probes.view(torch.int32)
+    near = torch.cat([b + d for d in (-2, -1, 0, 1, 2)] + [torch.tensor([0, 1, 0x7F800000], dtype=torch.int32)])
+    near = near[(near >= 0) & (near <= 0x7F800000)].view(torch.float32)
+    return torch.cat([near, -near, torch.linspace(-2 * fmt.max, 2 * fmt.max, 200001, dtype=torch.float32)])
+
+
+@pytest.mark.parametrize("element", ["fp8", "fp4"])
+def test_the_kernels_software_codec_equals_the_reference(element):
+    """The software codec's encoder (fp4 on every arch, fp8 where the arch has no conversion
+    instructions) and its grid rounding (the value a rank's own row adds where it is summed), in
+    float32 as the kernels compute them, equal the reference bit for bit on every probe of
+    ``_grid_probes``: ep_grid_code = encode, ep_grid_round = decode(encode); NaN gives the NaN code
+    (fp8) or 0 (fp4, which has none: the reference refuses NaN) and a NaN or +-0 value."""
+    fmt = MINIFLOATS[element]
+    encode, decode = (fp8_e4m3_encode, fp8_e4m3_decode) if element == "fp8" else (fp4_e2m1_encode, fp4_e2m1_decode)
+    q = _grid_probes(element)
+    code, value = _kernel_grid(q, element)
+    assert torch.equal(code.to(U8), encode(q))
+    assert torch.equal(value.view(torch.int32), decode(encode(q)).view(torch.int32))
+    nan = torch.tensor([float("nan"), -float("nan")], dtype=torch.float32)
+    code, value = _kernel_grid(nan, element)
+    if fmt.has_nan:
+        assert code.tolist() == [fmt.nan_code, fmt.nan_code | 1 << fmt.sign_shift] and torch.isnan(value).all()
+    else:
+        assert code.tolist() == [0, 1 << fmt.sign_shift] and (value == 0).all()
+
+
+def test_the_kernels_fp4_decoder_builds_float_bits():
+    """The kernels' integer-only fp4 decoder (templates/common/wire/_codec.j2) equals the reference
+    on all 16 codes."""
     fmt = MINIFLOATS["fp4"]
-    grid = [fmt.magnitude(k) for k in range(fmt.max_code + 1)]
-    assert grid == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0] and fmt.midpoints == (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-    probes = torch.tensor(list(fmt.midpoints) + grid[1:] + [7.0, 1e30, 1e-40], dtype=torch.float32)
-    bits = probes.view(torch.int32)
-    near = torch.cat([bits + d for d in (-2, -1, 0, 1, 2)] + [torch.tensor([0, 0x7F800000], dtype=torch.int32)])
-    near = near.view(torch.float32)  # each probe's neighbours, zero and infinity
-    spread = torch.linspace(-8, 8, 100001, dtype=torch.float32)
-    x = torch.cat([near, -near, spread])
-    a = x.abs()
-    mag = sum(((a > p) if k % 2 == 0 else (a >= p)).to(torch.int32) for k, p in enumerate(fmt.midpoints))
-    code = mag | ((x.view(torch.int32) < 0).to(torch.int32) << fmt.sign_shift)
-    assert torch.equal(code.to(torch.uint8), fp4_e2m1_encode(x))  # subnormals: zero magnitude, with or without -ftz
     c = torch.arange(16, dtype=torch.int32)
     m = c & fmt.max_code
     normal = (m << (23 - fmt.mbits)) + ((127 - fmt.bias) << 23)

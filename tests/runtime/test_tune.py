@@ -247,7 +247,8 @@ def test_tune_with_a_quantized_wire_writes_that_wires_combine_entry_alone(table_
     """--quant: candidates of 512 threads (the quantized combine's most), the combine entry keyed by
     the wire, the dispatch entry left alone; EpConfig of that wire then takes it."""
     monkeypatch.setattr(tune, "environment", _env)
-    assert {g.warps_per_block * 32 for g in tune.default_candidates("sm_90", "fp4_blockwise")} == {512}
+    candidates = tune.default_candidates("sm_90", "fp4_blockwise")
+    assert {g.warps_per_block * 32 for g in candidates} == {512} and {g.unroll for g in candidates} == {4, 2}
     q16, q64 = Geometry(16, 16, 4), Geometry(64, 16, 4)
     opts = TuneOptions(tokens=(4096,), family="normal", combine_quant="fp4_blockwise", geometries=(q16, q64))
     assert plan(opts, "sm_90", 2)[0].geometries == (q16, q64)
