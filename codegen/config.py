@@ -12,16 +12,9 @@ from epgen.codegen.errors import FieldError
 from epgen.codegen.models import model as _model
 from epgen.codegen.abi import LL_FLAG_SLOTS
 from epgen.codegen.spec import (EXPERT_ALIGNMENTS, EXPERT_OPS, LL_MAX_TOKENS, LOW_LATENCY_OPS, PLAN_BLOCKS,
-                                PLAN_SHARED_LIMIT, TRANSPORT_OPS, KernelSpec, Op)
+                                PLAN_SHARED_LIMIT, QUANTIZED_COMBINE_THREADS, TRANSPORT_OPS, KernelSpec, Op)
 from epgen.codegen.tuning import (Geometry, TuningKey, bucket_transports, buckets, has_entry, local_geometry,
                                   lookup, low_latency_default, transport)
-
-QUANTIZED_COMBINE_THREADS = 512
-"""Most threads a block of the normal family's combine with a quantized wire runs: it encodes a
-rank's own rows where it sums them, which needs 105-111 registers a thread on sm_90 and up to 194
-VGPRs on gfx950 at unroll 4 (NVRTC 13.0, clang 22: deepseek-v3). 512 threads leave 128 on sm_90
-and 256 on gfx950 and gfx1250; 1024 leave 64 / 128, where NVRTC spilled 240-384 bytes and clang
-20-104."""
 
 LOCAL_OPS = EXPERT_OPS + (Op.COMBINE_QUANTIZE,)
 """Kernels local to a rank whose geometry is the tuning table's entry, else ``local_geometry``."""
@@ -394,10 +387,12 @@ class EpConfig:
         if op is not Op.COMBINE or not combine_quant(self.combine_quant).quantized or g.warps_per_block <= fit:
             return g
         if explicit:
-            raise FieldError("combine_geometry", f"EpConfig.combine_geometry={g}: a combine with a quantized wire "
+            limits = ", ".join(f"{QUANTIZED_COMBINE_THREADS // t.wave_size} on {a}" for a, t in ARCH_TRAITS.items())
+            wave = ARCH_TRAITS[arch].wave_size
+            raise FieldError("combine_geometry", f"EpConfig.combine_geometry={g}: {g.warps_per_block} warps of {wave} "
+                             f"lanes are {g.warps_per_block * wave} threads on {arch}; a combine with a quantized wire "
                              f"({self.combine_quant}) runs at most {QUANTIZED_COMBINE_THREADS} threads a block (it "
-                             f"encodes the rank's own rows where it sums them, in registers); on {arch} at most "
-                             f"{fit} warps")
+                             f"encodes the rank's own rows where it sums them, in registers): warps at most {limits}")
         return attrs.evolve(g, warps_per_block=fit)
 
     def spec(self, arch: str, op: Op, geometry: Geometry, transport: str = "push") -> KernelSpec:

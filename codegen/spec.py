@@ -133,6 +133,12 @@ PLAN_BLOCKS = 256
 """Most blocks of the expand plan and expand kernels (they split the received rows alike); sizes
 the arena's ``expert_block_base``."""
 
+QUANTIZED_COMBINE_THREADS = 512
+"""Most threads a block of the normal family's combine with a quantized wire runs: it adds a rank's
+own rows as their wire rows decode, in registers, which takes 102-107 registers a thread on sm_90
+and 111-126 on gfx950 and gfx1250 at unroll 4 (NVRTC 13.0, clang 22: deepseek-v3). 512 threads
+leave 128 on sm_90 and 256 on gfx950 and gfx1250; 1024 would leave 64 / 128."""
+
 PLAN_SHARED_LIMIT = 48 * 1024
 """Static shared memory the expand plan may use: the 48 KiB every target gives a block without
 opting in (sm_90 needs ``cudaFuncSetAttribute`` beyond it)."""
@@ -411,6 +417,11 @@ class KernelSpec:
             raise FieldError(
                 "warps_per_block", f"KernelSpec.warps_per_block={self.warps_per_block}: {self.threads} threads exceed the "
                 f"{self.arch} limit of {t.max_threads_per_block} per block"
+            )
+        if self.op is Op.COMBINE and self.quant.quantized and self.threads > QUANTIZED_COMBINE_THREADS:
+            raise FieldError(
+                "warps_per_block", f"KernelSpec.warps_per_block={self.warps_per_block}: {self.threads} threads; a combine "
+                f"with a quantized wire ({self.combine_quant}) runs at most {QUANTIZED_COMBINE_THREADS} threads a block"
             )
         if not self.op.payload and self.dtype != "bf16":
             raise FieldError("dtype", f"KernelSpec.dtype={self.dtype!r}: {self.op.value} takes bf16 expert outputs")

@@ -36,7 +36,8 @@ from epgen.codegen.abi import LL_FLAG_SLOTS
 from epgen.codegen.arch import traits
 from epgen.codegen.tuning import DEFAULT_UNROLL, Geometry, default_geometry, pick_fewest_blocks, write_entry
 from epgen.device import device_arch
-from epgen.codegen.config import QUANTIZED_COMBINE_THREADS, EpConfig
+from epgen.codegen.config import EpConfig
+from epgen.codegen.spec import QUANTIZED_COMBINE_THREADS
 from epgen.codegen.spec import Op
 from epgen.options import TuneOptions, tune_counts
 

@@ -30,6 +30,9 @@ def _check_combine(mode: str, y) -> torch.Tensor:
     y = check_2d("y", y, BLOCK_DTYPES)
     if y.shape[1] == 0:
         raise ValueError(f"y: shape {tuple(y.shape)}: hidden size H must be positive")
+    if quant.element == "fp4" and y.shape[1] % 2:
+        raise ValueError(f"y: shape {tuple(y.shape)}: hidden size H={y.shape[1]} must be even for mode {mode!r} "
+                         "(two fp4 codes a byte)")
     if quant.block:
         y32 = y.to(torch.float32)
         bad = ~torch.isfinite(y32)

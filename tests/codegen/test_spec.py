@@ -778,13 +778,21 @@ def test_a_quantized_combine_runs_at_most_512_threads_a_block():
                                                            table[arch].unroll)
         assert all(s.threads <= 512 for _, s in c.variants(arch, Op.COMBINE))
     assert bf16.geometry("sm_90", Op.COMBINE, 4096) == table["sm_90"]  # the bf16 wire keeps 32 warps
-    with pytest.raises(ValueError, match=r"^EpConfig.combine_geometry=16x32u4: a combine with a quantized wire "
-                                         r"\(fp8_blockwise\) runs at most 512 threads a block .* at most \d+ warps"):
+    with pytest.raises(ValueError, match=r"^EpConfig.combine_geometry=16x32u4: .* a combine with a quantized wire "
+                                         r"\(fp8_blockwise\) runs at most 512 threads a block .*: warps at most 8 on "
+                                         r"gfx950, 16 on gfx1250, 16 on sm_90$"):
         attrs.evolve(c, combine_geometry=Geometry(blocks=16, warps_per_block=32, unroll=4))  # on no arch
     fits = attrs.evolve(c, combine_geometry=Geometry(blocks=16, warps_per_block=16, unroll=4))  # sm_90, gfx1250
-    with pytest.raises(ValueError, match=r"^EpConfig.combine_geometry=16x16u4: .* on gfx950 at most 8 warps"):
+    with pytest.raises(ValueError, match=r"^EpConfig.combine_geometry=16x16u4: 16 warps of 64 lanes are 1024 threads "
+                                         r"on gfx950; .* warps at most 8 on gfx950"):
         fits.variants("gfx950", Op.COMBINE)
     assert fits.variants("sm_90", Op.COMBINE)[0][1].warps_per_block == 16
+    # the kernel's own rule: a spec built by hand (epgen diff --a/--b) cannot hold more either
+    with pytest.raises(ValueError, match=r"^KernelSpec.warps_per_block=32: 1024 threads; a combine with a quantized "
+                                         r"wire \(fp8_blockwise\) runs at most 512 threads a block$"):
+        spec(op="combine", arch="sm_90", warps_per_block=32, combine_quant="fp8_blockwise")
+    assert spec(op="combine", arch="sm_90", warps_per_block=16, combine_quant="fp8_blockwise").threads == 512
+    assert spec(op="combine", arch="sm_90", warps_per_block=32).threads == 1024  # the bf16 wire: any block
 
 
 @pytest.mark.parametrize("value", ["fast", "", "Normal", None, 1, ("auto",)])

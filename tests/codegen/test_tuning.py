@@ -10,7 +10,8 @@ from epgen.codegen import tuning
 from epgen.codegen.arch import ARCHES
 from epgen.codegen.spec import KernelSpec, Op
 from epgen.codegen.tuning import Geometry, TuningKey, default_geometry, lookup, pick_fewest_blocks
-from epgen.codegen.config import QUANTIZED_COMBINE_THREADS, EpConfig
+from epgen.codegen.config import EpConfig
+from epgen.codegen.spec import QUANTIZED_COMBINE_THREADS
 from epgen.codegen.dtypes import COMBINE_QUANTS
 
 KEY = TuningKey(arch="sm_90", world_size=2, row_bytes=14336, topk=8, dtype="bf16", op="dispatch")

@@ -145,6 +145,16 @@ def test_diff_bad_field_names_the_rule():
     assert r.returncode == 2 and "KernelSpec.unroll=0" in r.stderr
 
 
+def test_diff_across_combine_wires_keeps_the_quantized_combines_rule():
+    shape = ("--model", "deepseek-v3", "--world-size", "2", "--kernel-family", "normal", "--arch", "sm_90")
+    r = run("diff", *shape, "--a", "combine_quant=none", "--b", "combine_quant=fp8_blockwise")
+    assert r.returncode == 2 and "KernelSpec.warps_per_block=32: 1024 threads; a combine with a quantized wire" in r.stderr
+    r = run("diff", *shape, "--a", "combine_quant=none", "warps_per_block=16", "--b", "combine_quant=fp8_blockwise",
+            "warps_per_block=16")
+    assert r.returncode == 1 and "+++ epgen_combine_sm90_bf16_w2_h7168_k8_l128_t4096_16x16_u4_qfp8b" in r.stdout
+    assert "+EP_DEVICE void ep_wire_add_roundtrip(" in r.stdout
+
+
 def test_diff_committed_catalogue_is_clean():
     r = run("diff")
     assert r.returncode == 0, r.stdout[-2000:]

@@ -737,7 +737,7 @@ def test_combine_roundtrip_partial_block_is_its_own_block():
 
 
 def test_combine_wire_rejects_bad_arguments():
-    from epgen.quant import combine_error_bound, combine_roundtrip
+    from epgen.quant import combine_error_bound, combine_roundtrip, combine_wire_rows
 
     with pytest.raises(ValueError, match=r"combine_quant='fp4_mx': must be one of none, fp8_direct_cast"):
         combine_roundtrip("fp4_mx", torch.zeros(2, 32))
@@ -749,6 +749,9 @@ def test_combine_wire_rejects_bad_arguments():
         combine_error_bound("fp4_blockwise", torch.tensor([[1.0, 2.0, 3.0, float("nan")]]))
     with pytest.raises(ValueError, match=r"hidden size H must be positive"):
         combine_roundtrip("none", torch.zeros(4, 0))
+    for fn in (combine_roundtrip, combine_wire_rows, combine_error_bound):
+        with pytest.raises(ValueError, match=r"^y: shape \(3, 7\): hidden size H=7 must be even for mode 'fp4_blockwise'"):
+            fn("fp4_blockwise", torch.zeros(3, 7))
     y = torch.ones(2, 8)
     assert combine_roundtrip("none", y).data_ptr() != y.data_ptr()  # a copy, never the input
 
