@@ -392,7 +392,7 @@ class EpConfig:
             raise FieldError("combine_geometry", f"EpConfig.combine_geometry={g}: {g.warps_per_block} warps of {wave} "
                              f"lanes are {g.warps_per_block * wave} threads on {arch}; a combine with a quantized wire "
                              f"({self.combine_quant}) runs at most {QUANTIZED_COMBINE_THREADS} threads a block (it "
-                             f"encodes the rank's own rows where it sums them, in registers): warps at most {limits}")
+                             f"adds the rank's own rows as they decode, in registers): warps at most {limits}")
         return attrs.evolve(g, warps_per_block=fit)
 
     def spec(self, arch: str, op: Op, geometry: Geometry, transport: str = "push") -> KernelSpec:
