@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import attrs
 
 
@@ -108,6 +110,32 @@ class MiniFloat:
     def sign_shift(self) -> int:
         """Position of the sign bit in a code."""
         return self.ebits + self.mbits
+
+    def magnitude(self, code: int) -> float:
+        """The value of magnitude code ``code`` (sign bit clear; the NaN code is not one)."""
+        e, m = code >> self.mbits, code & ((1 << self.mbits) - 1)
+        if e == 0:
+            return 2.0 ** (1 - self.bias) * m / 2**self.mbits
+        return 2.0 ** (e - self.bias) * (1 + m / 2**self.mbits)
+
+    @property
+    def f16_high_bytes(self) -> tuple[int, ...]:
+        """The high byte of each magnitude's IEEE binary16 bits, codes 0..max_code, for a format
+        whose magnitudes are all exact binary16 numbers with a zero low byte (fp4 e2m1: 0x00, 0x38,
+        0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46): a byte permutation then decodes codes into f16 pairs.
+
+        Raises:
+            ValueError: a magnitude is not exact in binary16 or has low bits.
+        """
+        out = []
+        for code in range(self.max_code + 1):
+            value = self.magnitude(code)
+            (bits,) = struct.unpack("<H", struct.pack("<e", value))
+            if struct.unpack("<e", struct.pack("<H", bits))[0] != value or bits & 0xFF:
+                raise ValueError(f"{self.name}: magnitude {value} of code {code} is not a binary16 number with a "
+                                 "zero low byte")
+            out.append(bits >> 8)
+        return tuple(out)
 
 
 MINIFLOATS: dict[str, MiniFloat] = {

@@ -147,6 +147,18 @@ EP_DEVICE float ep_bits_to_float(ep_u32 u) { return __builtin_bit_cast(float, u)
 EP_DEVICE ep_u32 ep_float_to_bits(float f) { return __builtin_bit_cast(ep_u32, f); }
 EP_DEVICE int ep_rint(float x) { return (int)__builtin_rintf(x); }  // round to nearest even
 EP_DEVICE float ep_div_rn(float x, float s) { return x / s; }  // clang: correctly rounded, no call
+// An f16 pair (lo in bits 0-15) -> floats, exact.
+EP_DEVICE void ep_f16x2_to_f32(ep_u32 h, float& lo, float& hi) {
+  lo = (float)__builtin_bit_cast(_Float16, (unsigned short)(h & 0xffffu));
+  hi = (float)__builtin_bit_cast(_Float16, (unsigned short)(h >> 16));
+}
+// Byte n of the result = byte (bits 4n..4n+2 of sel) of the 8 bytes {hi, lo}, lo's first, as
+// NVIDIA's PRMT: v_perm_b32 takes one selector byte a result byte (0-3: its second source's bytes,
+// 4-7: its first's; AMD Instinct MI300 ISA, V_PERM_B32), so the nibbles spread to bytes first.
+EP_DEVICE ep_u32 ep_byte_perm(ep_u32 lo, ep_u32 hi, ep_u32 sel) {
+  const ep_u32 n = sel & 0x7777u;
+  return __builtin_amdgcn_perm(hi, lo, (n & 0xfu) | ((n & 0xf0u) << 4) | ((n & 0xf00u) << 8) | ((n & 0xf000u) << 12));
+}
 // Per 16-bit half, the larger unsigned value (one v_pk_max_u16).
 EP_DEVICE ep_u32 ep_max_u16x2(ep_u32 a, ep_u32 b) {
   typedef unsigned short u16x2 __attribute__((ext_vector_type(2)));
@@ -384,18 +396,16 @@ EP_DEVICE float ep_grid_round(float q) {
 }
 // fp4 e2m1 (OCP MX): bias 1, magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}, no NaN; decode is exact.
 EP_DEVICE ep_u32 ep_e2m1(float x) { return ep_grid_code(x); }
-// Code -> float, exact, with integer operations: a normal code (exponent field >= 1) is
-// 2^(e - bias) (1 + m / 2), whose float32 bits are the magnitude code shifted to the mantissa's
-// top bit plus (127 - bias) << 23; the one subnormal code is 2^(1 - bias) / 2.
-EP_DEVICE float ep_e2m1_value(ep_u32 c) {
-  const ep_u32 mag = c & 7u;
-  const ep_u32 bits = mag >= 2u ? (mag << 22) + (126u << 23) : mag * 0x3f000000u;
-  return ep_bits_to_float(bits | ((c >> 3) << 31));
-}
-// Two codes (the first in bits 0-3) -> floats, exact.
+// Two codes (the first in bits 0-3) -> floats, exact. The binary16 bits of the magnitudes
+// {0, 0.5, 1, 1.5, 2, 3, 4, 6} are their high bytes alone (0x00, 0x38, 0x3c, 0x3e, 0x40, 0x42, 0x44, 0x46): one byte
+// permutation picks both codes' from that table into the high bytes of an f16 pair (selector
+// nibbles 1 and 3; nibbles 0 and 2 pick code 0's byte, 0x00), the signs go to bits 15 and 31, and
+// the pair widens to float32. Each multiplication places both codes' bits at once (its terms do not
+// overlap but in bits 8-11, where c0 + c1 < 16: no carry).
 EP_DEVICE void ep_decode_pair(ep_u32 codes, float& lo, float& hi) {
-  lo = ep_e2m1_value(codes & 15u);
-  hi = ep_e2m1_value(codes >> 4);
+  const ep_u32 sel = ((codes & 0x77u) * 0x110u) & 0xf0f0u;
+  const ep_u32 sign = ((codes & 0x88u) * 0x1001000u) & 0x80008000u;
+  ep_f16x2_to_f32(ep_byte_perm(0x3e3c3800u, 0x46444240u, sel) | sign, lo, hi);
 }
 // decode(encode(x)) for two floats, without forming codes where none is stored (a rank's own row,
 // where it is summed): ep_grid_round.

@@ -147,6 +147,18 @@ EP_DEVICE float ep_bits_to_float(ep_u32 u) { return __builtin_bit_cast(float, u)
 EP_DEVICE ep_u32 ep_float_to_bits(float f) { return __builtin_bit_cast(ep_u32, f); }
 EP_DEVICE int ep_rint(float x) { return (int)__builtin_rintf(x); }  // round to nearest even
 EP_DEVICE float ep_div_rn(float x, float s) { return x / s; }  // clang: correctly rounded, no call
+// An f16 pair (lo in bits 0-15) -> floats, exact.
+EP_DEVICE void ep_f16x2_to_f32(ep_u32 h, float& lo, float& hi) {
+  lo = (float)__builtin_bit_cast(_Float16, (unsigned short)(h & 0xffffu));
+  hi = (float)__builtin_bit_cast(_Float16, (unsigned short)(h >> 16));
+}
+// Byte n of the result = byte (bits 4n..4n+2 of sel) of the 8 bytes {hi, lo}, lo's first, as
+// NVIDIA's PRMT: v_perm_b32 takes one selector byte a result byte (0-3: its second source's bytes,
+// 4-7: its first's; AMD Instinct MI300 ISA, V_PERM_B32), so the nibbles spread to bytes first.
+EP_DEVICE ep_u32 ep_byte_perm(ep_u32 lo, ep_u32 hi, ep_u32 sel) {
+  const ep_u32 n = sel & 0x7777u;
+  return __builtin_amdgcn_perm(hi, lo, (n & 0xfu) | ((n & 0xf0u) << 4) | ((n & 0xf00u) << 8) | ((n & 0xf000u) << 12));
+}
 // Per 16-bit half, the larger unsigned value (one v_pk_max_u16).
 EP_DEVICE ep_u32 ep_max_u16x2(ep_u32 a, ep_u32 b) {
   typedef unsigned short u16x2 __attribute__((ext_vector_type(2)));

@@ -144,13 +144,20 @@ EP_DEVICE ep_u32 ep_e4m3x2_hw(float lo, float hi) {
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
   return r;
 }
+// An f16 pair (lo in bits 0-15) -> floats, exact (-ftz=true flushes float32 subnormals only).
+EP_DEVICE void ep_f16x2_to_f32(ep_u32 h, float& lo, float& hi) {
+  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(h & 0xffffu)));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(h >> 16)));
+}
+// Byte n of the result = byte (bits 4n..4n+2 of sel) of the 8 bytes {hi, lo}, lo's first (PRMT;
+// CUDA C++ Programming Guide, __byte_perm).
+EP_DEVICE ep_u32 ep_byte_perm(ep_u32 lo, ep_u32 hi, ep_u32 sel) { return __byte_perm(lo, hi, sel); }
 // Two fp8 e4m3 codes (lo in bits 0-7) -> floats, exact: through f16x2, where every e4m3 value,
-// subnormals included, is a normal f16 (so -ftz=true changes nothing).
+// subnormals included, is a normal f16.
 EP_DEVICE void ep_e4m3x2_decode_hw(ep_u32 codes, float& lo, float& hi) {
-  unsigned short a, b;
-  asm("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, %2; mov.b32 { %0, %1 }, t; }" : "=h"(a), "=h"(b) : "h"((unsigned short)codes));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(a));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(b));
+  ep_u32 h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)codes));
+  ep_f16x2_to_f32(h, lo, hi);
 }
 EP_DEVICE ep_u32 ep_pack_bf16x2(float lo, float hi) {
   ep_u32 r;  // round to nearest even, NaN preserved

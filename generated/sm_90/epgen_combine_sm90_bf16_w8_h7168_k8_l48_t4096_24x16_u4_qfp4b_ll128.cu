@@ -144,13 +144,20 @@ EP_DEVICE ep_u32 ep_e4m3x2_hw(float lo, float hi) {
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
   return r;
 }
+// An f16 pair (lo in bits 0-15) -> floats, exact (-ftz=true flushes float32 subnormals only).
+EP_DEVICE void ep_f16x2_to_f32(ep_u32 h, float& lo, float& hi) {
+  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(h & 0xffffu)));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(h >> 16)));
+}
+// Byte n of the result = byte (bits 4n..4n+2 of sel) of the 8 bytes {hi, lo}, lo's first (PRMT;
+// CUDA C++ Programming Guide, __byte_perm).
+EP_DEVICE ep_u32 ep_byte_perm(ep_u32 lo, ep_u32 hi, ep_u32 sel) { return __byte_perm(lo, hi, sel); }
 // Two fp8 e4m3 codes (lo in bits 0-7) -> floats, exact: through f16x2, where every e4m3 value,
-// subnormals included, is a normal f16 (so -ftz=true changes nothing).
+// subnormals included, is a normal f16.
 EP_DEVICE void ep_e4m3x2_decode_hw(ep_u32 codes, float& lo, float& hi) {
-  unsigned short a, b;
-  asm("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, %2; mov.b32 { %0, %1 }, t; }" : "=h"(a), "=h"(b) : "h"((unsigned short)codes));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(a));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(b));
+  ep_u32 h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)codes));
+  ep_f16x2_to_f32(h, lo, hi);
 }
 EP_DEVICE ep_u32 ep_pack_bf16x2(float lo, float hi) {
   ep_u32 r;  // round to nearest even, NaN preserved
@@ -379,18 +386,16 @@ EP_DEVICE float ep_grid_round(float q) {
 }
 // fp4 e2m1 (OCP MX): bias 1, magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}, no NaN; decode is exact.
 EP_DEVICE ep_u32 ep_e2m1(float x) { return ep_grid_code(x); }
-// Code -> float, exact, with integer operations: a normal code (exponent field >= 1) is
-// 2^(e - bias) (1 + m / 2), whose float32 bits are the magnitude code shifted to the mantissa's
-// top bit plus (127 - bias) << 23; the one subnormal code is 2^(1 - bias) / 2.
-EP_DEVICE float ep_e2m1_value(ep_u32 c) {
-  const ep_u32 mag = c & 7u;
-  const ep_u32 bits = mag >= 2u ? (mag << 22) + (126u << 23) : mag * 0x3f000000u;
-  return ep_bits_to_float(bits | ((c >> 3) << 31));
-}
-// Two codes (the first in bits 0-3) -> floats, exact.
+// Two codes (the first in bits 0-3) -> floats, exact. The binary16 bits of the magnitudes
+// {0, 0.5, 1, 1.5, 2, 3, 4, 6} are their high bytes alone (0x00, 0x38, 0x3c, 0x3e, 0x40, 0x42, 0x44, 0x46): one byte
+// permutation picks both codes' from that table into the high bytes of an f16 pair (selector
+// nibbles 1 and 3; nibbles 0 and 2 pick code 0's byte, 0x00), the signs go to bits 15 and 31, and
+// the pair widens to float32. Each multiplication places both codes' bits at once (its terms do not
+// overlap but in bits 8-11, where c0 + c1 < 16: no carry).
 EP_DEVICE void ep_decode_pair(ep_u32 codes, float& lo, float& hi) {
-  lo = ep_e2m1_value(codes & 15u);
-  hi = ep_e2m1_value(codes >> 4);
+  const ep_u32 sel = ((codes & 0x77u) * 0x110u) & 0xf0f0u;
+  const ep_u32 sign = ((codes & 0x88u) * 0x1001000u) & 0x80008000u;
+  ep_f16x2_to_f32(ep_byte_perm(0x3e3c3800u, 0x46444240u, sel) | sign, lo, hi);
 }
 // decode(encode(x)) for two floats, without forming codes where none is stored (a rank's own row,
 // where it is summed): ep_grid_round.

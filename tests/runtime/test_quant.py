@@ -832,13 +832,32 @@ def test_the_kernels_software_codec_equals_the_reference(element):
         assert code.tolist() == [0, 1 << fmt.sign_shift] and (value == 0).all()
 
 
-def test_the_kernels_fp4_decoder_builds_float_bits():
-    """The kernels' integer-only fp4 decoder (templates/common/wire/_codec.j2) equals the reference
-    on all 16 codes."""
+def _byte_perm(lo: int, hi: int, sel: int) -> int:
+    """NVIDIA's PRMT / __byte_perm: byte n = byte (sel's bits 4n..4n+2) of {hi, lo}."""
+    data = lo | hi << 32
+    return sum(((data >> 8 * ((sel >> 4 * n) & 7)) & 0xFF) << 8 * n for n in range(4))
+
+
+def _v_perm(src0: int, src1: int, sel: int) -> int:
+    """AMD's V_PERM_B32 for selector bytes 0-7: byte n = byte (sel's byte n) of {src0, src1}."""
+    data = src1 | src0 << 32
+    return sum(((data >> 8 * ((sel >> 8 * n) & 0xFF)) & 0xFF) << 8 * n for n in range(4))
+
+
+def test_the_kernels_fp4_decoder_permutes_an_f16_table():
+    """The kernels' fp4 decoder (templates/common/wire/_codec.j2) equals the reference on every
+    byte of two codes: the byte permutation of the binary16 table, the signs, the widening; and the
+    AMD form of the permutation (nibbles spread to v_perm_b32's selector bytes) equals NVIDIA's."""
     fmt = MINIFLOATS["fp4"]
-    c = torch.arange(16, dtype=torch.int32)
-    m = c & fmt.max_code
-    normal = (m << (23 - fmt.mbits)) + ((127 - fmt.bias) << 23)
-    sub = m * ((128 - fmt.bias - fmt.mbits) << 23)
-    value = (torch.where(m >= 1 << fmt.mbits, normal, sub) | ((c >> fmt.sign_shift) << 31)).view(torch.float32)
-    assert torch.equal(value.view(torch.int32), fp4_e2m1_decode(c.to(torch.uint8)).view(torch.int32))
+    hb = fmt.f16_high_bytes
+    lo_table = sum(b << 8 * k for k, b in enumerate(hb[:4]))
+    hi_table = sum(b << 8 * k for k, b in enumerate(hb[4:]))
+    for codes in range(256):
+        sel = ((codes & 0x77) * 0x110) & 0xF0F0
+        sign = ((codes & 0x88) * 0x1001000) & 0x80008000
+        h = _byte_perm(lo_table, hi_table, sel) | sign
+        n = sel & 0x7777
+        assert _v_perm(hi_table, lo_table, (n & 0xF) | (n & 0xF0) << 4 | (n & 0xF00) << 8 | (n & 0xF000) << 12) == h & 0x7FFF7FFF
+        got = torch.tensor([h & 0xFFFF, h >> 16], dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+        want = fp4_e2m1_decode(torch.tensor([codes & 0xF, codes >> 4], dtype=U8))
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), codes
