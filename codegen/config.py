@@ -275,7 +275,16 @@ class EpConfig:
         won) the low-latency halves have no variants and no specs there. The pull dispatch's
         second kernel (DISPATCH_PULL) follows the normal ops unless ``dispatch_transport`` is
         "push"; under "auto" it exists only on an arch whose table has a pull bucket for the
-        shape (``_builds``)."""
+        shape (``_builds``).
+
+        Raises:
+            FieldError: nodes > 1 (a layer across nodes compiles its ``node_config()``'s kernels,
+                not flat ones of world_size ranks; so do ``variants`` and ``kernel_specs``).
+        """
+        if self.nodes > 1:
+            raise FieldError("nodes", f"EpConfig.nodes={self.nodes}: a layer across nodes compiles the kernels of its "
+                             f"node_config() ({self.ranks_per_node} ranks a node), not flat ones of world_size="
+                             f"{self.world_size}; ask node_config() for its ops, variants and specs")
         normal = self.kernel_family != "low_latency"
         pull = (Op.DISPATCH_PULL,) if normal and self.dispatch_transport != "push" else ()
         return ((TRANSPORT_OPS if normal else ()) + pull
@@ -452,12 +461,13 @@ class EpConfig:
     def _builds(self, arch: str, op: Op) -> bool:
         """Whether an op of this config compiles ``op`` on ``arch``: every op of ``ops`` but the
         low-latency halves where T_ll is 0 ("auto" with a table threshold of 0), and DISPATCH_PULL
-        under "auto" where no bucket of the dispatch entry up to max_tokens_per_rank says "pull"."""
+        under "auto" where no bucket of the dispatch entry up to max_tokens_per_rank says "pull";
+        never one outside ``ops`` (e.g. the quantize kernel at W = 1)."""
+        if op not in self.ops:
+            return False
         if op.low_latency:
             return self.low_latency_tokens(arch) > 0
         if op is Op.DISPATCH_PULL:
-            if op not in self.ops:
-                return False
             if self.dispatch_transport == "pull":
                 return True
             rows = bucket_transports(self.tuning_key(arch, Op.DISPATCH))

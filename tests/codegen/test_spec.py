@@ -278,7 +278,7 @@ def test_arena_layout_regions_in_docstring_order():
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 @pytest.mark.parametrize("shape", SHAPES, ids=range(len(SHAPES)))
 def test_layout_aligned_monotonic_non_overlapping(op, shape, expert, ll):
-    s = spec(op=op, **shape).replace(expert_alignment=expert)
+    s = spec(op=op, **shape, warps_per_block=8).replace(expert_alignment=expert)  # 512 threads: any wire's combine
     s = s.replace(ll_tokens=min(ll, s.max_tokens_per_rank))
     lay = s.layout
     sizes = _documented_sizes(s)
@@ -364,7 +364,7 @@ VARIANTS = {
     "experts_per_rank": [32, 1],
     "max_tokens_per_rank": [4096, 128],
     "blocks": [32, 64],
-    "warps_per_block": [16, 8],
+    "warps_per_block": [8, 4],  # at most 512 threads on gfx950 (a quantized wire's combine's most)
     "unroll": [4, 2],
     "scale_bytes": [0, 16],
     "combine_quant": ["none", "fp4_blockwise"],
@@ -651,7 +651,7 @@ def test_combine_wire_rows(mode, hidden, wire):
 
 
 def test_combine_quant_names_layout_and_errors():
-    base = spec(op="combine", hidden=2880)
+    base = spec(op="combine", hidden=2880, warps_per_block=8)  # 512 threads on gfx950: the quantized combine's most
     quantized = base.replace(combine_quant="fp8_blockwise")
     assert quantized.name == base.name + "_qfp8b" and quantized.fan_in == 1 and base.fan_in == 2
     assert base.layout.combine_wire == base.layout.recv_x  # no wire region without quantization

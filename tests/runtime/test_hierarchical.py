@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from epgen import reference
 from epgen.codegen.config import EpConfig
+from epgen.codegen.spec import Op
 from epgen.hierarchical import HierarchicalEp, HierarchicalError, ReferenceNodeOp, process_groups
 from epgen.hierarchical_verify import CASES, VARIANTS, check_round, make_inputs, run_cases, small_config
 from epgen.op import EpError
@@ -165,6 +166,12 @@ def test_node_config():
     assert EpConfig(world_size=320, hidden=7168, topk=8, num_experts=320, nodes=40,
                     max_tokens_per_rank=128).node_config().world_size == 8  # W beyond one kernel's 64 ranks
     assert small_config(scale_bytes=3).node_scale_bytes == 16 + 8 + 3 + 1
+    # the layer's kernels are the node-local op's: no flat 16-rank (or, at 320 ranks, impossible) specs
+    for query in (lambda: cfg.ops, lambda: cfg.kernel_specs("sm_90"), lambda: cfg.variants("sm_90", Op.COMBINE)):
+        with pytest.raises(ValueError, match=r"^EpConfig.nodes=2: a layer across nodes compiles the kernels of its "
+                                             r"node_config\(\) \(8 ranks a node\), not flat ones of world_size=16"):
+            query()
+    assert [s.world_size for s in node.kernel_specs("sm_90")] == [8] * len(node.kernel_specs("sm_90"))
     for kw, field, match in [
         (dict(nodes=3), "nodes", r"EpConfig.nodes=3: must divide world_size=16"),
         (dict(nodes=0), "nodes", r"EpConfig.nodes=0: must be a positive int"),
