@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from epgen import reference
 from epgen.codegen.config import EpConfig
-from epgen.codegen.dtypes import dtype_info
+from epgen.codegen.dtypes import combine_quant, dtype_info
 from epgen.op import DispatchOutput, EpError, _check_tensor, check_combine_inputs, check_dispatch_inputs
 from epgen.quant import combine_roundtrip
 
@@ -234,7 +234,8 @@ class HierarchicalEp:
             node-local", "combine node-local", "combine network") to (seconds, bytes): host wall
             time with the device synchronized at the leg's ends, and the bytes this process moved
             in it (network: rows to other nodes; node-local: rows its ranks received, payload
-            bytes for dispatch and bf16 for combine). Off by default (it synchronizes).
+            bytes for dispatch and the combine wire's row bytes for combine: bf16, or a quantized
+            wire row's codes and scales). Off by default (it synchronizes).
 
     Raises:
         TypeError: config is not an EpConfig.
@@ -502,7 +503,9 @@ class HierarchicalEp:
         self._mark()
         partial = self._node_call("combine", self.node_op.combine, y)
         partial = partial if self.node_op.virtual else [partial]
-        self._mark("combine node-local", self._received * 2 * cfg.hidden if self.time_legs else 0)
+        wire = combine_quant(cfg.combine_quant)
+        row = wire.wire_row_bytes(cfg.hidden) if wire.quantized else 2 * cfg.hidden
+        self._mark("combine node-local", self._received * row if self.time_legs else 0)
         blocks = []
         starts = [[0] for _ in self.ranks]
         for i, p in enumerate(pending):

@@ -214,6 +214,15 @@ def test_bench_nodes_on_the_cpu_stand_in(tmp_path, capsys):
             assert (node, leg) in legs
     total = {r["node"]: r for r in rows if r["leg"] == "total"}
     assert all(int(r["bytes"]) > 0 and float(r["time_us"]) > 0 for r in total.values())
+    # the node-local combine's bytes are the wire's: fp8 codes and scales, not bf16
+    assert main(["bench", "--nodes", "2", "--world-size", "4", "--model", "mixtral-8x7b", "--tokens", "3", "--iters",
+                 "1", "--routing", "uniform", "--cpu", "--quant", "fp8_blockwise", "-o", str(out)]) == 0
+    rows = list(csv.DictReader((tmp_path / "nodes.csv").open()))
+    legs = {(r["node"], r["leg"]): int(r["bytes"]) for r in rows}
+    hidden = EpConfig.for_model("mixtral-8x7b", world_size=4, max_tokens_per_rank=3).hidden
+    for node in ("0", "1"):
+        received = legs[(node, "dispatch node-local")] // (2 * hidden)  # bf16 x rows
+        assert received and legs[(node, "combine node-local")] == received * (hidden + 4 * -(-hidden // 128))
 
 
 @pytest.mark.parametrize("argv, message", [
