@@ -129,6 +129,9 @@ def _worker(node: int, nodes: int, store: str, options: NodesBenchOptions, resul
                     rows.append((routing, T, node, leg, medians[leg] * 1e6, moved[leg]))
                 rows.append((routing, T, node, "total", sum(medians.values()) * 1e6, total_bytes))
                 rows.append((routing, T, node, "flat all_to_all_single", flat * 1e6, flat_bytes))
+                if node == 0:
+                    print(f"bench --nodes: {routing} {T} tokens a rank done ({sum(medians.values()) * 1e6:.1f} us)",
+                          flush=True)
         gathered = [None] * nodes
         dist.all_gather_object(gathered, rows)
         if node == 0:

@@ -18,8 +18,8 @@ from rich.markup import escape
 
 from epgen import flags
 from epgen.codegen.catalogue import CATALOGUE_MAX_TOKENS, CATALOGUE_WORLD_SIZE
-from epgen.options import (DEFAULT_MODEL, BenchOptions, DemoOptions, StressOptions, TuneOptions, family_points,
-                           tune_counts)
+from epgen.options import (DEFAULT_MODEL, NODES_SWEEP, NODES_SWEEP_CPU, BenchOptions, DemoOptions, StressOptions,
+                           TuneOptions, family_points, tune_counts)
 from epgen.progress import Progress
 
 MOE_DEMO_TOKENS = 1024
@@ -312,6 +312,7 @@ def cmd_bench(args, parser, console) -> int:
     from epgen.bench import default_output
 
     output = args.output or default_output(args.world_size, args.virtual, flags.in_checkout())
+    args.tokens = args.tokens or list(BenchOptions().tokens)
     families = {family: max(counts) for family, counts in family_points(args.family, args.tokens).items()}
     if flags.gpu_preflight(args, parser, _error, "bench", families=families, virtual=args.virtual, output=output,
                            geometries={"--dispatch-geometry": args.dispatch_geometry,
@@ -347,6 +348,10 @@ def _bench_nodes(args, parser, console) -> int:
                      "kernel_family as the hierarchy builds it, with the tuning table's geometry, and prints a table)")
     if args.output is not None:
         flags.check_output(args.output, parser)
+    if args.tokens is None:
+        import torch
+
+        args.tokens = list(NODES_SWEEP_CPU if args.cpu or not torch.cuda.is_available() else NODES_SWEEP)
     options = NodesBenchOptions(model=args.model, world_size=args.world_size, nodes=args.nodes,
                                 tokens=tuple(args.tokens), routings=tuple(args.routing), dtype=args.dtype,
                                 combine_quant=args.quant, iters=args.iters, cpu=args.cpu, output=args.output)

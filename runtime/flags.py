@@ -23,8 +23,8 @@ from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES
 from epgen.codegen.models import MODELS, model
 from epgen.codegen.spec import LL_MAX_TOKENS, LOW_LATENCY_OPS, TRANSPORT_OPS, Op
 from epgen.codegen.tuning import DEFAULT_UNROLL, Geometry
-from epgen.options import (BENCH_FAMILIES, BOTH_LOW_LATENCY_MAX_TOKENS, ROUTINGS, TUNE_FAMILIES, BenchOptions,
-                           DemoOptions, StressOptions, TuneOptions)
+from epgen.options import (BENCH_FAMILIES, BOTH_LOW_LATENCY_MAX_TOKENS, NODES_SWEEP, NODES_SWEEP_CPU, ROUTINGS,
+                           TUNE_FAMILIES, BenchOptions, DemoOptions, StressOptions, TuneOptions)
 
 CONFIG_DEFAULTS = {f.name: f.default for f in attrs.fields(EpConfig) if f.default is not attrs.NOTHING}
 """EpConfig's defaults by field (dtype, scale_bytes, combine_quant, ...)."""
@@ -173,8 +173,9 @@ def add_bench_args(b) -> None:
     """``epgen bench``'s flags, defaults from ``BenchOptions``."""
     bench = BenchOptions()
     add_gpu_verb_args(b, bench, virtual=True, quant=True)
-    b.add_argument("--tokens", type=positive, nargs="+", default=list(bench.tokens), help="tokens per rank to "
-                   f"sweep (default {' '.join(map(str, bench.tokens))})")
+    b.add_argument("--tokens", type=positive, nargs="+", default=None, help="tokens per rank to sweep (default "
+                   f"{' '.join(map(str, bench.tokens))}; with --nodes {' '.join(map(str, NODES_SWEEP))}, on the CPU "
+                   f"stand-in {' '.join(map(str, NODES_SWEEP_CPU))})")
     b.add_argument("--routing", nargs="+", default=list(bench.routings), choices=ROUTINGS,
                    help=f"routing kinds (default {' '.join(bench.routings)})")
     b.add_argument("--family", choices=list(BENCH_FAMILIES), default=bench.family, help="kernel families to time "
@@ -192,7 +193,7 @@ def add_bench_args(b) -> None:
                    "world-size / N ranks (epgen.hierarchical), N processes on this machine with a gloo network leg, "
                    "each leg's time and bytes against a flat all_to_all_single of the same bytes; the node-local leg "
                    "on virtual ranks of the GPU, or the CPU stand-in without one (or with --cpu); -o is then the "
-                   "CSV's path (default: none written)")
+                   "prefix of its .csv and .env.txt (default: none written)")
     b.add_argument("--cpu", action="store_true", help="with --nodes: the CPU stand-in node-local op even with a GPU")
 
 

@@ -17,6 +17,12 @@ ROUTINGS = ("uniform", "invalid", "duplicates", "skewed", "one_rank", "shared")
 SWEEP = (1, 8, 32, 128, 512, 1024, 4096, 8192, 16384)
 """Tokens per rank ``epgen bench`` sweeps by default."""
 
+NODES_SWEEP = (128, 1024, 4096)
+"""Tokens per rank ``epgen bench --nodes`` sweeps by default with the GPU's node-local op."""
+
+NODES_SWEEP_CPU = (8, 128)
+"""The same with the CPU stand-in (the torch reference on the host: minutes a point at 4096)."""
+
 BENCH_FAMILIES = ("both", "auto", "normal", "low_latency")
 """``epgen bench --family`` values: "both" times the normal and the low-latency family (one op
 each, ``EpConfig.kernel_family``), "auto" one op of ``kernel_family="auto"`` (each point takes

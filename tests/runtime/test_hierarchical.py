@@ -225,6 +225,22 @@ def test_bench_nodes_on_the_cpu_stand_in(tmp_path, capsys):
         assert received and legs[(node, "combine node-local")] == received * (hidden + 4 * -(-hidden // 128))
 
 
+def test_bench_nodes_default_points_fit_the_node_op(monkeypatch):
+    """Without --tokens: NODES_SWEEP_CPU with the CPU stand-in (the host reference takes minutes at
+    4096 tokens), NODES_SWEEP with the GPU's op; a plain bench keeps its own sweep."""
+    import epgen.bench_nodes
+    from epgen.cli import main
+    from epgen.options import NODES_SWEEP, NODES_SWEEP_CPU
+
+    seen = []
+    monkeypatch.setattr(epgen.bench_nodes, "run", lambda options, print_fn: seen.append(options.tokens))
+    assert main(["bench", "--nodes", "2", "--world-size", "4", "--cpu"]) == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert main(["bench", "--nodes", "2", "--world-size", "4"]) == 0
+    assert main(["bench", "--nodes", "2", "--world-size", "4", "--tokens", "5"]) == 0
+    assert seen == [NODES_SWEEP_CPU, NODES_SWEEP, (5,)]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--nodes", "1"], "--nodes 1: the hierarchical bench needs at least 2 nodes"),
     (["--nodes", "2", "--virtual"], "--virtual: not with --nodes"),
