@@ -336,6 +336,8 @@ def _bench_nodes(args, parser, console) -> int:
         parser.error(f"--nodes {args.nodes}: the hierarchical bench needs at least 2 nodes")
     if args.virtual:
         parser.error("--virtual: not with --nodes (each node's ranks are virtual ranks of its process already)")
+    if args.dtype == "fp4":
+        parser.error("--dtype fp4: not with --nodes (the hierarchical bench's inputs are bf16 or fp8 rows)")
     bad = [r for r in args.routing if r not in NODE_ROUTINGS]
     if bad:
         parser.error(f"--routing {' '.join(bad)}: with --nodes one of {', '.join(NODE_ROUTINGS)}")
@@ -371,8 +373,8 @@ def cmd_tune(args, parser, console) -> int:
             parser.error(f"{' '.join(given)}: only with --family low_latency or both (--family normal tunes the "
                          "normal family alone)")
     if args.quant != "none" and args.family != "normal":
-        parser.error(f"--quant {args.quant}: only with --family normal (the wire's combine has entries of its own; "
-                     "the low-latency entries do not depend on the wire)")
+        parser.error(f"--quant {args.quant}: only with --family normal (the normal family's combine with a quantized "
+                     "wire has entries of its own; the low-latency family's entries, bf16 ones, serve every wire)")
     opts = TuneOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens), dtype=args.dtype,
                        combine_quant=args.quant,
                        geometries=tuple(args.geometry) if args.geometry else None, routing=args.routing,

@@ -417,7 +417,13 @@ def not_a_directory(path: Path) -> str | None:
 def check_output_files(outputs, parser) -> None:
     """``outputs``: (flag, Path) of files to write later; a parser error now (before minutes of
     compiling) when one is a directory or its parent is missing."""
+    seen = {}
     for flag, file in outputs:
+        if file.resolve() in seen:
+            parser.error(f"{seen[file.resolve()]} and {flag} name the same file {file}: give each output its own")
+        seen[file.resolve()] = flag
+        if file.exists() and not os.access(file, os.W_OK):
+            parser.error(f"{flag} {file}: exists and is not writable")
         if file.is_dir():
             parser.error(f"{flag} {file}: is a directory; name a file")
         if not file.parent.is_dir():
@@ -434,6 +440,9 @@ def check_output(output: str, parser) -> None:
         parser.error(f"-o {output}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK):
         parser.error(f"-o {output}: folder {folder} is not writable")
+    for suffix in (".csv", ".png", ".env.txt"):
+        if os.path.exists(output + suffix) and not os.access(output + suffix, os.W_OK):
+            parser.error(f"-o {output}: {output + suffix} exists and is not writable")
 
 
 def gpu_preflight(args, parser, error, verb: str, *, families: dict[str, int], virtual: bool = False,

@@ -17,7 +17,7 @@ from epgen.codegen.dtypes import dtype_info
 __all__ = ["CASES", "ROUTINGS", "VARIANTS", "RankInputs", "check_round", "expert_stage", "make_inputs", "run_cases",
            "small_config"]
 
-ROUTINGS = ("uniform", "skewed", "minus_one", "duplicates")
+ROUTINGS = ("uniform", "skewed", "invalid", "duplicates")
 """Routing kinds of ``make_inputs``: uniform distinct experts; every expert on node 0 (the other
 nodes receive nothing); uniform with a third of the slots -1 and every fourth token all -1; and
 each token naming its first expert twice."""
@@ -64,7 +64,7 @@ def make_inputs(cfg: EpConfig, tokens: list[int], kind: str, seed: int) -> list[
         ids = torch.stack([torch.randperm(pool, generator=g)[:K] for _ in range(T)]) if T else \
             torch.zeros((0, K), dtype=torch.int64)
         ids = ids.to(torch.int32)
-        if kind == "minus_one" and T:
+        if kind == "invalid" and T:
             ids[torch.rand((T, K), generator=g) < 1 / 3] = -1
             ids[::4] = -1
         if kind == "duplicates" and K > 1:
@@ -144,7 +144,7 @@ def check_round(op, inputs: list[RankInputs]) -> dict:
 CASES = (
     ([5, 7, 3, 6], "uniform"),
     ([5, 7, 3, 6], "skewed"),
-    ([8, 0, 4, 2], "minus_one"),
+    ([8, 0, 4, 2], "invalid"),
     ([4, 4, 4, 4], "duplicates"),
     ([0, 3, 0, 5], "uniform"),
     ([6, 3, 0, 0], "uniform"),

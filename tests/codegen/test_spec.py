@@ -561,7 +561,8 @@ BAD_CONFIGS = [
     (dict(timeout_s=-1.0), ["EpConfig.timeout_s=-1.0", "(0, 3600]"]),
     (dict(timeout_s=3601), ["EpConfig.timeout_s=3601", "(0, 3600]"]),
     (dict(timeout_s=float("nan")), ["EpConfig.timeout_s=nan", "(0, 3600]"]),
-    (dict(timeout_s="5"), ["EpConfig.timeout_s='5'", "(0, 3600]"]),
+    (dict(timeout_s="5"), ["EpConfig.timeout_s='5'", "must be a Python int or float (seconds)"]),
+    (dict(timeout_s=True), ["EpConfig.timeout_s=True", "must be a Python int or float (seconds)"]),
 ]
 
 

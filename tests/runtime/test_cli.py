@@ -145,6 +145,30 @@ def test_diff_bad_field_names_the_rule():
     assert r.returncode == 2 and "KernelSpec.unroll=0" in r.stderr
 
 
+def test_output_files_that_cannot_be_written_are_refused_before_the_run(tmp_path, capsys):
+    same = tmp_path / "r.txt"
+    r = run("report", "--model", "deepseek-v3", "--arch", "sm_90", "--markdown", str(same), "--csv", str(same))
+    assert r.returncode == 2 and f"--markdown and --csv name the same file {same}: give each output its own" in r.stderr
+    # a file that exists but cannot be written (os.access as a non-root user sees a read-only file)
+    import argparse
+
+    from epgen import flags
+
+    ro = tmp_path / "ro.csv"
+    ro.write_text("")
+    real = os.access
+    denied = lambda path, mode: False if (str(path) == str(ro) and mode == os.W_OK) else real(path, mode)  # noqa: E731
+    parser = argparse.ArgumentParser(prog="epgen")
+    with pytest.MonkeyPatch.context() as m, pytest.raises(SystemExit):
+        m.setattr(flags.os, "access", denied)
+        flags.check_output_files([("--csv", ro)], parser)
+    assert f"--csv {ro}: exists and is not writable" in capsys.readouterr().err
+    with pytest.MonkeyPatch.context() as m, pytest.raises(SystemExit):
+        m.setattr(flags.os, "access", denied)
+        flags.check_output(str(tmp_path / "ro"), parser)
+    assert f"{ro} exists and is not writable" in capsys.readouterr().err
+
+
 def test_diff_across_combine_wires_keeps_the_quantized_combines_rule():
     shape = ("--model", "deepseek-v3", "--world-size", "2", "--kernel-family", "normal", "--arch", "sm_90")
     r = run("diff", *shape, "--a", "combine_quant=none", "--b", "combine_quant=fp8_blockwise")

@@ -189,7 +189,7 @@ def test_node_config():
 
 def test_cases_cover_the_edges():
     kinds = {k for _, k in CASES}
-    assert kinds == {"uniform", "skewed", "minus_one", "duplicates"}
+    assert kinds == {"uniform", "skewed", "invalid", "duplicates"}
     assert any(t[:2] == [0, 0] for t, _ in CASES) and any(t[2:] == [0, 0] for t, _ in CASES)
 
 
@@ -246,6 +246,9 @@ def test_bench_nodes_default_points_fit_the_node_op(monkeypatch):
     (["--nodes", "2", "--virtual"], "--virtual: not with --nodes"),
     (["--nodes", "3", "--world-size", "4"], "EpConfig.nodes=3: must divide world_size=4"),
     (["--cpu"], "--cpu: applies with --nodes only"),
+    (["--nodes", "2", "--world-size", "4", "--dtype", "fp4"], "--dtype fp4: not with --nodes"),
+    (["--nodes", "2", "--world-size", "4", "--routing", "shared"], "--routing shared: with --nodes one of uniform, "
+                                                                  "skewed, invalid, duplicates"),
 ])
 def test_bench_nodes_usage_errors(argv, message, capsys):
     from epgen.cli import main
