@@ -441,6 +441,8 @@ def check_output(output: str, parser) -> None:
     if not os.access(folder, os.W_OK):
         parser.error(f"-o {output}: folder {folder} is not writable")
     for suffix in (".csv", ".png", ".env.txt"):
+        if os.path.isdir(output + suffix):
+            parser.error(f"-o {output}: {output + suffix} is a directory; the prefix's files cannot be written")
         if os.path.exists(output + suffix) and not os.access(output + suffix, os.W_OK):
             parser.error(f"-o {output}: {output + suffix} exists and is not writable")
 

@@ -167,6 +167,10 @@ def test_output_files_that_cannot_be_written_are_refused_before_the_run(tmp_path
         m.setattr(flags.os, "access", denied)
         flags.check_output(str(tmp_path / "ro"), parser)
     assert f"{ro} exists and is not writable" in capsys.readouterr().err
+    (tmp_path / "d.env.txt").mkdir()
+    with pytest.raises(SystemExit):
+        flags.check_output(str(tmp_path / "d"), parser)
+    assert f"{tmp_path / 'd.env.txt'} is a directory" in capsys.readouterr().err
 
 
 def test_diff_across_combine_wires_keeps_the_quantized_combines_rule():
