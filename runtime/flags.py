@@ -475,6 +475,7 @@ def gpu_preflight(args, parser, error, verb: str, *, families: dict[str, int], v
                          f"with --model {args.model})")
     if output is not None:
         check_output(output, parser)
+    _check_given_geometries(cfgs, ARCHES, geometries, low_latency_geometries, parser)  # fits some GPU at all
     if not torch.cuda.is_available():
         return error(verb, "needs a GPU (torch.cuda.is_available() is False)")
     gpus = torch.cuda.device_count()
@@ -491,20 +492,38 @@ def gpu_preflight(args, parser, error, verb: str, *, families: dict[str, int], v
                 cfg.variants(arch, op)
         except ValueError as e:
             parser.error(f"{e} (--world-size {args.world_size} on this GPU's arch {arch})")
-    for ops, given_by_flag in ((TRANSPORT_OPS, geometries), (LOW_LATENCY_OPS, low_latency_geometries)):
-        holder = next((c for c in cfgs if set(ops) <= set(c.ops) and all(c.variants(arch, op) for op in ops)), None)
-        for flag, given in (given_by_flag or {}).items():
-            for g in [g for g in (given if isinstance(given, (list, tuple)) else [given]) if g is not None]:
-                if holder is None:
-                    parser.error(f"{flag} {g}: applies to the {'low-latency' if ops is LOW_LATENCY_OPS else 'normal'} "
-                                 "family's kernels, which this run does not build")
-                try:
-                    for op in ops:
-                        holder.spec(arch, op, holder.fit_geometry(arch, op, g, explicit=True))
-                except ValueError as e:
-                    parser.error(f"{e} ({flag} {g} on this GPU's arch {arch})")
+    _check_given_geometries(cfgs, (arch,), geometries, low_latency_geometries, parser)
     return cfgs[0]
 
+
+def _check_given_geometries(cfgs, arches, geometries, low_latency_geometries, parser) -> None:
+    """A parser error for a given geometry (flag -> Geometry, a list of them, or None) that no arch
+    of ``arches`` runs for the kernels it applies to (the dispatch and combine, or the low-latency
+    halves), naming the flag: given ``ARCHES`` before any GPU is looked for (a geometry no GPU can
+    run), then this GPU's arch. A geometry for kernels this run builds on none of them is an error."""
+    for ops, given_by_flag in ((TRANSPORT_OPS, geometries), (LOW_LATENCY_OPS, low_latency_geometries)):
+        family = "low-latency" if ops is LOW_LATENCY_OPS else "normal"
+        for flag, given in (given_by_flag or {}).items():
+            for g in [g for g in (given if isinstance(given, (list, tuple)) else [given]) if g is not None]:
+                errors = {}  # message -> the arches that raised it
+                for arch in arches:
+                    try:
+                        holder = next((c for c in cfgs if set(ops) <= set(c.ops)
+                                       and all(c.variants(arch, op) for op in ops)), None)
+                        if holder is None:
+                            raise ValueError(f"{flag} {g}: applies to the {family} family's kernels, which this run "
+                                             "does not build")
+                        for op in ops:
+                            holder.spec(arch, op, holder.fit_geometry(arch, op, g, explicit=True))
+                        break
+                    except ValueError as e:
+                        errors.setdefault(str(e), []).append(arch)
+                else:
+                    def where(on):
+                        if len(arches) == 1:
+                            return f"this GPU's arch {on[0]}"
+                        return "every arch" if len(on) == len(arches) else ", ".join(on)
+                    parser.error("; ".join(f"{m} ({flag} {g} on {where(on)})" for m, on in errors.items()))
 
 def import_timing_arch(args, parser, error, arches) -> str:
     """This GPU's arch for ``epgen build --time-import``, or "" after ``error("build", line)`` (no

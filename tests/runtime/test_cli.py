@@ -497,26 +497,25 @@ def test_gpu_verbs_need_as_many_gpus_as_ranks(capsys, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--virtual", "--world-size", "2", "--dispatch-geometry", "24x64u4"],
-     "KernelSpec.warps_per_block=64: must be in [1, 32] (--dispatch-geometry 24x64u4 on this GPU's arch sm_90)"),
+     "KernelSpec.warps_per_block=64: must be in [1, 32] (--dispatch-geometry 24x64u4 on every arch)"),
     (["bench", "--virtual", "--world-size", "2", "--combine-geometry", "24x32u999"],
-     "(--combine-geometry 24x32u999 on this GPU's arch sm_90)"),
-    (["tune", "--world-size", "1", "--geometry", "24x32u4", "24x64u4"], "(--geometry 24x64u4 on this GPU's arch sm_90)"),
+     "(--combine-geometry 24x32u999 on every arch)"),
+    (["tune", "--world-size", "1", "--geometry", "24x32u4", "24x64u4"], "(--geometry 24x64u4 on every arch)"),
     (["stress", "--virtual", "--world-size", "64"], "(--world-size 64 on this GPU's arch sm_90)"),
     (["bench", "--virtual", "--world-size", "2", "--low-latency-geometry", "16x64u2"],
-     "KernelSpec.warps_per_block=64: must be in [1, 32] (--low-latency-geometry 16x64u2 on this GPU's arch sm_90)"),
+     "KernelSpec.warps_per_block=64: must be in [1, 32] (--low-latency-geometry 16x64u2 on every arch)"),
     (["bench", "--virtual", "--world-size", "2", "--low-latency-geometry", "600x16u2"],
-     "world_size x blocks = 1200, at most 1024; at most 512 blocks (--low-latency-geometry 600x16u2 on this GPU's "
-     "arch sm_90)"),
+     "world_size x blocks = 1200, at most 1024; at most 512 blocks (--low-latency-geometry 600x16u2 on every arch)"),
     (["bench", "--virtual", "--world-size", "2", "--family", "low_latency", "--dispatch-geometry", "24x32u4"],
      "--dispatch-geometry 24x32u4: applies to the normal family's kernels, which this run does not build"),
     (["bench", "--virtual", "--world-size", "2", "--family", "normal", "--low-latency-geometry", "16x16u2"],
      "--low-latency-geometry 16x16u2: applies to the low-latency family's kernels, which this run does not build"),
     (["tune", "--virtual", "--world-size", "4", "--low-latency-geometry", "16x16u2", "600x16u2"],
-     "(--low-latency-geometry 600x16u2 on this GPU's arch sm_90)"),  # --virtual: 4 ranks on the 2 GPUs are fine
+     "(--low-latency-geometry 600x16u2 on every arch)"),  # --virtual: 4 ranks on the 2 GPUs are fine
     (["stress", "--virtual", "--kernel-family", "normal", "--low-latency-geometry", "16x16u2"],
      "--low-latency-geometry 16x16u2: applies to the low-latency family's kernels"),
     (["stress", "--virtual", "--world-size", "8", "--kernel-family", "low_latency", "--low-latency-geometry",
-      "256x16u2"], "(--low-latency-geometry 256x16u2 on this GPU's arch sm_90)"),
+      "256x16u2"], "(--low-latency-geometry 256x16u2 on every arch)"),
 ])
 def test_gpu_verbs_check_geometry_and_world_size_against_the_gpus_arch(argv, message, capsys, monkeypatch, tmp_path):
     import torch
@@ -529,6 +528,28 @@ def test_gpu_verbs_check_geometry_and_world_size_against_the_gpus_arch(argv, mes
     if argv[0] == "bench":
         argv = argv + ["-o", str(tmp_path / "b")]
     assert message in _usage_error(argv, capsys).splitlines()[-1]
+
+
+def test_a_geometry_some_arch_runs_is_checked_against_the_gpus_arch(capsys, monkeypatch, tmp_path):
+    """16 warps of a quantized wire's combine: 512 threads on sm_90 and gfx1250, 1024 on gfx950."""
+    import torch
+
+    argv = ["bench", "--virtual", "--world-size", "2", "--quant", "fp8_blockwise", "--combine-geometry", "24x16u4",
+            "-o", str(tmp_path / "b")]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr("epgen.device.device_arch", lambda index: "gfx950")
+    _matplotlib(monkeypatch, present=True)
+    err = _usage_error(argv, capsys).splitlines()[-1]
+    assert "16 warps of 64 lanes are 1024 threads on gfx950" in err
+    assert err.endswith("(--combine-geometry 24x16u4 on this GPU's arch gfx950)")
+
+
+def test_a_geometry_no_arch_runs_is_refused_without_a_gpu(capsys):
+    err = _usage_error(["bench", "--virtual", "--world-size", "2", "--low-latency-geometry", "1024x8"], capsys)
+    assert err.splitlines()[-1].endswith("world_size x blocks = 2048, at most 1024; at most 512 blocks "
+                                         "(--low-latency-geometry 1024x8u4 on every arch)")
 
 
 @pytest.mark.parametrize("argv", [["diff", "-o", ""], ["bench", "-o", ""], ["generate", "-o", " "], ["build", "-o", ""]])
