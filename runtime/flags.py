@@ -416,7 +416,8 @@ def not_a_directory(path: Path) -> str | None:
 
 def check_output_files(outputs, parser) -> None:
     """``outputs``: (flag, Path) of files to write later; a parser error now (before minutes of
-    compiling) when one is a directory or its parent is missing."""
+    compiling) when two name one file, or one exists and is not writable, is a directory or has
+    no parent folder."""
     seen = {}
     for flag, file in outputs:
         if file.resolve() in seen:
@@ -432,7 +433,8 @@ def check_output_files(outputs, parser) -> None:
 
 
 def check_output(output: str, parser) -> None:
-    """A parser error unless ``output`` is a path prefix in an existing, writable folder."""
+    """A parser error unless ``output`` is a path prefix in an existing, writable folder whose
+    .csv/.png/.env.txt files, where they exist, are writable files."""
     if output.endswith(os.sep) or os.path.isdir(output):
         parser.error(f"-o {output}: a path prefix for the .csv/.png/.env.txt files, not a folder")
     folder = os.path.dirname(os.path.abspath(output))
