@@ -437,9 +437,10 @@ class EpConfig:
         explicit = self._explicit(op)
         if op in LOCAL_OPS or op.low_latency:  # one variant: the local ops' work follows the rows
             explicit = self.geometry(arch, op, self.max_tokens_per_rank)  # received; both low-latency halves agree on blocks
+        key = self._table_key(arch, op)
         table = ((self.max_tokens_per_rank, self.fit_geometry(arch, op, explicit, explicit=True)),) if explicit else tuple(
-            (max_tokens, self.fit_geometry(arch, op, g)) for max_tokens, g in buckets(self._table_key(arch, op)))
-        pulls = dict(bucket_transports(self._table_key(arch, op)))
+            (max_tokens, self.fit_geometry(arch, op, g)) for max_tokens, g in buckets(key))
+        pulls = dict(bucket_transports(key))
         out = []
         for max_tokens, geometry in table:
             if not pull or explicit or self.dispatch_transport == "pull" or pulls.get(max_tokens) == "pull":

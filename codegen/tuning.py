@@ -22,6 +22,7 @@ from pathlib import Path
 import attrs
 
 from epgen.codegen.arch import traits
+from epgen.codegen.spec import TRANSPORTS  # a dispatch bucket's transport values
 
 TABLE_DIR = Path(__file__).parent / "tuning"
 DEFAULT_BLOCKS = 24
@@ -109,10 +110,6 @@ def local_geometry(arch: str, op: str) -> Geometry:
     (``LOCAL_GEOMETRY``)."""
     blocks, threads, unroll = LOCAL_GEOMETRY[op]
     return Geometry(blocks=blocks, warps_per_block=threads // traits(arch).wave_size, unroll=unroll)
-
-
-TRANSPORTS = ("push", "pull")
-"""A dispatch bucket's ``transport`` values (``epgen.codegen.spec.TRANSPORTS``)."""
 
 
 @functools.lru_cache(maxsize=None)

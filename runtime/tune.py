@@ -37,8 +37,7 @@ from epgen.codegen.arch import traits
 from epgen.codegen.tuning import DEFAULT_UNROLL, Geometry, default_geometry, pick_fewest_blocks, write_entry
 from epgen.device import device_arch
 from epgen.codegen.config import EpConfig
-from epgen.codegen.spec import QUANTIZED_COMBINE_THREADS
-from epgen.codegen.spec import Op
+from epgen.codegen.spec import QUANTIZED_COMBINE_THREADS, Op
 from epgen.options import TuneOptions, tune_counts
 
 
