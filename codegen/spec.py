@@ -610,8 +610,8 @@ class KernelSpec:
         """The combine wire's template variables (the same keys for every spec; unquantized: zeros
         and None): the wire format ``quant``, its row geometry in bytes, the lanes sharing one
         scale, the element format's numbers (``MINIFLOATS``), whether the element codec is the
-        software one, the flush threshold's log2, and whether the kernel encodes a rank's own rows
-        where it sums them (``encode_own_rows``)."""
+        software one, the flush threshold's log2, and whether the kernel quantizes a rank's own rows
+        where it sums them (``encode_own_rows``: adds them as they would decode)."""
         q = self.quant
         element = MINIFLOATS.get(q.element) if q.quantized else None
         return {
@@ -625,7 +625,7 @@ class KernelSpec:
             # fp4 has no hardware convert anywhere; fp8 takes one only where traits say it is verified
             "wire_software_codec": element is not None and not (q.element == "fp8" and self.traits.hw_fp8_convert),
             "wire_flush_log2": COMBINE_FLUSH_LOG2,
-            # the normal family's combine reads a rank's own rows as bf16 and encodes them itself
+            # the normal family's combine reads a rank's own rows as bf16 and adds them as they would decode
             "encode_own_rows": q.quantized and self.op is Op.COMBINE,
         }
 

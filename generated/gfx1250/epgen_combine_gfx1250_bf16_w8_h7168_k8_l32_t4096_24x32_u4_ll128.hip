@@ -373,8 +373,8 @@ EP_DEVICE void ep_wire_add(float* acc, const ep_wire& w, float s) {
 // causality order through the stream's kernel order; LLVM AMDGPUUsage: a system-scope release
 // writes back the whole L2 on GFX942/GFX950 and GFX125x). Every block waits for all peers' signals
 // before it reads; no block waits for another block of its own grid. With a quantized wire a
-// rank's own rows are read as bf16 (io.y, row send_slot[t, rank]) and encoded in registers where
-// they are summed (io.y = 0: its own wire rows, as peers read them). A token that reached no rank
+// rank's own rows are read as bf16 (io.y, row send_slot[t, rank]) and added, in registers, as their
+// wire rows would decode (io.y = 0: its own wire rows, as peers read them). A token that reached no rank
 // gets zeros. Work items are (token, chunk) pairs spread over every warp of the grid, so a few
 // tokens still keep many peer reads in flight; each item loads kFanIn source rows before
 // accumulating.

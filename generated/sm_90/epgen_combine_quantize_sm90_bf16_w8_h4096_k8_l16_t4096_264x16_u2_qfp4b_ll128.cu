@@ -493,7 +493,7 @@ EP_DEVICE void ep_wire_add(float* acc, const ep_wire& w, float s) {
 // The wire rows peers read: for every received row r < num_recv that came from another rank
 // (recv_src[r] = (s, t), s != rank), wire[r] = the row of y, encoded as the combine wire carries it
 // (the codes, then the block scales). The rank's own rows stay bf16 in y, where the combine reads
-// and encodes them itself. y is read in place (io.y, io.y_rows rows); a row past y is written as
+// them and adds them as they would decode. y is read in place (io.y, io.y_rows rows); a row past y is written as
 // zeros (the combine reports the short input). Work items are (row, chunk) pairs over every warp
 // of the grid; each loads its whole chunk before encoding it, so a warp keeps kUnroll 16-byte
 // loads in flight. Nothing here waits: the combine after it on the stream starts when it ends.
