@@ -150,9 +150,9 @@ EP_DEVICE void ep_f16x2_to_f32(ep_u32 h, float& lo, float& hi) {
   lo = (float)__builtin_bit_cast(_Float16, (unsigned short)(h & 0xffffu));
   hi = (float)__builtin_bit_cast(_Float16, (unsigned short)(h >> 16));
 }
-// Byte n of the result = byte (bits 4n..4n+2 of sel) of the 8 bytes {hi, lo}, lo's first, as
-// NVIDIA's PRMT: v_perm_b32 takes one selector byte a result byte (0-3: its second source's bytes,
-// 4-7: its first's; AMD Instinct MI300 ISA, V_PERM_B32), so the nibbles spread to bytes first.
+// Byte n of the result = byte (nibble n of sel, each below 8) of the 8 bytes {hi, lo}, lo's first,
+// as NVIDIA's PRMT: v_perm_b32 takes one selector byte a result byte (0-3: its second source's
+// bytes, 4-7: its first's; AMD Instinct MI300 ISA, V_PERM_B32), so the nibbles spread to bytes first.
 EP_DEVICE ep_u32 ep_byte_perm(ep_u32 lo, ep_u32 hi, ep_u32 sel) {
   const ep_u32 n = sel & 0x7777u;
   return __builtin_amdgcn_perm(hi, lo, (n & 0xfu) | ((n & 0xf0u) << 4) | ((n & 0xf00u) << 8) | ((n & 0xf000u) << 12));
@@ -166,6 +166,8 @@ EP_DEVICE float ep_mul_rn(float a, float b) {  // rounded: never fused into an F
 #pragma clang fp contract(off)
   return a * b;
 }
+EP_DEVICE float ep_fabs(float x) { return __builtin_fabsf(x); }
+EP_DEVICE float ep_fma_rn(float a, float b, float c) { return __builtin_fmaf(a, b, c); }  // fl(a b + c), one rounding
 EP_DEVICE ep_u32 ep_bf16_bits(float f) {
   const ep_u32 u = __builtin_bit_cast(ep_u32, f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
@@ -346,11 +348,12 @@ EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag,
 }
 // ---- combine wire: fp4_blockwise ----
 // Each rank's received rows from other ranks become wire rows in its own arena (the quantize
-// kernel, or the expert layout's fold), which those ranks read; its own rows are encoded and
-// decoded in registers where they are summed.
+// kernel, or the expert layout's fold), which those ranks read; its own rows are added where
+// they are summed as their wire rows would decode, in registers.
 // Wire row: fp4 codes (2048 bytes), then
 // 128 float32 scales at byte 2048, one per 32 elements (the last block may be
-// partial): s = fl(block amax / 6), 1 when amax < 2^-80; code = encode(fl(x / s)); dq = fl(decode(code) * s).
+// partial): s = fl(block amax / 6), 1 when amax < 2^-80, NaN for a block holding a NaN or an
+// infinity; code = encode(fl(x / s)); dq = fl(decode(code) * s).
 // Reference, bit for bit: epgen.quant.combine_roundtrip("fp4_blockwise", ...).
 constexpr ep_u64 kOffCombineSrc = kOffCombineWire;
 constexpr int kSrcRowBytes = 2560;
@@ -363,46 +366,65 @@ static_assert(kWave % kLanesPerScale == 0, "a scale block must not straddle wave
 // normal binade's), lies on a grid of step 2^(E - 1). With k = 2^(E + 23 - 1), a + k lies in
 // [k, 2k], where float32's step is that same 2^(E - 1): fl(a + k) rounds a to the grid, to
 // nearest even (k is an even multiple of the step), fl(a + k) - k is exact, and the float32 bits
-// of fl(a + k) less those of k count the steps. Returns fl(a + k); t gets E's float32 exponent
-// field, clamped (k's bits are t + 0xb000000). A float32-subnormal a rounds to 0 with or
+// of fl(a + k) less those of k count the steps. Returns fl(|q| + k) for a = |q|; t gets E's
+// float32 exponent field, clamped (k's bits are t + 0xb000000). A float32-subnormal a rounds to 0 with or
 // without -ftz=true; an a past the saturation (k's bits may overflow there) and NaN are the
-// callers' selects. Plain IEEE float operations: neither runtime compiler reassociates without
+// callers' concern. Plain IEEE float operations: neither runtime compiler reassociates without
 // fast-math, which neither is given.
-EP_DEVICE float ep_grid_sum(float a, ep_u32& t) {
-  const ep_u32 binade = ep_float_to_bits(a) & 0x7f800000u;
+EP_DEVICE float ep_grid_sum(float q, ep_u32& t) {
+  const ep_u32 binade = ep_float_to_bits(q) & 0x7f800000u;
   t = binade > 0x3f800000u ? binade : 0x3f800000u;
-  return a + ep_bits_to_float(t + 0xb000000u);
+  return ep_fabs(q) + ep_bits_to_float(t + 0xb000000u);
 }
-// Saturating round-to-nearest-even float -> sign-magnitude code: the steps above k plus the codes
-// of the binades below E, 0x7 past 6, NaN -> 0x0 (the format has no NaN).
-EP_DEVICE ep_u32 ep_grid_code(float x) {
-  const ep_u32 u = ep_float_to_bits(x);
-  const float a = ep_bits_to_float(u & 0x7fffffffu);
-  ep_u32 t;
-  const ep_u32 steps = ep_float_to_bits(ep_grid_sum(a, t)) - (t + 0xb000000u);
-  const ep_u32 code = steps + ((t - 0x3f800000u) >> 22);
-  return (a > 6.0f ? 0x7u : a == a ? code : 0x0u) | ((u >> 31) << 3);
-}
-// decode(encode(q)) as a float: fl(a + k) - k, 6 past the saturation, NaN to 0 (code 0), q's sign.
+// decode(encode(q)) as a float for a quotient q = fl(x / s) of a scaled wire, q's sign: fl(a + k) - k.
+// With s = fl(amax / 6), |q| <= 6 (1 + 2^-22), which rounds to at most 6: no saturation; a
+// NaN q comes with a NaN scale (ep_wire_encode_scale) and stays NaN.
 EP_DEVICE float ep_grid_round(float q) {
   const ep_u32 u = ep_float_to_bits(q);
-  const float a = ep_bits_to_float(u & 0x7fffffffu);
   ep_u32 t;
-  const float r = ep_grid_sum(a, t) - ep_bits_to_float(t + 0xb000000u);
-  const float m = a > 6.0f ? 6.0f : (a == a ? r : 0.0f);
-  return ep_bits_to_float(ep_float_to_bits(m) | (u & 0x80000000u));
+  const float r = ep_grid_sum(q, t) - ep_bits_to_float(t + 0xb000000u);
+  return ep_bits_to_float(ep_float_to_bits(r) | (u & 0x80000000u));
 }
 // fp4 e2m1 (OCP MX): bias 1, magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}, no NaN; decode is exact.
-EP_DEVICE ep_u32 ep_e2m1(float x) { return ep_grid_code(x); }
-// Two codes (the first in bits 0-3) -> floats, exact. The binary16 bits of the magnitudes
-// {0, 0.5, 1, 1.5, 2, 3, 4, 6} are their high bytes alone (0x00, 0x38, 0x3c, 0x3e, 0x40, 0x42, 0x44, 0x46): one byte
-// permutation picks both codes' from that table into the high bytes of an f16 pair (selector
-// nibbles 1 and 3; nibbles 0 and 2 pick code 0's byte, 0x00), the signs go to bits 15 and 31, and
-// the pair widens to float32. Each multiplication places both codes' bits at once (its terms do not
-// overlap but in bits 8-11, where c0 + c1 < 16: no carry).
-EP_DEVICE void ep_decode_pair(ep_u32 codes, float& lo, float& hi) {
-  const ep_u32 sel = ((codes & 0x77u) * 0x110u) & 0xf0f0u;
-  const ep_u32 sign = ((codes & 0x88u) * 0x1001000u) & 0x80008000u;
+// The magnitude code of x as the float32 bits of 2^23 + code: the least of three lines, one a
+// binade, each rounded to an integer by one float32 operation that adds 2^23 (where float32's
+// step is 1: to nearest even), a = |x|: 2a (codes 0-4 up to 2, step 0.5), a + 2 (codes 4-6 on
+// [2, 4]), a / 2 + 4 (codes 6-7 on [4, 6]), and 7 (the saturation). Each line is at least the code
+// elsewhere and rounding is monotone, the offsets even, so the least rounded line is the rounded
+// code; the products are by powers of two, so exact. NaN and infinity saturate (a block holding
+// one has a NaN scale: _block_scale.j2).
+EP_DEVICE ep_u32 ep_e2m1_magnitude(float x) {
+  const float a = ep_fabs(x);
+  const ep_u32 l1 = ep_float_to_bits(ep_fma_rn(a, 2.0f, 0x1p23f));
+  const ep_u32 l2 = ep_float_to_bits(a + 0x1.000004p23f);
+  const ep_u32 l3 = ep_float_to_bits(ep_fma_rn(a, 0.5f, 0x1.000008p23f));
+  const ep_u32 m = l1 < l2 ? l1 : l2;
+  const ep_u32 n = m < l3 ? m : l3;
+  return n < 0x4b000007u ? n : 0x4b000007u;
+}
+// The sign bits of a vector v of 8 bf16 elements where their codes hold them, element k's at bit
+// 4k + 3 (element 2j in byte j's low nibble): from the bytes holding the signs (the high byte of
+// each bf16), one byte permutation takes those of elements 1, 3, 0, 2 (sign bits 7, 15, 23, 31),
+// another those of 4, 6, 5, 7; elements 1, 3, 5, 7 are in place, and one funnel shift of the two
+// words by 20 puts 0, 2, 4, 6 at bits 3, 11, 19, 27. (The quotient x / s has x's sign: s > 0, or
+// NaN, which makes the whole block NaN.)
+EP_DEVICE ep_u32 ep_e2m1_signs(const ep_vec& v) {
+  const ep_u32 p = ep_byte_perm(ep_vec_word(v, 0), ep_vec_word(v, 1), 0x5173u);
+  const ep_u32 q = ep_byte_perm(ep_vec_word(v, 2), ep_vec_word(v, 3), 0x7351u);
+  return (p & 0x8080u) | (q & 0x80800000u) | (((p >> 20) | (q << 12)) & 0x08080808u);
+}
+// Codes 2j and 2j + 1 of a wire word (code k in bits 4k..4k+3: element 2j in byte j's low nibble)
+// -> floats, exact. The binary16 bits of the magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} are their
+// high bytes alone (0x00, 0x38, 0x3c, 0x3e, 0x40, 0x42, 0x44, 0x46): one byte permutation picks both codes' from that table
+// into the high bytes of an f16 pair (selector nibbles 1 and 3; nibbles 0 and 2 pick code 0's
+// byte, 0x00), the signs go to bits 15 and 31, and the pair widens to float32. With the word
+// shifted by 4, byte j holds code 2j's magnitude in bits 4-6 and its sign in bit 7, as the word's
+// own byte j holds code 2j + 1's: one permutation of the two (magnitudes masked) is the table's
+// selector, one of the two unmasked puts the signs in the bytes' top bits.
+EP_DEVICE void ep_decode_pair(ep_u32 word, int j, float& lo, float& hi) {
+  const ep_u32 shifted = word << 4;
+  const ep_u32 sel = ep_byte_perm(shifted & 0x70707070u, word & 0x70707070u, 0x4040u + 0x1111u * j);
+  const ep_u32 sign = ep_byte_perm(shifted, word, 0x4400u + 0x1111u * j) & 0x80008000u;
   ep_f16x2_to_f32(ep_byte_perm(0x3e3c3800u, 0x46444240u, sel) | sign, lo, hi);
 }
 // decode(encode(x)) for two floats, without forming codes where none is stored (a rank's own row,
@@ -411,7 +433,6 @@ EP_DEVICE void ep_roundtrip_pair(float lo, float hi, float& rlo, float& rhi) {
   rlo = ep_grid_round(lo);
   rhi = ep_grid_round(hi);
 }
-constexpr int kElementBits = 4;
 constexpr float kElementMax = 6.0f;
 
 // Element k of a vector of 8 bf16 (exact in float32).
@@ -423,8 +444,8 @@ EP_DEVICE float ep_bf16_element(const ep_vec& v, int k) {
 // The scale s of the block holding a lane's vector v (8 elements of a row). Every lane of the
 // wave calls it (the amax is a shuffle reduction), lanes past the row end with valid = false.
 EP_DEVICE float ep_wire_encode_scale(const ep_vec& v, bool valid) {
-  // amax as float32 bits: bf16 magnitudes order as unsigned integers, a NaN's above infinity's (so
-  // a NaN propagates, as in the reference); both halves of a word at once.
+  // amax as float32 bits: bf16 magnitudes order as unsigned integers, a NaN's above infinity's;
+  // both halves of a word at once.
   ep_u32 pair = 0u;
 #pragma unroll
   for (int w = 0; w < 4; ++w) pair = ep_max_u16x2(pair, valid ? ep_vec_word(v, w) & 0x7fff7fffu : 0u);
@@ -435,9 +456,11 @@ EP_DEVICE float ep_wire_encode_scale(const ep_vec& v, bool valid) {
     bits = other > bits ? other : bits;
   }
   const float amax = ep_bits_to_float(bits);
-  // s = fl(amax / max) as the reference; blocks with amax below 2^-80 (or NaN) take s = 1 and so
-  // travel as zeros (or NaN). Above it every quotient that can round to a nonzero code, and its
-  // division residual, are normal float32: exact under the runtime's -ftz=true.
+  // s = fl(amax / max) as the reference; blocks with amax below 2^-80 take s = 1 and so travel
+  // as zeros. Above it every quotient that can round to a nonzero code, and its division residual,
+  // are normal float32: exact under the runtime's -ftz=true. A block holding a NaN or an infinity
+  // (which the reference refuses) gets a NaN scale, so each of its elements decodes to NaN.
+  if (bits >= 0x7f800000u) return ep_bits_to_float(0x7fc00000u);
   return amax >= 0x1p-80f ? ep_div_rn(amax, kElementMax) : 1.0f;
 }
 // Element k of v as it is encoded: fl(x / s).
@@ -448,10 +471,12 @@ EP_DEVICE float ep_wire_quotient(const ep_vec& v, int k, float s) { return ep_di
 // stay packed in v and are unpacked one at a time, keeping registers for 1024 threads.
 EP_DEVICE ep_u32 ep_wire_encode(const ep_vec& v, bool valid, float& s) {
   s = ep_wire_encode_scale(v, valid);
-  ep_u32 codes = 0u;
+  // the 2^23 bits each magnitude carries cancel: elements 0 and 1's, 0x4b000000 (1 + 16); the
+  // others' shift out (mod 2^32)
+  ep_u32 codes = 0u - 0x4b000000u * 17u;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) codes |= ep_e2m1(ep_wire_quotient(v, k, s)) << (4 * k);  // element 2j in byte j's low nibble
-  return codes;
+  for (int k = 0; k < 8; ++k) codes += ep_e2m1_magnitude(ep_wire_quotient(v, k, s)) << (4 * k);  // element 2j in byte j's low nibble
+  return codes | ep_e2m1_signs(v);
 }
 
 typedef ep_u32 ep_wire;
@@ -491,7 +516,7 @@ EP_DEVICE void ep_wire_add(float* acc, const ep_wire& w, float s) {
 #pragma unroll
   for (int k = 0; k < 8; k += 2) {
     float lo, hi;
-    ep_decode_pair((ep_u32)(w >> (kElementBits * k)) & ((1u << (2 * kElementBits)) - 1u), lo, hi);
+    ep_decode_pair(w, k / 2, lo, hi);
     acc[k] += ep_mul_rn(lo, s);  // dq = fl(decode * s), as the reference, then the sum
     acc[k + 1] += ep_mul_rn(hi, s);
   }

@@ -150,9 +150,9 @@ EP_DEVICE void ep_f16x2_to_f32(ep_u32 h, float& lo, float& hi) {
   lo = (float)__builtin_bit_cast(_Float16, (unsigned short)(h & 0xffffu));
   hi = (float)__builtin_bit_cast(_Float16, (unsigned short)(h >> 16));
 }
-// Byte n of the result = byte (bits 4n..4n+2 of sel) of the 8 bytes {hi, lo}, lo's first, as
-// NVIDIA's PRMT: v_perm_b32 takes one selector byte a result byte (0-3: its second source's bytes,
-// 4-7: its first's; AMD Instinct MI300 ISA, V_PERM_B32), so the nibbles spread to bytes first.
+// Byte n of the result = byte (nibble n of sel, each below 8) of the 8 bytes {hi, lo}, lo's first,
+// as NVIDIA's PRMT: v_perm_b32 takes one selector byte a result byte (0-3: its second source's
+// bytes, 4-7: its first's; AMD Instinct MI300 ISA, V_PERM_B32), so the nibbles spread to bytes first.
 EP_DEVICE ep_u32 ep_byte_perm(ep_u32 lo, ep_u32 hi, ep_u32 sel) {
   const ep_u32 n = sel & 0x7777u;
   return __builtin_amdgcn_perm(hi, lo, (n & 0xfu) | ((n & 0xf0u) << 4) | ((n & 0xf00u) << 8) | ((n & 0xf000u) << 12));
@@ -166,6 +166,8 @@ EP_DEVICE float ep_mul_rn(float a, float b) {  // rounded: never fused into an F
 #pragma clang fp contract(off)
   return a * b;
 }
+EP_DEVICE float ep_fabs(float x) { return __builtin_fabsf(x); }
+EP_DEVICE float ep_fma_rn(float a, float b, float c) { return __builtin_fmaf(a, b, c); }  // fl(a b + c), one rounding
 EP_DEVICE ep_u32 ep_bf16_bits(float f) {
   const ep_u32 u = __builtin_bit_cast(ep_u32, f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
@@ -346,11 +348,12 @@ EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag,
 }
 // ---- combine wire: fp8_blockwise ----
 // Each rank's received rows from other ranks become wire rows in its own arena (the quantize
-// kernel, or the expert layout's fold), which those ranks read; its own rows are encoded and
-// decoded in registers where they are summed.
+// kernel, or the expert layout's fold), which those ranks read; its own rows are added where
+// they are summed as their wire rows would decode, in registers.
 // Wire row: fp8 codes (7168 bytes), then
 // 56 float32 scales at byte 7168, one per 128 elements (the last block may be
-// partial): s = fl(block amax / 448), 1 when amax < 2^-80; code = encode(fl(x / s)); dq = fl(decode(code) * s).
+// partial): s = fl(block amax / 448), 1 when amax < 2^-80, NaN for a block holding a NaN or an
+// infinity; code = encode(fl(x / s)); dq = fl(decode(code) * s).
 // Reference, bit for bit: epgen.quant.combine_roundtrip("fp8_blockwise", ...).
 constexpr ep_u64 kOffCombineSrc = kOffCombineWire;
 constexpr int kSrcRowBytes = 7392;
@@ -363,34 +366,34 @@ static_assert(kWave % kLanesPerScale == 0, "a scale block must not straddle wave
 // normal binade's), lies on a grid of step 2^(E - 3). With k = 2^(E + 23 - 3), a + k lies in
 // [k, 2k], where float32's step is that same 2^(E - 3): fl(a + k) rounds a to the grid, to
 // nearest even (k is an even multiple of the step), fl(a + k) - k is exact, and the float32 bits
-// of fl(a + k) less those of k count the steps. Returns fl(a + k); t gets E's float32 exponent
-// field, clamped (k's bits are t + 0xa000000). A float32-subnormal a rounds to 0 with or
+// of fl(a + k) less those of k count the steps. Returns fl(|q| + k) for a = |q|; t gets E's
+// float32 exponent field, clamped (k's bits are t + 0xa000000). A float32-subnormal a rounds to 0 with or
 // without -ftz=true; an a past the saturation (k's bits may overflow there) and NaN are the
-// callers' selects. Plain IEEE float operations: neither runtime compiler reassociates without
+// callers' concern. Plain IEEE float operations: neither runtime compiler reassociates without
 // fast-math, which neither is given.
-EP_DEVICE float ep_grid_sum(float a, ep_u32& t) {
-  const ep_u32 binade = ep_float_to_bits(a) & 0x7f800000u;
+EP_DEVICE float ep_grid_sum(float q, ep_u32& t) {
+  const ep_u32 binade = ep_float_to_bits(q) & 0x7f800000u;
   t = binade > 0x3c800000u ? binade : 0x3c800000u;
-  return a + ep_bits_to_float(t + 0xa000000u);
+  return ep_fabs(q) + ep_bits_to_float(t + 0xa000000u);
 }
 // Saturating round-to-nearest-even float -> sign-magnitude code: the steps above k plus the codes
 // of the binades below E, 0x7e past 448, NaN -> 0x7f.
 EP_DEVICE ep_u32 ep_grid_code(float x) {
   const ep_u32 u = ep_float_to_bits(x);
-  const float a = ep_bits_to_float(u & 0x7fffffffu);
+  const float a = ep_fabs(x);
   ep_u32 t;
-  const ep_u32 steps = ep_float_to_bits(ep_grid_sum(a, t)) - (t + 0xa000000u);
+  const ep_u32 steps = ep_float_to_bits(ep_grid_sum(x, t)) - (t + 0xa000000u);
   const ep_u32 code = steps + ((t - 0x3c800000u) >> 20);
   return (a > 448.0f ? 0x7eu : a == a ? code : 0x7fu) | ((u >> 31) << 7);
 }
-// decode(encode(q)) as a float: fl(a + k) - k, 448 past the saturation, NaN kept, q's sign.
+// decode(encode(q)) as a float for a quotient q = fl(x / s) of a scaled wire, q's sign: fl(a + k) - k.
+// With s = fl(amax / 448), |q| <= 448 (1 + 2^-22), which rounds to at most 448: no saturation; a
+// NaN q comes with a NaN scale (ep_wire_encode_scale) and stays NaN.
 EP_DEVICE float ep_grid_round(float q) {
   const ep_u32 u = ep_float_to_bits(q);
-  const float a = ep_bits_to_float(u & 0x7fffffffu);
   ep_u32 t;
-  const float r = ep_grid_sum(a, t) - ep_bits_to_float(t + 0xa000000u);
-  const float m = a > 448.0f ? 448.0f : r;
-  return ep_bits_to_float(ep_float_to_bits(m) | (u & 0x80000000u));
+  const float r = ep_grid_sum(q, t) - ep_bits_to_float(t + 0xa000000u);
+  return ep_bits_to_float(ep_float_to_bits(r) | (u & 0x80000000u));
 }
 // Exact sign-magnitude minifloat decode (kM mantissa, kE exponent bits, bias kBias) without
 // float32 subnormals, which the runtime's -ftz=true would flush: the integer significand n (the
@@ -406,8 +409,10 @@ EP_DEVICE float ep_decode_minifloat(ep_u32 c) {
 EP_DEVICE ep_u32 ep_e4m3x2(float lo, float hi) {
   return ep_grid_code(lo) | (ep_grid_code(hi) << 8);
 }
-// Two codes (the first in bits 0-7) -> floats, exact; 0x7F / 0xFF decode to NaN.
-EP_DEVICE void ep_decode_pair(ep_u32 codes, float& lo, float& hi) {
+// Codes 2j and 2j + 1 of a wire word (code k in bits 8k..8k+7) -> floats, exact; 0x7F / 0xFF
+// decode to NaN.
+EP_DEVICE void ep_decode_pair(ep_u64 word, int j, float& lo, float& hi) {
+  const ep_u32 codes = (ep_u32)(word >> (16 * j)) & 0xffffu;
   lo = (codes & 0x7fu) == 0x7fu ? ep_bits_to_float(0x7fc00000u) : ep_decode_minifloat<3, 4, 7>(codes & 0xffu);
   hi = (codes & 0x7f00u) == 0x7f00u ? ep_bits_to_float(0x7fc00000u) : ep_decode_minifloat<3, 4, 7>(codes >> 8);
 }
@@ -417,7 +422,6 @@ EP_DEVICE void ep_roundtrip_pair(float lo, float hi, float& rlo, float& rhi) {
   rlo = ep_grid_round(lo);
   rhi = ep_grid_round(hi);
 }
-constexpr int kElementBits = 8;
 constexpr float kElementMax = 448.0f;
 
 // Element k of a vector of 8 bf16 (exact in float32).
@@ -429,8 +433,8 @@ EP_DEVICE float ep_bf16_element(const ep_vec& v, int k) {
 // The scale s of the block holding a lane's vector v (8 elements of a row). Every lane of the
 // wave calls it (the amax is a shuffle reduction), lanes past the row end with valid = false.
 EP_DEVICE float ep_wire_encode_scale(const ep_vec& v, bool valid) {
-  // amax as float32 bits: bf16 magnitudes order as unsigned integers, a NaN's above infinity's (so
-  // a NaN propagates, as in the reference); both halves of a word at once.
+  // amax as float32 bits: bf16 magnitudes order as unsigned integers, a NaN's above infinity's;
+  // both halves of a word at once.
   ep_u32 pair = 0u;
 #pragma unroll
   for (int w = 0; w < 4; ++w) pair = ep_max_u16x2(pair, valid ? ep_vec_word(v, w) & 0x7fff7fffu : 0u);
@@ -441,9 +445,11 @@ EP_DEVICE float ep_wire_encode_scale(const ep_vec& v, bool valid) {
     bits = other > bits ? other : bits;
   }
   const float amax = ep_bits_to_float(bits);
-  // s = fl(amax / max) as the reference; blocks with amax below 2^-80 (or NaN) take s = 1 and so
-  // travel as zeros (or NaN). Above it every quotient that can round to a nonzero code, and its
-  // division residual, are normal float32: exact under the runtime's -ftz=true.
+  // s = fl(amax / max) as the reference; blocks with amax below 2^-80 take s = 1 and so travel
+  // as zeros. Above it every quotient that can round to a nonzero code, and its division residual,
+  // are normal float32: exact under the runtime's -ftz=true. A block holding a NaN or an infinity
+  // (which the reference refuses) gets a NaN scale, so each of its elements decodes to NaN.
+  if (bits >= 0x7f800000u) return ep_bits_to_float(0x7fc00000u);
   return amax >= 0x1p-80f ? ep_div_rn(amax, kElementMax) : 1.0f;
 }
 // Element k of v as it is encoded: fl(x / s).
@@ -498,7 +504,7 @@ EP_DEVICE void ep_wire_add(float* acc, const ep_wire& w, float s) {
 #pragma unroll
   for (int k = 0; k < 8; k += 2) {
     float lo, hi;
-    ep_decode_pair((ep_u32)(w >> (kElementBits * k)) & ((1u << (2 * kElementBits)) - 1u), lo, hi);
+    ep_decode_pair(w, k / 2, lo, hi);
     acc[k] += ep_mul_rn(lo, s);  // dq = fl(decode * s), as the reference, then the sum
     acc[k + 1] += ep_mul_rn(hi, s);
   }

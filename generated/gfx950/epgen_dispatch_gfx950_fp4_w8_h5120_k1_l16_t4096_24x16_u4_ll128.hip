@@ -150,9 +150,9 @@ EP_DEVICE void ep_f16x2_to_f32(ep_u32 h, float& lo, float& hi) {
   lo = (float)__builtin_bit_cast(_Float16, (unsigned short)(h & 0xffffu));
   hi = (float)__builtin_bit_cast(_Float16, (unsigned short)(h >> 16));
 }
-// Byte n of the result = byte (bits 4n..4n+2 of sel) of the 8 bytes {hi, lo}, lo's first, as
-// NVIDIA's PRMT: v_perm_b32 takes one selector byte a result byte (0-3: its second source's bytes,
-// 4-7: its first's; AMD Instinct MI300 ISA, V_PERM_B32), so the nibbles spread to bytes first.
+// Byte n of the result = byte (nibble n of sel, each below 8) of the 8 bytes {hi, lo}, lo's first,
+// as NVIDIA's PRMT: v_perm_b32 takes one selector byte a result byte (0-3: its second source's
+// bytes, 4-7: its first's; AMD Instinct MI300 ISA, V_PERM_B32), so the nibbles spread to bytes first.
 EP_DEVICE ep_u32 ep_byte_perm(ep_u32 lo, ep_u32 hi, ep_u32 sel) {
   const ep_u32 n = sel & 0x7777u;
   return __builtin_amdgcn_perm(hi, lo, (n & 0xfu) | ((n & 0xf0u) << 4) | ((n & 0xf00u) << 8) | ((n & 0xf000u) << 12));
@@ -166,6 +166,8 @@ EP_DEVICE float ep_mul_rn(float a, float b) {  // rounded: never fused into an F
 #pragma clang fp contract(off)
   return a * b;
 }
+EP_DEVICE float ep_fabs(float x) { return __builtin_fabsf(x); }
+EP_DEVICE float ep_fma_rn(float a, float b, float c) { return __builtin_fmaf(a, b, c); }  // fl(a b + c), one rounding
 EP_DEVICE ep_u32 ep_bf16_bits(float f) {
   const ep_u32 u = __builtin_bit_cast(ep_u32, f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;

@@ -120,6 +120,8 @@ EP_DEVICE float ep_bits_to_float(ep_u32 u) { return __uint_as_float(u); }
 EP_DEVICE ep_u32 ep_float_to_bits(float f) { return __float_as_uint(f); }
 EP_DEVICE int ep_rint(float x) { return __float2int_rn(x); }
 EP_DEVICE float ep_mul_rn(float a, float b) { return __fmul_rn(a, b); }  // rounded: never fused into an FMA
+EP_DEVICE float ep_fabs(float x) { return fabsf(x); }
+EP_DEVICE float ep_fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }  // fl(a b + c), one rounding
 // Per 16-bit half, the larger unsigned value (PTX ISA 8.0, sm_90+: max.u16x2).
 EP_DEVICE ep_u32 ep_max_u16x2(ep_u32 a, ep_u32 b) {
   ep_u32 r;
@@ -149,9 +151,14 @@ EP_DEVICE void ep_f16x2_to_f32(ep_u32 h, float& lo, float& hi) {
   asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(h & 0xffffu)));
   asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(h >> 16)));
 }
-// Byte n of the result = byte (bits 4n..4n+2 of sel) of the 8 bytes {hi, lo}, lo's first (PRMT;
-// CUDA C++ Programming Guide, __byte_perm).
-EP_DEVICE ep_u32 ep_byte_perm(ep_u32 lo, ep_u32 hi, ep_u32 sel) { return __byte_perm(lo, hi, sel); }
+// Byte n of the result = byte (nibble n of sel, each below 8) of the 8 bytes {hi, lo}, lo's first
+// (PTX ISA, prmt.b32 in its default mode; a nibble's bit 3 would replicate the byte's sign instead).
+// Not __byte_perm, which masks sel to those bits first: one more instruction for a dynamic sel.
+EP_DEVICE ep_u32 ep_byte_perm(ep_u32 lo, ep_u32 hi, ep_u32 sel) {
+  ep_u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(sel));
+  return r;
+}
 // Two fp8 e4m3 codes (lo in bits 0-7) -> floats, exact: through f16x2, where every e4m3 value,
 // subnormals included, is a normal f16.
 EP_DEVICE void ep_e4m3x2_decode_hw(ep_u32 codes, float& lo, float& hi) {

@@ -120,6 +120,8 @@ EP_DEVICE float ep_bits_to_float(ep_u32 u) { return __uint_as_float(u); }
 EP_DEVICE ep_u32 ep_float_to_bits(float f) { return __float_as_uint(f); }
 EP_DEVICE int ep_rint(float x) { return __float2int_rn(x); }
 EP_DEVICE float ep_mul_rn(float a, float b) { return __fmul_rn(a, b); }  // rounded: never fused into an FMA
+EP_DEVICE float ep_fabs(float x) { return fabsf(x); }
+EP_DEVICE float ep_fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }  // fl(a b + c), one rounding
 // Per 16-bit half, the larger unsigned value (PTX ISA 8.0, sm_90+: max.u16x2).
 EP_DEVICE ep_u32 ep_max_u16x2(ep_u32 a, ep_u32 b) {
   ep_u32 r;
@@ -149,9 +151,14 @@ EP_DEVICE void ep_f16x2_to_f32(ep_u32 h, float& lo, float& hi) {
   asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(h & 0xffffu)));
   asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(h >> 16)));
 }
-// Byte n of the result = byte (bits 4n..4n+2 of sel) of the 8 bytes {hi, lo}, lo's first (PRMT;
-// CUDA C++ Programming Guide, __byte_perm).
-EP_DEVICE ep_u32 ep_byte_perm(ep_u32 lo, ep_u32 hi, ep_u32 sel) { return __byte_perm(lo, hi, sel); }
+// Byte n of the result = byte (nibble n of sel, each below 8) of the 8 bytes {hi, lo}, lo's first
+// (PTX ISA, prmt.b32 in its default mode; a nibble's bit 3 would replicate the byte's sign instead).
+// Not __byte_perm, which masks sel to those bits first: one more instruction for a dynamic sel.
+EP_DEVICE ep_u32 ep_byte_perm(ep_u32 lo, ep_u32 hi, ep_u32 sel) {
+  ep_u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(sel));
+  return r;
+}
 // Two fp8 e4m3 codes (lo in bits 0-7) -> floats, exact: through f16x2, where every e4m3 value,
 // subnormals included, is a normal f16.
 EP_DEVICE void ep_e4m3x2_decode_hw(ep_u32 codes, float& lo, float& hi) {
@@ -338,11 +345,12 @@ EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag,
 }
 // ---- combine wire: fp8_blockwise ----
 // Each rank's received rows from other ranks become wire rows in its own arena (the quantize
-// kernel, or the expert layout's fold), which those ranks read; its own rows are encoded and
-// decoded in registers where they are summed.
+// kernel, or the expert layout's fold), which those ranks read; its own rows are added where
+// they are summed as their wire rows would decode, in registers.
 // Wire row: fp8 codes (4096 bytes), then
 // 32 float32 scales at byte 4096, one per 128 elements (the last block may be
-// partial): s = fl(block amax / 448), 1 when amax < 2^-80; code = encode(fl(x / s)); dq = fl(decode(code) * s).
+// partial): s = fl(block amax / 448), 1 when amax < 2^-80, NaN for a block holding a NaN or an
+// infinity; code = encode(fl(x / s)); dq = fl(decode(code) * s).
 // Reference, bit for bit: epgen.quant.combine_roundtrip("fp8_blockwise", ...).
 constexpr ep_u64 kOffCombineSrc = kOffCombineWire;
 constexpr int kSrcRowBytes = 4224;
@@ -354,8 +362,10 @@ static_assert(kWave % kLanesPerScale == 0, "a scale block must not straddle wave
 EP_DEVICE ep_u32 ep_e4m3x2(float lo, float hi) {
   return ep_e4m3x2_hw(lo, hi);
 }
-// Two codes (the first in bits 0-7) -> floats, exact; 0x7F / 0xFF decode to NaN.
-EP_DEVICE void ep_decode_pair(ep_u32 codes, float& lo, float& hi) {
+// Codes 2j and 2j + 1 of a wire word (code k in bits 8k..8k+7) -> floats, exact; 0x7F / 0xFF
+// decode to NaN.
+EP_DEVICE void ep_decode_pair(ep_u64 word, int j, float& lo, float& hi) {
+  const ep_u32 codes = (ep_u32)(word >> (16 * j)) & 0xffffu;
   ep_e4m3x2_decode_hw(codes, lo, hi);
 }
 // decode(encode(x)) for two floats, without forming codes where none is stored (a rank's own row,
@@ -364,7 +374,6 @@ EP_DEVICE void ep_decode_pair(ep_u32 codes, float& lo, float& hi) {
 EP_DEVICE void ep_roundtrip_pair(float lo, float hi, float& rlo, float& rhi) {
   ep_e4m3x2_decode_hw(ep_e4m3x2_hw(lo, hi), rlo, rhi);
 }
-constexpr int kElementBits = 8;
 constexpr float kElementMax = 448.0f;
 
 // Element k of a vector of 8 bf16 (exact in float32).
@@ -376,8 +385,8 @@ EP_DEVICE float ep_bf16_element(const ep_vec& v, int k) {
 // The scale s of the block holding a lane's vector v (8 elements of a row). Every lane of the
 // wave calls it (the amax is a shuffle reduction), lanes past the row end with valid = false.
 EP_DEVICE float ep_wire_encode_scale(const ep_vec& v, bool valid) {
-  // amax as float32 bits: bf16 magnitudes order as unsigned integers, a NaN's above infinity's (so
-  // a NaN propagates, as in the reference); both halves of a word at once.
+  // amax as float32 bits: bf16 magnitudes order as unsigned integers, a NaN's above infinity's;
+  // both halves of a word at once.
   ep_u32 pair = 0u;
 #pragma unroll
   for (int w = 0; w < 4; ++w) pair = ep_max_u16x2(pair, valid ? ep_vec_word(v, w) & 0x7fff7fffu : 0u);
@@ -388,9 +397,11 @@ EP_DEVICE float ep_wire_encode_scale(const ep_vec& v, bool valid) {
     bits = other > bits ? other : bits;
   }
   const float amax = ep_bits_to_float(bits);
-  // s = fl(amax / max) as the reference; blocks with amax below 2^-80 (or NaN) take s = 1 and so
-  // travel as zeros (or NaN). Above it every quotient that can round to a nonzero code, and its
-  // division residual, are normal float32: exact under the runtime's -ftz=true.
+  // s = fl(amax / max) as the reference; blocks with amax below 2^-80 take s = 1 and so travel
+  // as zeros. Above it every quotient that can round to a nonzero code, and its division residual,
+  // are normal float32: exact under the runtime's -ftz=true. A block holding a NaN or an infinity
+  // (which the reference refuses) gets a NaN scale, so each of its elements decodes to NaN.
+  if (bits >= 0x7f800000u) return ep_bits_to_float(0x7fc00000u);
   return amax >= 0x1p-80f ? ep_div_rn(amax, kElementMax) : 1.0f;
 }
 // Element k of v as it is encoded: fl(x / s).
@@ -445,7 +456,7 @@ EP_DEVICE void ep_wire_add(float* acc, const ep_wire& w, float s) {
 #pragma unroll
   for (int k = 0; k < 8; k += 2) {
     float lo, hi;
-    ep_decode_pair((ep_u32)(w >> (kElementBits * k)) & ((1u << (2 * kElementBits)) - 1u), lo, hi);
+    ep_decode_pair(w, k / 2, lo, hi);
     acc[k] += ep_mul_rn(lo, s);  // dq = fl(decode * s), as the reference, then the sum
     acc[k + 1] += ep_mul_rn(hi, s);
   }

@@ -120,6 +120,8 @@ EP_DEVICE float ep_bits_to_float(ep_u32 u) { return __uint_as_float(u); }
 EP_DEVICE ep_u32 ep_float_to_bits(float f) { return __float_as_uint(f); }
 EP_DEVICE int ep_rint(float x) { return __float2int_rn(x); }
 EP_DEVICE float ep_mul_rn(float a, float b) { return __fmul_rn(a, b); }  // rounded: never fused into an FMA
+EP_DEVICE float ep_fabs(float x) { return fabsf(x); }
+EP_DEVICE float ep_fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }  // fl(a b + c), one rounding
 // Per 16-bit half, the larger unsigned value (PTX ISA 8.0, sm_90+: max.u16x2).
 EP_DEVICE ep_u32 ep_max_u16x2(ep_u32 a, ep_u32 b) {
   ep_u32 r;
@@ -149,9 +151,14 @@ EP_DEVICE void ep_f16x2_to_f32(ep_u32 h, float& lo, float& hi) {
   asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(h & 0xffffu)));
   asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(h >> 16)));
 }
-// Byte n of the result = byte (bits 4n..4n+2 of sel) of the 8 bytes {hi, lo}, lo's first (PRMT;
-// CUDA C++ Programming Guide, __byte_perm).
-EP_DEVICE ep_u32 ep_byte_perm(ep_u32 lo, ep_u32 hi, ep_u32 sel) { return __byte_perm(lo, hi, sel); }
+// Byte n of the result = byte (nibble n of sel, each below 8) of the 8 bytes {hi, lo}, lo's first
+// (PTX ISA, prmt.b32 in its default mode; a nibble's bit 3 would replicate the byte's sign instead).
+// Not __byte_perm, which masks sel to those bits first: one more instruction for a dynamic sel.
+EP_DEVICE ep_u32 ep_byte_perm(ep_u32 lo, ep_u32 hi, ep_u32 sel) {
+  ep_u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(sel));
+  return r;
+}
 // Two fp8 e4m3 codes (lo in bits 0-7) -> floats, exact: through f16x2, where every e4m3 value,
 // subnormals included, is a normal f16.
 EP_DEVICE void ep_e4m3x2_decode_hw(ep_u32 codes, float& lo, float& hi) {
@@ -338,8 +345,8 @@ EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag,
 }
 // ---- combine wire: fp8_direct_cast ----
 // Each rank's received rows from other ranks become wire rows in its own arena (the quantize
-// kernel, or the expert layout's fold), which those ranks read; its own rows are encoded and
-// decoded in registers where they are summed.
+// kernel, or the expert layout's fold), which those ranks read; its own rows are added where
+// they are summed as their wire rows would decode, in registers.
 // Wire row: fp8 codes (4096 bytes), a saturating cast, no scales.
 // Reference, bit for bit: epgen.quant.combine_roundtrip("fp8_direct_cast", ...).
 constexpr ep_u64 kOffCombineSrc = kOffCombineWire;
@@ -350,8 +357,10 @@ constexpr int kWireScaleOffset = 4096;
 EP_DEVICE ep_u32 ep_e4m3x2(float lo, float hi) {
   return ep_e4m3x2_hw(lo, hi);
 }
-// Two codes (the first in bits 0-7) -> floats, exact; 0x7F / 0xFF decode to NaN.
-EP_DEVICE void ep_decode_pair(ep_u32 codes, float& lo, float& hi) {
+// Codes 2j and 2j + 1 of a wire word (code k in bits 8k..8k+7) -> floats, exact; 0x7F / 0xFF
+// decode to NaN.
+EP_DEVICE void ep_decode_pair(ep_u64 word, int j, float& lo, float& hi) {
+  const ep_u32 codes = (ep_u32)(word >> (16 * j)) & 0xffffu;
   ep_e4m3x2_decode_hw(codes, lo, hi);
 }
 // decode(encode(x)) for two floats, without forming codes where none is stored (a rank's own row,
@@ -360,7 +369,6 @@ EP_DEVICE void ep_decode_pair(ep_u32 codes, float& lo, float& hi) {
 EP_DEVICE void ep_roundtrip_pair(float lo, float hi, float& rlo, float& rhi) {
   ep_e4m3x2_decode_hw(ep_e4m3x2_hw(lo, hi), rlo, rhi);
 }
-constexpr int kElementBits = 8;
 constexpr float kElementMax = 448.0f;
 
 // Element k of a vector of 8 bf16 (exact in float32).
@@ -417,7 +425,7 @@ EP_DEVICE void ep_wire_add(float* acc, const ep_wire& w, float s) {
 #pragma unroll
   for (int k = 0; k < 8; k += 2) {
     float lo, hi;
-    ep_decode_pair((ep_u32)(w >> (kElementBits * k)) & ((1u << (2 * kElementBits)) - 1u), lo, hi);
+    ep_decode_pair(w, k / 2, lo, hi);
     acc[k] += ep_mul_rn(lo, s);  // dq = fl(decode * s), as the reference, then the sum
     acc[k + 1] += ep_mul_rn(hi, s);
   }

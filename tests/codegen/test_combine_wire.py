@@ -55,7 +55,6 @@ def test_printed_numbers_are_the_tables(arch, mode):
     q = COMBINE_QUANTS[mode]
     e = MINIFLOATS[q.element]
     assert float(_one(r"^constexpr float kElementMax = ([0-9.]+)f;$", text).group(1)) == e.max
-    assert int(_one(r"^constexpr int kElementBits = (\d+);$", text).group(1)) == e.bits
     assert int(_one(r"^constexpr int kSrcRowBytes = (\d+);$", text).group(1)) == q.wire_row_bytes(s.hidden)
     assert int(_one(r"^constexpr int kWireScaleOffset = (\d+);$", text).group(1)) == q.scale_offset(s.hidden)
     row = _one(r"^// Wire row: (\w+) codes \((\d+) bytes\)", text)
@@ -64,7 +63,7 @@ def test_printed_numbers_are_the_tables(arch, mode):
         assert int(_one(r"^constexpr int kLanesPerScale = (\d+);", text).group(1)) * 8 == q.block
         scales = _one(r"^// (\d+) float32 scales at byte (\d+), one per (\d+) elements", text)
         assert [int(g) for g in scales.groups()] == [q.scale_count(s.hidden), q.scale_offset(s.hidden), q.block]
-        header = _one(r"s = fl\(block amax / ([0-9.]+)\), 1 when amax < 2\^(-?\d+);", text)
+        header = _one(r"s = fl\(block amax / ([0-9.]+)\), 1 when amax < 2\^(-?\d+), NaN for a block holding a NaN", text)
         assert float(header.group(1)) == e.max and int(header.group(2)) == COMBINE_FLUSH_LOG2
         flush = _one(r"^  return amax >= (0x1p-?\d+)f \? ep_div_rn\(amax, kElementMax\) : 1\.0f;", text)
         assert float.fromhex(flush.group(1)) == 2.0**COMBINE_FLUSH_LOG2
@@ -77,23 +76,35 @@ def test_printed_numbers_are_the_tables(arch, mode):
         assert "ep_e4m3x2_decode_hw(ep_e4m3x2_hw(lo, hi), rlo, rhi)" in text  # own rows through the conversions
         return
     # the software codec: rounding to the grid by adding k (_codec.j2), the format's numbers printed
-    t = _one(r"t = binade > (0x[0-9a-f]+)u \? binade : \1u;\n  return a \+ ep_bits_to_float\(t \+ (0x[0-9a-f]+)u\);", text)
+    t = _one(r"t = binade > (0x[0-9a-f]+)u \? binade : \1u;\n  return ep_fabs\(q\) \+ ep_bits_to_float\(t \+ (0x[0-9a-f]+)u\);",
+             text)
     assert [int(g, 16) for g in t.groups()] == [(127 + e.emin) << 23, (23 - e.mbits) << 23]
-    code = _one(r"return \(a > ([0-9.]+)f \? (0x[0-9a-f]+)u : a == a \? code : (0x[0-9a-f]+)u\) \| \(\(u >> 31\) << (\d+)\);", text)
-    assert (float(code.group(1)), int(code.group(2), 16), int(code.group(3), 16), int(code.group(4))) == (
-        e.max, e.max_code, e.nan_code, e.sign_shift)
-    assert _one(r"const ep_u32 code = steps \+ \(\(t - (0x[0-9a-f]+)u\) >> (\d+)\);", text).groups() == (
-        "%#x" % ((127 + e.emin) << 23), str(23 - e.mbits))
-    value = _one(r"const float m = a > ([0-9.]+)f \? \1f : (.*);", text)
-    assert float(value.group(1)) == e.max and value.group(2) == ("r" if e.has_nan else "(a == a ? r : 0.0f)")
     assert "rlo = ep_grid_round(lo);" in text
-    if q.element == "fp4":  # integer decoder, no conversion
+    # a scaled wire's grid rounding has no saturation (its quotients stay within the format)
+    rounded = _one(r"^  return ep_bits_to_float\(ep_float_to_bits\((.*)\) \| \(u & 0x80000000u\)\);$", text).group(1)
+    assert rounded == ("r" if q.block else f"ep_fabs(q) > {e.max}f ? {e.max}f : r")
+    if q.element == "fp4":  # the lines' encoder and the integer decoder, no conversion
         hb = e.f16_high_bytes  # the decoder's binary16 table, both words printed
         words = ["%#010x" % sum(b << 8 * k for k, b in enumerate(hb[i:i + 4])) for i in (0, 4)]
-        assert not decodes and "template <int kM" not in text
+        assert not decodes and "template <int kM" not in text and "ep_grid_code" not in text
         assert f"ep_byte_perm({words[0]}u, {words[1]}u, sel) | sign, lo, hi);" in text
-        assert "ep_e2m1(float x) { return ep_grid_code(x); }" in text
+        # the decoder's selector and sign permutations tests/runtime/test_quant.py emulates
+        assert "ep_byte_perm(shifted & 0x70707070u, word & 0x70707070u, 0x4040u + 0x1111u * j)" in text
+        assert "ep_byte_perm(shifted, word, 0x4400u + 0x1111u * j) & 0x80008000u" in text
+        # the constants tests/runtime/test_quant.py's emulation of the encoder uses
+        assert "ep_fma_rn(a, 2.0f, 0x1p23f)" in text and "a + 0x1.000004p23f" in text
+        assert "ep_fma_rn(a, 0.5f, 0x1.000008p23f)" in text and "n < 0x4b000007u ? n : 0x4b000007u" in text
+        assert "ep_byte_perm(ep_vec_word(v, 0), ep_vec_word(v, 1), 0x5173u)" in text
+        assert "ep_byte_perm(ep_vec_word(v, 2), ep_vec_word(v, 3), 0x7351u)" in text
+        assert "(p & 0x8080u) | (q & 0x80800000u) | (((p >> 20) | (q << 12)) & 0x08080808u)" in text
+        assert "ep_u32 codes = 0u - 0x4b000000u * 17u;" in text
     else:
+        code = _one(r"return \(a > ([0-9.]+)f \? (0x[0-9a-f]+)u : a == a \? code : (0x[0-9a-f]+)u\) \| \(\(u >> 31\) << (\d+)\);",
+                    text)
+        assert (float(code.group(1)), int(code.group(2), 16), int(code.group(3), 16), int(code.group(4))) == (
+            e.max, e.max_code, e.nan_code, e.sign_shift)
+        assert _one(r"const ep_u32 code = steps \+ \(\(t - (0x[0-9a-f]+)u\) >> (\d+)\);", text).groups() == (
+            "%#x" % ((127 + e.emin) << 23), str(23 - e.mbits))
         assert {tuple(map(_int, a)) for a in decodes} == {(e.mbits, e.ebits, e.bias)}
         assert "return ep_grid_code(lo) | (ep_grid_code(hi) << 8);" in text
 

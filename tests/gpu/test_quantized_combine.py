@@ -120,6 +120,56 @@ def test_wire_rows_written_by_the_caller_give_the_same_output(world_size, mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp8_blockwise", "fp4_blockwise"])
+def test_a_block_holding_nan_or_infinity_arrives_as_nan(mode):
+    """A block of a received row holding a NaN or an infinity (which the reference refuses) has a
+    NaN scale: every element of that block of its token's output is NaN, whether the row came from
+    a peer (the quantize kernel) or is the token rank's own (rounded in registers); every other
+    element equals the output with those blocks zeroed, bit for bit."""
+    import torch
+
+    from epgen.codegen.dtypes import COMBINE_QUANTS
+    from epgen.verify import make_inputs, op_inputs
+
+    block = COMBINE_QUANTS[mode].block
+    tokens = [512, 300]
+    cfg, op = _op(2, mode, virtual=True)
+    inputs = make_inputs(cfg, tokens, "uniform", 11, device=op.device)
+    want_nan = [torch.zeros(n, cfg.hidden, dtype=torch.bool) for n in tokens]
+
+    def expert_stage(poison: bool):
+        """y of each received row from its source alone (both calls' rows may come in another
+        order); every 7th source token's row gets, in block (token * 5) mod blocks, a NaN, +inf or
+        -inf (poison) or zeros."""
+        outs = op.dispatch(*op_inputs(op, inputs))
+        ys = []
+        for r, o in zip(op.local_ranks, outs):
+            n = int(o.num_recv)
+            src = o.recv_src[:n].cpu()
+            y = (o.recv_x[:n].float() * (0.5 + r)).to(torch.bfloat16)
+            hit = ((src[:, 1] % 7) == 0).nonzero().flatten().tolist()
+            assert {int(src[i, 0]) for i in hit} == {0, 1}, "own and peer rows alike"
+            for i in hit:
+                s, tok = int(src[i, 0]), int(src[i, 1])
+                b = (tok * 5) % (cfg.hidden // block)
+                cols = slice(b * block, (b + 1) * block)
+                if poison:
+                    y[i, b * block + tok % block] = (float("nan"), float("inf"), -float("inf"))[tok % 3]
+                    want_nan[s][tok, cols] = True
+                else:
+                    y[i, cols] = 0
+            ys.append(y)
+        return [g.clone() for g in op.combine(op_arg(op, ys))]
+
+    got, ref = expert_stage(True), expert_stage(False)
+    for r in op.local_ranks:
+        g, f, m = got[r].cpu(), ref[r].cpu(), want_nan[r]
+        assert bool(m.any()) and bool(g[m].isnan().all()), f"rank {r}: a poisoned block's elements are not all NaN"
+        assert torch.equal(g[~m].view(torch.int16), f[~m].view(torch.int16)), f"rank {r}: other elements differ"
+    op.close()
+
+
+@pytest.mark.gpu
 def test_combine_wire_input_is_refused_where_it_cannot_serve():
     import torch
 

@@ -777,12 +777,13 @@ def test_quantizers_take_a_partial_last_block(hidden):
         assert dequantize(codes, scales).shape == (5, hidden)
 
 
-def _kernel_grid(q: torch.Tensor, element: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The software codec's rounding (templates/common/wire/_codec.j2) in float32 as the kernels
-    compute it: (ep_grid_code(q) as int32, ep_grid_round(q))."""
+def _kernel_grid(q: torch.Tensor, element: str, saturating: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The software codec's rounding to the grid (templates/common/wire/_codec.j2) in float32 as the
+    kernels compute it: (ep_grid_code(q) as int32, fp8's encoder; ep_grid_round(q), with the
+    saturation of an unscaled wire or without it, a scaled wire's)."""
     fmt = MINIFLOATS[element]
     u = q.view(torch.int32)
-    a = (u & 0x7FFFFFFF).view(torch.float32)
+    a = q.abs()
     emin_bits, step_bits = (127 + fmt.emin) << 23, (23 - fmt.mbits) << 23
     t = torch.maximum(u & 0x7F800000, torch.tensor(emin_bits, dtype=torch.int32))
     k = (t + step_bits).view(torch.float32)  # int32 wraps where the C++ u32 does: the same bits
@@ -791,9 +792,19 @@ def _kernel_grid(q: torch.Tensor, element: str) -> tuple[torch.Tensor, torch.Ten
     code = total.view(torch.int32) - (t + step_bits) + ((t - emin_bits) >> (23 - fmt.mbits))
     code = torch.where(a > fmt.max, fmt.max_code, torch.where(a == a, code, fmt.nan_code)) | (sign << fmt.sign_shift)
     r = total - k
-    m = torch.where(a > fmt.max, torch.tensor(fmt.max), r if fmt.has_nan else torch.where(a == a, r, 0.0))
+    m = torch.where(a > fmt.max, torch.tensor(fmt.max), r) if saturating else r
     value = (m.view(torch.int32) | (u & torch.tensor(-0x80000000, dtype=torch.int32))).view(torch.float32)
     return code, value
+
+
+def _kernel_e2m1_magnitude(q: torch.Tensor) -> torch.Tensor:
+    """ep_e2m1_magnitude(q) less 2^23's bits (templates/common/wire/_codec.j2), in float32 as the
+    kernels compute it (each line one rounding: 2a and a / 2 are exact, so a float32 add is the
+    FMA), as int32."""
+    a = q.abs()
+    lines = [(a * 2.0 + 2.0**23), (a + (2.0**23 + 2)), (a * 0.5 + (2.0**23 + 4))]
+    n = torch.stack([line.view(torch.int32) for line in lines]).amin(dim=0)
+    return torch.minimum(n, torch.tensor(0x4B000007, dtype=torch.int32)) - 0x4B000000
 
 
 def _grid_probes(element: str) -> torch.Tensor:
@@ -811,25 +822,66 @@ def _grid_probes(element: str) -> torch.Tensor:
     return torch.cat([near, -near, torch.linspace(-2 * fmt.max, 2 * fmt.max, 200001, dtype=torch.float32)])
 
 
-@pytest.mark.parametrize("element", ["fp8", "fp4"])
-def test_the_kernels_software_codec_equals_the_reference(element):
-    """The software codec's encoder (fp4 on every arch, fp8 where the arch has no conversion
-    instructions) and its grid rounding (the value a rank's own row adds where it is summed), in
-    float32 as the kernels compute them, equal the reference bit for bit on every probe of
-    ``_grid_probes``: ep_grid_code = encode, ep_grid_round = decode(encode); NaN gives the NaN code
-    (fp8) or 0 (fp4, which has none: the reference refuses NaN) and a NaN or +-0 value."""
-    fmt = MINIFLOATS[element]
-    encode, decode = (fp8_e4m3_encode, fp8_e4m3_decode) if element == "fp8" else (fp4_e2m1_encode, fp4_e2m1_decode)
+def _scaled_probes(element: str) -> torch.Tensor:
+    """The probes a scaled wire's quotient can be: |q| <= max (1 + 2^-22) (s = fl(amax / max))."""
     q = _grid_probes(element)
-    code, value = _kernel_grid(q, element)
+    return q[q.abs() <= MINIFLOATS[element].max * (1 + 2.0**-22)]
+
+
+@pytest.mark.parametrize("element", ["fp8", "fp4"])
+def test_the_kernels_grid_rounding_equals_the_reference(element):
+    """The software codec's grid rounding (the value a rank's own row adds where it is summed: fp4
+    on every arch, fp8 where the arch has no conversion instructions) in float32 as the kernels
+    compute it equals decode(encode(q)) of the reference bit for bit: on a scaled wire's quotients
+    without the saturation, on every probe of ``_grid_probes`` with it (fp8_direct_cast); and fp8's
+    encoder, ep_grid_code, equals encode on every probe, NaN giving the NaN code with its sign."""
+    encode, decode = (fp8_e4m3_encode, fp8_e4m3_decode) if element == "fp8" else (fp4_e2m1_encode, fp4_e2m1_decode)
+    q = _scaled_probes(element)
+    _, value = _kernel_grid(q, element, saturating=False)
+    assert torch.equal(value.view(torch.int32), decode(encode(q)).view(torch.int32))
+    if element == "fp4":
+        return  # fp4 has only a scaled wire, and its own encoder (the next test)
+    q = _grid_probes(element)
+    code, value = _kernel_grid(q, element, saturating=True)
     assert torch.equal(code.to(U8), encode(q))
     assert torch.equal(value.view(torch.int32), decode(encode(q)).view(torch.int32))
-    nan = torch.tensor([float("nan"), -float("nan")], dtype=torch.float32)
-    code, value = _kernel_grid(nan, element)
-    if fmt.has_nan:
-        assert code.tolist() == [fmt.nan_code, fmt.nan_code | 1 << fmt.sign_shift] and torch.isnan(value).all()
-    else:
-        assert code.tolist() == [0, 1 << fmt.sign_shift] and (value == 0).all()
+    code, value = _kernel_grid(torch.tensor([float("nan"), -float("nan")], dtype=torch.float32), element, True)
+    fmt = MINIFLOATS[element]
+    assert code.tolist() == [fmt.nan_code, fmt.nan_code | 1 << fmt.sign_shift] and torch.isnan(value).all()
+
+
+def _kernel_e2m1_signs(words: list[int]) -> int:
+    """ep_e2m1_signs of the 4 words (8 bf16, element 2j in word j's low half) as the kernels compute it."""
+    p = _byte_perm(words[0], words[1], 0x5173)
+    q = _byte_perm(words[2], words[3], 0x7351)
+    return (p & 0x8080) | (q & 0x80800000) | ((((p >> 20) | (q << 12)) & 0xFFFFFFFF) & 0x08080808)
+
+
+def test_the_kernels_fp4_encoder_equals_the_reference():
+    """The kernels' fp4 encoder (ep_wire_encode of templates/common/wire/fp4_blockwise.j2): the
+    least of its three lines is the reference's magnitude code on every probe (the magnitude is
+    exact on all 2^31 non-negative float32 too: one CPU run, tools/NOTES.md session 9), NaN and
+    infinity saturate to 7; and on random bf16 vectors with their quotients, the sign gather and the
+    packing (magnitudes with 2^23's bits cancelled mod 2^32) give the reference's packed codes."""
+    q = _grid_probes("fp4")
+    assert torch.equal(_kernel_e2m1_magnitude(q), (fp4_e2m1_encode(q) & 7).to(torch.int32))
+    special = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf")])
+    assert _kernel_e2m1_magnitude(special).tolist() == [7, 7, 7, 7]
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(4096, 8, generator=g) * torch.logspace(-3, 3, 8)).to(torch.bfloat16)
+    x[0] = torch.tensor([0.0, -0.0, 1.0, -1.0, 6.0, -6.0, 0.25, -0.25])
+    s = torch.rand(4096, 1, generator=g) * 100 + 1e-3
+    quotients = x.float() / s
+    words = (x.view(torch.int16).to(torch.int64) & 0xFFFF).view(-1, 4, 2)
+    words = (words[..., 0] | words[..., 1] << 16).tolist()
+    magnitudes = (_kernel_e2m1_magnitude(quotients) + 0x4B000000).tolist()
+    want = pack_fp4(fp4_e2m1_encode(quotients)).view(-1, 4).to(torch.int64)
+    for i in range(x.shape[0]):
+        codes = (0 - 0x4B000000 * 17) % 2**32
+        for k in range(8):
+            codes = (codes + (magnitudes[i][k] << 4 * k)) % 2**32
+        codes |= _kernel_e2m1_signs(words[i])
+        assert codes == sum(int(b) << 8 * j for j, b in enumerate(want[i])), i
 
 
 def _byte_perm(lo: int, hi: int, sel: int) -> int:
@@ -845,19 +897,28 @@ def _v_perm(src0: int, src1: int, sel: int) -> int:
 
 
 def test_the_kernels_fp4_decoder_permutes_an_f16_table():
-    """The kernels' fp4 decoder (templates/common/wire/_codec.j2) equals the reference on every
-    byte of two codes: the byte permutation of the binary16 table, the signs, the widening; and the
-    AMD form of the permutation (nibbles spread to v_perm_b32's selector bytes) equals NVIDIA's."""
+    """The kernels' fp4 decoder (ep_decode_pair of templates/common/wire/_codec.j2) equals the
+    reference for both codes of every byte value at each of a word's four pair positions (the other
+    bytes random): the selector and sign permutations of the word and its shift by 4, the byte
+    permutation of the binary16 table, the widening; and the AMD form of the table permutation
+    (nibbles spread to v_perm_b32's selector bytes) equals NVIDIA's."""
     fmt = MINIFLOATS["fp4"]
     hb = fmt.f16_high_bytes
     lo_table = sum(b << 8 * k for k, b in enumerate(hb[:4]))
     hi_table = sum(b << 8 * k for k, b in enumerate(hb[4:]))
-    for codes in range(256):
-        sel = ((codes & 0x77) * 0x110) & 0xF0F0
-        sign = ((codes & 0x88) * 0x1001000) & 0x80008000
-        h = _byte_perm(lo_table, hi_table, sel) | sign
-        n = sel & 0x7777
-        assert _v_perm(hi_table, lo_table, (n & 0xF) | (n & 0xF0) << 4 | (n & 0xF00) << 8 | (n & 0xF000) << 12) == h & 0x7FFF7FFF
-        got = torch.tensor([h & 0xFFFF, h >> 16], dtype=torch.int32).to(torch.int16).view(torch.float16).float()
-        want = fp4_e2m1_decode(torch.tensor([codes & 0xF, codes >> 4], dtype=U8))
-        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), codes
+    g = torch.Generator().manual_seed(16)
+    others = torch.randint(0, 2**32, (256, 4), generator=g, dtype=torch.int64).tolist()
+    for j in range(4):
+        for byte in range(256):
+            word = (others[byte][j] & ~(0xFF << 8 * j) | byte << 8 * j) & 0xFFFFFFFF
+            shifted = (word << 4) & 0xFFFFFFFF
+            sel = _byte_perm(shifted & 0x70707070, word & 0x70707070, 0x4040 + 0x1111 * j)
+            sign = _byte_perm(shifted, word, 0x4400 + 0x1111 * j) & 0x80008000
+            h = _byte_perm(lo_table, hi_table, sel) | sign
+            n = sel & 0x7777
+            assert n == sel & 0xFFFF, (j, byte)  # every selector nibble below 8: PRMT's default mode
+            v = (n & 0xF) | (n & 0xF0) << 4 | (n & 0xF00) << 8 | (n & 0xF000) << 12
+            assert _v_perm(hi_table, lo_table, v) == h & 0x7FFF7FFF
+            got = torch.tensor([h & 0xFFFF, h >> 16], dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+            want = fp4_e2m1_decode(torch.tensor([byte & 0xF, byte >> 4], dtype=U8))
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (j, byte)
