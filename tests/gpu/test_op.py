@@ -182,7 +182,11 @@ def test_resident_blocks_formula_equals_the_driver_across_block_sizes(op_name, w
     from epgen.codegen.render import render
     from epgen.loader import load_kernel
 
-    cfg = EpConfig.for_model("deepseek-v3", world_size=8, max_tokens_per_rank=TMAX, combine_quant="fp4_blockwise")
+    from epgen.codegen.spec import QUANTIZED_COMBINE_THREADS
+
+    # the fp4 wire's combine holds the most registers, up to the threads a quantized combine may run
+    quant = "fp4_blockwise" if warps * 32 <= QUANTIZED_COMBINE_THREADS else "none"
+    cfg = EpConfig.for_model("deepseek-v3", world_size=8, max_tokens_per_rank=TMAX, combine_quant=quant)
     spec = cfg.spec("sm_90", Op(op_name), Geometry(16, warps, 4))
     src = render(spec)
     with cupy.cuda.Device(0):
