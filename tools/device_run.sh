@@ -22,7 +22,7 @@
 #   moebench tools/bench_moe.py at W = 1 (a one-rank NCCL group: correctness) -> tools/results/bench_moe-ep1-*
 #   qprofile tools/quant_profile.py: the quantized combine's kernels alone, ablations, geometry sweeps
 #           ($QPROFILE_ARGS, default --sweep) -> tools/results/quant-profile-h200.csv
-#   qtune   epgen tune W=2 virtual, --family normal --quant <wire> for fp8_blockwise and fp4_blockwise: the
+#   qtune   epgen tune W=2 virtual, --family normal --quant <wire> for each wire of $QTUNE_WIRES (default all three): the
 #           quantized combine's own entries in codegen/tuning/sm_90.json (from one GPU's local memory)
 #   qbench  epgen bench W=2 virtual for each combine wire (none, fp8_blockwise, fp4_blockwise), uniform,
 #           tokens $QBENCH_TOKENS (default 128 1024 4096 8192) -> tools/results/bench-ep2v-h200-<wire>.*
@@ -72,7 +72,7 @@ for step in ${STEPS:-demo tune bench bench24 fp8 tests}; do
          done ;;
     moebench) timeout ${MOE_TIMEOUT:-300} python tools/bench_moe.py --world-size 1 ${MOE_TOKENS:+--tokens $MOE_TOKENS} ;;
     qprofile) timeout ${QPROFILE_TIMEOUT:-400} python tools/quant_profile.py ${QPROFILE_ARGS:---sweep} ;;
-    qtune) for q in fp8_blockwise fp4_blockwise; do
+    qtune) for q in ${QTUNE_WIRES:-fp8_direct_cast fp8_blockwise fp4_blockwise}; do
              timeout ${TUNE_TIMEOUT:-300} python -m epgen tune --world-size 2 --virtual --family normal --quant $q
            done ;;
     qbench) for q in none fp8_blockwise fp4_blockwise; do

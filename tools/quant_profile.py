@@ -8,10 +8,10 @@ traffic), ``no_div`` multiplies by the scale instead of dividing (timing only: n
 rounding), and of the combine kernel: ``own_as_bf16`` adds a rank's own rows as bf16 (what adding
 them as their wire rows decode costs), ``own_codes`` encodes them to codes and decodes those
 (session 7's kernel) instead of rounding them to the format's grid. Then geometry sweeps of both
-kernels (those whose blocks fit at once). The CSV's ``exact`` column says whether a variant wrote
-the same bytes as the stock kernel. Every figure is the mean of K launches captured in
-one CUDA graph, replayed 5 times (DESIGN.md section 4: no host launch in the figure), with the bytes
-each kernel moves and the rate they imply.
+kernels (the combine's where every block of both ranks fits at once). The CSV's ``exact`` column
+says whether a variant wrote the same bytes as the stock kernel. Every figure is the mean of K
+launches captured in one CUDA graph, replayed 5 times (DESIGN.md section 4: no host launch in the
+figure), with the bytes each kernel moves and the rate they imply.
 
     python tools/quant_profile.py [--tokens 4096 8192] [--sweep] [-o tools/results/quant-profile-h200]
 """
@@ -151,13 +151,13 @@ def profile(mode: str, tokens: int, sweep: bool) -> list[dict]:
         for blocks, warps, unroll in (itertools.product(*grid) if sweep else ()):
             other = spec.replace(blocks=blocks, warps_per_block=warps, unroll=unroll)
             fn = s.variant(other)
-            if 2 * blocks > s.op._resident_blocks(fn, other):
-                continue  # virtual ranks: every block of both ranks must be resident at once
+            if op_kind is Op.COMBINE and 2 * blocks > s.op._resident_blocks(fn, other):
+                continue  # virtual ranks: every block of both ranks' combine must be resident at once
             us = graph_us(s.launch(op_kind, fn, other))
             row("sweep", op_kind.value, us, nbytes, f"{blocks}x{warps}u{unroll}", s.result(op_kind) == stock)
 
     if quantized:
-        kernel(Op.COMBINE_QUANTIZE, "quantize", s.quantize_bytes, ABLATIONS, ((264, 528), (8, 16), (2, 4)))
+        kernel(Op.COMBINE_QUANTIZE, "quantize", s.quantize_bytes, ABLATIONS, ((264, 528), (8, 16, 32), (2, 4, 8)))
     kernel(Op.COMBINE, "combine", s.combine_bytes, COMBINE_ABLATIONS,
            ((32, 64, 66, 132), (8, 16) if quantized else (16, 32), (2, 4)))
     s.op.close()
