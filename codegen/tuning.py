@@ -72,10 +72,12 @@ def default_geometry(arch: str) -> Geometry:
 
 LOCAL_GEOMETRY = {"expand": (132, 512, 1), "fold": (256, 512, 1), "combine_quantize": (264, 512, 2)}
 """(blocks, threads, unroll) of the local kernels without a table entry. The combine's quantize
-kernel: 264 x 512 threads, unroll 2, the best of 27 geometries (132-528 blocks, 256-1024 threads,
-unroll 1-4) for fp8_blockwise and within 5 % of the best (528 x 512 u4) for fp4_blockwise in
-``tools/quant_profile.py --sweep`` on the H200 (tools/NOTES.md, session 7 run 2: deepseek-v3,
-virtual W = 2, 4096 tokens a rank: 64.4 us, 2.75 TB/s). The expert layout's, from
+kernel: 264 x 512 threads, unroll 2, the best compromise of 18 geometries (264-528 blocks, 256-1024
+threads, unroll 2-8) in ``tools/quant_profile.py --sweep`` on the H200 (tools/NOTES.md, session 9
+runs 3 and 5: deepseek-v3, virtual W = 2): at 128 tokens a rank the fastest for fp4_blockwise
+(3.9 us) and within 3 % of the fastest for fp8_blockwise; at 4096 within 5 % (fp4: 59.5 us against
+56.6 at 528 x 512 u4, which takes 6.8 us at 128) and 2.5 % (fp8: 51.2 against 50.0). The kernel
+has one geometry for every call (``EpConfig.variants``). The expert layout's, from
 ``tools/local_sweep.py`` on the H200 (tools/NOTES.md, session 5 runs 4 and 6: deepseek-v3 at 1024
 tokens a rank, W = 1 and virtual W = 8): the fold at unroll 1 with 16 warps a block (45 / 523 us
 against 62 / 711 us at 256 x 8 warps, unroll 2); expand within 1 % of any geometry at W = 8 and
