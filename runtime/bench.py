@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from epgen.verify import make_inputs, op_arg, op_inputs, run_round
+from epgen.verify import make_inputs, op_arg, op_inputs, run_round, zero_copy_inputs
 from epgen.codegen.spec import Op
 from epgen.codegen.arch import traits
 from epgen.codegen.dtypes import combine_quant
@@ -56,7 +56,7 @@ from epgen.timing import PairTiming, Timing, gbps, time_pairs, time_pairs_queued
 CSV_COLUMNS = ("op", "family", "dtype", "routing", "tokens", "rank", "world_size", "virtual", "time_us", "mean_us",
                "stdev_us", "best_us",
                "host_launched_us", "timing", "recv_rows", "wire_rows", "logical_gbps", "wire_gbps", "p2p_ceiling_gbps",
-               "nccl_gbps", "ratio_ceiling", "ratio_nccl", "blocks", "warps_per_block", "unroll")
+               "nccl_gbps", "ratio_ceiling", "ratio_nccl", "blocks", "warps_per_block", "unroll", "transport")
 
 
 def environment() -> dict:
@@ -144,20 +144,26 @@ def gathered_rows(indices: torch.Tensor, experts_per_rank: int, world_size: int,
     return rows, rows - int(reached[:, rank].sum().item())
 
 
-def measure(op, cfg: EpConfig, tokens: int, routing: str, seed: int, iters: int) -> tuple[PairTiming, tuple[int, int]]:
+def measure(op, cfg: EpConfig, tokens: int, routing: str, seed: int,
+            iters: int) -> tuple[PairTiming, tuple[int, int], str]:
     """Verify one round against the reference, then time dispatch and combine (each dispatch
     followed by its combine) as CUDA-graph replays on fresh inputs, both ways
     (``timing.time_pairs_queued``: ``.queued`` the primary (dispatch, combine) figure, ``.host``
     host-launched, ``.delay.covered`` False when the delay ran out); every rank calls it
     together. The calls take the family ``op.family(tokens)`` says; a low-latency dispatch or
     combine is one replay of its sending and receiving halves (the synchronous call, no
-    ``async_recv``). Also returns ``gathered_rows`` of the first rank ``op`` drives for the timed
-    inputs."""
+    ``async_recv``). Where the dispatch may pull (``cfg.dispatch_transport`` not "push", a family
+    other than "low_latency"), x sits in the op's ``dispatch_input`` (``zero_copy_inputs``: the
+    call a pull dispatch reads in place, as a serving engine would make it). Also returns ``gathered_rows`` of the first rank ``op`` drives
+    for the timed inputs, and the transport the timed dispatch took ("push" or "pull")."""
     run_round(op, cfg, [tokens] * cfg.world_size, routing, seed)  # checked once before it is timed
     inputs = make_inputs(cfg, [tokens] * cfg.world_size, routing, seed + 7, device=op.device)
+    if cfg.dispatch_transport != "push" and cfg.kernel_family != "low_latency":  # a dispatch that may pull
+        inputs = zero_copy_inputs(op, inputs)
     me = op.local_ranks[0]
     gathered = gathered_rows(inputs[me].indices, cfg.experts_per_rank, cfg.world_size, me)
     args = op_inputs(op, inputs)
+    transport = op.transport(tokens, args[0])
     y_arg = op_arg(op, [op.combine_input(r) for r in op.local_ranks])
     out_arg = op_arg(op, [torch.empty(tokens, cfg.hidden, dtype=torch.bfloat16, device=op.device)
                           for _ in op.local_ranks])
@@ -179,7 +185,7 @@ def measure(op, cfg: EpConfig, tokens: int, routing: str, seed: int, iters: int)
         torch.distributed.barrier()
     pair = time_pairs_queued(gd.replay, gc.replay, iters=iters, warmup=5)
     op.synchronize()
-    return pair, gathered
+    return pair, gathered, transport
 
 
 def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
@@ -195,7 +201,8 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
         cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=max(counts),
                                  dtype=opts.dtype, combine_quant=opts.combine_quant,
                                  dispatch_geometry=opts.dispatch_geometry, combine_geometry=opts.combine_geometry,
-                                 kernel_family=family, low_latency_geometry=opts.low_latency_geometry, timeout_s=20.0)
+                                 kernel_family=family, low_latency_geometry=opts.low_latency_geometry, timeout_s=20.0,
+                                 dispatch_transport=opts.transport if family != "low_latency" else "push")
         ops[family] = (cfg, EpDispatchCombine(cfg, virtual=opts.virtual))
     cfg0, first = next(iter(ops.values()))  # its arena holds the ceiling's bytes (W x its Tmax rows)
     me = first.local_ranks[0]
@@ -216,13 +223,13 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
             for family, (cfg, op) in ops.items():
                 if T not in points[family]:
                     continue
-                pair, (c_rows, c_wire) = measure(op, cfg, T, routing, seed, opts.iters)  # same inputs per family
+                pair, (c_rows, c_wire), transport = measure(op, cfg, T, routing, seed, opts.iters)  # same inputs
                 buf = op.recv_buffers(me)
                 n = int(buf.num_recv.item())
                 wire = int((buf.recv_src[:n, 0] != me).sum().item()) if world_size > 1 else n
                 if world_size == 1:  # one rank: its own rows are what moves (as for dispatch)
                     c_wire = c_rows
-                timed.append((op.family(T), op, pair, n, wire, c_rows, c_wire))
+                timed.append((op.family(T), op, pair, n, wire, c_rows, c_wire, transport))
             nbytes = max(timed[0][4], 1) * row_bytes  # every family received the same rows
             if dist:  # one size on every rank: all_to_all_single's even split hangs on unequal sizes (skew)
                 agreed = torch.tensor([nbytes], device=first.device)
@@ -239,17 +246,18 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
                 nccl_t, _ = _time(lambda: dist.all_to_all_single(out, inp), iters=10, queued=False)
                 nccl_gbps = gbps(nbytes * (world_size - 1), nccl_t.median_us)
             point = []
-            for family, op, pair, n, wire, c_rows, c_wire in timed:
+            for family, op, pair, n, wire, c_rows, c_wire, transport in timed:
                 method = QUEUED if pair.delay.covered and ceil_covered else SHORT_SLEEP
                 d_op, c_op = FAMILY_OPS[family]
                 # dispatch: the rows this rank received; combine: the rows it gathers for its tokens
                 point += [op_row(name, dtype, routing, T, me, world_size, t, host, method, rows_all, rows_wire, elem,
-                                 wire_elem, ceil_gbps, nccl_gbps, geo, family=family, virtual=opts.virtual)
-                          for name, t, host, geo, elem, wire_elem, dtype, rows_all, rows_wire in (
+                                 wire_elem, ceil_gbps, nccl_gbps, geo, family=family, virtual=opts.virtual,
+                                 transport=tr)
+                          for name, t, host, geo, elem, wire_elem, dtype, rows_all, rows_wire, tr in (
                               ("dispatch", pair.queued[0], pair.host[0], op.variant(d_op, T), row_bytes, row_bytes,
-                               cfg0.dtype, n, wire),
+                               cfg0.dtype, n, wire, transport),
                               ("combine", pair.queued[1], pair.host[1], op.variant(c_op, T), cfg0.hidden * 2,
-                               combine_wire.wire_row_bytes(cfg0.hidden), combine_dtype, c_rows, c_wire))]
+                               combine_wire.wire_row_bytes(cfg0.hidden), combine_dtype, c_rows, c_wire, ""))]
             if dist:
                 gathered = [None] * world_size
                 dist.all_gather_object(gathered, point)
@@ -273,12 +281,13 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
 
 def op_row(name: str, dtype: str, routing: str, tokens: int, rank: int, world_size: int, queued: Timing, host: Timing,
            method: str, rows_all: int, rows_wire: int, row_bytes: int, wire_row_bytes: int, ceil_gbps: float,
-           nccl_gbps: float, geo: Geometry, *, family: str, virtual: bool) -> dict:
+           nccl_gbps: float, geo: Geometry, *, family: str, virtual: bool, transport: str = "") -> dict:
     """One CSV row (CSV_COLUMNS) of op ``name`` ("dispatch" or "combine") of kernel ``family``
     ("normal" or "low_latency") at one point: times (us) and bandwidths (GB/s) from the
     ``queued`` Timing, ``host_launched_us`` the median of ``host``, ``timing`` = ``method``
     (QUEUED or SHORT_SLEEP); ``rows_all`` / ``rows_wire`` rows of ``row_bytes`` /
-    ``wire_row_bytes`` bytes (logical / wire); ``virtual``: the ranks ran in one process.
+    ``wire_row_bytes`` bytes (logical / wire); ``virtual``: the ranks ran in one process;
+    ``transport``: the dispatch's ("push" or "pull"; empty for a combine).
 
     Raises:
         ValueError: ``family`` not one of FAMILY_OPS.
@@ -295,7 +304,7 @@ def op_row(name: str, dtype: str, routing: str, tokens: int, rank: int, world_si
             "logical_gbps": round(gbps(rows_all * row_bytes, queued.median_us), 1), "wire_gbps": round(w, 1),
             "p2p_ceiling_gbps": round(ceil_gbps, 1), "nccl_gbps": round(nccl_gbps, 1),
             "ratio_ceiling": round(w / ceil_gbps, 3), "ratio_nccl": round(w / nccl_gbps, 3),
-            "blocks": geo.blocks, "warps_per_block": geo.warps_per_block, "unroll": geo.unroll}
+            "blocks": geo.blocks, "warps_per_block": geo.warps_per_block, "unroll": geo.unroll, "transport": transport}
 
 
 def run(opts: BenchOptions) -> None:
@@ -331,7 +340,8 @@ def write_results(rows: list[dict], prefix: str, quiet: bool = False, env: dict 
                       r["timing"], f"{r['wire_gbps']:.1f}",
                       f"{r['logical_gbps']:.1f}", f"{r['p2p_ceiling_gbps']:.1f}", f"{r['nccl_gbps']:.1f}",
                       f"{r['ratio_ceiling']:.2f}", f"{r['ratio_nccl']:.2f}",
-                      f"{r['blocks']}x{r['warps_per_block']} u{r['unroll']}")
+                      f"{r['blocks']}x{r['warps_per_block']} u{r['unroll']}"
+                      + (f" {r['transport']}" if r.get("transport") else ""))
     Console(width=200).print(t)
 
 
@@ -394,7 +404,7 @@ def figure(rows: list[dict]):
 def read_csv(path: str) -> list[dict]:
     """Rows of a bench CSV with numbers parsed and ``virtual`` a bool (to re-plot or compare runs)."""
     def value(k: str, v: str):
-        if k in ("op", "family", "dtype", "routing", "timing"):
+        if k in ("op", "family", "dtype", "routing", "timing", "transport"):
             return v
         if k == "virtual":
             return v == "True"

@@ -309,6 +309,9 @@ def cmd_bench(args, parser, console) -> int:
         return _bench_nodes(args, parser, console)
     if args.cpu:
         parser.error("--cpu: applies with --nodes only")
+    if args.transport == "pull" and args.family == "low_latency":
+        parser.error("--transport pull: the low-latency family pushes (pull is the normal family's dispatch; "
+                     "--family normal, both or auto)")
     from epgen.bench import default_output
 
     output = args.output or default_output(args.world_size, args.virtual, flags.in_checkout())
@@ -324,7 +327,7 @@ def cmd_bench(args, parser, console) -> int:
     run(BenchOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens), dtype=args.dtype,
                      combine_quant=args.quant, routings=tuple(args.routing), dispatch_geometry=args.dispatch_geometry,
                      combine_geometry=args.combine_geometry, iters=args.iters, virtual=args.virtual, output=output,
-                     family=args.family, low_latency_geometry=args.low_latency_geometry))
+                     family=args.family, low_latency_geometry=args.low_latency_geometry, transport=args.transport))
     return 0
 
 
@@ -344,7 +347,8 @@ def _bench_nodes(args, parser, console) -> int:
     unused = [flag for flag, given in (("--json", args.json), ("--dispatch-geometry", args.dispatch_geometry),
                                        ("--combine-geometry", args.combine_geometry),
                                        ("--low-latency-geometry", args.low_latency_geometry),
-                                       ("--family", args.family != "both")) if given]
+                                       ("--family", args.family != "both"),
+                                       ("--transport", args.transport != "auto")) if given]
     if unused:
         parser.error(f"{' '.join(unused)}: not with --nodes (the hierarchical bench runs the node-local op of its "
                      "kernel_family as the hierarchy builds it, with the tuning table's geometry, and prints a table)")
@@ -381,7 +385,7 @@ def cmd_tune(args, parser, console) -> int:
                        iters=args.iters, write=not args.dry_run, family=args.family,
                        low_latency_tokens=tuple(args.low_latency_tokens or TuneOptions().low_latency_tokens),
                        low_latency_geometries=tuple(args.low_latency_geometry) if args.low_latency_geometry else None,
-                       virtual=args.virtual)
+                       virtual=args.virtual, pull=not args.no_pull)
     families = {family: max(counts) for family, counts in tune_counts(opts).items()}
     if flags.gpu_preflight(args, parser, _error, "tune", families=families, virtual=args.virtual,
                            geometries={"--geometry": args.geometry},

@@ -18,7 +18,7 @@ import attrs
 
 from epgen.codegen.arch import ARCHES, traits
 from epgen.codegen.catalogue import CATALOGUE_MAX_TOKENS, CATALOGUE_WORLD_SIZE, model_specs
-from epgen.codegen.config import KERNEL_FAMILIES, LAYOUTS, EpConfig
+from epgen.codegen.config import DISPATCH_TRANSPORTS, KERNEL_FAMILIES, LAYOUTS, EpConfig
 from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES
 from epgen.codegen.models import MODELS, model
 from epgen.codegen.spec import LL_MAX_TOKENS, LOW_LATENCY_OPS, TRANSPORT_OPS, Op
@@ -184,6 +184,11 @@ def add_bench_args(b) -> None:
                    f"family alone at every count (low_latency: at most {LL_MAX_TOKENS} tokens); auto = one op of "
                    "kernel_family auto, each point in the family it picks. The CSV's family column says which ran")
     add_geometry_args(b)
+    b.add_argument("--transport", choices=list(DISPATCH_TRANSPORTS), default=bench.transport, help="the normal "
+                   f"family's dispatch (EpConfig.dispatch_transport; default {bench.transport}): push, pull (the "
+                   "receivers read the senders' rows), or auto (the tuning table's choice per bucket, with virtual "
+                   "ranks; one rank a process pushes). The x of every call sits in the op's dispatch_input (zero "
+                   "copy); the CSV's transport column says what each dispatch took")
     b.add_argument("--low-latency-geometry", type=geometry, default=None, help=LOW_LATENCY_GEOMETRY_HELP)
     b.add_argument("--iters", type=positive, default=bench.iters,
                    help=f"timed graph replays per point (default {bench.iters})")
@@ -218,6 +223,10 @@ def add_tune_args(t) -> None:
                    "BLOCKSxWARPS[uUNROLL] (default 16, 32, 64, 128 blocks of 256 and 512 threads, unroll 4, at most "
                    "1024 / world size blocks)")
     t.add_argument("--routing", default=tune.routing, choices=ROUTINGS, help=f"routing kind (default {tune.routing})")
+    t.add_argument("--no-pull", action="store_true", help="time the normal family's dispatch as push alone; by "
+                   "default each candidate is timed both ways and a bucket takes the faster transport's pick, written "
+                   "as its transport (kernel_family auto pulls there with virtual ranks; with one rank a process only "
+                   "dispatch_transport='pull' pulls)")
     t.add_argument("--iters", type=positive, default=tune.iters,
                    help=f"graph replays per point (default {tune.iters})")
     t.add_argument("--dry-run", action="store_true", help="print the table, write nothing")
@@ -469,9 +478,11 @@ def gpu_preflight(args, parser, error, verb: str, *, families: dict[str, int], v
     cfgs = []
     for family, max_tokens in families.items():
         try:
+            transport = getattr(args, "transport", CONFIG_DEFAULTS["dispatch_transport"])
             cfgs.append(EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=max_tokens,
                                            dtype=args.dtype, kernel_family=family,
-                                           combine_quant=getattr(args, "quant", CONFIG_DEFAULTS["combine_quant"])))
+                                           combine_quant=getattr(args, "quant", CONFIG_DEFAULTS["combine_quant"]),
+                                           dispatch_transport=transport if family != "low_latency" else "push"))
         except ValueError as e:
             parser.error(f"{e} (--world-size {args.world_size}, the {family} family with tokens up to {max_tokens}, "
                          f"with --model {args.model})")

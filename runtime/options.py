@@ -80,6 +80,7 @@ class BenchOptions:
     output: str = ""  # path prefix of the .csv/.png (rank 0 writes)
     family: str = "both"  # BENCH_FAMILIES
     low_latency_geometry: Geometry | None = None  # None: the tuning table's
+    transport: str = "auto"  # the normal family's EpConfig.dispatch_transport (x sits in dispatch_input)
 
 
 @attrs.frozen
@@ -97,6 +98,7 @@ class TuneOptions:
     low_latency_geometries: tuple[Geometry, ...] | None = None  # None: tune.default_low_latency_candidates
     virtual: bool = False  # every rank in this process on one GPU
     combine_quant: str = "none"  # a quantized wire tunes that wire's combine entry alone (family "normal")
+    pull: bool = True  # time the normal dispatch's pull transport too; a bucket takes the faster transport
 
 
 @attrs.frozen

@@ -7,7 +7,10 @@ rank's median. Geometries are picked by ``tuning.pick_fewest_blocks`` (the fewes
 
 Normal family (``--family normal`` or ``both``, the default): every candidate geometry (the same
 one for dispatch and combine; each op is timed on its own) at every token bucket; per op and
-bucket the table takes the pick.
+bucket the table takes the pick. The dispatch is timed as push and, unless ``TuneOptions.pull`` is
+False, as pull too (x in the op's ``dispatch_input``, as a serving engine would place it); a bucket
+takes the transport whose pick is faster (``choose_transport``) and writes it as the bucket's
+transport.
 
 Low-latency family (``--family low_latency`` or ``both``): every candidate geometry
 (``default_low_latency_candidates``: 16 to 128 blocks of 256 and 512 threads, unroll 4) at the small
@@ -152,9 +155,28 @@ def choose_low_latency(times: dict) -> LowLatencyChoice:
     return LowLatencyChoice(picks[0], picks[1], threshold, ll_us, normal_us)
 
 
+def choose_transport(push_us: dict[Geometry, float], pull_us: dict[Geometry, float]) -> tuple[Geometry, str]:
+    """A dispatch bucket's (geometry, transport) from its times (us by geometry) as push and as
+    pull (empty: pull not timed, or no candidate built): each transport's ``pick_fewest_blocks``,
+    and pull only where its pick is faster than push's."""
+    push = pick_fewest_blocks(push_us)
+    if pull_us:
+        pull = pick_fewest_blocks(pull_us)
+        if pull_us[pull] < push_us[push]:
+            return pull, "pull"
+    return push, "push"
+
+
+def tunes_pull(opts: TuneOptions) -> bool:
+    """Whether ``tune_process`` times the pull dispatch: ``opts.pull`` where the normal dispatch is
+    tuned (family normal or both, no quantized combine wire)."""
+    return opts.pull and opts.family != "low_latency" and opts.combine_quant == "none"
+
+
 def tune_process(rank: int, world_size: int, opts: TuneOptions) -> dict:
-    """Returns {(family, tokens): {geometry: (dispatch us, combine us)}} on every rank, the
-    slowest rank's queued medians (geometry None: the tuning table's)."""
+    """Returns {(key, tokens): {geometry: (dispatch us, combine us)}} on every rank, the slowest
+    rank's queued medians (geometry None: the tuning table's); key is the family, or "pull" for the
+    normal family's candidates with the pull dispatch (``tunes_pull``)."""
     from epgen.op import EpDispatchCombine
 
     dist = torch.distributed if torch.distributed.is_initialized() else None
@@ -164,28 +186,30 @@ def tune_process(rank: int, world_size: int, opts: TuneOptions) -> dict:
     skipped = []
     seed = 500
     for sweep in sweeps:
-        for geo in sweep.geometries:
+        transports = ("push", "pull") if sweep.family == "normal" and tunes_pull(opts) else ("push",)
+        for geo, transport in ((g, tr) for g in sweep.geometries for tr in transports):
             kw = (dict(dispatch_geometry=geo, combine_geometry=geo) if sweep.family == "normal"
                   else dict(low_latency_geometry=geo))
+            key = "pull" if transport == "pull" else sweep.family
             cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=max(sweep.counts),
                                      dtype=opts.dtype, combine_quant=opts.combine_quant, kernel_family=sweep.family,
-                                     timeout_s=20.0, **kw)
+                                     timeout_s=20.0, dispatch_transport=transport, **kw)
             try:
                 op = EpDispatchCombine(cfg, virtual=opts.virtual)
             except ValueError as e:  # virtual ranks: the candidate's blocks of every rank do not fit at once
                 if not opts.virtual:
                     raise
-                skipped.append(f"{sweep.family} {geo}: {e}")
+                skipped.append(f"{key} {geo}: {e}")
                 continue
             for T in sweep.counts:
                 seed += 1
-                pair, _ = measure(op, cfg, T, opts.routing, seed, opts.iters)  # warns if the delay ran out
+                pair, _, _ = measure(op, cfg, T, opts.routing, seed, opts.iters)  # warns if the delay ran out
                 mine = [t.median_us for t in pair.queued]
                 if dist:
                     every = [None] * world_size
                     dist.all_gather_object(every, mine)
                     mine = [max(v[i] for v in every) for i in range(2)]
-                times.setdefault((sweep.family, T), {})[geo] = (mine[0], mine[1])
+                times.setdefault((key, T), {})[geo] = (mine[0], mine[1])
             op.close()
         if not any(family == sweep.family for family, _ in times):
             raise RuntimeError(f"epgen tune: no {sweep.family} candidate could be built: " + "; ".join(skipped))
@@ -214,20 +238,23 @@ def _report(times: dict, sweeps: tuple[Sweep, ...], skipped: list, opts: TuneOpt
                                  combine_quant=opts.combine_quant)
     where = f"{opts.model}, W={world_size}{' virtual' if opts.virtual else ''}, {arch}"
 
-    def op_table(family: str, i: int, counts, pick_at=None) -> tuple[Table, list[tuple[int, Geometry]]]:
-        """Table of op ``i`` (0 dispatch, 1 combine) of ``family``: tokens x measured geometries,
-        and the pick per count (or the pick at ``pick_at`` for every count)."""
+    def op_table(family: str, i: int, counts, pick_at=None, key=None) -> tuple[Table, list[tuple[int, Geometry]]]:
+        """Table of op ``i`` (0 dispatch, 1 combine) of ``family`` (its times under ``key``,
+        default the family): tokens x measured geometries, and the pick per count (or the pick at
+        ``pick_at`` for every count)."""
         op = FAMILY_OPS[family][i]
-        geos = list(dict.fromkeys(g for T in counts for g in times[(family, T)]))
-        t = Table(title=f"epgen tune {op.template}: {where}, us (slowest rank's queued median)")
+        key = key or family
+        geos = list(dict.fromkeys(g for T in counts for g in times[(key, T)]))
+        t = Table(title=f"epgen tune {op.template}{' (pull)' if key == 'pull' else ''}: {where}, us (slowest rank's "
+                        "queued median)")
         t.add_column("tokens", justify="right")
         for g in geos:
             t.add_column(str(g), justify="right")
         t.add_column(f"pick at {pick_at}" if pick_at else "pick", justify="right")
         rows = []
         for T in counts:
-            per = times[(family, T)]
-            pick = pick_fewest_blocks({g: v[i] for g, v in times[(family, pick_at or T)].items()})
+            per = times[(key, T)]
+            pick = pick_fewest_blocks({g: v[i] for g, v in times[(key, pick_at or T)].items()})
             rows.append((T, pick))
             t.add_row(str(T), *[f"{per[g][i]:.1f}" if g in per else "-" for g in geos], str(pick))
         return t, rows
@@ -238,13 +265,26 @@ def _report(times: dict, sweeps: tuple[Sweep, ...], skipped: list, opts: TuneOpt
         for i, op in enumerate(FAMILY_OPS["normal"]):
             if op is Op.DISPATCH and opts.combine_quant != "none":
                 continue  # the dispatch does not depend on the combine wire: tuned without --quant
-            table, rows = op_table("normal", i, tuple(sorted(set(opts.tokens))))
+            counts = tuple(sorted(set(opts.tokens)))
+            table, rows = op_table("normal", i, counts)
             console.print(table)
+            transports, how = None, "fewest blocks within 3%"
+            pulled = op is Op.DISPATCH and all(("pull", T) in times for T in counts)
+            if pulled:
+                console.print(op_table("normal", i, counts, key="pull")[0])
+                chosen = {T: choose_transport({g: v[0] for g, v in times[("normal", T)].items()},
+                                              {g: v[0] for g, v in times[("pull", T)].items()}) for T in counts}
+                rows = [(T, chosen[T][0]) for T in counts]
+                transports = {T: chosen[T][1] for T in counts}
+                console.print("transport per bucket: " + ", ".join(f"{T}: {tr} {chosen[T][0]}"
+                                                                   for T, tr in transports.items()))
+                how += " per transport; pull where its pick is faster than push's"
             if opts.write:
-                measured = {str(T): {str(g): round(v[i], 1) for g, v in times[("normal", T)].items()}
-                            for T, _ in rows}
-                path = write_entry(key_cfg.tuning_key(arch, op), rows,
-                                   _provenance(opts, world_size, env, "fewest blocks within 3%"), measured)
+                measured = {str(T): {**{str(g): round(v[i], 1) for g, v in times[("normal", T)].items()},
+                                     **({f"pull {g}": round(v[i], 1) for g, v in times[("pull", T)].items()}
+                                        if pulled else {})} for T, _ in rows}
+                path = write_entry(key_cfg.tuning_key(arch, op), rows, _provenance(opts, world_size, env, how),
+                                   measured, transports)
                 console.print(f"wrote {path}")
     if opts.family == "normal":
         return
@@ -285,5 +325,5 @@ def run(opts: TuneOptions) -> None:
     run_ranks_or_here(opts.world_size, opts.virtual, tune_process, opts)
 
 
-__all__ = ["LowLatencyChoice", "Sweep", "TuneOptions", "choose_low_latency", "low_latency_threshold", "plan", "run",
-           "tune_process"]
+__all__ = ["LowLatencyChoice", "Sweep", "TuneOptions", "choose_low_latency", "choose_transport", "low_latency_threshold",
+           "plan", "run", "tune_process", "tunes_pull"]

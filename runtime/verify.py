@@ -41,6 +41,18 @@ def op_arg(op, per_rank: list):
     return list(per_rank) if op.virtual else per_rank[0]
 
 
+def zero_copy_inputs(op, inputs: list[RankInputs]) -> list[RankInputs]:
+    """``inputs`` with each of ``op``'s local ranks' x written into its ``op.dispatch_input`` and
+    replaced by that view (``dispatch_input()[:T]``: the zero-copy call the pull dispatch reads in
+    place); other ranks' entries unchanged."""
+    out = list(inputs)
+    for r in op.local_ranks:
+        view = op.dispatch_input(r)[: inputs[r].x.shape[0]]
+        view.copy_(inputs[r].x)
+        out[r] = attrs.evolve(inputs[r], x=view)
+    return out
+
+
 def op_inputs(op, inputs: list[RankInputs]) -> tuple:
     """(x, weights, indices, scales) of the ranks ``op`` drives, ready for ``op.dispatch``."""
     mine = [inputs[r] for r in op.local_ranks]

@@ -11,6 +11,7 @@
 #   bench24 the full sweep at 24 blocks x 32 warps (at most 24 SMs), 20 replays a point, uniform and
 #           skewed routing -> tools/results/bench-ep2-h200.{csv,png,env.txt}
 #   fp8     the fp8 dispatch beside it (24 x 32, uniform, tokens $BENCH_TOKENS) -> bench-ep2-h200-fp8.*
+#   pull    bench24's sweep with the pull dispatch (--transport pull, uniform and skewed) -> bench-ep2-h200-pull.*
 #   sweep   geometry exploration at 128/4096/8192 tokens ($GEOS: "DISPATCH:COMBINE" pairs)
 #   tests   GPU tests (pytest -m "gpu or multigpu" over $TESTS, default every tests/ file; $K narrows with -k)
 #   small   epgen bench W=1 and virtual W=2 at 1, 128, 4096 tokens, uniform, 50 queued replays a
@@ -52,6 +53,8 @@ for step in ${STEPS:-demo tune bench bench24 fp8 tests}; do
     fp8) timeout ${BENCH_TIMEOUT:-400} python -m epgen bench --world-size 2 --iters 20 --dtype fp8 --routing uniform \
            ${BENCH_TOKENS:+--tokens $BENCH_TOKENS} --dispatch-geometry 24x32u4 --combine-geometry 24x32u4 \
            -o tools/results/bench-ep2-h200-fp8 ;;
+    pull) timeout ${BENCH_TIMEOUT:-400} python -m epgen bench --world-size 2 --iters 20 --transport pull \
+            --family normal --dispatch-geometry 24x32u4 --combine-geometry 24x32u4 -o tools/results/bench-ep2-h200-pull ;;
     sweep) for g in ${GEOS:-24x32u4:24x32u4}; do
              python -m epgen bench --world-size 2 --tokens 128 4096 8192 --routing uniform \
                --dispatch-geometry "${g%%:*}" --combine-geometry "${g##*:}" -o "/tmp/sweep-$g" | grep -E "dispatch|combine"

@@ -72,7 +72,7 @@ def family_rows(family: str, world_size: int, virtual: bool, tokens: tuple[int, 
     op = EpDispatchCombine(cfg, virtual=virtual)
     rows = []
     for i, T in enumerate(tokens):
-        pair, _ = measure(op, cfg, T, "uniform", 300 + i, iters)
+        pair, _, _ = measure(op, cfg, T, "uniform", 300 + i, iters)
         for name, q, h, o in (("dispatch", pair.queued[0], pair.host[0], Op.DISPATCH),
                               ("combine", pair.queued[1], pair.host[1], Op.COMBINE)):
             spec = op.variant(o if family == "normal" else {Op.DISPATCH: Op.DISPATCH_LL_SEND,

@@ -13,7 +13,7 @@ import torch
 from epgen.codegen.config import EpConfig, Geometry
 from epgen.codegen.spec import Op
 from epgen.verify import (check_exact_combine, check_exact_dispatch, expect, integer_expert_stage, integer_inputs,
-                          op_arg, op_inputs, poison, run_exact_round, run_round)
+                          op_arg, op_inputs, poison, run_exact_round, run_round, zero_copy_inputs)
 
 GEO = Geometry(blocks=16, warps_per_block=16, unroll=4)
 TMAX = 4096
@@ -33,20 +33,6 @@ def _op(model="deepseek-v3", world_size=1, virtual=False, transport="pull", vali
     return cfg, EpDispatchCombine(cfg, virtual=virtual and world_size > 1, validate=validate)
 
 
-def _zero_copy(op, inputs):
-    """``inputs`` with each local rank's x replaced by its rows written into ``op.dispatch_input``
-    (the view ``dispatch_input()[:T]``, the zero-copy call); other ranks' entries unchanged."""
-    import attrs
-
-    out = list(inputs)
-    for r in op.local_ranks:
-        x = inputs[r].x
-        view = op.dispatch_input(r)[: x.shape[0]]
-        view.copy_(x)
-        out[r] = attrs.evolve(inputs[r], x=view)
-    return out
-
-
 def _rounds(op, cfg, zero_copy: bool, kinds=KINDS, seed=0):
     """Reference rounds (``run_round``: poisoned receive rows and outputs, payload, weights, ids,
     scales and source bit-equal, the combine within its bound and, with a quantized combine wire,
@@ -57,7 +43,7 @@ def _rounds(op, cfg, zero_copy: bool, kinds=KINDS, seed=0):
     original = verify.op_inputs
 
     def inputs_in_dispatch_input(op_, inputs):
-        return original(op_, _zero_copy(op_, inputs))
+        return original(op_, verify.zero_copy_inputs(op_, inputs))
 
     for tokens in TOKENS[cfg.world_size]:
         for kind in kinds:
@@ -141,7 +127,7 @@ def _exact_body(rank, world_size, virtual):
     for seed in range(6):
         inputs = integer_inputs(cfg, [256 - 32 * r for r in range(world_size)], "uniform", seed, device=op.device)
         for zero_copy in (True, False):
-            got = run_exact_round(op, cfg, _zero_copy(op, inputs) if zero_copy else inputs)
+            got = run_exact_round(op, cfg, zero_copy_inputs(op, inputs) if zero_copy else inputs)
             assert got["recv"] is not None
     op.close()
 
@@ -188,7 +174,7 @@ def test_push_and_pull_calls_alternate_in_one_op(world_size, table_dir):
         inputs = integer_inputs(base, [200] * world_size, "uniform", 300 + seed, device=op.device)
         zero_copy = seed % 3 != 1
         if zero_copy:
-            inputs = _zero_copy(op, inputs)
+            inputs = zero_copy_inputs(op, inputs)
         x = op_arg(op, [inputs[r].x for r in op.local_ranks])
         taken.append(op.transport(200, x))
         run_exact_round(op, base, inputs)
@@ -204,7 +190,7 @@ def test_two_pull_ops_in_one_process():
     for seed in range(4):
         for cfg, op in ((cfg_a, a), (cfg_b, b)):
             tokens = [cfg.max_tokens_per_rank - seed] * cfg.world_size
-            run_exact_round(op, cfg, _zero_copy(op, integer_inputs(cfg, tokens, "uniform", seed, device=op.device)))
+            run_exact_round(op, cfg, zero_copy_inputs(op, integer_inputs(cfg, tokens, "uniform", seed, device=op.device)))
     a.close()
     b.close()
 
@@ -216,7 +202,7 @@ def test_graph_of_pull_dispatch_and_combine_with_fresh_inputs_in_dispatch_input(
     fresh routing into the static weights and indices; each replay checked bit for bit."""
     cfg, op = _op(world_size=world_size, virtual=True, validate=False, max_tokens=64)
     T, local = cfg.max_tokens_per_rank, op.local_ranks
-    static = _zero_copy(op, integer_inputs(cfg, [T] * world_size, "uniform", 500, device=op.device))
+    static = zero_copy_inputs(op, integer_inputs(cfg, [T] * world_size, "uniform", 500, device=op.device))
     args = op_inputs(op, static)
     ys = op_arg(op, [op.combine_input(r) for r in local])
     outs = [torch.empty(T, cfg.hidden, dtype=torch.bfloat16, device=op.device) for _ in local]
@@ -265,7 +251,7 @@ def test_a_pulled_wait_that_cannot_complete_raises_a_timeout_naming_the_phase():
     from epgen.op import EpError
 
     cfg, op = _op(world_size=2, virtual=True, timeout_s=0.5, max_tokens=64)
-    run_exact_round(op, cfg, _zero_copy(op, integer_inputs(cfg, [64, 64], "uniform", 1, device=op.device)))
+    run_exact_round(op, cfg, zero_copy_inputs(op, integer_inputs(cfg, [64, 64], "uniform", 1, device=op.device)))
     calls = op._signal_view(0, "dispatch_calls")
     calls += 1
     with pytest.raises(EpError) as e:

@@ -202,7 +202,8 @@ def fake_bench(monkeypatch):
         calls.append((cfg.kernel_family, tokens, seed))
         us = 5.0 if op.family(tokens) == "low_latency" else 20.0
         t = Timing((us, us))
-        return PairTiming(queued=(t, t), host=(t, t), delay=QueueDelay(100.0, 10.0, True)), (8, 4)
+        transport = "pull" if cfg.dispatch_transport == "pull" else "push"
+        return PairTiming(queued=(t, t), host=(t, t), delay=QueueDelay(100.0, 10.0, True)), (8, 4), transport
 
     monkeypatch.setattr(epgen.op, "EpDispatchCombine", _FakeOp)
     monkeypatch.setattr(bench, "measure", measure)
@@ -234,6 +235,20 @@ def test_bench_times_each_point_on_every_family_that_covers_it(fake_bench, capsy
     assert all(op.closed for op in _FakeOp.built)
     out = capsys.readouterr().out
     assert "bench uniform 1 tokens, normal (queued" in out and "bench uniform 1 tokens, low_latency (queued" in out
+
+
+def test_bench_transport_goes_to_the_normal_family_and_its_dispatch_rows(fake_bench, capsys):
+    """--transport pull: the normal op's EpConfig pulls, the low-latency op's pushes (it has no
+    pull); the dispatch rows name the transport taken, the combine rows none."""
+    from epgen.options import BenchOptions
+
+    rows = bench.bench_process(0, 2, BenchOptions(world_size=2, virtual=True, tokens=(8, 4096), routings=("uniform",),
+                                                  transport="pull"))
+    assert [(op.config.kernel_family, op.config.dispatch_transport) for op in _FakeOp.built] == [
+        ("normal", "pull"), ("low_latency", "push")]
+    assert [(r["op"], r["family"], r["transport"]) for r in rows if r["tokens"] == 8] == [
+        ("dispatch", "normal", "pull"), ("combine", "normal", ""), ("dispatch", "low_latency", "push"),
+        ("combine", "low_latency", "")]
 
 
 def test_bench_auto_rows_name_the_family_each_point_took(fake_bench):

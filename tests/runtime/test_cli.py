@@ -740,6 +740,13 @@ def test_a_broken_compiler_reads_as_missing(monkeypatch, capsys, tmp_path):
     assert absent[0][1].startswith("epgen check: offline compilers missing")
 
 
+def test_bench_transport_pull_is_refused_for_the_low_latency_family(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--transport", "pull", "--family", "low_latency"])
+    assert e.value.code == 2
+    assert "--transport pull: the low-latency family pushes (pull is the normal family's dispatch" in capsys.readouterr().err
+
+
 def test_bench_outside_a_checkout_defaults_to_the_current_directory(capsys, monkeypatch, tmp_path):
     """Without -o, outside an epgen checkout, bench asks for the GPU (not for tools/results/) and,
     with one, writes bench-ep<W>-<gpu>.* in the current directory; in the checkout, under tools/results/."""

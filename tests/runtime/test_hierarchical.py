@@ -249,6 +249,7 @@ def test_bench_nodes_default_points_fit_the_node_op(monkeypatch):
     (["--nodes", "2", "--world-size", "4", "--dtype", "fp4"], "--dtype fp4: not with --nodes"),
     (["--nodes", "2", "--world-size", "4", "--routing", "shared"], "--routing shared: with --nodes one of uniform, "
                                                                   "skewed, invalid, duplicates"),
+    (["--nodes", "2", "--world-size", "4", "--transport", "pull"], "--transport: not with --nodes"),
 ])
 def test_bench_nodes_usage_errors(argv, message, capsys):
     from epgen.cli import main

@@ -202,7 +202,9 @@ def fake_tune(monkeypatch):
         geo = cfg.low_latency_geometry if cfg.kernel_family == "low_latency" else cfg.dispatch_geometry
         us = ((geo.blocks / 10 if geo else 3.0) + tokens) / (2 if cfg.kernel_family == "low_latency" else 1)
         t = Timing((us,))
-        return PairTiming(queued=(t, t), host=(t, t), delay=QueueDelay(1.0, 1.0, True)), (0, 0)
+        d = Timing((us * 0.5,)) if cfg.dispatch_transport == "pull" else t  # the pull dispatch twice as fast
+        return (PairTiming(queued=(d, t), host=(d, t), delay=QueueDelay(1.0, 1.0, True)), (0, 0),
+                cfg.dispatch_transport)
 
     reports = []
     monkeypatch.setattr(epgen.op, "EpDispatchCombine", _FakeOp)
@@ -220,12 +222,20 @@ def test_tune_process_times_every_sweep_and_skips_what_virtual_ranks_cannot_hold
                        low_latency_geometries=(G8, G16), virtual=True)
     _FakeOp.refuse = (N64,)
     times = tune.tune_process(0, 2, opts)
-    assert set(times) == {("normal", T) for T in (1, 8, 128, 4096)} | {("low_latency", 1), ("low_latency", 8)}
-    assert all(set(per) == {N24} for (family, _), per in times.items() if family == "normal")  # 64 blocks skipped
+    normal = {(key, T) for key in ("normal", "pull") for T in (1, 8, 128, 4096)}  # the dispatch both ways
+    assert set(times) == normal | {("low_latency", 1), ("low_latency", 8)}
+    assert all(set(per) == {N24} for (key, _), per in times.items() if key != "low_latency")  # 64 blocks skipped
     assert times[("low_latency", 8)] == {G8: (4.4, 4.4), G16: (4.8, 4.8)}
+    assert times[("pull", 128)] == {N24: (65.2, 130.4)} and times[("normal", 128)] == {N24: (130.4, 130.4)}
     report, = fake_tune
-    assert report.skipped == ["normal 64x32u4: dispatch geometry 64x32u4: virtual ranks need all blocks resident"]
+    assert report.skipped == [f"{key} 64x32u4: dispatch geometry 64x32u4: virtual ranks need all blocks resident"
+                              for key in ("normal", "pull")]
     assert choose_low_latency(times).threshold == 8
+    # without pull, with a quantized wire or the low-latency family alone, the dispatch is timed as push only
+    for kw in (dict(pull=False), dict(family="normal", combine_quant="fp8_blockwise", geometries=(Geometry(24, 16, 4),))):
+        fake_tune.clear()
+        times = tune.tune_process(0, 2, attrs.evolve(opts, **kw))
+        assert not any(key == "pull" for key, _ in times)
 
 
 def test_tune_process_raises_a_construction_error_of_real_ranks_and_when_nothing_fits(fake_tune):
@@ -241,6 +251,36 @@ def test_tune_process_low_latency_alone_times_the_normal_family_at_the_table_geo
                                                 low_latency_geometries=(G8,)))
     assert times == {("normal", 1): {None: (4.0, 4.0)}, ("normal", 4): {None: (7.0, 7.0)},
                      ("low_latency", 1): {G8: (0.9, 0.9)}, ("low_latency", 4): {G8: (2.4, 2.4)}}
+
+
+def test_choose_transport_takes_pull_only_where_its_pick_is_faster():
+    push = {N24: 100.0, N64: 99.0}
+    assert tune.choose_transport(push, {}) == (N24, "push")  # pull not timed
+    assert tune.choose_transport(push, {N24: 101.0, N64: 100.5}) == (N24, "push")
+    assert tune.choose_transport(push, {N24: 99.9, N64: 90.0}) == (N64, "pull")  # 24 blocks not within 3% of 90
+    assert tune.choose_transport(push, {N24: 92.0, N64: 90.0}) == (N24, "pull")  # the fewest blocks within 3%
+
+
+def test_tune_writes_each_dispatch_buckets_transport_and_epconfig_takes_it(table_dir, monkeypatch, capsys):
+    """With the pull dispatch timed, the dispatch entry's buckets carry the faster transport and its
+    pick, the measured times both (pull ones as "pull <geometry>"); EpConfig reads the transport."""
+    monkeypatch.setattr(tune, "environment", _env)
+    opts = TuneOptions(tokens=(128, 4096), geometries=(N24, N64), family="normal")
+    times = {k: v for k, v in _times().items() if k[0] == "normal" and k[1] in (128, 4096)}
+    times[("pull", 128)] = {N24: (30.0, 12.0), N64: (31.0, 9.0)}  # push's pick there: 22.0 at 24 blocks
+    times[("pull", 4096)] = {N24: (230.0, 200.0), N64: (200.0, 190.0)}  # push's 250.0 at 64 blocks
+    _report(opts, times)
+    out = capsys.readouterr().out
+    assert "transport per bucket: 128: push 24x32u4, 4096: pull 64x32u4" in out and "dispatch (pull)" in out
+    entries = {e["op"]: e for e in json.loads((table_dir / "sm_90.json").read_text())["entries"]}
+    assert [(b["max_tokens"], b["blocks"], b.get("transport")) for b in entries["dispatch"]["buckets"]] == [
+        (128, 24, "push"), (4096, 64, "pull")]
+    assert "transport" not in entries["combine"]["buckets"][0]
+    assert entries["dispatch"]["measured_us"]["4096"] == {"24x32u4": 300.0, "64x32u4": 250.0, "pull 24x32u4": 230.0,
+                                                           "pull 64x32u4": 200.0}
+    assert "pull where its pick is faster than push's" in entries["dispatch"]["provenance"]
+    cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096)
+    assert cfg.transport("sm_90", 128) == "push" and cfg.transport("sm_90", 4096) == "pull"
 
 
 def test_tune_with_a_quantized_wire_writes_that_wires_combine_entry_alone(table_dir, monkeypatch, capsys):
