@@ -99,7 +99,23 @@ def cmd_generate(args, parser, console) -> int:
     elif not args.quiet:
         console.print(f"{out}: {len(specs)} sources and their manifest/report in sync" if args.check
                       else f"{out}: {len(specs)} sources, {len(touched)} files written or removed")
+        spilling = _spilling(files)
+        if spilling:
+            console.print(f"kernels using scratch or spilling registers (REPORT.md; `epgen check` exits 1 on them): "
+                          f"{len(spilling)}: {', '.join(spilling[:5])}{' ...' if len(spilling) > 5 else ''}")
     return 1 if args.check and problems else 0
+
+
+def _spilling(files: dict[str, str]) -> list[str]:
+    """Entries whose report row's status is not ok (scratch or spill), from a rendered
+    catalogue's report.csv (none without a report)."""
+    import csv
+    import io
+
+    from epgen.codegen.catalogue import REPORT_CSV
+
+    text = files.get(REPORT_CSV)
+    return [r["entry"] for r in csv.DictReader(io.StringIO(text)) if r["status"] != "ok"] if text else []
 
 
 def cmd_report(args, parser, console) -> int:
@@ -150,7 +166,9 @@ def cmd_diff(args, parser, console) -> int:
         try:
             chunks = diff.spec_pair_chunks(specs, changes["a"], changes["b"])
         except diff.ChangedSpecError as e:
-            parser.error(f"--{e.side} {' '.join(f'{k}={v}' for k, v in changes[e.side].items())}: {e}")
+            hint = ("; --quant WIRE starts both sides from that wire's geometry" if "combine_quant" in changes[e.side]
+                    and "warps_per_block" in str(e) and not args.quant else "")
+            parser.error(f"--{e.side} {' '.join(f'{k}={v}' for k, v in changes[e.side].items())}: {e}{hint}")
     else:
         given = [f for f, v in (("--model", args.model), ("--hidden", args.hidden), ("--topk", args.topk),
                                 ("--num-experts", args.num_experts), ("--world-size", args.world_size),

@@ -120,7 +120,8 @@ def add_shape_args(p: argparse.ArgumentParser, *, model_help: str = "") -> None:
     p.add_argument("--dtype", choices=list(DTYPES), help=f"dispatch payload dtype (default {CONFIG_DEFAULTS['dtype']}; "
                    "alone: the catalogue's dispatch variants of that dtype)")
     p.add_argument("--quant", choices=list(COMBINE_QUANTS), help="combine wire format (default "
-                   f"{CONFIG_DEFAULTS['combine_quant']}; alone: the catalogue's combine variants of that wire)")
+                   f"{CONFIG_DEFAULTS['combine_quant']}; alone: the catalogue's combine kernels of that wire, both families' "
+                   "and the quantize kernel)")
     p.add_argument("--scale-bytes", type=int, help="opaque per-token scale bytes dispatch forwards "
                    f"(EpConfig.scale_bytes; default {CONFIG_DEFAULTS['scale_bytes']}; needs a shape or a selector)")
     p.add_argument("--layout", choices=list(LAYOUTS), help=f"receive layout (EpConfig.layout; default "
@@ -369,7 +370,8 @@ def specs_from(args, parser) -> list | None:
 
 def selected_catalogue_specs(args, parser) -> list | None:
     """With only the selectors --dtype/--topk/--quant: those variants of every catalogue model
-    (--dtype: dispatch, --quant: combine, --topk: both unless one of the others narrows it); None
+    (--dtype: dispatch, --quant: combine, each with its low-latency halves and its local kernels,
+    as the quantize kernel; --topk: both unless one of the others narrows it); None
     when no selector is given. The kernel family flags need a shape (a parser error here)."""
     if args.topk is None and args.dtype is None and args.quant is None:
         return None
@@ -391,7 +393,7 @@ def selected_catalogue_specs(args, parser) -> list | None:
                          "name one with --model)")
     try:
         return [s for name in names for s in model_specs(name, arches(args), topk=args.topk, **_layer_kw(args))
-                if s.op in ops]
+                if s.op.transport in ops]
     except ValueError as e:
         parser.error(flag_error(e, args))
 

@@ -47,9 +47,12 @@ _TINY_BLOCK = 2.0**COMBINE_FLUSH_LOG2
 
 
 def _flush_tiny_blocks(y: torch.Tensor, block: int) -> torch.Tensor:
-    """float32 copy of [R, H] ``y`` with every block (the last may be shorter) of amax < 2^-80 zeroed."""
+    """float32 copy of [R, H] ``y`` with every block (the last may be shorter) of amax < 2^-80
+    zeroed, each zero keeping its element's sign (as the kernels encode it: x / 1 rounds to a zero
+    code with x's sign bit)."""
     yb = padded_blocks(y.to(torch.float32), block).clone()
-    yb[yb.abs().amax(dim=-1) < _TINY_BLOCK] = 0.0
+    tiny = yb.abs().amax(dim=-1) < _TINY_BLOCK
+    yb[tiny] = yb[tiny] * 0.0
     return unblock(yb, y.shape[1])
 
 

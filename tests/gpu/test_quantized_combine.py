@@ -47,7 +47,8 @@ def _wire_rows_of(op, rank, rows):
 @pytest.mark.parametrize("mode", WIRES)
 def test_the_quantize_kernel_writes_combine_wire_rows_for_rows_from_other_ranks(mode):
     """The wire rows peers read are exactly ``epgen.quant.combine_wire_rows`` of y (codes and
-    scales); a rank's own rows are not written (the combine encodes them itself)."""
+    scales; flushed blocks of negatives and -0.0 too); a rank's own rows are not written (the
+    combine encodes them itself)."""
     import torch
 
     from epgen import quant
@@ -60,7 +61,10 @@ def test_the_quantize_kernel_writes_combine_wire_rows_for_rows_from_other_ranks(
     ys, sentinel = [], []
     for r, o in zip(op.local_ranks, outs):
         n = int(o.num_recv)
-        ys.append(torch.randn(n, cfg.hidden, generator=gen, device=op.device).to(torch.bfloat16))
+        y = torch.randn(n, cfg.hidden, generator=gen, device=op.device).to(torch.bfloat16)
+        y[::5, :256] = -(2.0**-90)  # flushed blocks of negatives and of -0.0: zero codes with the sign bit
+        y[1::5, :256] = -0.0
+        ys.append(y)
         w = op.combine_wire_input(r)
         w.codes.fill_(0xA5)  # any byte the kernel leaves is seen
         sentinel.append(w.codes[:n].clone())

@@ -218,11 +218,15 @@ def test_bad_numbers_are_rejected_by_the_parser():
     assert r.returncode == 2 and "multiple of world_size=3" in r.stderr
 
 
-@pytest.mark.parametrize("argv,ops,token,count", [
-    (["--quant", "fp8_blockwise", "--arch", "sm_90"], {"combine"}, "_qfp8b", 7),
-    (["--dtype", "fp4", "--arch", "gfx1250"], {"dispatch"}, "_fp4_", 7),
-    (["--topk", "9", "--arch", "gfx950"], {"dispatch", "combine"}, "_k9_", 12),  # mixtral has 8 experts
-    (["--topk", "10", "--quant", "fp4_blockwise", "--arch", "gfx950"], {"combine"}, "_k10_", 6),
+DISPATCHES = {"dispatch", "dispatch_ll", "dispatch_ll_send", "dispatch_ll_recv"}  # both families'
+COMBINES = {"combine", "combine_ll", "combine_ll_send", "combine_ll_recv"}
+
+
+@pytest.mark.parametrize("argv,ops,token,count", [  # 7 catalogue models, mixtral's 8 experts below top-k 9
+    (["--quant", "fp8_blockwise", "--arch", "sm_90"], COMBINES | {"combine_quantize"}, "_qfp8b", 35),
+    (["--dtype", "fp4", "--arch", "gfx1250"], DISPATCHES, "_fp4_", 28),
+    (["--topk", "9", "--arch", "gfx950"], DISPATCHES | COMBINES, "_k9_", 48),
+    (["--topk", "10", "--quant", "fp4_blockwise", "--arch", "gfx950"], COMBINES | {"combine_quantize"}, "_k10_", 30),
 ])
 def test_check_selectors_pick_catalogue_variants(argv, ops, token, count, capsys):
     from epgen.codegen.offline import toolchain_status
@@ -738,6 +742,16 @@ def test_a_broken_compiler_reads_as_missing(monkeypatch, capsys, tmp_path):
     assert "epgen check: offline compilers missing" in check_text and "(126)" in check_text
     assert "resource report skipped: gfx950:" in generate_text and "(126)" in generate_text
     assert absent[0][1].startswith("epgen check: offline compilers missing")
+
+
+def test_generate_names_the_kernels_that_spill():
+    """generate's summary names the report's kernels that use scratch or spill (only REPORT.md
+    held them)."""
+    from epgen.cli import _spilling
+    from epgen.codegen.catalogue import REPORT_CSV
+
+    report = "entry,status\na,ok\nb,scratch/spill\n"
+    assert _spilling({REPORT_CSV: report}) == ["b"] and _spilling({}) == []
 
 
 def test_bench_transport_pull_is_refused_for_the_low_latency_family(capsys):

@@ -15,6 +15,7 @@ from epgen.quant import (
     FP8_E4M3_MAX,
     MODES,
     combine_roundtrip,
+    combine_wire_rows,
     dequantize_fp4_blockwise,
     dequantize_fp4_mx,
     dequantize_fp8_blockwise,
@@ -692,6 +693,12 @@ def test_combine_wire_flushes_below_the_tables_threshold(mode):
     y = torch.stack([tiny, torch.nextafter(tiny, torch.zeros(128))])  # at the threshold, one float32 below
     dq = combine_roundtrip(mode, y)
     assert bool((dq[0] > 0).all()) and bool((dq[1] == 0).all())
+    # a flushed block's zeros keep their elements' signs, as the kernels encode x / 1: zero codes
+    # with the sign bit (-0.0 and tiny negatives), scale 1
+    neg = torch.stack([-torch.nextafter(tiny, torch.zeros(128)), torch.full((128,), -0.0)])
+    codes, scales = combine_wire_rows(mode, neg)
+    assert set(codes.flatten().tolist()) == ({0x80} if mode == "fp8_blockwise" else {0x88})
+    assert bool((scales == 1).all()) and bool(torch.signbit(combine_roundtrip(mode, neg)).all())
 
 
 # --- the combine wire ----------------------------------------------------------------------------
