@@ -50,7 +50,7 @@ from epgen.device import cupy_stream
 from epgen.loader import load_kernel
 from epgen.codegen.config import EpConfig, Geometry
 from epgen.reference import route
-from epgen.options import BenchOptions, family_points
+from epgen.options import BenchOptions, family_points, family_transport
 from epgen.timing import PairTiming, Timing, gbps, time_pairs, time_pairs_queued
 
 CSV_COLUMNS = ("op", "family", "dtype", "routing", "tokens", "rank", "world_size", "virtual", "time_us", "mean_us",
@@ -154,8 +154,9 @@ def measure(op, cfg: EpConfig, tokens: int, routing: str, seed: int,
     combine is one replay of its sending and receiving halves (the synchronous call, no
     ``async_recv``). Where the dispatch may pull (``cfg.dispatch_transport`` not "push", a family
     other than "low_latency"), x sits in the op's ``dispatch_input`` (``zero_copy_inputs``: the
-    call a pull dispatch reads in place, as a serving engine would make it). Also returns ``gathered_rows`` of the first rank ``op`` drives
-    for the timed inputs, and the transport the timed dispatch took ("push" or "pull")."""
+    call a pull dispatch reads in place, as a serving engine would make it). Also returns
+    ``gathered_rows`` of the first rank ``op`` drives for the timed inputs, and the transport the
+    timed dispatch took ("push" or "pull")."""
     run_round(op, cfg, [tokens] * cfg.world_size, routing, seed)  # checked once before it is timed
     inputs = make_inputs(cfg, [tokens] * cfg.world_size, routing, seed + 7, device=op.device)
     if cfg.dispatch_transport != "push" and cfg.kernel_family != "low_latency":  # a dispatch that may pull
@@ -202,7 +203,7 @@ def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
                                  dtype=opts.dtype, combine_quant=opts.combine_quant,
                                  dispatch_geometry=opts.dispatch_geometry, combine_geometry=opts.combine_geometry,
                                  kernel_family=family, low_latency_geometry=opts.low_latency_geometry, timeout_s=20.0,
-                                 dispatch_transport=opts.transport if family != "low_latency" else "push")
+                                 dispatch_transport=family_transport(family, opts.transport))
         ops[family] = (cfg, EpDispatchCombine(cfg, virtual=opts.virtual))
     cfg0, first = next(iter(ops.values()))  # its arena holds the ceiling's bytes (W x its Tmax rows)
     me = first.local_ranks[0]

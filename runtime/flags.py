@@ -24,7 +24,7 @@ from epgen.codegen.models import MODELS, model
 from epgen.codegen.spec import LL_MAX_TOKENS, LOW_LATENCY_OPS, TRANSPORT_OPS, Op
 from epgen.codegen.tuning import DEFAULT_UNROLL, Geometry
 from epgen.options import (BENCH_FAMILIES, BOTH_LOW_LATENCY_MAX_TOKENS, NODES_SWEEP, NODES_SWEEP_CPU, ROUTINGS,
-                           TUNE_FAMILIES, BenchOptions, DemoOptions, StressOptions, TuneOptions)
+                           TUNE_FAMILIES, BenchOptions, DemoOptions, StressOptions, TuneOptions, family_transport)
 
 CONFIG_DEFAULTS = {f.name: f.default for f in attrs.fields(EpConfig) if f.default is not attrs.NOTHING}
 """EpConfig's defaults by field (dtype, scale_bytes, combine_quant, ...)."""
@@ -120,8 +120,8 @@ def add_shape_args(p: argparse.ArgumentParser, *, model_help: str = "") -> None:
     p.add_argument("--dtype", choices=list(DTYPES), help=f"dispatch payload dtype (default {CONFIG_DEFAULTS['dtype']}; "
                    "alone: the catalogue's dispatch variants of that dtype)")
     p.add_argument("--quant", choices=list(COMBINE_QUANTS), help="combine wire format (default "
-                   f"{CONFIG_DEFAULTS['combine_quant']}; alone: the catalogue's combine kernels of that wire, both families' "
-                   "and the quantize kernel)")
+                   f"{CONFIG_DEFAULTS['combine_quant']}; alone: the catalogue's combine kernels of that wire, both "
+                   "families' and the quantize kernel)")
     p.add_argument("--scale-bytes", type=int, help="opaque per-token scale bytes dispatch forwards "
                    f"(EpConfig.scale_bytes; default {CONFIG_DEFAULTS['scale_bytes']}; needs a shape or a selector)")
     p.add_argument("--layout", choices=list(LAYOUTS), help=f"receive layout (EpConfig.layout; default "
@@ -188,8 +188,8 @@ def add_bench_args(b) -> None:
     b.add_argument("--transport", choices=list(DISPATCH_TRANSPORTS), default=bench.transport, help="the normal "
                    f"family's dispatch (EpConfig.dispatch_transport; default {bench.transport}): push, pull (the "
                    "receivers read the senders' rows), or auto (the tuning table's choice per bucket, with virtual "
-                   "ranks; one rank a process pushes). The x of every call sits in the op's dispatch_input (zero "
-                   "copy); the CSV's transport column says what each dispatch took")
+                   "ranks; one rank a process pushes). Unless push, each call's x sits in the op's dispatch_input "
+                   "(zero copy); the CSV's transport column says what each dispatch took")
     b.add_argument("--low-latency-geometry", type=geometry, default=None, help=LOW_LATENCY_GEOMETRY_HELP)
     b.add_argument("--iters", type=positive, default=bench.iters,
                    help=f"timed graph replays per point (default {bench.iters})")
@@ -480,11 +480,11 @@ def gpu_preflight(args, parser, error, verb: str, *, families: dict[str, int], v
     cfgs = []
     for family, max_tokens in families.items():
         try:
-            transport = getattr(args, "transport", CONFIG_DEFAULTS["dispatch_transport"])
+            transport = family_transport(family, getattr(args, "transport", CONFIG_DEFAULTS["dispatch_transport"]))
             cfgs.append(EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=max_tokens,
                                            dtype=args.dtype, kernel_family=family,
                                            combine_quant=getattr(args, "quant", CONFIG_DEFAULTS["combine_quant"]),
-                                           dispatch_transport=transport if family != "low_latency" else "push"))
+                                           dispatch_transport=transport))
         except ValueError as e:
             parser.error(f"{e} (--world-size {args.world_size}, the {family} family with tokens up to {max_tokens}, "
                          f"with --model {args.model})")

@@ -39,6 +39,12 @@ LOW_LATENCY_SWEEP = (1, 8, 32, 128, 256)
 """Tokens per rank at which ``epgen tune`` measures the low-latency family by default."""
 
 
+def family_transport(family: str, transport: str) -> str:
+    """The ``EpConfig.dispatch_transport`` of a bench op of kernel ``family`` given ``--transport``:
+    ``transport``, but "push" for the low-latency family (it has no pull)."""
+    return "push" if family == "low_latency" else transport
+
+
 def family_points(family: str, tokens) -> dict[str, tuple[int, ...]]:
     """The token counts bench times per ``EpConfig.kernel_family`` for ``--family family``
     (``BENCH_FAMILIES``), in the order given, without repeats: "both" -> normal at every count
