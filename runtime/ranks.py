@@ -1,7 +1,17 @@
-"""Start one process per GPU with torch.distributed, for real (non-virtual) ranks."""
+"""Start one process per rank with torch.distributed, for real (non-virtual) ranks.
+
+Rank r takes cuda:r when the machine has at least W GPUs; with fewer, every rank takes cuda:0:
+W processes share one GPU, each with its own CUDA context, and reach each other's arenas through
+CUDA IPC exactly as on W GPUs (``cudaIpcOpenMemHandle`` maps an allocation of another process on
+the same device). The GPU then time-slices the processes' kernels, so a kernel that waits for a
+peer's flag keeps waiting until the peer's context runs: every cross-process race of the
+deployment mode (one process per GPU) can happen, which virtual ranks (one grid for every rank)
+rule out. Timings of shared-GPU runs measure the time slicing, not the kernels.
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -10,23 +20,168 @@ import time
 import torch
 
 
-def _worker(rank: int, world_size: int, store: str, fn, args):
+def rank_device(rank: int, world_size: int) -> int:
+    """The CUDA device index of ``rank``: ``rank`` when the machine has ``world_size`` GPUs or
+    more, else 0 (every rank shares cuda:0)."""
+    return rank if torch.cuda.device_count() >= world_size else 0
+
+
+def shares_gpu(world_size: int) -> bool:
+    """Whether ``world_size`` processes started by ``run_ranks`` share one GPU (fewer GPUs than ranks)."""
+    return world_size > 1 and torch.cuda.device_count() < world_size
+
+
+def _init_group(rank: int, world_size: int, store: str) -> None:
+    """This process's device and process group as rank ``rank`` of ``world_size``."""
     import torch.distributed as dist
 
     # NVLink multicast stays off (shared hosts; see the device notes in tools/NOTES.md).
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    torch.cuda.set_device(rank)
-    dist.init_process_group(backend="cpu:gloo,cuda:nccl", init_method=f"file://{store}",
-                            rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
+    device = rank_device(rank, world_size)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)
+    if shares_gpu(world_size):
+        # NCCL refuses two ranks on one device (and needs one); the op needs only object
+        # collectives and barriers (gloo also moves CUDA tensors, through the host).
+        dist.init_process_group(backend="gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    else:
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl", init_method=f"file://{store}",
+                                rank=rank, world_size=world_size, device_id=torch.device("cuda", device))
+
+
+def _serve(rank: int, world_size: int, store: str, conn) -> None:
+    """A pool process: join the group, then run each ``(fn, args)`` received on ``conn`` as
+    ``fn(rank, world_size, *args)`` and answer ("ok", None) or ("raised", traceback text), until
+    None or the parent's end of the pipe closes."""
+    import traceback
+
+    import torch.distributed as dist
+
+    _init_group(rank, world_size, store)
     try:
-        fn(rank, world_size, *args)
+        while True:
+            try:
+                task = conn.recv()
+            except EOFError:
+                return
+            if task is None:
+                return
+            fn, args = task
+            try:
+                fn(rank, world_size, *args)
+                conn.send(("ok", None))
+            except BaseException:  # noqa: BLE001 (reported to the parent with its traceback)
+                conn.send(("raised", traceback.format_exc()))
     finally:
         dist.destroy_process_group()
 
 
+class RankPool:
+    """``world_size`` processes that joined one process group (rank r on ``rank_device(r, W)``)
+    and run functions on request: started once, so that a run costs the function alone, not a
+    Python start, a CUDA context and a rendezvous each time. Any failure (a rank raised, died or ran
+    past the bound) ends every process of the pool; the next run starts a new one.
+
+    Raises (``run``): as ``run_ranks``.
+    """
+
+    def __init__(self, world_size: int):
+        import multiprocessing
+
+        self.world_size = world_size
+        self._folder = tempfile.mkdtemp(prefix="epgen-ranks-")
+        # The rendezvous goes through a file, not a TCP port: a port found free and bound later by
+        # the ranks can be taken in between (EADDRINUSE seen on the device between back-to-back runs).
+        store = os.path.join(self._folder, "store")
+        ctx = multiprocessing.get_context("spawn")
+        self._conns, self._procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_serve, args=(rank, world_size, store, child), daemon=True)
+            p.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(p)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def run(self, fn, args: tuple, timeout_s: float | None = None) -> None:
+        """``fn(rank, world_size, *args)`` on every process of the pool, until each returned (or
+        ended with exit status 0: a test playing a dead peer; the pool then closes)."""
+        from multiprocessing.connection import wait
+
+        for conn in self._conns:
+            conn.send((fn, args))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending = dict(enumerate(self._conns))
+        exited = False
+        try:
+            while pending:
+                ready = wait(list(pending.values()) + [self._procs[r].sentinel for r in pending],
+                             None if deadline is None else max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    raise TimeoutError(f"processes {sorted(pending)} of {self.world_size} still running after "
+                                       f"timeout_s={timeout_s}; killed them")
+                for rank in list(pending):
+                    conn, proc = pending[rank], self._procs[rank]
+                    if conn in ready or conn.poll():
+                        status, text = conn.recv()
+                        del pending[rank]
+                        if status == "raised":
+                            raise torch.multiprocessing.ProcessRaisedException(
+                                f"\n\n-- Process {rank} terminated with the following error:\n{text}", rank, proc.pid)
+                    elif proc.sentinel in ready:
+                        proc.join()
+                        del pending[rank]
+                        exited = True
+                        if proc.exitcode != 0:
+                            raise torch.multiprocessing.ProcessExitedException(
+                                f"process {rank} terminated with exit code {proc.exitcode}", rank, proc.pid,
+                                proc.exitcode)
+        except BaseException:
+            self.close()
+            raise
+        if exited:
+            self.close()
+
+    def close(self) -> None:
+        """End every process of the pool (killed if it does not stop at once)."""
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self._procs:
+            p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def _close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+atexit.register(_close_pools)
+
+
 def run_ranks(world_size: int, fn, *args, timeout_s: float | None = None) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes, rank r on cuda:r.
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes, rank r on
+    ``rank_device(r, world_size)``: its own GPU when there are enough, else all on cuda:0 (the
+    process group is then gloo alone; otherwise gloo for CPU tensors and NCCL for CUDA ones). The
+    processes stay up for the next run with the same world size (``RankPool``) unless this one failed.
 
     ``fn`` must be a module-level function (it is pickled by reference). A rank that ends with
     exit status 0 before ``fn`` returns (``os._exit(0)``, e.g. a test playing a dead peer) counts
@@ -38,7 +193,7 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float | None = None) -> Non
 
     Raises:
         ValueError: world_size not an int >= 1.
-        RuntimeError: fewer GPUs than ranks.
+        RuntimeError: no GPU.
         torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback included); the
             other ranks are terminated.
         torch.multiprocessing.ProcessExitedException: a rank died with a non-zero status or a signal.
@@ -46,16 +201,15 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float | None = None) -> Non
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
-    if torch.cuda.device_count() < world_size:
-        raise RuntimeError(f"world_size={world_size}: needs {world_size} GPU{'s' if world_size > 1 else ''}, this "
-                           f"machine has {torch.cuda.device_count()}")
-    # The rendezvous goes through a file, not a TCP port: a port found free and bound later by the
-    # ranks can be taken in between (EADDRINUSE seen on the device between back-to-back tests).
-    folder = tempfile.mkdtemp(prefix="epgen-ranks-")
-    try:
-        start_and_join(_worker, (world_size, os.path.join(folder, "store"), fn, args), world_size, timeout_s)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    if torch.cuda.device_count() < 1:
+        raise RuntimeError(f"world_size={world_size}: needs a GPU (W processes share one when there are fewer "
+                           "than W), this machine has none")
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive:
+        if pool is not None:
+            pool.close()
+        pool = _POOLS[world_size] = RankPool(world_size)
+    pool.run(fn, args, timeout_s)
 
 
 def start_and_join(target, args: tuple, nprocs: int, timeout_s: float | None = None) -> None:
@@ -81,9 +235,9 @@ def start_and_join(target, args: tuple, nprocs: int, timeout_s: float | None = N
 
 
 def run_ranks_or_here(world_size: int, virtual: bool, fn, *args) -> None:
-    """``fn(rank, world_size, *args)``: in ``world_size`` processes (one per GPU) when
-    ``world_size > 1`` and not ``virtual``, else once in this process as rank 0 (which then drives
-    every virtual rank, or the only one)."""
+    """``fn(rank, world_size, *args)``: in ``world_size`` processes (one per GPU, or all sharing
+    cuda:0: ``run_ranks``) when ``world_size > 1`` and not ``virtual``, else once in this process
+    as rank 0 (which then drives every virtual rank, or the only one)."""
     if world_size > 1 and not virtual:
         run_ranks(world_size, fn, *args)
     else:

@@ -462,3 +462,68 @@ def run_exact_round(op, cfg: EpConfig, inputs: list[RankInputs], pause=None) -> 
         check_exact_combine(r, c, exp)
     op.check()
     return {"recv": recv, "combined": combined}
+
+
+# ---- a busy GPU ----------------------------------------------------------------------------------
+
+HOG_SOURCE = r"""
+extern "C" __global__ void hog(unsigned long long ns) {
+  extern __shared__ unsigned char smem[];
+  unsigned long long start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    __nanosleep(10000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < ns);
+  if (threadIdx.x == 0) smem[0] = 1;
+}
+"""
+"""CUDA source of ``hog_gpu``'s kernel: every block sleeps until ``ns`` nanoseconds have passed."""
+
+HOG_FREE_SMS = 6
+"""SMs ``hog_gpu`` leaves free of its blocks (it fills the others with two 1024-thread blocks each)."""
+
+
+def hog_gpu(device: torch.device, seconds: float, stream: torch.cuda.Stream) -> None:
+    """Launch on ``stream`` a kernel that holds all but ``HOG_FREE_SMS`` SMs of ``device`` for
+    ``seconds``: two blocks of 1024 threads and 100 KiB of shared memory a SM fill its 2048
+    threads, so no block of another kernel fits beside them (a persistent GEMM, or a communication
+    kernel waiting for its own peer, as a serving process overlaps one with an EP call). NVIDIA
+    only (CuPy's NVRTC; ``%globaltimer``)."""
+    import cupy
+
+    from epgen.device import cupy_stream
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    with cupy.cuda.Device(device.index), torch.cuda.stream(stream):
+        fn = cupy.RawKernel(HOG_SOURCE, "hog")
+        smem = 100 * 1024
+        fn.max_dynamic_shared_size_bytes = smem
+        fn((2 * (sms - HOG_FREE_SMS),), (1024,), (cupy.uint64(int(seconds * 1e9)),), shared_mem=smem,
+           stream=cupy_stream(device))
+
+
+# ---- processes ------------------------------------------------------------------------------------
+
+PROCESS_WORLD_SIZES = (2, 3, 4)
+"""World sizes the multi-process tests run at (``epgen.ranks``: one GPU each, or all sharing cuda:0)."""
+
+
+def model_config(model: str, world_size: int, max_tokens_per_rank: int, **kw) -> EpConfig:
+    """``EpConfig.for_model``, except where the model's routed experts do not divide among
+    ``world_size`` ranks (W = 3 and a power-of-two expert count): the model's hidden and top-k with
+    E rounded up to the next multiple of W (every kernel of the shape is the same but the expert
+    count per rank)."""
+    from epgen.codegen.models import model as catalogue
+
+    m = catalogue(model)
+    if m.num_experts % world_size == 0:
+        return EpConfig.for_model(model, world_size=world_size, max_tokens_per_rank=max_tokens_per_rank, **kw)
+    return EpConfig(world_size=world_size, hidden=m.hidden, topk=m.topk,
+                    num_experts=-(-m.num_experts // world_size) * world_size, max_tokens_per_rank=max_tokens_per_rank,
+                    **kw)
+
+
+def per_rank(pattern: list[int], world_size: int) -> list[int]:
+    """Token counts of ``world_size`` ranks: ``pattern`` repeated (rank r takes pattern[r % len])."""
+    return [pattern[r % len(pattern)] for r in range(world_size)]

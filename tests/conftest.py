@@ -23,28 +23,23 @@ def _gpu_reason():
 
 
 def pytest_collection_modifyitems(config, items):
+    """Skip gpu and processes tests, with the reason, where no GPU can run them. A processes test
+    runs its W processes on W GPUs when there are enough, else all on cuda:0 (``epgen.ranks``):
+    one GPU is enough."""
     reason = _gpu_reason()
     if reason is None:
-        import torch
-
-        if torch.cuda.device_count() >= 2:
-            return
-        skip = pytest.mark.skip(reason=f"needs 2 GPUs, found {torch.cuda.device_count()}")
-        for item in items:
-            if item.get_closest_marker("multigpu"):
-                item.add_marker(skip)
         return
     skip = pytest.mark.skip(reason=reason)
     for item in items:
-        if item.get_closest_marker("gpu") or item.get_closest_marker("multigpu"):
+        if item.get_closest_marker("gpu") or item.get_closest_marker("processes"):
             item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
 def _gpu_test_watchdog(request):
-    """Arm ``GPU_TEST_TIMEOUT_S`` around every gpu / multigpu test (faulthandler's watchdog thread
+    """Arm ``GPU_TEST_TIMEOUT_S`` around every gpu / processes test (faulthandler's watchdog thread
     fires even while the main thread is blocked in a CUDA call)."""
-    guarded = request.node.get_closest_marker("gpu") or request.node.get_closest_marker("multigpu")
+    guarded = request.node.get_closest_marker("gpu") or request.node.get_closest_marker("processes")
     if guarded:
         faulthandler.dump_traceback_later(GPU_TEST_TIMEOUT_S, exit=True)
     yield

@@ -13,7 +13,10 @@
 #   fp8     the fp8 dispatch beside it (24 x 32, uniform, tokens $BENCH_TOKENS) -> bench-ep2-h200-fp8.*
 #   pull    bench24's sweep with the pull dispatch (--transport pull, uniform and skewed) -> bench-ep2-h200-pull.*
 #   sweep   geometry exploration at 128/4096/8192 tokens ($GEOS: "DISPATCH:COMBINE" pairs)
-#   tests   GPU tests (pytest -m "gpu or multigpu" over $TESTS, default every tests/ file; $K narrows with -k)
+#   tests   GPU tests (pytest -m "gpu or processes" over $TESTS, default every tests/ file; $K narrows with -k):
+#           the processes-marked ones run W = 2, 3, 4 processes, all on cuda:0 when there are fewer GPUs
+#   residency tools/residency_probe.py: a cooperative launch beside a kernel holding the GPU, in a graph,
+#           its launch cost, and the start of W processes sharing cuda:0
 #   small   epgen bench W=1 and virtual W=2 at 1, 128, 4096 tokens, uniform, 50 queued replays a
 #           point -> tools/results/$SMALL_TAG-w{1,2}.{csv,png} (issue 13's before/after of the spin-waits)
 #   stress  epgen stress: 200 rounds with W=2 on two GPUs, then 200 with 8 virtual ranks
@@ -83,7 +86,8 @@ for step in ${STEPS:-demo tune bench bench24 fp8 tests}; do
                 --tokens ${QBENCH_TOKENS:-128 1024 4096 8192} -o tools/results/bench-ep2v-h200-$q
             done ;;
     probe) timeout ${PROBE_TIMEOUT:-200} python tools/p2p_probe.py ;;
-    tests) timeout ${TEST_TIMEOUT:-400} python -m pytest ${TESTS:-tests} -m "gpu or multigpu" -q -rA --durations=15 \
+    residency) timeout ${PROBE_TIMEOUT:-200} python tools/residency_probe.py ;;
+    tests) timeout ${TEST_TIMEOUT:-400} python -m pytest ${TESTS:-tests} -m "gpu or processes" -q -rA --durations=15 \
              ${K:+-k "$K"} ;;
   esac
 done

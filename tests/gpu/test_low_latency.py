@@ -2,7 +2,7 @@
 
 Every round is checked against the torch reference (``epgen.verify.run_round``: poisoned receive
 buffers, every wire bit-equal to its reference) or exactly on the device (integer tokens,
-``run_exact_round``). W = 1 and virtual W = 2, 4, 8; two processes run under the multigpu mark.
+``run_exact_round``). W = 1 and virtual W = 2, 4, 8; processes: tests/gpu/test_processes.py.
 """
 
 import time

@@ -1,11 +1,12 @@
 """GPU tests of dispatch and combine against the torch reference (run on the device machine).
 
-W = 1; W = 4 and 8 as virtual ranks on one GPU; W = 2 with one process per GPU.
+W = 1; W = 4 and 8 as virtual ranks on one GPU; W = 2, 3 and 4 as processes (``epgen.ranks``).
 """
 
 import pytest
+import torch
 
-from epgen.verify import run_round
+from epgen.verify import PROCESS_WORLD_SIZES, model_config, per_rank, run_round
 from epgen.codegen.spec import Op
 from epgen.codegen.config import EpConfig, Geometry
 
@@ -16,8 +17,7 @@ TMAX = 4096
 def _op(model, world_size, virtual, geo=Geometry(blocks=16, warps_per_block=16, unroll=4)):
     from epgen.op import EpDispatchCombine
 
-    cfg = EpConfig.for_model(model, world_size=world_size, max_tokens_per_rank=TMAX,
-                             dispatch_geometry=geo, combine_geometry=geo, timeout_s=10.0)
+    cfg = model_config(model, world_size, TMAX, dispatch_geometry=geo, combine_geometry=geo, timeout_s=10.0)
     return cfg, EpDispatchCombine(cfg, virtual=virtual, validate=True)
 
 
@@ -53,19 +53,21 @@ def test_virtual_ranks(model, world_size):
 def _two_process_body(rank, world_size, model):
     cfg, op = _op(model, world_size, False)
     seed = 0
-    for tokens in ([4096, 4096], [4096, 128], [0, 1], [0, 0], [1, 4096]):
+    for pattern in ([4096], [4096, 128], [0, 1], [0], [1, 4096]):
         for kind in ("uniform", "invalid", "duplicates"):
             seed += 1
-            run_round(op, cfg, tokens, kind, seed)
+            run_round(op, cfg, per_rank(pattern, world_size), kind, seed)
+    torch.distributed.barrier()  # every peer is done reading this rank's arena
     op.close()
 
 
-@pytest.mark.multigpu
+@pytest.mark.processes
 @pytest.mark.parametrize("model", SHAPES)
-def test_two_processes(model):
+@pytest.mark.parametrize("world_size", PROCESS_WORLD_SIZES)
+def test_processes(model, world_size):
     from epgen.ranks import run_ranks
 
-    run_ranks(2, _two_process_body, model)
+    run_ranks(world_size, _two_process_body, model)
 
 
 def _quantized_body(rank, world_size, dtype, virtual):
@@ -73,15 +75,16 @@ def _quantized_body(rank, world_size, dtype, virtual):
     from epgen.quant import scale_bytes
 
     mode = {"fp8": "fp8_blockwise", "fp4": "fp4_mx"}[dtype]
-    cfg = EpConfig.for_model("deepseek-v3", world_size=world_size, max_tokens_per_rank=TMAX, dtype=dtype,
-                             scale_bytes=scale_bytes(mode, 7168), timeout_s=10.0,
-                             dispatch_geometry=Geometry(16, 16, 4), combine_geometry=Geometry(16, 16, 4))
+    cfg = model_config("deepseek-v3", world_size, TMAX, dtype=dtype, scale_bytes=scale_bytes(mode, 7168), timeout_s=10.0,
+                       dispatch_geometry=Geometry(16, 16, 4), combine_geometry=Geometry(16, 16, 4))
     op = EpDispatchCombine(cfg, virtual=virtual, validate=True)
     seed = 40
     for tokens in ([4096] * world_size, [0, 1, 128, 4096, 4096, 128, 1, 0][:world_size], [0] * world_size):
         for kind in ("uniform", "invalid", "duplicates"):
             seed += 1
             run_round(op, cfg, tokens, kind, seed)  # payload and scale rows bit-equal; bf16 combine
+    if not virtual:
+        torch.distributed.barrier()
     op.close()
 
 
@@ -91,12 +94,13 @@ def test_quantized_dispatch_virtual_8(dtype):
     _quantized_body(0, 8, dtype, True)
 
 
-@pytest.mark.multigpu
+@pytest.mark.processes
 @pytest.mark.parametrize("dtype", ["fp8", "fp4"])
-def test_quantized_dispatch_two_processes(dtype):
+@pytest.mark.parametrize("world_size", PROCESS_WORLD_SIZES)
+def test_quantized_dispatch_processes(dtype, world_size):
     from epgen.ranks import run_ranks
 
-    run_ranks(2, _quantized_body, dtype, False)
+    run_ranks(world_size, _quantized_body, dtype, False)
 
 
 COMBINE_WIRES = ["fp8_direct_cast", "fp8_blockwise", "fp4_blockwise"]
@@ -107,11 +111,11 @@ def _combine_wire_body(rank, world_size, mode, model, virtual):
     wire the payload is fp8 with scales (quantized dispatch and combine in one op)."""
     from epgen.op import EpDispatchCombine
 
-    hidden = EpConfig.for_model(model, world_size=world_size, max_tokens_per_rank=1).hidden
+    hidden = model_config(model, world_size, 1).hidden
     fp8 = mode == "fp8_blockwise"
-    cfg = EpConfig.for_model(model, world_size=world_size, max_tokens_per_rank=TMAX, combine_quant=mode,
-                             dtype="fp8" if fp8 else "bf16", scale_bytes=4 * -(-hidden // 128) if fp8 else 0,
-                             dispatch_geometry=Geometry(16, 16, 4), combine_geometry=Geometry(16, 16, 4), timeout_s=10.0)
+    cfg = model_config(model, world_size, TMAX, combine_quant=mode, dtype="fp8" if fp8 else "bf16",
+                       scale_bytes=4 * -(-hidden // 128) if fp8 else 0, dispatch_geometry=Geometry(16, 16, 4),
+                       combine_geometry=Geometry(16, 16, 4), timeout_s=10.0)
     op = EpDispatchCombine(cfg, virtual=virtual, validate=True)
     worst = {"combine_err": 0.0, "bound_ratio": 0.0, "wire_mismatches": 0}
     seed = 70
@@ -120,6 +124,8 @@ def _combine_wire_body(rank, world_size, mode, model, virtual):
             seed += 1
             stats = run_round(op, cfg, tokens, kind, seed)
             worst = {k: max(worst[k], stats[k]) for k in worst}
+    if not virtual:
+        torch.distributed.barrier()
     op.close()
     if rank == 0:
         print(f"combine wire {mode} ({model}, {'virtual ' if virtual else ''}W={world_size}, dispatch {cfg.dtype}): "
@@ -134,12 +140,13 @@ def test_combine_wire_virtual_8(mode, model):
     _combine_wire_body(0, 8, mode, model, True)
 
 
-@pytest.mark.multigpu
+@pytest.mark.processes
 @pytest.mark.parametrize("mode", COMBINE_WIRES)
-def test_combine_wire_two_processes(mode):
+@pytest.mark.parametrize("world_size", PROCESS_WORLD_SIZES)
+def test_combine_wire_processes(mode, world_size):
     from epgen.ranks import run_ranks
 
-    run_ranks(2, _combine_wire_body, mode, "deepseek-v3", False)
+    run_ranks(world_size, _combine_wire_body, mode, "deepseek-v3", False)
 
 
 # ---- resident blocks: epgen's occupancy formula against the CUDA driver's ----------------------

@@ -2,7 +2,7 @@
 reference, its combine (also with a quantized combine wire), graph capture with zero-copy inputs, push and pull calls in one op, two ops
 in one process and a bounded wait that cannot complete.
 
-W = 1 and W = 2, 4, 8 as virtual ranks on one GPU; W = 2 with one process per GPU (multigpu).
+W = 1 and W = 2, 4, 8 as virtual ranks on one GPU; W = 2, 3 and 4 as processes (``epgen.ranks``).
 Every call checks what it took with ``op.transport``; inputs either sit in ``op.dispatch_input()``
 (zero copy) or elsewhere (the "pull" op copies them there first).
 """
@@ -12,14 +12,16 @@ import torch
 
 from epgen.codegen.config import EpConfig, Geometry
 from epgen.codegen.spec import Op
-from epgen.verify import (check_exact_combine, check_exact_dispatch, expect, integer_expert_stage, integer_inputs,
-                          op_arg, op_inputs, poison, run_exact_round, run_round, zero_copy_inputs)
+from epgen.verify import (PROCESS_WORLD_SIZES, check_exact_combine, check_exact_dispatch, expect, integer_expert_stage,
+                          integer_inputs, model_config, op_arg, op_inputs, poison, run_exact_round, run_round,
+                          zero_copy_inputs)
 
 GEO = Geometry(blocks=16, warps_per_block=16, unroll=4)
 TMAX = 4096
 KINDS = ("uniform", "invalid", "duplicates", "skewed", "one_rank")
 TOKENS = {1: [[0], [1], [128], [4096]],
           2: [[4096, 4096], [0, 1], [128, 0], [0, 0]],
+          3: [[4096, 0, 128], [4096] * 3, [0, 1, 0], [0] * 3],
           4: [[0, 1, 128, 4096], [4096] * 4, [0] * 4, [5, 0, 0, 0]],
           8: [[4096] * 8, [0, 1, 128, 4096, 4096, 128, 1, 0], [0] * 8]}
 
@@ -27,9 +29,8 @@ TOKENS = {1: [[0], [1], [128], [4096]],
 def _op(model="deepseek-v3", world_size=1, virtual=False, transport="pull", validate=True, **kw):
     from epgen.op import EpDispatchCombine
 
-    cfg = EpConfig.for_model(model, world_size=world_size, max_tokens_per_rank=kw.pop("max_tokens", TMAX),
-                             dispatch_geometry=GEO, combine_geometry=GEO, timeout_s=kw.pop("timeout_s", 10.0),
-                             kernel_family="normal", dispatch_transport=transport, **kw)
+    cfg = model_config(model, world_size, kw.pop("max_tokens", TMAX), dispatch_geometry=GEO, combine_geometry=GEO,
+                       timeout_s=kw.pop("timeout_s", 10.0), kernel_family="normal", dispatch_transport=transport, **kw)
     return cfg, EpDispatchCombine(cfg, virtual=virtual and world_size > 1, validate=validate)
 
 
@@ -147,11 +148,12 @@ def _two_process_body(rank, world_size):
     op.close()
 
 
-@pytest.mark.multigpu
-def test_two_processes():
+@pytest.mark.processes
+@pytest.mark.parametrize("world_size", PROCESS_WORLD_SIZES)
+def test_processes(world_size):
     from epgen.ranks import run_ranks
 
-    run_ranks(2, _two_process_body)
+    run_ranks(world_size, _two_process_body)
 
 
 @pytest.mark.gpu

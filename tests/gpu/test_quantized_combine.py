@@ -7,7 +7,7 @@ import pytest
 
 from epgen.codegen.config import EpConfig, Geometry
 from epgen.codegen.spec import Op
-from epgen.verify import op_arg, run_round
+from epgen.verify import PROCESS_WORLD_SIZES, model_config, op_arg, per_rank, run_round
 
 WIRES = ["fp8_direct_cast", "fp8_blockwise", "fp4_blockwise"]
 
@@ -15,8 +15,8 @@ WIRES = ["fp8_direct_cast", "fp8_blockwise", "fp4_blockwise"]
 def _op(world_size, mode, virtual, tmax=1024, validate=True, **kw):
     from epgen.op import EpDispatchCombine
 
-    cfg = EpConfig.for_model("deepseek-v3", world_size=world_size, max_tokens_per_rank=tmax, combine_quant=mode,
-                             kernel_family="normal", timeout_s=10.0, **kw)
+    cfg = model_config("deepseek-v3", world_size, tmax, combine_quant=mode, kernel_family="normal", timeout_s=10.0,
+                       **kw)
     return cfg, EpDispatchCombine(cfg, virtual=virtual, validate=validate)
 
 
@@ -246,17 +246,19 @@ def _two_process_matmul_body(rank, world_size, mode):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     many = Geometry(blocks=4 * sms, warps_per_block=16, unroll=4)
     cfg, op = _op(world_size, mode, virtual=False, combine_geometry=many)
-    for seed, tokens in enumerate(([1024, 1024], [0, 512], [777, 1])):
-        _matmul_round(op, cfg, tokens, 50 + seed)
+    for seed, pattern in enumerate(([1024], [0, 512], [777, 1])):
+        _matmul_round(op, cfg, per_rank(pattern, world_size), 50 + seed)
+    torch.distributed.barrier()  # every peer is done reading this rank's arena
     op.close()
 
 
-@pytest.mark.multigpu
+@pytest.mark.processes
 @pytest.mark.parametrize("mode", ["fp8_blockwise", "fp4_blockwise"])
-def test_two_processes_with_a_matmul_beside_each(mode):
+@pytest.mark.parametrize("world_size", PROCESS_WORLD_SIZES)
+def test_processes_with_a_matmul_beside_each(mode, world_size):
     from epgen.ranks import run_ranks
 
-    run_ranks(2, _two_process_matmul_body, mode)
+    run_ranks(world_size, _two_process_matmul_body, mode)
 
 
 @pytest.mark.gpu

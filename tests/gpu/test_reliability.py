@@ -1,7 +1,7 @@
 """GPU reliability tests (issue 5): each kind of bug, fixed as a kind, has a test here.
 
-Modes: ``virtual8`` = W = 8 virtual ranks on one GPU (marker gpu) and ``procs2`` = W = 2 with one
-process per GPU (marker multigpu), unless a case names its own W. Rounds are checked bit for bit
+Modes: ``virtual8`` = W = 8 virtual ranks on one GPU (marker gpu) and ``procsW`` = W = 2, 3 and 4
+processes (marker processes: one GPU each, or all sharing cuda:0), unless a case names its own W. Rounds are checked bit for bit
 on the device (``epgen.verify.run_exact_round``: integer tokens whose combine sums are exact), so
 even a thousand rounds cost little.
 
@@ -26,8 +26,9 @@ import torch
 from epgen.codegen import abi
 from epgen.codegen.spec import Op
 from epgen.op import EpDispatchCombine, EpError, _args_dtype
-from epgen.verify import (ROUTINGS, check_exact_combine, check_exact_dispatch, expect, integer_expert_stage,
-                          integer_inputs, op_arg, op_inputs, poison, run_exact_round, run_round)
+from epgen.verify import (PROCESS_WORLD_SIZES, ROUTINGS, check_exact_combine, check_exact_dispatch, expect,
+                          integer_expert_stage, integer_inputs, op_arg, op_inputs, per_rank, poison, run_exact_round,
+                          run_round)
 from epgen.codegen.config import EpConfig, Geometry
 
 GEO = Geometry(16, 16, 4)
@@ -36,14 +37,16 @@ TIMEOUT_S = 5.0
 PROCS_TIMEOUT_S = 180.0
 """Bound of one two-process run: start, compile, run."""
 
-MODES = [pytest.param(8, True, marks=pytest.mark.gpu, id="virtual8"),
-         pytest.param(2, False, marks=pytest.mark.multigpu, id="procs2")]
+MODES = [pytest.param(8, True, marks=pytest.mark.gpu, id="virtual8")] + [
+    pytest.param(w, False, marks=pytest.mark.processes, id=f"procs{w}") for w in PROCESS_WORLD_SIZES]
 
 
 def edge_config(world_size: int, max_tokens: int = 64, timeout_s: float = TIMEOUT_S) -> EpConfig:
-    """The small layer of the edge cases: H 2048, top-4, E = 16 on W >= 4 and 8 on W = 2, so that
-    experts 3 and 5 live on different ranks (W = 8: ranks 1 and 2; W = 2 and 4: ranks 0 and 1)."""
-    return EpConfig(world_size=world_size, hidden=2048, topk=4, num_experts=16 if world_size >= 4 else 8,
+    """The small layer of the edge cases: H 2048, top-4, E = 16 on W >= 4, 12 on W = 3 and 8 on
+    W = 2, so that experts 3 and 5 live on different ranks (W = 8: ranks 1 and 2; W = 2, 3 and 4:
+    ranks 0 and 1)."""
+    return EpConfig(world_size=world_size, hidden=2048, topk=4,
+                    num_experts=16 if world_size >= 4 else 4 * world_size,
                     max_tokens_per_rank=max_tokens, dispatch_geometry=GEO, combine_geometry=GEO, timeout_s=timeout_s)
 
 
@@ -125,7 +128,7 @@ def _dedup_body(rank, world_size, virtual):
     L = cfg.experts_per_rank
     targets = {3 // L, 5 // L}
     assert len(targets) == 2
-    tokens = [3, 0, 2, 1, 0, 4, 1, 2][:world_size] if world_size == 8 else [3, 2]
+    tokens = [3, 0, 2, 1, 0, 4, 1, 2] if world_size == 8 else per_rank([3, 2, 0, 4], world_size)
     inputs = integer_inputs(cfg, tokens, "uniform", 7, device=op.device)
     for i in inputs:
         i.indices.copy_(torch.tensor([3, 3, 5, -1], dtype=torch.int32, device=op.device).expand_as(i.indices))
@@ -251,9 +254,10 @@ def _jitter_body(rank, world_size, virtual, pairs):
     _close(op)
 
 
-@pytest.mark.multigpu
-def test_1000_pairs_back_to_back_with_host_jitter_on_one_rank():
-    _run(2, False, _jitter_body, 1000, timeout_s=150.0)
+@pytest.mark.processes
+@pytest.mark.parametrize("world_size", PROCESS_WORLD_SIZES)
+def test_1000_pairs_back_to_back_with_host_jitter_on_one_rank(world_size):
+    _run(world_size, False, _jitter_body, 1000, timeout_s=240.0)
 
 
 # ---- CUDA graphs -------------------------------------------------------------------------------
@@ -387,7 +391,7 @@ def _peer_death_body(rank, world_size, virtual, timeout_s):
     os._exit(0)
 
 
-@pytest.mark.multigpu
+@pytest.mark.processes
 def test_a_dead_peer_makes_the_survivor_raise_a_timeout_within_the_bound():
     _run(2, False, _peer_death_body, DEATH_TIMEOUT_S, timeout_s=120.0)
 

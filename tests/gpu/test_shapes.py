@@ -1,13 +1,13 @@
 """GPU runs of shapes outside the catalogue (issue 3): top-k 1, 2, 6, 9 and 10 at hidden 2880 and
 6144, bf16 dispatch + combine checked against the torch reference with ``check.run_round``
 (received rows bit-equal, every combined element within its bound). W = 8 virtual ranks for every
-shape; one two-process W = 2 test covers each top-k and each hidden once. Experts per rank from 1
+shape; one multi-process test (W = 2, 3 and 4 processes) covers each top-k and each hidden once. Experts per rank from 1
 to 384 / W, with a shared-expert column pinned to the token's own rank.
 """
 
 import pytest
 
-from epgen.verify import run_round
+from epgen.verify import PROCESS_WORLD_SIZES, per_rank, run_round
 from epgen.codegen.config import EpConfig, Geometry
 
 GEO = Geometry(16, 16, 4)
@@ -17,14 +17,17 @@ TMAX = 64
 
 
 def shape_config(world_size: int, hidden: int, topk: int, num_experts: int = 128) -> EpConfig:
-    """128 experts, 64 tokens a rank, explicit geometry (one compiled variant per op)."""
+    """128 experts (rounded up to a multiple of W), 64 tokens a rank, explicit geometry (one
+    compiled variant per op)."""
+    num_experts = -(-num_experts // world_size) * world_size
     return EpConfig(world_size=world_size, hidden=hidden, topk=topk, num_experts=num_experts, max_tokens_per_rank=TMAX,
                     dispatch_geometry=GEO, combine_geometry=GEO, timeout_s=5.0)
 
 
 ROUNDS_8 = [([TMAX] * 8, "uniform"), ([0, 1, 37, TMAX, TMAX, 37, 1, 0], "invalid"),
             ([TMAX, 0, 5, TMAX, 0, TMAX, 3, 9], "duplicates"), ([TMAX, 3, 0, TMAX, 17, TMAX, 1, TMAX], "shared")]
-ROUNDS_2 = [([TMAX, TMAX], "uniform"), ([0, 37], "invalid"), ([TMAX, 1], "duplicates"), ([0, 0], "uniform")]
+ROUNDS_PROCESSES = [([TMAX], "uniform"), ([0, 37], "invalid"), ([TMAX, 1], "duplicates"), ([0], "uniform")]
+"""Token patterns (``per_rank``) and routing of the multi-process rounds."""
 TWO_PROCESS_SHAPES = [(2880, 1), (6144, 2), (2880, 6), (6144, 9), (2880, 10)]
 
 
@@ -69,15 +72,16 @@ def _two_process_body(rank, world_size):
         cfg = shape_config(world_size, hidden, topk)
         op = EpDispatchCombine(cfg, validate=True)
         try:
-            _rounds(op, cfg, ROUNDS_2)
+            _rounds(op, cfg, [(per_rank(p, world_size), kind) for p, kind in ROUNDS_PROCESSES])
         except AssertionError as e:
             raise AssertionError(f"hidden {hidden}, top-k {topk}: {e}") from None
         torch.distributed.barrier()  # the peer's combine may still read this arena
         op.close()
 
 
-@pytest.mark.multigpu
-def test_shapes_two_processes():
+@pytest.mark.processes
+@pytest.mark.parametrize("world_size", PROCESS_WORLD_SIZES)
+def test_shapes_processes(world_size):
     from epgen.ranks import run_ranks
 
-    run_ranks(2, _two_process_body, timeout_s=240.0)
+    run_ranks(world_size, _two_process_body, timeout_s=240.0)

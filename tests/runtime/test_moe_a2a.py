@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from epgen.moe import ExpertWeights, dense_moe
 from epgen.ranks import start_and_join
+from epgen.verify import PROCESS_WORLD_SIZES, per_rank
 
 H, I, L, K = 64, 48, 5, 4  # hidden, intermediate, local experts, top-k
 
@@ -107,11 +108,13 @@ def test_needs_a_process_group():
 
 
 def _nccl_rank(rank: int, world_size: int, tokens: list[int], seed: int) -> None:
-    """On cuda:rank with the NCCL group epgen.ranks made: the layer against dense_moe."""
+    """On the GPU and with the group epgen.ranks made (NCCL on a GPU of its own, gloo when the ranks
+    share cuda:0): the layer against dense_moe."""
     from epgen.moe_a2a import AllToAllMoE
+    from epgen.ranks import rank_device
 
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False  # dense_moe's bound assumes it
-    dev = torch.device("cuda", rank)
+    dev = torch.device("cuda", rank_device(rank, world_size))
     xs, ws, ids, experts = _inputs(world_size, tokens, seed)
     xs, ws, ids = ([t.to(dev) for t in v] for v in (xs, ws, ids))
     experts = [ExpertWeights(gate=e.gate.to(dev), up=e.up.to(dev), down=e.down.to(dev)) for e in experts]
@@ -129,8 +132,9 @@ def test_one_rank_nccl_group_meets_dense_moe():
     run_ranks(1, _nccl_rank, [40], 7, timeout_s=240)
 
 
-@pytest.mark.multigpu
-def test_two_nccl_ranks_meet_dense_moe():
+@pytest.mark.processes
+@pytest.mark.parametrize("world_size", PROCESS_WORLD_SIZES)
+def test_ranks_as_processes_meet_dense_moe(world_size):
     from epgen.ranks import run_ranks
 
-    run_ranks(2, _nccl_rank, [33, 0], 8, timeout_s=240)
+    run_ranks(world_size, _nccl_rank, per_rank([33, 0, 5], world_size), 8, timeout_s=240)

@@ -41,3 +41,50 @@ def test_run_ranks_rejects_a_world_size_below_one(world_size):
 
     with pytest.raises(ValueError, match=r"world_size=.*: must be an int >= 1"):
         run_ranks(world_size, print)
+
+
+# ---- the pool that run_ranks keeps (on the CPU: gloo, no device) -----------------------------------
+
+def _pid_body(rank, world_size, folder):
+    import torch.distributed as dist
+
+    assert dist.get_world_size() == world_size and dist.get_rank() == rank
+    with open(os.path.join(folder, f"pid{rank}"), "a") as f:
+        f.write(f"{os.getpid()}\n")
+
+
+def test_a_pool_runs_one_function_after_another_in_the_same_processes(tmp_path):
+    from epgen.ranks import RankPool
+
+    pool = RankPool(3)
+    try:
+        for _ in range(3):
+            pool.run(_pid_body, (str(tmp_path),), timeout_s=120)
+        for rank in range(3):
+            pids = (tmp_path / f"pid{rank}").read_text().split()
+            assert len(pids) == 3 and len(set(pids)) == 1, f"rank {rank} ran in processes {pids}"
+        assert pool.alive
+    finally:
+        pool.close()
+    assert not pool.alive
+
+
+@pytest.mark.parametrize("mode,error", [("hang", TimeoutError), ("raise", torch.multiprocessing.ProcessRaisedException),
+                                        ("exit", None)])
+def test_a_pool_ends_on_any_failure_and_an_early_exit_0_is_no_failure(mode, error):
+    from epgen.ranks import RankPool
+
+    pool = RankPool(2)
+    try:
+        if error is None:
+            pool.run(_pool_body, (mode,), timeout_s=120)
+        else:
+            with pytest.raises(error, match="rank 1 broke" if mode == "raise" else "still running after"):
+                pool.run(_pool_body, (mode,), timeout_s=60 if mode == "raise" else 10)
+        assert not pool.alive, "a run that failed or lost a rank leaves no process behind"
+    finally:
+        pool.close()
+
+
+def _pool_body(rank, world_size, mode):
+    _rank_body(rank, mode)
