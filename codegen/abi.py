@@ -77,18 +77,27 @@ allocation, so that peers' stores and atomics are seen while the kernels run
 (``epgen.platform``)."""
 
 
+MAX_RANKS = 64
+"""Ranks a per-peer range holds: the widest wave (64 lanes), so one wave reads a whole range."""
+
+
 @attrs.frozen
 class Signal:
-    """A uint32 word (``per_peer``: W words, one per peer rank) of a rank's signal region.
+    """A range of uint32 words of a rank's signal region: one word (the default), a per-peer
+    range (``per_peer``: ``MAX_RANKS`` entries, entry r written by peer r), or ``slots`` entries;
+    each entry ``width`` words, and the whole range repeated ``parities`` times, one copy per call
+    parity (generation g uses copy g % 2: see ``PARITY_RULE``).
 
     Attributes:
-        name: snake-case name; C constant ``kSig<Name>``.
+        name: snake-case name; C constant ``kSig<Name>`` (the first word), and with ``parities`` 2
+            ``kSig<Name>Parity``, the words from one copy to the next.
         index: word index into the signal region.
-        comment: printed after the constant ("[W] " first when ``per_peer``); may be empty.
-        per_peer: words ``index .. index + W - 1``, word ``index + r`` written by peer r.
-        slots: a range of this many flags (``per_peer`` False), each ``width`` words: the
-            low-latency family's flags, one per (peer, sending block).
-        width: words per flag (2: a 64-bit flag, 8-byte aligned).
+        comment: printed after the constant (after the range's shape: ``c_comment``); may be empty.
+        per_peer: ``MAX_RANKS`` entries, entry r written by peer r.
+        slots: entries of a range that is not per peer (the low-latency flags: one per (peer,
+            sending block)).
+        width: words per entry (2: a 64-bit flag, 8-byte aligned; ``FAULT_RECORD``'s words).
+        parities: copies of the range, one per call parity (1 or 2).
     """
 
     name: str
@@ -97,6 +106,7 @@ class Signal:
     per_peer: bool = False
     slots: int = 1
     width: int = 1
+    parities: int = 1
 
     @property
     def c_name(self) -> str:
@@ -107,14 +117,44 @@ class Signal:
         """Offset from the start of the signal region, bytes."""
         return 4 * self.index
 
+    @property
+    def c_comment(self) -> str:
+        """The comment printed after the C constant: the range's shape ("[2]" per parity, "[W]"
+        per peer) before ``comment``."""
+        shape = ("[2]" if self.parities > 1 else "") + ("[W]" if self.per_peer else "")
+        if not shape:
+            return self.comment
+        return shape + ("" if self.comment.startswith("[") else " ") + self.comment
+
+    @property
+    def copy_words(self) -> int:
+        """Words of one parity's copy: entries x width."""
+        return (MAX_RANKS if self.per_peer else self.slots) * self.width
+
+    @property
+    def words(self) -> int:
+        """Words of the whole range, every parity's copy."""
+        return self.parities * self.copy_words
+
 
 LL_FLAG_SLOTS = 1024
 """Flags of each low-latency range: one per (source rank, sending block), so world size x the
 low-latency blocks is at most this (``KernelSpec`` checks it)."""
 
-SIGNAL_WORDS = 256 + 3 * LL_FLAG_SLOTS + 64
-"""32-bit words in each rank's signal region (``ARGS`` field ``signals``; see ArenaLayout): the
-normal family's 256, the low-latency flags, then the pull dispatch's per-peer flags (``SIGNALS``)."""
+FAULT_RECORD = ("generation", "code", "a", "b", "c")
+"""The words of a fault record a rank writes into every peer's signal region when one of its
+kernels records a recoverable fault (``ERRORS``): the generation of the call (of the record's
+kernel family and op), then the error record's words. A peer that has acquired this rank's flags
+of that call reads it and copies the fault into its own error records, so every rank raises it."""
+
+PARITY_RULE = (
+    "A rank's generation-g signals that carry per-call values (the low-latency flags with their row "
+    "counts, fault records, overflow counts) sit in copy g % 2 and a receiver waits for exactly g. "
+    "A sender writes copy g % 2 again only in call g + 2, after its call g + 1 received every peer's "
+    "call g + 1 signals, which each peer raised after it had finished reading its call g signals "
+    "(stream order on that peer), so a copy never holds g + 2 while a rank still waits for g.")
+"""Why a parity copy is never overwritten while read (the model checker, ``epgen.codegen.protocol``,
+explores every interleaving of it)."""
 
 SIGNALS = (
     Signal("dispatch_calls", 0, "last finished dispatch generation (this rank)"),
@@ -131,13 +171,28 @@ SIGNALS = (
     Signal("done_from", 128, "peer finished writing its dispatch-g rows here", per_peer=True),
     Signal("combine_ready_from", 192, "peer's combine-g expert outputs are complete", per_peer=True),
     Signal("ll_dispatch_from", 256, "[W x blocks] 64-bit: {generation, rows} of sending block (peer, b) here",
-           slots=LL_FLAG_SLOTS, width=2),
-    Signal("ll_combine_from", 256 + 2 * LL_FLAG_SLOTS, "[W x blocks] generation of sending block (peer, b) "
-           "whose combine rows are here", slots=LL_FLAG_SLOTS),
-    Signal("pulled_from", 256 + 3 * LL_FLAG_SLOTS, "peer finished reading its dispatch-g rows from our dispatch_in",
+           slots=LL_FLAG_SLOTS, width=2, parities=2),
+    Signal("ll_combine_from", 256 + 4 * LL_FLAG_SLOTS, "[W x blocks] generation of sending block (peer, b) "
+           "whose combine rows are here", slots=LL_FLAG_SLOTS, parities=2),
+    Signal("pulled_from", 256 + 6 * LL_FLAG_SLOTS, "peer finished reading its dispatch-g rows from our dispatch_in",
            per_peer=True),
+    Signal("overflow_need", 320 + 6 * LL_FLAG_SLOTS, "64-bit {generation, rows}: the most rows a sender "
+           "found rank d needs (atomic max; only on an overflow)", per_peer=True, width=2, parities=2),
+    Signal("fault_dispatch", 576 + 6 * LL_FLAG_SLOTS, "FAULT_RECORD of the peer's normal dispatch g",
+           per_peer=True, width=len(FAULT_RECORD), parities=2),
+    Signal("fault_dispatch_ll", 1216 + 6 * LL_FLAG_SLOTS, "FAULT_RECORD of the peer's low-latency "
+           "dispatch g", per_peer=True, width=len(FAULT_RECORD), parities=2),
+    Signal("fault_combine", 1856 + 6 * LL_FLAG_SLOTS, "FAULT_RECORD of the peer's normal combine g",
+           per_peer=True, width=len(FAULT_RECORD), parities=2),
+    Signal("fault_combine_ll", 2496 + 6 * LL_FLAG_SLOTS, "FAULT_RECORD of the peer's low-latency "
+           "combine g", per_peer=True, width=len(FAULT_RECORD), parities=2),
 )
-"""The signal words; per-peer ranges hold up to the widest wave (64) ranks."""
+"""The signal words; per-peer ranges hold up to ``MAX_RANKS`` ranks."""
+
+SIGNAL_WORDS = 3136 + 6 * LL_FLAG_SLOTS
+"""32-bit words in each rank's signal region (``ARGS`` field ``signals``; see ArenaLayout): the
+normal family's 256, the low-latency flags, the pull dispatch's flags, the overflow counts and the
+fault records (``SIGNALS``)."""
 
 
 def signal(name: str) -> Signal:
@@ -161,11 +216,13 @@ class ErrorCode:
         code: the record's code word (> 0).
         a, b, c: what the argument words hold ("0" when unused).
         message: the host's text, ``str.format`` fields: ``a``, ``b``, ``c``, ``c_int32`` (c read as
-            int32), ``phase_a`` (description of phase a) and the op's ``num_experts``,
-            ``timeout_s`` and ``capacity_rows``.
-        recoverable: the kernel that records it still completes every signal of its call, so once
-            the stream is synchronized the op may run again (its next call must be a dispatch: the
-            faulted call's outputs are invalid); False: peers may be out of step (a timeout).
+            int32), ``phase_a`` (description of phase a), ``itself`` (a timeout waiting for the
+            record's own rank: blocks of its own grid) and the op's ``num_experts``, ``timeout_s``
+            and ``capacity_rows``.
+        recoverable: the kernel that records it still completes every signal of its call and
+            hands the fault to every peer in that call (``FAULT_RECORD``), so every rank raises it
+            at the same synchronizing call and may run again from the next dispatch (the faulted
+            call's outputs are invalid); False: peers may be out of step (a timeout).
     """
 
     name: str
@@ -189,10 +246,10 @@ ERRORS = (
     ErrorCode("bad_expert", 1, "top-k slot", "token", "expert id",
               "indices[{b}, {a}]={c_int32}: expert ids must be -1 or in [0, {num_experts})", recoverable=True),
     ErrorCode("timeout", 2, "phase", "peer", "generation waited for",
-              "timed out after {timeout_s} s in {phase_a} on rank {b} (call {c})", recoverable=False),
-    ErrorCode("overflow", 3, "0", "destination rank", "rows it would need",
-              "receive buffer of rank {b} would need {c} rows, more than its {capacity_rows} "
-              "(EpConfig.max_recv_tokens); the rows that did not fit were dropped", recoverable=True),
+              "timed out after {timeout_s} s in {phase_a} on rank {b}{itself} (call {c})", recoverable=False),
+    ErrorCode("overflow", 3, "0", "receiving rank", "rows it needed",
+              "the receive buffer of rank {b} needed {c} rows in this dispatch, more than its {capacity_rows} "
+              "(EpConfig.max_recv_tokens); the rows past them were dropped", recoverable=True),
     ErrorCode("short_input", 4, "rows of y", "0", "rows the last dispatch produced",
               "combine: y has {a} rows but this rank's last dispatch produced {c} (num_recv, or expert_offsets[L] "
               "in the expert layout); the rows beyond y would have been read stale", recoverable=True),
@@ -254,13 +311,19 @@ PHASES = (
 )
 
 
-def fault_message(code: int, a: int, b: int, c: int, *, num_experts: int, timeout_s: float,
+OWN_GRID_WAIT = (", itself: blocks of its own grid that never ran (such kernels launch cooperatively, so every "
+                 "block is resident; this is a defect)")
+"""What a timeout record adds when the rank waited for itself (``ErrorCode`` field ``itself``)."""
+
+
+def fault_message(code: int, a: int, b: int, c: int, *, rank: int, num_experts: int, timeout_s: float,
                   capacity_rows: int) -> str:
-    """The host's text for the error record (code, a, b, c), without the "rank r: " prefix.
+    """The host's text for error record ``rank`` (code, a, b, c), without the "rank r: " prefix.
 
     Args:
         code, a, b, c: the record's uint32 words (code > 0; ``ERROR_CLAIMED``: a record whose
             details were never written).
+        rank: the rank the record belongs to (a timeout's b == rank: it waited for its own blocks).
         num_experts, timeout_s, capacity_rows: the op's values the messages quote (E, the
             spin-wait bound in seconds, receive rows per rank).
     """
@@ -271,4 +334,5 @@ def fault_message(code: int, a: int, b: int, c: int, *, num_experts: int, timeou
         return UNKNOWN_ERROR.format(code=code, a=a, b=b, c=c)
     phase = next((p.description for p in PHASES if p.code == a), f"phase {a}")
     return err.message.format(a=a, b=b, c=c, c_int32=c - (1 << 32) if c >= 1 << 31 else c, phase_a=phase,
-                              num_experts=num_experts, timeout_s=timeout_s, capacity_rows=capacity_rows)
+                              itself=OWN_GRID_WAIT if b == rank else "", num_experts=num_experts,
+                              timeout_s=timeout_s, capacity_rows=capacity_rows)

@@ -179,6 +179,11 @@ class EpConfig:
                                                 and worst is not None and 1 <= self.max_recv_tokens <= worst),
                "max_recv_tokens", self.max_recv_tokens,
                f"must be None or an int in [1, world_size x max_tokens_per_rank = {worst}]")
+        _check(self.max_recv_tokens is None or self.kernel_family != "low_latency" or self.max_recv_tokens == worst,
+               "max_recv_tokens", self.max_recv_tokens,
+               f"kernel_family='low_latency' receives up to world_size x max_tokens_per_rank = {worst} rows a call and "
+               "places every one of them (it never overflows): leave max_recv_tokens None, or use kernel_family "
+               "'auto' (which takes the low-latency family up to max_recv_tokens / world_size tokens) or 'normal'")
         if self._check_nodes() > 1:
             self._check_node_config()
             return
@@ -333,8 +338,9 @@ class EpConfig:
     def low_latency_tokens(self, arch: str) -> int:
         """T_ll: the most tokens a call may have to take the low-latency family on ``arch``, which
         sizes its stages: 0 for "normal", max_tokens_per_rank for "low_latency", and for "auto"
-        the smaller of that and the tuning table's threshold (the smaller of the dispatch and
-        combine entries' bucket, ``tuning.LOW_LATENCY_MAX_TOKENS`` without one). A threshold of 0
+        the smaller of that, the tuning table's threshold (the smaller of the dispatch and
+        combine entries' bucket, ``tuning.LOW_LATENCY_MAX_TOKENS`` without one) and the receive
+        rows over W (the family places every row it receives: it never overflows). A threshold of 0
         (``epgen tune`` measured the normal family faster at every count) means never: "auto"
         then builds no low-latency kernels on ``arch``."""
         if self.kernel_family == "normal":
@@ -342,7 +348,12 @@ class EpConfig:
         if self.kernel_family == "low_latency":
             return self.max_tokens_per_rank
         threshold = min(self._low_latency_entry(arch, op)[0] for op in (Op.DISPATCH_LL_SEND, Op.COMBINE_LL_SEND))
-        return min(self.max_tokens_per_rank, threshold, LL_MAX_TOKENS)
+        return min(self.max_tokens_per_rank, threshold, LL_MAX_TOKENS, self.receive_rows // self.world_size)
+
+    @property
+    def receive_rows(self) -> int:
+        """N, the receive rows of each rank: ``max_recv_tokens``, or W x max_tokens_per_rank."""
+        return self.max_recv_tokens or self.world_size * self.max_tokens_per_rank
 
     def _explicit(self, op: Op) -> Geometry | None:
         return {Op.DISPATCH: self.dispatch_geometry, Op.DISPATCH_PULL: self.dispatch_geometry,

@@ -371,6 +371,11 @@ class KernelSpec:
         if self.ll_tokens > self.max_tokens_per_rank:
             raise FieldError("ll_tokens", f"KernelSpec.ll_tokens={self.ll_tokens}: at most max_tokens_per_rank = "
                              f"{self.max_tokens_per_rank}")
+        if self.ll_tokens * self.world_size > self.capacity_rows:
+            raise FieldError("recv_tokens", f"KernelSpec.recv_tokens={self.recv_tokens}: the low-latency family places "
+                             f"every row it receives, up to world_size x ll_tokens = {self.world_size * self.ll_tokens}, "
+                             f"so its receive rows hold at least that many (ll_tokens at most "
+                             f"{self.capacity_rows // self.world_size} here)")
         if self.op.low_latency and not self.ll_tokens:
             raise FieldError("ll_tokens", f"KernelSpec.ll_tokens=0: op {self.op.value!r} belongs to the low-latency "
                              "family, whose stages need ll_tokens >= 1")

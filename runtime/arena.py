@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 
 from epgen.codegen.abi import ERROR_RECORD, SIGNAL_WORDS
@@ -19,10 +20,13 @@ from epgen.platform import Platform
 
 
 class ErrorRecords:
-    """W records of uint32 words ``ERROR_RECORD`` (code, a, b, c) in host-mapped pinned memory.
+    """W records of uint32 words ``ERROR_RECORD`` (code, a, b, c) in host-mapped pinned memory,
+    record r for rank r, in every process (with one rank a process too).
 
     Kernels write a record when they detect an input error or a spin-wait timeout (codes:
-    ``epgen.codegen.abi.ERRORS``); the host reads them with plain loads.
+    ``epgen.codegen.abi.ERRORS``): their own rank's, and the record of a peer whose recoverable
+    fault of the call they read from their signal region (``abi.FAULT_RECORD``); the host reads
+    them with plain loads.
     """
 
     def __init__(self, world_size: int, platform: Platform):
@@ -33,6 +37,10 @@ class ErrorRecords:
         self.ptr = platform.host_alloc_mapped(self.nbytes)  # unified addressing: same pointer on device
         self._words = (ctypes.c_uint32 * words).from_address(self.ptr)
         ctypes.memset(self.ptr, 0, self.nbytes)
+
+    def any(self) -> bool:
+        """Whether some record's code is not 0 (one vectorized read of the W code words)."""
+        return bool(np.ctypeslib.as_array(self._words)[::len(ERROR_RECORD)].any())
 
     def read(self, rank: int) -> tuple[int, ...]:
         """The record of ``rank``: (code, a, b, c); code 0 means no error."""

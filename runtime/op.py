@@ -14,6 +14,7 @@ import attrs
 import numpy as np
 import torch
 
+from epgen import faults
 from epgen.arena import Arenas, ErrorRecords
 from epgen.codegen import abi
 from epgen.codegen.arch import ARCH_TRAITS
@@ -30,11 +31,14 @@ class EpError(RuntimeError):
     input shorter than the rows received).
 
     Attributes:
-        recoverable: the faulted kernel still completed its call's signals
-            (``epgen.codegen.abi.ErrorCode.recoverable``: all but a timeout). The op keeps raising
-            it until ``synchronize()`` has raised it once; after that the op runs again, starting
-            with a dispatch (the faulted call's outputs are invalid). A timeout is not
-            recoverable: the op refuses further calls; build a new op.
+        recoverable: the faulted kernel still completed its call's signals and handed the fault to
+            every peer (``epgen.codegen.abi.ErrorCode.recoverable``: all but a timeout). Every
+            rank's ``synchronize()`` after the faulted call raises it, with the same text (the lowest
+            rank's fault when several faulted), and clears it; the op then runs again, starting
+            with a dispatch (the faulted call's outputs are invalid). ``validate=True`` synchronizes
+            after every call, so there the faulted call itself raises it on every rank. A timeout
+            is not recoverable: it names the rank that stopped answering, and the op refuses every
+            further call; build a new op.
     """
 
     def __init__(self, message: str, recoverable: bool = False):
@@ -360,6 +364,7 @@ class EpDispatchCombine:
         self._pending_family = None  # the kernel family that dispatch took (its combine takes the same)
         self._recv_handle = None  # an async_recv call's RecvHandle until it is waited for
         self._fault = None
+        self._seen = {r: dict.fromkeys(faults.RECORD_COUNTERS, 0) for r in self.local_ranks}  # epgen.faults
 
     # ---- views -------------------------------------------------------------------------------
     def _view(self, rank: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -569,7 +574,7 @@ class EpDispatchCombine:
                 overlaps ``dispatch_input`` but does not start at it, or ``async_recv`` without a
                 low-latency family for T.
             RuntimeError: an async_recv call's handle has not been waited for.
-            EpError: an earlier call faulted in a kernel.
+            EpError: an earlier call timed out in a kernel (recoverable faults are raised by synchronize).
         """
         self._raise_if_faulted()
         self._check_no_recv_pending("dispatch")
@@ -656,7 +661,7 @@ class EpDispatchCombine:
 
         Raises:
             RuntimeError: the op's layout is "rank", or no dispatch preceded it.
-            EpError: an earlier call faulted in a kernel.
+            EpError: an earlier call timed out in a kernel (recoverable faults are raised by synchronize).
         """
         self._expert_stage("expand", "it expands that dispatch's rows")
         for op in (Op.EXPAND_PLAN, Op.EXPAND):
@@ -672,7 +677,7 @@ class EpDispatchCombine:
         Raises:
             RuntimeError: the op's layout is "rank", or no dispatch preceded it.
             TypeError, ValueError: bad y (before any launch).
-            EpError: an earlier call faulted in a kernel.
+            EpError: an earlier call timed out in a kernel (recoverable faults are raised by synchronize).
         """
         self._expert_stage("fold", "it folds that dispatch's rows")
         ys = self._per_rank(y, "y")
@@ -737,7 +742,7 @@ class EpDispatchCombine:
                 been waited for.
             TypeError, ValueError: bad y (before any launch), or ``async_recv`` after a dispatch
                 that took the normal family.
-            EpError: an earlier call faulted in a kernel.
+            EpError: an earlier call timed out in a kernel (recoverable faults are raised by synchronize).
         """
         self._raise_if_faulted()
         self._check_no_recv_pending("combine")
@@ -773,11 +778,13 @@ class EpDispatchCombine:
             T = self._pending_tokens[i]
             # y: the rows this rank's kernels read as bf16 (the low-latency family and the quantized
             # wire: in place; the expert layout: the folded rows; the bf16 wire: combine_in, where
-            # peers reach them, filled from y unless y is combine_input() itself); 0 with wire rows
+            # peers reach them, filled from y unless y is combine_input() itself); 0 with wire rows.
+            # y_rows: the caller's rows, which the kernels check against the rows the dispatch
+            # produced (num_recv, or expert_offsets[L] in the expert layout)
             if wire_input:
                 source, rows = None, self.layout.capacity_rows
             elif self.expert_layout:
-                source, rows = self._combine_in(rank), self.layout.capacity_rows
+                source, rows = self._combine_in(rank), ys[i].shape[0]
             elif low_latency or quantized:
                 source, rows = ys[i], ys[i].shape[0]
             else:
@@ -807,39 +814,92 @@ class EpDispatchCombine:
         return self._finish_or_handle(finish, async_recv)
 
     # ---- faults ------------------------------------------------------------------------------
+    # A kernel records a fault of its own rank in this process's error records, and hands a
+    # recoverable one to every peer's signal region with its call (abi.FAULT_RECORD); a receive
+    # overflow reaches every rank's overflow words. synchronize() reads both (epgen.faults), so once
+    # every rank's stream has passed a call, every rank holds the same recoverable faults of it,
+    # and the lowest rank's is raised everywhere.
+
     def check(self):
-        """Raise EpError if a kernel of this op reported a fault (reads host memory; no sync)."""
-        self._raise_if_faulted()
+        """Raise EpError if a kernel of this op has recorded a fault that this process sees now
+        (reads host memory; no sync). A recoverable fault is not cleared here: with one process
+        per GPU another rank may not see it yet, so ``synchronize()`` (on every rank) is the point
+        where every rank raises it alike and clears it."""
+        self._raise_if_faulted(recoverable=True)
 
     def synchronize(self):
         """Wait for this op's work on the current stream, then raise EpError on a fault. A
-        recoverable fault (``EpError.recoverable``) is cleared once raised here: the op runs
-        again, starting with a dispatch."""
+        recoverable fault (``EpError.recoverable``) of any rank is raised by every rank's
+        synchronize after the faulted call, with the same text, and cleared: the op runs again,
+        starting with a dispatch."""
         torch.cuda.current_stream(self.device).synchronize()
         self._raise_if_faulted(synchronized=True)
 
-    def _raise_if_faulted(self, synchronized: bool = False):
+    def _raise_if_faulted(self, synchronized: bool = False, recoverable: bool = False):
+        """Raise EpError for a recorded fault: a fatal one (a timeout) always, and from then on at
+        every call; a recoverable one when ``synchronized`` (then cleared) or ``recoverable``
+        (``check``). The calls themselves raise fatal faults only: a rank that stopped at a
+        recoverable fault its peers do not see yet would leave them waiting for it."""
         if self._fault is None:
-            for rank in self.local_ranks:
+            shared, now = self._shared_faults() if synchronized else ([], None)
+            found = self._read_fault(shared)
+            if found is None:
+                if now is not None:
+                    self._seen = now
+                return
+            text, fatal = found
+            if fatal:
+                self._fault = text
+            elif not (synchronized or recoverable):
+                return
+            else:
+                if not synchronized:
+                    raise EpError(f"{text} [the faulted call's outputs are invalid; op.synchronize() on every rank "
+                                  "raises it there too and clears it, then dispatch again]", recoverable=True)
+                self.errors.clear()  # the stream is idle: no kernel of this op can write a record now
+                self._seen = now
+                self._pending_tokens = None
+                raise EpError(f"{text} [cleared: the op runs again from the next dispatch]", recoverable=True)
+        raise EpError(f"{self._fault} [this op is unusable after that fault; build a new EpDispatchCombine]")
+
+    def _read_fault(self, shared: list) -> tuple[str, bool] | None:
+        """(text, fatal) of the fault to raise: the lowest rank's fatal one, else the lowest rank's
+        recoverable one, from this process's error records (each holds the first fault of its rank)
+        and ``shared`` (``epgen.faults.SharedFault``: the peers' and the overflows); None without one."""
+        found = [(f.rank, f.code, f.a, f.b, f.c) for f in shared]
+        if self.errors.any():
+            for rank in range(self.config.world_size):
                 code, a, b, c = self.errors.read(rank)
                 if code == abi.ERROR_CLAIMED:
                     code, a, b, c = self._reread_claimed(rank)
                 if code:
-                    known = abi.error_code(code)
-                    self._fault = (self._describe(rank, code, a, b, c), bool(known and known.recoverable))
-                    break
-            else:
-                return
-        text, recoverable = self._fault
-        if not recoverable:
-            raise EpError(f"{text} [this op is unusable after that fault; build a new EpDispatchCombine]")
-        if not synchronized:
-            raise EpError(f"{text} [the faulted call's outputs are invalid; op.synchronize() clears the fault, "
-                          "then dispatch again]", recoverable=True)
-        self.errors.clear()  # the stream is idle: no kernel of this op can write a record now
-        self._fault = None
-        self._pending_tokens = None
-        raise EpError(f"{text} [cleared: the op runs again from the next dispatch]", recoverable=True)
+                    found.insert(0, (rank, code, a, b, c))  # a rank's own record before what it shared
+        if not found:
+            return None
+
+        def fatal(code):
+            known = abi.error_code(code)
+            return not (known and known.recoverable)
+
+        rank, code, a, b, c = min(found, key=lambda f: (not fatal(f[1]), f[0]))
+        return self._describe(rank, code, a, b, c), fatal(code)
+
+    def _shared_faults(self) -> tuple[list, dict]:
+        """The faults the local ranks' signal words hold of the calls since the last synchronize
+        (``epgen.faults.shared_faults``), and each local rank's counters now. Copies the signal
+        words to the host: call only while the stream is idle."""
+        found, now = [], {}
+        slots = abi.LL_FLAG_SLOTS
+        for rank in self.local_ranks:
+            words = self.arenas.local_signals[rank].view(torch.int32).cpu().numpy().view(np.uint32)
+            ll = None
+            if self.layout.ll_tokens:
+                start = self.layout.ll_calls
+                ll = self.arenas.local[rank][start:start + 16 * slots].view(torch.int32).cpu().numpy()
+                ll = ll.view(np.uint32).reshape(4, slots)
+            now[rank] = faults.counters(words, ll)
+            found += faults.shared_faults(words, rank, self.config.world_size, self._seen[rank], now[rank])
+        return found, now
 
     def _reread_claimed(self, rank) -> tuple[int, ...]:
         """The record of ``rank`` once its kernel has stored the real code after claiming it
@@ -852,7 +912,7 @@ class EpDispatchCombine:
         return record
 
     def _describe(self, rank, code, a, b, c) -> str:
-        return f"rank {rank}: " + abi.fault_message(code, a, b, c, num_experts=self.config.num_experts,
+        return f"rank {rank}: " + abi.fault_message(code, a, b, c, rank=rank, num_experts=self.config.num_experts,
                                                     timeout_s=self.config.timeout_s,
                                                     capacity_rows=self.layout.capacity_rows)
 

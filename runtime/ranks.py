@@ -127,13 +127,17 @@ class RankPool:
                                        f"timeout_s={timeout_s}; killed them")
                 for rank in list(pending):
                     conn, proc = pending[rank], self._procs[rank]
-                    if conn in ready or conn.poll():
-                        status, text = conn.recv()
+                    try:
+                        answer = conn.recv() if conn in ready or conn.poll() else None
+                    except EOFError:  # the process ended without answering
+                        answer = None
+                    if answer is not None:
+                        status, text = answer
                         del pending[rank]
                         if status == "raised":
                             raise torch.multiprocessing.ProcessRaisedException(
                                 f"\n\n-- Process {rank} terminated with the following error:\n{text}", rank, proc.pid)
-                    elif proc.sentinel in ready:
+                    elif proc.sentinel in ready or not proc.is_alive():
                         proc.join()
                         del pending[rank]
                         exited = True

@@ -75,6 +75,10 @@ EP_DEVICE ep_u64 ep_load_relaxed_system(const ep_u64* p) {  // the low-latency f
 EP_DEVICE void ep_store_relaxed_system(ep_u64* p, ep_u64 v) {
   __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
 }
+// The receive overflow's {generation, rows} words (abi.SIGNALS "overflow_need"): the larger wins.
+EP_DEVICE void ep_atomic_max_system(ep_u64* p, ep_u64 v) {
+  __hip_atomic_fetch_max(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
 // gfx1250 (LLVM AMDGPUUsage, "Memory Model GFX125x" table): a system-scope release is
 // s_wait_loadcnt 0 and s_wait_storecnt 0 (the wave's accesses complete, so the writeback covers
 // its stores), global_wb scope:SCOPE_SYS, s_wait_storecnt 0, then the store (rows "fence release"
@@ -199,20 +203,20 @@ constexpr int kLlFlagSlots = 1024;  // flags of each low-latency range (and call
 
 // ---- arena layout (ArenaLayout: identical on every rank) ----
 constexpr ep_u64 kOffSignals = 0ull;
-constexpr ep_u64 kOffSendSlot = 13568ull;
-constexpr ep_u64 kOffSendPos = 144640ull;
-constexpr ep_u64 kOffRecvSrc = 275712ull;
-constexpr ep_u64 kOffRecvWeights = 537856ull;
-constexpr ep_u64 kOffRecvIndices = 1062144ull;
-constexpr ep_u64 kOffRecvScales = 1586432ull;
-constexpr ep_u64 kOffCombineIn = 1586432ull;
-constexpr ep_u64 kOffCombineWire = 190330112ull;
-constexpr ep_u64 kOffRecvX = 202142976ull;
-constexpr ep_u64 kOffDispatchIn = 296514816ull;
-constexpr ep_u64 kOffLlCalls = 190330112ull;
-constexpr ep_u64 kOffLlCombineStage = 190346496ull;
+constexpr ep_u64 kOffSendSlot = 37120ull;
+constexpr ep_u64 kOffSendPos = 168192ull;
+constexpr ep_u64 kOffRecvSrc = 299264ull;
+constexpr ep_u64 kOffRecvWeights = 561408ull;
+constexpr ep_u64 kOffRecvIndices = 1085696ull;
+constexpr ep_u64 kOffRecvScales = 1609984ull;
+constexpr ep_u64 kOffCombineIn = 1609984ull;
+constexpr ep_u64 kOffCombineWire = 190353664ull;
+constexpr ep_u64 kOffRecvX = 202166528ull;
+constexpr ep_u64 kOffDispatchIn = 296538368ull;
+constexpr ep_u64 kOffLlCalls = 190353664ull;
+constexpr ep_u64 kOffLlCombineStage = 190370048ull;
 constexpr int kLlStageRowBytes = 5760;
-constexpr ep_u64 kOffLlDispatchStage = 308311296ull;
+constexpr ep_u64 kOffLlDispatchStage = 308334848ull;
 constexpr int kLlMetaBytes = 48;
 constexpr int kLlRecordBytes = 2928;
 
@@ -232,14 +236,31 @@ constexpr int kSigPullDepart = 12;     // blocks of the running dispatch_pull th
 constexpr int kSigReadyFrom = 64;      // [W] peer entered dispatch g: its receive buffers are free
 constexpr int kSigDoneFrom = 128;      // [W] peer finished writing its dispatch-g rows here
 constexpr int kSigCombineReadyFrom = 192;  // [W] peer's combine-g expert outputs are complete
-constexpr int kSigLlDispatchFrom = 256;  // [W x blocks] 64-bit: {generation, rows} of sending block (peer, b) here
-constexpr int kSigLlCombineFrom = 2304;  // [W x blocks] generation of sending block (peer, b) whose combine rows are here
-constexpr int kSigPulledFrom = 3328;   // [W] peer finished reading its dispatch-g rows from our dispatch_in
+constexpr int kSigLlDispatchFrom = 256;  // [2][W x blocks] 64-bit: {generation, rows} of sending block (peer, b) here
+constexpr int kSigLlDispatchFromParity = 2048;  // words from copy g % 2 = 0 to copy 1
+constexpr int kSigLlCombineFrom = 4352;  // [2][W x blocks] generation of sending block (peer, b) whose combine rows are here
+constexpr int kSigLlCombineFromParity = 1024;  // words from copy g % 2 = 0 to copy 1
+constexpr int kSigPulledFrom = 6400;   // [W] peer finished reading its dispatch-g rows from our dispatch_in
+constexpr int kSigOverflowNeed = 6464;  // [2][W] 64-bit {generation, rows}: the most rows a sender found rank d needs (atomic max; only on an overflow)
+constexpr int kSigOverflowNeedParity = 128;  // words from copy g % 2 = 0 to copy 1
+constexpr int kSigFaultDispatch = 6720;  // [2][W] FAULT_RECORD of the peer's normal dispatch g
+constexpr int kSigFaultDispatchParity = 320;  // words from copy g % 2 = 0 to copy 1
+constexpr int kSigFaultDispatchLl = 7360;  // [2][W] FAULT_RECORD of the peer's low-latency dispatch g
+constexpr int kSigFaultDispatchLlParity = 320;  // words from copy g % 2 = 0 to copy 1
+constexpr int kSigFaultCombine = 8000;  // [2][W] FAULT_RECORD of the peer's normal combine g
+constexpr int kSigFaultCombineParity = 320;  // words from copy g % 2 = 0 to copy 1
+constexpr int kSigFaultCombineLl = 8640;  // [2][W] FAULT_RECORD of the peer's low-latency combine g
+constexpr int kSigFaultCombineLlParity = 320;  // words from copy g % 2 = 0 to copy 1
+// A rank's generation-g signals that carry per-call values (the low-latency flags with their row
+// counts, fault records, overflow counts) sit in copy g % 2 and a receiver waits for exactly g. A
+// sender writes copy g % 2 again only in call g + 2, after its call g + 1 received every peer's
+// call g + 1 signals, which each peer raised after it had finished reading its call g signals
+// (stream order on that peer), so a copy never holds g + 2 while a rank still waits for g.
 
 // Error record: four uint32 per rank in host-mapped memory: code, a, b, c.
 constexpr ep_u32 kErrBadExpert = 1;  // a = top-k slot, b = token, c = expert id
 constexpr ep_u32 kErrTimeout = 2;    // a = phase, b = peer, c = generation waited for
-constexpr ep_u32 kErrOverflow = 3;   // a = 0, b = destination rank, c = rows it would need
+constexpr ep_u32 kErrOverflow = 3;   // a = 0, b = receiving rank, c = rows it needed
 constexpr ep_u32 kErrShortInput = 4;  // a = rows of y, b = 0, c = rows the last dispatch produced
 constexpr ep_u32 kErrClaimed = 4294967295;  // a claimed record being written (no code uses it)
 constexpr ep_u32 kPhaseDispatchReady = 1;
@@ -273,18 +294,58 @@ struct EpArgs {
 // Rank's signal words: the launch argument (CUDA: arena + kOffSignals; ROCm: an uncached allocation).
 EP_DEVICE ep_u32* ep_signals(const EpArgs& a, int rank) { return (ep_u32*)a.signals[rank]; }
 
-// The first fault of a rank wins its record: a compare-and-swap claims the empty record (code 0
-// -> kErrClaimed, which no error code uses), a, b and c are written, then the code is stored with
-// a release, so two faults never mix their words and the host, which reads a, b and c only once
-// the code is neither 0 nor kErrClaimed, reads the words of one fault.
-EP_DEVICE void ep_report(const EpArgs& a, int rank, ep_u32 code, ep_u32 x, ep_u32 y, ep_u32 z) {
+// Error record `rank` (the rank the fault belongs to: this process holds one for every rank) takes
+// the first fault written to it: a compare-and-swap claims the empty record (code 0 -> kErrClaimed,
+// which no error code uses), a, b and c are written, then the code is stored with a release, so two
+// faults never mix their words and the host, which reads a, b and c only once the code is neither 0
+// nor kErrClaimed, reads the words of one fault. Returns whether this call wrote the record.
+EP_DEVICE bool ep_report(const EpArgs& a, int rank, ep_u32 code, ep_u32 x, ep_u32 y, ep_u32 z) {
   ep_u32* rec = (ep_u32*)a.errors + rank * 4;
-  if (ep_atomic_cas_system(rec, 0u, kErrClaimed) != 0u) return;  // keep the first error
+  if (ep_atomic_cas_system(rec, 0u, kErrClaimed) != 0u) return false;  // keep the first error
   volatile ep_u32* words = rec;
   words[1] = x;
   words[2] = y;
   words[3] = z;
   ep_store_release_system(rec, code);
+  return true;
+}
+
+// Hands a recoverable fault this rank recorded first (ep_report returned true) in call `gen` of
+// the kernel whose fault records start at signal word `records` (kSigFault*) to every peer: its
+// records [gen % 2][rank] = {generation, code, a, b, c}, written before this kernel releases its
+// flags to them (each flag release of a block follows a barrier and is cumulative over the block's
+// stores), so each peer's host finds it there once its stream has passed that call (the records
+// are read at synchronize: abi.FAULT_RECORD) and every rank raises the same fault. Every lane of
+// the calling warp calls it; lane d writes peer d's record (striding by the wave).
+EP_DEVICE void ep_share_fault(const EpArgs& a, int rank, int records, ep_u32 gen, ep_u32 code, ep_u32 x, ep_u32 y,
+                              ep_u32 z, int lane) {
+  for (int d = lane; d < kWorld; d += kWave) {
+    if (d == rank) continue;
+    ep_u32* rec = ep_signals(a, d) + records + (int)(gen & 1u) * 320 +
+                  rank * 5;
+    ep_store_relaxed_system(rec + 1, code);
+    ep_store_relaxed_system(rec + 2, x);
+    ep_store_relaxed_system(rec + 3, y);
+    ep_store_relaxed_system(rec + 4, z);
+    ep_store_relaxed_system(rec, gen);
+  }
+}
+
+// A recoverable fault found by a whole warp before this rank's flags of the call are released:
+// lane 0 records it, and when it is the rank's first, every lane hands it to its peers.
+EP_DEVICE void ep_report_call(const EpArgs& a, int rank, int records, ep_u32 gen, ep_u32 code, ep_u32 x, ep_u32 y,
+                              ep_u32 z, int lane) {
+  const int first = lane == 0 && ep_report(a, rank, code, x, y, z);
+  if (ep_shfl(first, 0)) ep_share_fault(a, rank, records, gen, code, x, y, z, lane);
+}
+
+// One release, then lane d of the calling warp stores `value` into word `word` of rank d's signals
+// (for every rank d, lanes striding by the wave): a flag fan-out with one fence for the whole warp
+// instead of a release per flag in sequence (each of which waits for the remote store before it).
+// Every lane executes the fence and then its own store, the release pattern of each flag.
+EP_DEVICE void ep_release_to_ranks(const EpArgs& a, int word, ep_u32 value, int lane) {
+  ep_fence_release_system();
+  for (int d = lane; d < kWorld; d += kWave) ep_store_relaxed_system(ep_signals(a, d) + word, value);
 }
 
 // Chunk c (vectors c .. c + kChunkVectors) of a row (its first byte at src) into v (zeros past the row's end).
@@ -330,14 +391,21 @@ EP_DEVICE ep_u32 ep_warp_exclusive_scan(ep_u32* s, int n, int lane) {
 // and the peer (ep_wait_generation then returns false).
 EP_DEVICE ep_u32 ep_flag_generation(ep_u32 v) { return v; }
 EP_DEVICE ep_u32 ep_flag_generation(ep_u64 v) { return (ep_u32)v; }
+// A flag that carries only a generation reaches g once it holds g or later (g + 1 implies g: the
+// normal family's ready, done and pulled flags); a parity copy of a flag that carries per-call values
+// (the low-latency family's) reaches g only when it holds g (abi.PARITY_RULE).
 template <typename Flag>
 EP_DEVICE bool ep_flag_reached(Flag v, ep_u32 g) { return (int)(ep_flag_generation(v) - g) >= 0; }
 template <typename Flag>
+EP_DEVICE bool ep_flag_is(Flag v, ep_u32 g) { return ep_flag_generation(v) == g; }
+template <bool kExact, typename Flag>
+EP_DEVICE bool ep_flag_ok(Flag v, ep_u32 g) { return kExact ? ep_flag_is(v, g) : ep_flag_reached(v, g); }
+template <bool kExact = false, typename Flag>
 EP_DEVICE Flag ep_poll_flag(const EpArgs& a, int rank, const Flag* flag, ep_u32 g, ep_u32 phase, int peer) {
   Flag seen = ep_load_poll_system(flag);
-  if (!ep_flag_reached(seen, g)) {
+  if (!ep_flag_ok<kExact>(seen, g)) {
     const ep_u64 start = ep_clock_ns();
-    while (!ep_flag_reached(seen = ep_load_poll_system(flag), g)) {
+    while (!ep_flag_ok<kExact>(seen = ep_load_poll_system(flag), g)) {
       if (ep_clock_ns() - start > (ep_u64)a.timeout_ns) {
         ep_report(a, rank, kErrTimeout, phase, (ep_u32)peer, g);
         break;

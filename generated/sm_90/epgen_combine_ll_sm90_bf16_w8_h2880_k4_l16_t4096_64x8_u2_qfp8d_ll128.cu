@@ -47,6 +47,20 @@ EP_DEVICE void ep_store_relaxed_system(ep_u32* p, ep_u32 v) {
 EP_DEVICE ep_u32 ep_atomic_cas_system(ep_u32* p, ep_u32 expected, ep_u32 desired) {  // the old value
   return atomicCAS_system(p, expected, desired);
 }
+EP_DEVICE ep_u32 ep_load_relaxed_system(const ep_u32* p) {
+  ep_u32 v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+EP_DEVICE ep_u64 ep_load_relaxed_system(const ep_u64* p) {
+  ep_u64 v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+// The receive overflow's {generation, rows} words (abi.SIGNALS "overflow_need"): the larger wins.
+EP_DEVICE void ep_atomic_max_system(ep_u64* p, ep_u64 v) {
+  asm volatile("red.relaxed.sys.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 EP_DEVICE ep_u32 ep_load_acquire_system(const ep_u32* p) {
   ep_u32 v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -194,17 +208,17 @@ constexpr int kLlFlagSlots = 1024;  // flags of each low-latency range (and call
 
 // ---- arena layout (ArenaLayout: identical on every rank) ----
 constexpr ep_u64 kOffSignals = 0ull;
-constexpr ep_u64 kOffSendSlot = 13568ull;
-constexpr ep_u64 kOffSendPos = 144640ull;
-constexpr ep_u64 kOffRecvSrc = 275712ull;
-constexpr ep_u64 kOffRecvWeights = 537856ull;
-constexpr ep_u64 kOffRecvIndices = 1062144ull;
-constexpr ep_u64 kOffRecvScales = 1586432ull;
-constexpr ep_u64 kOffCombineIn = 1586432ull;
-constexpr ep_u64 kOffCombineWire = 190330112ull;
-constexpr ep_u64 kOffRecvX = 290616576ull;
-constexpr ep_u64 kOffLlCalls = 284701952ull;
-constexpr ep_u64 kOffLlCombineStage = 284718336ull;
+constexpr ep_u64 kOffSendSlot = 37120ull;
+constexpr ep_u64 kOffSendPos = 168192ull;
+constexpr ep_u64 kOffRecvSrc = 299264ull;
+constexpr ep_u64 kOffRecvWeights = 561408ull;
+constexpr ep_u64 kOffRecvIndices = 1085696ull;
+constexpr ep_u64 kOffRecvScales = 1609984ull;
+constexpr ep_u64 kOffCombineIn = 1609984ull;
+constexpr ep_u64 kOffCombineWire = 190353664ull;
+constexpr ep_u64 kOffRecvX = 290640128ull;
+constexpr ep_u64 kOffLlCalls = 284725504ull;
+constexpr ep_u64 kOffLlCombineStage = 284741888ull;
 constexpr int kLlStageRowBytes = 2880;
 
 // Signal words (uint32 index into the signals region). Call counters hold the generation of
@@ -223,14 +237,31 @@ constexpr int kSigPullDepart = 12;     // blocks of the running dispatch_pull th
 constexpr int kSigReadyFrom = 64;      // [W] peer entered dispatch g: its receive buffers are free
 constexpr int kSigDoneFrom = 128;      // [W] peer finished writing its dispatch-g rows here
 constexpr int kSigCombineReadyFrom = 192;  // [W] peer's combine-g expert outputs are complete
-constexpr int kSigLlDispatchFrom = 256;  // [W x blocks] 64-bit: {generation, rows} of sending block (peer, b) here
-constexpr int kSigLlCombineFrom = 2304;  // [W x blocks] generation of sending block (peer, b) whose combine rows are here
-constexpr int kSigPulledFrom = 3328;   // [W] peer finished reading its dispatch-g rows from our dispatch_in
+constexpr int kSigLlDispatchFrom = 256;  // [2][W x blocks] 64-bit: {generation, rows} of sending block (peer, b) here
+constexpr int kSigLlDispatchFromParity = 2048;  // words from copy g % 2 = 0 to copy 1
+constexpr int kSigLlCombineFrom = 4352;  // [2][W x blocks] generation of sending block (peer, b) whose combine rows are here
+constexpr int kSigLlCombineFromParity = 1024;  // words from copy g % 2 = 0 to copy 1
+constexpr int kSigPulledFrom = 6400;   // [W] peer finished reading its dispatch-g rows from our dispatch_in
+constexpr int kSigOverflowNeed = 6464;  // [2][W] 64-bit {generation, rows}: the most rows a sender found rank d needs (atomic max; only on an overflow)
+constexpr int kSigOverflowNeedParity = 128;  // words from copy g % 2 = 0 to copy 1
+constexpr int kSigFaultDispatch = 6720;  // [2][W] FAULT_RECORD of the peer's normal dispatch g
+constexpr int kSigFaultDispatchParity = 320;  // words from copy g % 2 = 0 to copy 1
+constexpr int kSigFaultDispatchLl = 7360;  // [2][W] FAULT_RECORD of the peer's low-latency dispatch g
+constexpr int kSigFaultDispatchLlParity = 320;  // words from copy g % 2 = 0 to copy 1
+constexpr int kSigFaultCombine = 8000;  // [2][W] FAULT_RECORD of the peer's normal combine g
+constexpr int kSigFaultCombineParity = 320;  // words from copy g % 2 = 0 to copy 1
+constexpr int kSigFaultCombineLl = 8640;  // [2][W] FAULT_RECORD of the peer's low-latency combine g
+constexpr int kSigFaultCombineLlParity = 320;  // words from copy g % 2 = 0 to copy 1
+// A rank's generation-g signals that carry per-call values (the low-latency flags with their row
+// counts, fault records, overflow counts) sit in copy g % 2 and a receiver waits for exactly g. A
+// sender writes copy g % 2 again only in call g + 2, after its call g + 1 received every peer's
+// call g + 1 signals, which each peer raised after it had finished reading its call g signals
+// (stream order on that peer), so a copy never holds g + 2 while a rank still waits for g.
 
 // Error record: four uint32 per rank in host-mapped memory: code, a, b, c.
 constexpr ep_u32 kErrBadExpert = 1;  // a = top-k slot, b = token, c = expert id
 constexpr ep_u32 kErrTimeout = 2;    // a = phase, b = peer, c = generation waited for
-constexpr ep_u32 kErrOverflow = 3;   // a = 0, b = destination rank, c = rows it would need
+constexpr ep_u32 kErrOverflow = 3;   // a = 0, b = receiving rank, c = rows it needed
 constexpr ep_u32 kErrShortInput = 4;  // a = rows of y, b = 0, c = rows the last dispatch produced
 constexpr ep_u32 kErrClaimed = 4294967295;  // a claimed record being written (no code uses it)
 constexpr ep_u32 kPhaseDispatchReady = 1;
@@ -264,18 +295,58 @@ struct EpArgs {
 // Rank's signal words: the launch argument (CUDA: arena + kOffSignals; ROCm: an uncached allocation).
 EP_DEVICE ep_u32* ep_signals(const EpArgs& a, int rank) { return (ep_u32*)a.signals[rank]; }
 
-// The first fault of a rank wins its record: a compare-and-swap claims the empty record (code 0
-// -> kErrClaimed, which no error code uses), a, b and c are written, then the code is stored with
-// a release, so two faults never mix their words and the host, which reads a, b and c only once
-// the code is neither 0 nor kErrClaimed, reads the words of one fault.
-EP_DEVICE void ep_report(const EpArgs& a, int rank, ep_u32 code, ep_u32 x, ep_u32 y, ep_u32 z) {
+// Error record `rank` (the rank the fault belongs to: this process holds one for every rank) takes
+// the first fault written to it: a compare-and-swap claims the empty record (code 0 -> kErrClaimed,
+// which no error code uses), a, b and c are written, then the code is stored with a release, so two
+// faults never mix their words and the host, which reads a, b and c only once the code is neither 0
+// nor kErrClaimed, reads the words of one fault. Returns whether this call wrote the record.
+EP_DEVICE bool ep_report(const EpArgs& a, int rank, ep_u32 code, ep_u32 x, ep_u32 y, ep_u32 z) {
   ep_u32* rec = (ep_u32*)a.errors + rank * 4;
-  if (ep_atomic_cas_system(rec, 0u, kErrClaimed) != 0u) return;  // keep the first error
+  if (ep_atomic_cas_system(rec, 0u, kErrClaimed) != 0u) return false;  // keep the first error
   volatile ep_u32* words = rec;
   words[1] = x;
   words[2] = y;
   words[3] = z;
   ep_store_release_system(rec, code);
+  return true;
+}
+
+// Hands a recoverable fault this rank recorded first (ep_report returned true) in call `gen` of
+// the kernel whose fault records start at signal word `records` (kSigFault*) to every peer: its
+// records [gen % 2][rank] = {generation, code, a, b, c}, written before this kernel releases its
+// flags to them (each flag release of a block follows a barrier and is cumulative over the block's
+// stores), so each peer's host finds it there once its stream has passed that call (the records
+// are read at synchronize: abi.FAULT_RECORD) and every rank raises the same fault. Every lane of
+// the calling warp calls it; lane d writes peer d's record (striding by the wave).
+EP_DEVICE void ep_share_fault(const EpArgs& a, int rank, int records, ep_u32 gen, ep_u32 code, ep_u32 x, ep_u32 y,
+                              ep_u32 z, int lane) {
+  for (int d = lane; d < kWorld; d += kWave) {
+    if (d == rank) continue;
+    ep_u32* rec = ep_signals(a, d) + records + (int)(gen & 1u) * 320 +
+                  rank * 5;
+    ep_store_relaxed_system(rec + 1, code);
+    ep_store_relaxed_system(rec + 2, x);
+    ep_store_relaxed_system(rec + 3, y);
+    ep_store_relaxed_system(rec + 4, z);
+    ep_store_relaxed_system(rec, gen);
+  }
+}
+
+// A recoverable fault found by a whole warp before this rank's flags of the call are released:
+// lane 0 records it, and when it is the rank's first, every lane hands it to its peers.
+EP_DEVICE void ep_report_call(const EpArgs& a, int rank, int records, ep_u32 gen, ep_u32 code, ep_u32 x, ep_u32 y,
+                              ep_u32 z, int lane) {
+  const int first = lane == 0 && ep_report(a, rank, code, x, y, z);
+  if (ep_shfl(first, 0)) ep_share_fault(a, rank, records, gen, code, x, y, z, lane);
+}
+
+// One release, then lane d of the calling warp stores `value` into word `word` of rank d's signals
+// (for every rank d, lanes striding by the wave): a flag fan-out with one fence for the whole warp
+// instead of a release per flag in sequence (each of which waits for the remote store before it).
+// Every lane executes the fence and then its own store, the release pattern of each flag.
+EP_DEVICE void ep_release_to_ranks(const EpArgs& a, int word, ep_u32 value, int lane) {
+  ep_fence_release_system();
+  for (int d = lane; d < kWorld; d += kWave) ep_store_relaxed_system(ep_signals(a, d) + word, value);
 }
 
 // Chunk c (vectors c .. c + kChunkVectors) of a row (its first byte at src) into v (zeros past the row's end).
@@ -321,14 +392,21 @@ EP_DEVICE ep_u32 ep_warp_exclusive_scan(ep_u32* s, int n, int lane) {
 // and the peer (ep_wait_generation then returns false).
 EP_DEVICE ep_u32 ep_flag_generation(ep_u32 v) { return v; }
 EP_DEVICE ep_u32 ep_flag_generation(ep_u64 v) { return (ep_u32)v; }
+// A flag that carries only a generation reaches g once it holds g or later (g + 1 implies g: the
+// normal family's ready, done and pulled flags); a parity copy of a flag that carries per-call values
+// (the low-latency family's) reaches g only when it holds g (abi.PARITY_RULE).
 template <typename Flag>
 EP_DEVICE bool ep_flag_reached(Flag v, ep_u32 g) { return (int)(ep_flag_generation(v) - g) >= 0; }
 template <typename Flag>
+EP_DEVICE bool ep_flag_is(Flag v, ep_u32 g) { return ep_flag_generation(v) == g; }
+template <bool kExact, typename Flag>
+EP_DEVICE bool ep_flag_ok(Flag v, ep_u32 g) { return kExact ? ep_flag_is(v, g) : ep_flag_reached(v, g); }
+template <bool kExact = false, typename Flag>
 EP_DEVICE Flag ep_poll_flag(const EpArgs& a, int rank, const Flag* flag, ep_u32 g, ep_u32 phase, int peer) {
   Flag seen = ep_load_poll_system(flag);
-  if (!ep_flag_reached(seen, g)) {
+  if (!ep_flag_ok<kExact>(seen, g)) {
     const ep_u64 start = ep_clock_ns();
-    while (!ep_flag_reached(seen = ep_load_poll_system(flag), g)) {
+    while (!ep_flag_ok<kExact>(seen = ep_load_poll_system(flag), g)) {
       if (ep_clock_ns() - start > (ep_u64)a.timeout_ns) {
         ep_report(a, rank, kErrTimeout, phase, (ep_u32)peer, g);
         break;
@@ -435,16 +513,21 @@ EP_DEVICE void ep_wire_add(float* acc, const ep_wire& w, float s) {
 // Push: rank d sends the expert output of each row it received (row i of y, from source rank s,
 // token t: recv_src[i]) as the combine wire carries it into s's stage (``ll_combine_stage``
 // [g % 2, d, t]); each of its blocks b then raises one flag per source rank at that rank's
-// ll_combine_from[d x kBlocks + b]. No block waits for another, so nothing needs every block
-// resident and the quantized wire costs no extra pass: each warp encodes the rows it sends.
-// The receiving half waits for all kWorld x kBlocks flags and sums, for each of its tokens, the
-// rows of the ranks the token reached (send_pos of the dispatch), in ascending rank, in fp32,
-// rounded to bf16 once: the same sum as the normal family (common/_combine_sum.j2). A token that
-// reached no rank gets zeros. Stage rows alternate by generation parity as the dispatch's do.
+// ll_combine_from[g % 2][d x kBlocks + b]. No block of the sending half waits for another, and the
+// quantized wire costs no extra pass: each warp encodes the rows it sends.
+// The receiving half waits until each of its kWorld x kBlocks flags holds exactly its generation
+// and sums, for each of its tokens, the rows of the ranks the token reached (send_pos of the
+// dispatch), in ascending rank, in fp32, rounded to bf16 once: the same sum as the normal family
+// (common/_combine_sum.j2). A token that reached no rank gets zeros. Stage rows and flags alternate
+// by generation parity as the dispatch's do (abi.PARITY_RULE). A y with fewer rows than the
+// dispatch produced (num_recv, or expert_offsets[L] in the expert layout) is recorded and handed
+// to every peer's fault records of this call before the flags, where its host finds it.
 
 EP_DEVICE ep_u64 ep_ll_stage_row(ep_u64 arena, ep_u32 gen, int src, int t) {
   return arena + kOffLlCombineStage + ((ep_u64)((gen & 1u) * kWorld + src) * kLlTokens + t) * kLlStageRowBytes;
 }
+
+constexpr int kFaultRecords = kSigFaultCombineLl;  // this op's fault records in every rank's signals
 
 // Item (row, chunk): the row's (source rank, token) and the chunk of y row r.
 EP_DEVICE void ep_load_source(const ep_u8* y, const ep_i32* recv_src, int item, int lane, int& src, int& t,
@@ -470,19 +553,19 @@ EP_DEVICE void ep_combine_send(const EpArgs& a) {
 
   const ep_u32 gen = *calls + 1u;
   const ep_u32 received = sig[kSigNumRecv];
+  const int y_rows = (int)io.y_rows;  // at most kCapacityRows (the host checks y)
+  const ep_u32 used = received;
+  const int rows = (int)(received < (ep_u32)y_rows ? received : (ep_u32)y_rows);  // no row past y is read
   const ep_u8* const y = (const ep_u8*)io.y;
   const ep_i32* const recv_src = (const ep_i32*)(arena + kOffRecvSrc);
   // Each warp's first (row, chunk) item loads its row's source and chunk of y while num_recv is
-  // still on its way: y holds io.y_rows rows, at most the kCapacityRows receive rows, so both reads
-  // stay inside their buffers whatever num_recv is.
+  // still on its way: a row below y_rows is inside both buffers whatever num_recv is.
   const int first = ep_block_idx() * kWarps + warp;
   int src = 0, t = 0;
   ep_vec v[kUnroll];
-  if (first / kChunksPerRow < (int)io.y_rows) ep_load_source(y, recv_src, first, lane, src, t, v);
-  // y holds io.y_rows rows; one short of the rows received is reported, and no row past y is read.
-  const int rows = (int)(received < (ep_u32)io.y_rows ? received : (ep_u32)io.y_rows);
-  if (ep_block_idx() == 0 && tid == 0 && received > (ep_u32)io.y_rows) {
-    ep_report(a, rank, kErrShortInput, (ep_u32)io.y_rows, 0u, received);
+  if (first / kChunksPerRow < y_rows) ep_load_source(y, recv_src, first, lane, src, t, v);
+  if (ep_block_idx() == 0 && warp == 0 && used > (ep_u32)io.y_rows) {
+    ep_report_call(a, rank, kFaultRecords, gen, kErrShortInput, (ep_u32)io.y_rows, 0u, used, lane);
   }
   for (int item = first; item < rows * kChunksPerRow; item += kBlocks * kWarps) {
     const int c = item % kChunksPerRow * kChunkVectors;
@@ -497,7 +580,8 @@ EP_DEVICE void ep_combine_send(const EpArgs& a) {
 
   ep_sync_block_for_release();  // every thread's rows before the flags' releases
   if (tid < kWorld) {
-    ep_store_release_system(ep_signals(a, tid) + kSigLlCombineFrom + rank * kBlocks + ep_block_idx(), gen);
+    ep_store_release_system(ep_signals(a, tid) + kSigLlCombineFrom + (int)(gen & 1u) * kSigLlCombineFromParity +
+                            rank * kBlocks + ep_block_idx(), gen);
   }
   if (tid == 0) *calls = gen;
 }
@@ -581,8 +665,9 @@ EP_DEVICE void ep_combine_recv(const EpArgs& a) {
   int item = ep_block_idx() * kWarps + warp;
   int pos = lane < kWorld && item < items ? send_pos[(ep_u64)(item / kChunksPerRow) * kWorld + lane] : -1;
   ep_sync_block();
+  const ep_u32* const flags = sig + kSigLlCombineFrom + (int)(gen & 1u) * kSigLlCombineFromParity;
   for (int j = tid; j < kFlags; j += kThreads) {
-    if (!ep_flag_reached(ep_poll_flag(a, rank, sig + kSigLlCombineFrom + j, gen, kPhaseLlCombine, j / kBlocks), gen)) {
+    if (!ep_flag_is(ep_poll_flag<true>(a, rank, flags + j, gen, kPhaseLlCombine, j / kBlocks), gen)) {
       s_ok[j / kBlocks] = 0;  // a rank that timed out contributes nothing (the op is then unusable)
     }
   }

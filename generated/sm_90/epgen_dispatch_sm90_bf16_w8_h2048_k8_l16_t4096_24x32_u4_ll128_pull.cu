@@ -47,6 +47,20 @@ EP_DEVICE void ep_store_relaxed_system(ep_u32* p, ep_u32 v) {
 EP_DEVICE ep_u32 ep_atomic_cas_system(ep_u32* p, ep_u32 expected, ep_u32 desired) {  // the old value
   return atomicCAS_system(p, expected, desired);
 }
+EP_DEVICE ep_u32 ep_load_relaxed_system(const ep_u32* p) {
+  ep_u32 v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+EP_DEVICE ep_u64 ep_load_relaxed_system(const ep_u64* p) {
+  ep_u64 v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+// The receive overflow's {generation, rows} words (abi.SIGNALS "overflow_need"): the larger wins.
+EP_DEVICE void ep_atomic_max_system(ep_u64* p, ep_u64 v) {
+  asm volatile("red.relaxed.sys.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 EP_DEVICE ep_u32 ep_load_acquire_system(const ep_u32* p) {
   ep_u32 v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -194,20 +208,20 @@ constexpr int kLlFlagSlots = 1024;  // flags of each low-latency range (and call
 
 // ---- arena layout (ArenaLayout: identical on every rank) ----
 constexpr ep_u64 kOffSignals = 0ull;
-constexpr ep_u64 kOffSendSlot = 13568ull;
-constexpr ep_u64 kOffSendPos = 144640ull;
-constexpr ep_u64 kOffRecvSrc = 275712ull;
-constexpr ep_u64 kOffRecvWeights = 537856ull;
-constexpr ep_u64 kOffRecvIndices = 1586432ull;
-constexpr ep_u64 kOffRecvScales = 2635008ull;
-constexpr ep_u64 kOffCombineIn = 2635008ull;
-constexpr ep_u64 kOffCombineWire = 136852736ull;
-constexpr ep_u64 kOffRecvX = 145257728ull;
-constexpr ep_u64 kOffDispatchIn = 279475456ull;
-constexpr ep_u64 kOffLlCalls = 136852736ull;
-constexpr ep_u64 kOffLlCombineStage = 136869120ull;
+constexpr ep_u64 kOffSendSlot = 37120ull;
+constexpr ep_u64 kOffSendPos = 168192ull;
+constexpr ep_u64 kOffRecvSrc = 299264ull;
+constexpr ep_u64 kOffRecvWeights = 561408ull;
+constexpr ep_u64 kOffRecvIndices = 1609984ull;
+constexpr ep_u64 kOffRecvScales = 2658560ull;
+constexpr ep_u64 kOffCombineIn = 2658560ull;
+constexpr ep_u64 kOffCombineWire = 136876288ull;
+constexpr ep_u64 kOffRecvX = 145281280ull;
+constexpr ep_u64 kOffDispatchIn = 279499008ull;
+constexpr ep_u64 kOffLlCalls = 136876288ull;
+constexpr ep_u64 kOffLlCombineStage = 136892672ull;
 constexpr int kLlStageRowBytes = 4096;
-constexpr ep_u64 kOffLlDispatchStage = 296252672ull;
+constexpr ep_u64 kOffLlDispatchStage = 296276224ull;
 constexpr int kLlMetaBytes = 80;
 constexpr int kLlRecordBytes = 4176;
 
@@ -227,14 +241,31 @@ constexpr int kSigPullDepart = 12;     // blocks of the running dispatch_pull th
 constexpr int kSigReadyFrom = 64;      // [W] peer entered dispatch g: its receive buffers are free
 constexpr int kSigDoneFrom = 128;      // [W] peer finished writing its dispatch-g rows here
 constexpr int kSigCombineReadyFrom = 192;  // [W] peer's combine-g expert outputs are complete
-constexpr int kSigLlDispatchFrom = 256;  // [W x blocks] 64-bit: {generation, rows} of sending block (peer, b) here
-constexpr int kSigLlCombineFrom = 2304;  // [W x blocks] generation of sending block (peer, b) whose combine rows are here
-constexpr int kSigPulledFrom = 3328;   // [W] peer finished reading its dispatch-g rows from our dispatch_in
+constexpr int kSigLlDispatchFrom = 256;  // [2][W x blocks] 64-bit: {generation, rows} of sending block (peer, b) here
+constexpr int kSigLlDispatchFromParity = 2048;  // words from copy g % 2 = 0 to copy 1
+constexpr int kSigLlCombineFrom = 4352;  // [2][W x blocks] generation of sending block (peer, b) whose combine rows are here
+constexpr int kSigLlCombineFromParity = 1024;  // words from copy g % 2 = 0 to copy 1
+constexpr int kSigPulledFrom = 6400;   // [W] peer finished reading its dispatch-g rows from our dispatch_in
+constexpr int kSigOverflowNeed = 6464;  // [2][W] 64-bit {generation, rows}: the most rows a sender found rank d needs (atomic max; only on an overflow)
+constexpr int kSigOverflowNeedParity = 128;  // words from copy g % 2 = 0 to copy 1
+constexpr int kSigFaultDispatch = 6720;  // [2][W] FAULT_RECORD of the peer's normal dispatch g
+constexpr int kSigFaultDispatchParity = 320;  // words from copy g % 2 = 0 to copy 1
+constexpr int kSigFaultDispatchLl = 7360;  // [2][W] FAULT_RECORD of the peer's low-latency dispatch g
+constexpr int kSigFaultDispatchLlParity = 320;  // words from copy g % 2 = 0 to copy 1
+constexpr int kSigFaultCombine = 8000;  // [2][W] FAULT_RECORD of the peer's normal combine g
+constexpr int kSigFaultCombineParity = 320;  // words from copy g % 2 = 0 to copy 1
+constexpr int kSigFaultCombineLl = 8640;  // [2][W] FAULT_RECORD of the peer's low-latency combine g
+constexpr int kSigFaultCombineLlParity = 320;  // words from copy g % 2 = 0 to copy 1
+// A rank's generation-g signals that carry per-call values (the low-latency flags with their row
+// counts, fault records, overflow counts) sit in copy g % 2 and a receiver waits for exactly g. A
+// sender writes copy g % 2 again only in call g + 2, after its call g + 1 received every peer's
+// call g + 1 signals, which each peer raised after it had finished reading its call g signals
+// (stream order on that peer), so a copy never holds g + 2 while a rank still waits for g.
 
 // Error record: four uint32 per rank in host-mapped memory: code, a, b, c.
 constexpr ep_u32 kErrBadExpert = 1;  // a = top-k slot, b = token, c = expert id
 constexpr ep_u32 kErrTimeout = 2;    // a = phase, b = peer, c = generation waited for
-constexpr ep_u32 kErrOverflow = 3;   // a = 0, b = destination rank, c = rows it would need
+constexpr ep_u32 kErrOverflow = 3;   // a = 0, b = receiving rank, c = rows it needed
 constexpr ep_u32 kErrShortInput = 4;  // a = rows of y, b = 0, c = rows the last dispatch produced
 constexpr ep_u32 kErrClaimed = 4294967295;  // a claimed record being written (no code uses it)
 constexpr ep_u32 kPhaseDispatchReady = 1;
@@ -268,18 +299,58 @@ struct EpArgs {
 // Rank's signal words: the launch argument (CUDA: arena + kOffSignals; ROCm: an uncached allocation).
 EP_DEVICE ep_u32* ep_signals(const EpArgs& a, int rank) { return (ep_u32*)a.signals[rank]; }
 
-// The first fault of a rank wins its record: a compare-and-swap claims the empty record (code 0
-// -> kErrClaimed, which no error code uses), a, b and c are written, then the code is stored with
-// a release, so two faults never mix their words and the host, which reads a, b and c only once
-// the code is neither 0 nor kErrClaimed, reads the words of one fault.
-EP_DEVICE void ep_report(const EpArgs& a, int rank, ep_u32 code, ep_u32 x, ep_u32 y, ep_u32 z) {
+// Error record `rank` (the rank the fault belongs to: this process holds one for every rank) takes
+// the first fault written to it: a compare-and-swap claims the empty record (code 0 -> kErrClaimed,
+// which no error code uses), a, b and c are written, then the code is stored with a release, so two
+// faults never mix their words and the host, which reads a, b and c only once the code is neither 0
+// nor kErrClaimed, reads the words of one fault. Returns whether this call wrote the record.
+EP_DEVICE bool ep_report(const EpArgs& a, int rank, ep_u32 code, ep_u32 x, ep_u32 y, ep_u32 z) {
   ep_u32* rec = (ep_u32*)a.errors + rank * 4;
-  if (ep_atomic_cas_system(rec, 0u, kErrClaimed) != 0u) return;  // keep the first error
+  if (ep_atomic_cas_system(rec, 0u, kErrClaimed) != 0u) return false;  // keep the first error
   volatile ep_u32* words = rec;
   words[1] = x;
   words[2] = y;
   words[3] = z;
   ep_store_release_system(rec, code);
+  return true;
+}
+
+// Hands a recoverable fault this rank recorded first (ep_report returned true) in call `gen` of
+// the kernel whose fault records start at signal word `records` (kSigFault*) to every peer: its
+// records [gen % 2][rank] = {generation, code, a, b, c}, written before this kernel releases its
+// flags to them (each flag release of a block follows a barrier and is cumulative over the block's
+// stores), so each peer's host finds it there once its stream has passed that call (the records
+// are read at synchronize: abi.FAULT_RECORD) and every rank raises the same fault. Every lane of
+// the calling warp calls it; lane d writes peer d's record (striding by the wave).
+EP_DEVICE void ep_share_fault(const EpArgs& a, int rank, int records, ep_u32 gen, ep_u32 code, ep_u32 x, ep_u32 y,
+                              ep_u32 z, int lane) {
+  for (int d = lane; d < kWorld; d += kWave) {
+    if (d == rank) continue;
+    ep_u32* rec = ep_signals(a, d) + records + (int)(gen & 1u) * 320 +
+                  rank * 5;
+    ep_store_relaxed_system(rec + 1, code);
+    ep_store_relaxed_system(rec + 2, x);
+    ep_store_relaxed_system(rec + 3, y);
+    ep_store_relaxed_system(rec + 4, z);
+    ep_store_relaxed_system(rec, gen);
+  }
+}
+
+// A recoverable fault found by a whole warp before this rank's flags of the call are released:
+// lane 0 records it, and when it is the rank's first, every lane hands it to its peers.
+EP_DEVICE void ep_report_call(const EpArgs& a, int rank, int records, ep_u32 gen, ep_u32 code, ep_u32 x, ep_u32 y,
+                              ep_u32 z, int lane) {
+  const int first = lane == 0 && ep_report(a, rank, code, x, y, z);
+  if (ep_shfl(first, 0)) ep_share_fault(a, rank, records, gen, code, x, y, z, lane);
+}
+
+// One release, then lane d of the calling warp stores `value` into word `word` of rank d's signals
+// (for every rank d, lanes striding by the wave): a flag fan-out with one fence for the whole warp
+// instead of a release per flag in sequence (each of which waits for the remote store before it).
+// Every lane executes the fence and then its own store, the release pattern of each flag.
+EP_DEVICE void ep_release_to_ranks(const EpArgs& a, int word, ep_u32 value, int lane) {
+  ep_fence_release_system();
+  for (int d = lane; d < kWorld; d += kWave) ep_store_relaxed_system(ep_signals(a, d) + word, value);
 }
 
 // Chunk c (vectors c .. c + kChunkVectors) of a row (its first byte at src) into v (zeros past the row's end).
@@ -325,14 +396,21 @@ EP_DEVICE ep_u32 ep_warp_exclusive_scan(ep_u32* s, int n, int lane) {
 // and the peer (ep_wait_generation then returns false).
 EP_DEVICE ep_u32 ep_flag_generation(ep_u32 v) { return v; }
 EP_DEVICE ep_u32 ep_flag_generation(ep_u64 v) { return (ep_u32)v; }
+// A flag that carries only a generation reaches g once it holds g or later (g + 1 implies g: the
+// normal family's ready, done and pulled flags); a parity copy of a flag that carries per-call values
+// (the low-latency family's) reaches g only when it holds g (abi.PARITY_RULE).
 template <typename Flag>
 EP_DEVICE bool ep_flag_reached(Flag v, ep_u32 g) { return (int)(ep_flag_generation(v) - g) >= 0; }
 template <typename Flag>
+EP_DEVICE bool ep_flag_is(Flag v, ep_u32 g) { return ep_flag_generation(v) == g; }
+template <bool kExact, typename Flag>
+EP_DEVICE bool ep_flag_ok(Flag v, ep_u32 g) { return kExact ? ep_flag_is(v, g) : ep_flag_reached(v, g); }
+template <bool kExact = false, typename Flag>
 EP_DEVICE Flag ep_poll_flag(const EpArgs& a, int rank, const Flag* flag, ep_u32 g, ep_u32 phase, int peer) {
   Flag seen = ep_load_poll_system(flag);
-  if (!ep_flag_reached(seen, g)) {
+  if (!ep_flag_ok<kExact>(seen, g)) {
     const ep_u64 start = ep_clock_ns();
-    while (!ep_flag_reached(seen = ep_load_poll_system(flag), g)) {
+    while (!ep_flag_ok<kExact>(seen = ep_load_poll_system(flag), g)) {
       if (ep_clock_ns() - start > (ep_u64)a.timeout_ns) {
         ep_report(a, rank, kErrTimeout, phase, (ep_u32)peer, g);
         break;
@@ -354,14 +432,20 @@ EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag,
 // naming each destination rank (dedup per rank) and count kept (token, rank) pairs per block in
 // shared memory; the pair's position within the block goes into send_pos.
 // Phase 2 reserves contiguous receive rows with one remote atomic per (block, destination),
-// after the destination said its receive buffers are free (it entered this generation).
+// after the destination said its receive buffers are free (it entered this generation). The rows
+// of a reservation that end past the capacity are dropped, and its block posts the rows the
+// destination needed (base + n, the largest of which is the destination's total) to every rank
+// (abi.SIGNALS "overflow_need"), whose host reports the overflow at synchronize.
 // Phase 3 copies in (token, chunk) items spread over the block's warps, so the chunks of one row
 // travel on several warps at once and no warp idles while another copies a whole row: a chunk
 // is loaded once and stored to every destination; the warp with a token's first chunk also sends
 // its weights, ids, scales and (source rank, token) and records the receive rows in send_slot
 // for combine.
 // Phase 4: the last block of the rank tells every destination that its rows are complete,
-// waits for every source's rows, then publishes num_recv and resets the per-call counters.
+// waits for every source's rows, then publishes num_recv and resets the per-call counters. Every
+// row below num_recv is this call's. A bad id a block saw first is handed to the peers' fault
+// records before its departure; the rows a destination needed reach every rank's overflow words
+// before the done flags (the hosts read both at synchronize).
 //
 // Transport "pull": phase 3 sends only the metadata (a token is one item) and records send_slot
 // as the push kernel does; the payload rows stay in this rank's dispatch_in, where the caller
@@ -380,18 +464,27 @@ EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag,
 // peer's dispatch_in between that acquire and the pull kernel's loads. The caller's zero-copy
 // combine_input is published to peers the same way.
 
+constexpr int kFaultRecords = kSigFaultDispatch;  // this op's fault records in every rank's signals
 // Routes token t on one warp: lanes < K read its expert ids and keep the first slot naming each
 // destination rank (dedup per rank); each kept (token, rank) pair takes the next position among
 // the block's rows to that rank (s_count, shared). Lane d < W returns the pair's position for
-// rank d, or -1 (the token does not reach d). Ids neither -1 nor in [0, E) are reported.
-EP_DEVICE int ep_route_token(const EpArgs& a, int rank, const ep_i32* indices, int t, int lane, ep_u32* s_count) {
+// rank d, or -1 (the token does not reach d). Ids neither -1 nor in [0, E) are reported; the
+// lane whose report is the rank's first keeps it in s_fault (code, a, b, c; shared, code 0 until
+// then), which the block hands to the peers before its flags (ep_share_fault) after a barrier.
+EP_DEVICE int ep_route_token(const EpArgs& a, int rank, const ep_i32* indices, int t, int lane, ep_u32* s_count,
+                             ep_u32* s_fault) {
   int dest = -1;
   if (lane < kTopk) {
     const int e = indices[(ep_u64)t * kTopk + lane];
     if (e >= 0 && e < kNumExperts) {
       dest = e / kExpertsPerRank;
     } else if (e != -1) {
-      ep_report(a, rank, kErrBadExpert, (ep_u32)lane, (ep_u32)t, (ep_u32)e);
+      if (ep_report(a, rank, kErrBadExpert, (ep_u32)lane, (ep_u32)t, (ep_u32)e)) {
+        s_fault[1] = (ep_u32)lane;
+        s_fault[2] = (ep_u32)t;
+        s_fault[3] = (ep_u32)e;
+        s_fault[0] = kErrBadExpert;
+      }
     }
   }
   bool keep = dest >= 0;
@@ -446,6 +539,12 @@ EP_DEVICE void ep_put_meta(float* weights, ep_i32* ids, ep_i32* src, ep_u8* scal
   for (int b = lane; b < kScaleBytes; b += kWave) scales[b] = token_scales[b];
 }
 
+// The block's first bad id (s_fault, after a barrier), handed to the peers by one warp before the
+// barrier that precedes the block's flag releases.
+EP_DEVICE void ep_share_block_fault(const EpArgs& a, int rank, ep_u32 gen, const ep_u32* s_fault, int lane) {
+  if (s_fault[0]) ep_share_fault(a, rank, kFaultRecords, gen, s_fault[0], s_fault[1], s_fault[2], s_fault[3], lane);
+}
+
 EP_KERNEL(kThreads) epgen_dispatch_sm90_bf16_w8_h2048_k8_l16_t4096_24x32_u4_ll128_pull(const EP_GRID_CONSTANT EpArgs a) {
   const int local = ep_block_idx_y();
   const int rank = (int)a.rank_base + local;
@@ -463,9 +562,11 @@ EP_KERNEL(kThreads) epgen_dispatch_sm90_bf16_w8_h2048_k8_l16_t4096_24x32_u4_ll12
   EP_SHARED ep_u32 s_base[kWorld];
   EP_SHARED int s_ok[kWorld];
   EP_SHARED int s_last;
+  EP_SHARED ep_u32 s_fault[4];  // the rank's first bad id if a lane of this block reported it
 
   if (tid < kWorld) s_count[tid] = 0u;
   if (tid == 0) {
+    s_fault[0] = 0u;
     const ep_u32 g = sig[kSigDispatchCalls] + 1u;  // published by the previous call on this stream
     s_gen = g;
     if (ep_atomic_add_device(&sig[kSigDispatchArrive], 1u) == 0u) {
@@ -483,7 +584,7 @@ EP_KERNEL(kThreads) epgen_dispatch_sm90_bf16_w8_h2048_k8_l16_t4096_24x32_u4_ll12
 
   // Phase 1: route and count.
   for (int t = t_begin + warp; t < t_end; t += kWarps) {
-    const int mine = ep_route_token(a, rank, indices, t, lane, s_count);
+    const int mine = ep_route_token(a, rank, indices, t, lane, s_count, s_fault);
     if (lane < kWorld) send_pos[(ep_u64)t * kWorld + lane] = mine;
   }
   ep_sync_block();
@@ -498,9 +599,12 @@ EP_KERNEL(kThreads) epgen_dispatch_sm90_bf16_w8_h2048_k8_l16_t4096_24x32_u4_ll12
       ok = ep_wait_generation(a, rank, sig + kSigReadyFrom + d, gen, kPhaseDispatchReady, d);
       if (ok) {
         base = ep_atomic_add_system(ep_signals(a, d) + kSigRecvCount, n);
-        if (base + n > kCapacityRows) {
-          ep_report(a, rank, kErrOverflow, 0u, (ep_u32)d, base + n);
-          ok = 0;
+        if (base + n > kCapacityRows) {  // rows past the capacity are dropped (phase 3); every rank is told
+          const ep_u64 need = ((ep_u64)gen << 32) | (base + n);
+          for (int r = 0; r < kWorld; ++r) {
+            ep_atomic_max_system((ep_u64*)(ep_signals(a, r) + kSigOverflowNeed + (int)(gen & 1u) * kSigOverflowNeedParity) + d,
+                                 need);
+          }
         }
       }
     }
@@ -527,7 +631,8 @@ EP_KERNEL(kThreads) epgen_dispatch_sm90_bf16_w8_h2048_k8_l16_t4096_24x32_u4_ll12
     int row = -1;
     ep_u64 arena = 0ull;
     if (lane < kWorld) {
-      if (pos >= 0 && s_ok[lane]) row = (int)s_base[lane] + pos;
+      const ep_u32 r = s_base[lane] + (ep_u32)pos;
+      if (pos >= 0 && s_ok[lane] && r < kCapacityRows) row = (int)r;  // past the capacity: dropped
       arena = a.arena[lane];
       if (chunk == 0) send_slot[(ep_u64)t * kWorld + lane] = row;  // the receive row combine gathers from
     }
@@ -553,6 +658,7 @@ EP_KERNEL(kThreads) epgen_dispatch_sm90_bf16_w8_h2048_k8_l16_t4096_24x32_u4_ll12
   // relaxed increment it reads, its acquire fence), and its barrier passes that on to the threads
   // that release the done flags; happens-before is transitive across the scopes of the barrier
   // and the fences (LLVM AMDGPUUsage "Memory Model" section; PTX "Memory Consistency Model").
+  if (warp == 0) ep_share_block_fault(a, rank, gen, s_fault, lane);  // a bad id this block saw, before its release
   ep_sync_block_for_release();
   if (tid == 0) {
     ep_fence_release_system();
@@ -569,8 +675,8 @@ EP_KERNEL(kThreads) epgen_dispatch_sm90_bf16_w8_h2048_k8_l16_t4096_24x32_u4_ll12
   ep_sync_block();
   if (tid == 0) {
     ep_fence_system();
-    // Reservations past the capacity were refused (their senders reported an overflow and sent
-    // nothing), but counted: num_recv is clamped so later kernels never read past the buffers.
+    // Rows past the capacity were dropped (their senders sent none of them), but counted: num_recv
+    // is clamped so later kernels never read past the buffers.
     const ep_u32 reserved = ep_load_acquire_system(sig + kSigRecvCount);
     const ep_u32 received = reserved < kCapacityRows ? reserved : kCapacityRows;
     // System-scope atomic stores, not plain ones: peers add to kSigRecvCount in the next call, and

@@ -96,17 +96,30 @@ def test_rank_io_records_are_filled_by_field_name():
 
 def test_signal_words_are_the_table(case):
     _, text = case
-    want = {s.c_name: (s.index, ("[W] " if s.per_peer else "") + s.comment) for s in abi.SIGNALS}
+    want = {s.c_name: (s.index, s.c_comment) for s in abi.SIGNALS}
+    want |= {s.c_name + "Parity": (s.copy_words, "words from copy g % 2 = 0 to copy 1")
+             for s in abi.SIGNALS if s.parities > 1}
     assert _consts(text, "kSig", "int") == want
 
 
 def test_signal_words_do_not_overlap_for_the_widest_wave():
     widest = max(traits(a).wave_size for a in ARCHES)
-    spans = sorted((s.index, s.index + (widest if s.per_peer else s.slots * s.width), s.name) for s in abi.SIGNALS)
+    assert widest <= abi.MAX_RANKS
+    spans = sorted((s.index, s.index + s.words, s.name) for s in abi.SIGNALS)
     for (_, end, name), (start, _, nxt) in zip(spans, spans[1:]):
         assert end <= start, f"signal {name} runs into {nxt}"
-    assert spans[-1][1] <= abi.SIGNAL_WORDS
+    assert spans[-1][1] == abi.SIGNAL_WORDS
     assert len({s.name for s in abi.SIGNALS}) == len(abi.SIGNALS)
+
+
+def test_every_range_that_carries_per_call_values_has_a_copy_per_parity():
+    """abi.PARITY_RULE: the low-latency flags (generation with row counts), the fault records and the
+    overflow counts are read a call after they may be written for the next one; the normal family's
+    flags carry a generation alone, where g + 1 implies g."""
+    by_parity = {s.name for s in abi.SIGNALS if s.parities == 2}
+    assert by_parity == {"ll_dispatch_from", "ll_combine_from", "overflow_need", "fault_dispatch", "fault_dispatch_ll",
+                         "fault_combine", "fault_combine_ll"}
+    assert all(s.width == len(abi.FAULT_RECORD) for s in abi.SIGNALS if s.name.startswith("fault_"))
 
 
 def test_error_codes_phases_and_record_are_the_table(case):
@@ -116,7 +129,7 @@ def test_error_codes_phases_and_record_are_the_table(case):
     assert _consts(text, "kPhase", "ep_u32") == {p.c_name: (p.code, "") for p in abi.PHASES}
     assert f"in host-mapped memory: {', '.join(abi.ERROR_RECORD)}." in text
     assert f"ep_u32* rec = (ep_u32*)a.errors + rank * {len(abi.ERROR_RECORD)};" in text
-    assert "if (ep_atomic_cas_system(rec, 0u, kErrClaimed) != 0u) return;" in text
+    assert "if (ep_atomic_cas_system(rec, 0u, kErrClaimed) != 0u) return false;" in text
     assert f"ep_u32[W][{len(abi.ERROR_RECORD)}] host-mapped error records" in text
 
 
@@ -154,10 +167,11 @@ def test_num_recv_is_read_at_the_word_the_kernel_writes():
 
 def test_every_error_code_has_a_message_that_formats():
     for e in abi.ERRORS:
-        msg = abi.fault_message(e.code, 1, 2, 3, num_experts=8, timeout_s=2.5, capacity_rows=32)
-        assert msg and "{" not in msg and "}" not in msg, (e.name, msg)
+        for rank in (0, 2):  # record 2 with b = 2: a timeout waiting for its own blocks
+            msg = abi.fault_message(e.code, 1, 2, 3, rank=rank, num_experts=8, timeout_s=2.5, capacity_rows=32)
+            assert msg and "{" not in msg and "}" not in msg, (e.name, msg)
     unknown = max(e.code for e in abi.ERRORS) + 1
-    assert abi.fault_message(unknown, 1, 2, 3, num_experts=8, timeout_s=2.5, capacity_rows=32) == \
+    assert abi.fault_message(unknown, 1, 2, 3, rank=0, num_experts=8, timeout_s=2.5, capacity_rows=32) == \
         abi.UNKNOWN_ERROR.format(code=unknown, a=1, b=2, c=3)
 
 
@@ -167,11 +181,14 @@ def test_every_error_code_has_a_message_that_formats():
     ((2, 1, 0, 7), "rank 1: timed out after 2.5 s in dispatch (waiting until the peer's receive buffers are free) "
                    "on rank 0 (call 7)"),
     ((2, 2, 0, 7), "rank 1: timed out after 2.5 s in dispatch (waiting for the peer's rows) on rank 0 (call 7)"),
-    ((2, 3, 1, 4), "rank 1: timed out after 2.5 s in combine (waiting for the peer's expert outputs) on rank 1 "
+    ((2, 3, 0, 4), "rank 1: timed out after 2.5 s in combine (waiting for the peer's expert outputs) on rank 0 "
                    "(call 4)"),
-    ((2, 9, 1, 4), "rank 1: timed out after 2.5 s in phase 9 on rank 1 (call 4)"),
-    ((3, 0, 1, 40), "rank 1: receive buffer of rank 1 would need 40 rows, more than its 32 (EpConfig.max_recv_tokens); "
-                        "the rows that did not fit were dropped"),
+    ((2, 4, 1, 4), "rank 1: timed out after 2.5 s in the low-latency dispatch (waiting for the peer's rows; a peer "
+                   "that took the normal family for this call never sends them: every rank must pick the same kernel "
+                   "family, EpConfig.kernel_family) on rank 1" + abi.OWN_GRID_WAIT + " (call 4)"),
+    ((2, 9, 0, 4), "rank 1: timed out after 2.5 s in phase 9 on rank 0 (call 4)"),
+    ((3, 0, 1, 40), "rank 1: the receive buffer of rank 1 needed 40 rows in this dispatch, more than its 32 "
+                    "(EpConfig.max_recv_tokens); the rows past them were dropped"),
     ((7, 1, 2, 3), "rank 1: unknown kernel fault code 7 (1, 2, 3)"),
 ])
 def test_the_op_words_error_records_from_the_table(record, message):
@@ -195,6 +212,6 @@ def test_wide_signal_flags_are_8_byte_aligned():
     """64-bit flags must be naturally aligned to be single-copy atomic (one 8-byte access on every
     target; the signal region itself starts on a page)."""
     wide = [s for s in abi.SIGNALS if s.width == 2]
-    assert wide, "the low-latency dispatch flags are 64-bit"
-    assert all(s.index % 2 == 0 for s in wide)
-    assert all(s.index + s.slots * s.width <= abi.SIGNAL_WORDS for s in abi.SIGNALS)
+    assert {s.name for s in wide} == {"ll_dispatch_from", "overflow_need"}
+    assert all(s.index % 2 == 0 and s.copy_words % 2 == 0 for s in wide)
+    assert all(s.index + s.words <= abi.SIGNAL_WORDS for s in abi.SIGNALS)

@@ -15,6 +15,7 @@ from epgen.codegen import render as render_mod
 from epgen.codegen.arch import ARCH_TRAITS, ARCHES, traits
 from epgen.codegen.dtypes import COMBINE_QUANTS
 from epgen.codegen.render import RUNTIME_OPTIONS, Source, environment, render
+from epgen.codegen import abi
 from epgen.codegen.abi import LL_FLAG_SLOTS
 from epgen.codegen.spec import LOW_LATENCY_OPS, SIGNAL_WORDS, TRANSPORT_OPS, KernelSpec, Op
 
@@ -347,11 +348,13 @@ def test_constants_match_spec(case):
 def test_signal_words_fit_for_widest_world(arch):
     w = traits(arch).wave_size
     c = _constants(render(spec(arch=arch, world_size=w, topk=8)).text)
-    singles = [v for k, v in c.items() if k.startswith("kSig") and not k.endswith("From")]
+    singles = [c[s.c_name] for s in abi.SIGNALS if s.words == 1]
     assert max(singles) < c["kSigReadyFrom"]
     assert c["kSigReadyFrom"] + w <= c["kSigDoneFrom"]
     assert c["kSigDoneFrom"] + w <= c["kSigCombineReadyFrom"]
     assert c["kSigCombineReadyFrom"] + w <= c["kSigLlDispatchFrom"]
     assert c["kSigLlDispatchFrom"] % 2 == 0, "64-bit flags start on an 8-byte boundary"
-    assert c["kSigLlDispatchFrom"] + 2 * LL_FLAG_SLOTS <= c["kSigLlCombineFrom"]  # 64-bit flags: two words each
-    assert c["kSigLlCombineFrom"] + LL_FLAG_SLOTS <= SIGNAL_WORDS
+    assert c["kSigLlDispatchFromParity"] == 2 * LL_FLAG_SLOTS  # 64-bit flags: two words each
+    assert c["kSigLlDispatchFrom"] + 2 * c["kSigLlDispatchFromParity"] <= c["kSigLlCombineFrom"]
+    assert c["kSigLlCombineFrom"] + 2 * c["kSigLlCombineFromParity"] <= c["kSigPulledFrom"]
+    assert c["kSigFaultCombineLl"] + 2 * c["kSigFaultCombineLlParity"] <= SIGNAL_WORDS

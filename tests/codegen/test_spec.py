@@ -368,9 +368,9 @@ VARIANTS = {
     "unroll": [4, 2],
     "scale_bytes": [0, 16],
     "combine_quant": ["none", "fp4_blockwise"],
-    "recv_tokens": [0, 100],
+    "recv_tokens": [0, 128],  # at least W x ll_tokens: the low-latency family places every row it receives
     "expert_alignment": [0, 16],
-    "ll_tokens": [0, 64],
+    "ll_tokens": [0, 16],
     "transport": ["push"],  # "pull" takes op dispatch only: test_pull_names_and_rules
 }
 
@@ -453,7 +453,7 @@ def _name_tokens(s: KernelSpec) -> dict[str, str]:
 
 def test_name_contains_every_field():
     for s in (spec(scale_bytes=16, blocks=7, warps_per_block=3, unroll=5, combine_quant="fp8_blockwise",
-                   recv_tokens=9, expert_alignment=64, ll_tokens=12, transport="pull"),
+                   recv_tokens=97, expert_alignment=64, ll_tokens=12, transport="pull"),
               spec(op="combine", arch="sm_90")):
         n = s.name
         assert n.startswith("epgen_")
@@ -467,7 +467,7 @@ def test_name_contains_every_field():
 
 
 def test_name_fields_in_declaration_order():
-    s = spec(scale_bytes=16, blocks=7, warps_per_block=3, unroll=5, recv_tokens=9, expert_alignment=4, ll_tokens=3)
+    s = spec(scale_bytes=16, blocks=7, warps_per_block=3, unroll=5, recv_tokens=25, expert_alignment=4, ll_tokens=3)
     n = s.name + "_"
     toks = _name_tokens(s)
     order = sorted(toks, key=lambda f: n.index(toks[f]))
@@ -684,6 +684,20 @@ def test_the_expert_layout_refuses_more_local_experts_than_expand_counts():
 # --------------------------------------------------------------------------------------------------
 
 LL = dict(op="dispatch_ll_send", world_size=8, blocks=32, warps_per_block=8, max_tokens_per_rank=256, ll_tokens=128)
+
+
+def test_the_low_latency_receive_rows_hold_every_row_a_call_can_send():
+    """The low-latency family never overflows: KernelSpec refuses receive rows below W x ll_tokens
+    (any op of the layer: they share the arena), and EpConfig's "auto" lowers T_ll to fit them."""
+    _raises(["KernelSpec.recv_tokens=1000", "world_size x ll_tokens = 1024", "ll_tokens at most 125"],
+            **{**LL, "op": "dispatch", "recv_tokens": 1000})
+    spec(**{**LL, "recv_tokens": 1024})
+    cfg = EpConfig(world_size=8, hidden=2048, topk=4, num_experts=16, max_tokens_per_rank=256, max_recv_tokens=400)
+    assert [cfg.low_latency_tokens(a) for a in ARCHES] == [50] * len(ARCHES)
+    with pytest.raises(ValueError, match=r"EpConfig.max_recv_tokens=400.*kernel_family='low_latency' receives up to "
+                                         r"world_size x max_tokens_per_rank = 2048 rows"):
+        EpConfig(world_size=8, hidden=2048, topk=4, num_experts=16, max_tokens_per_rank=256, max_recv_tokens=400,
+                 kernel_family="low_latency")
 
 
 @pytest.mark.parametrize("op", [op.value for op in LOW_LATENCY_OPS])

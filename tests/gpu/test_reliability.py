@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from epgen import faults
 from epgen.codegen import abi
 from epgen.codegen.spec import Op
 from epgen.op import EpDispatchCombine, EpError, _args_dtype
@@ -325,14 +326,11 @@ def _bad_id_body(rank, world_size, virtual):
     for seed, eid in ((10, cfg.num_experts), (20, -2)):
         inputs = integer_inputs(cfg, [16] * world_size, "uniform", seed, device=op.device)
         inputs[victim].indices[5, 2] = eid
-        if virtual or rank == victim:
-            with pytest.raises(EpError) as e:
-                op.dispatch(*op_inputs(op, inputs))  # validate=True: raised by this very call
-            want = f"rank {victim}: indices[5, 2]={eid}: expert ids must be -1 or in [0, {cfg.num_experts})"
-            assert want in str(e.value) and e.value.recoverable, str(e.value)
-            assert "cleared: the op runs again from the next dispatch" in str(e.value)  # validate synchronized
-        else:
-            op.dispatch(*op_inputs(op, inputs))  # the peer's kernel ran to its end: this rank's call completes
+        with pytest.raises(EpError) as e:  # on every rank: the victim's kernel hands the fault to its peers
+            op.dispatch(*op_inputs(op, inputs))  # validate=True: raised by this very call
+        want = f"rank {victim}: indices[5, 2]={eid}: expert ids must be -1 or in [0, {cfg.num_experts})"
+        assert want in str(e.value) and e.value.recoverable, str(e.value)
+        assert "cleared: the op runs again from the next dispatch" in str(e.value)  # validate synchronized
         with pytest.raises(RuntimeError, match="needs a dispatch first"):  # the faulted dispatch is not combined
             op.combine(op_arg(op, [op.combine_input(r) for r in op.local_ranks]))
         for k in (2, 3):  # the same op runs again: a bad id leaves every signal in step
@@ -478,6 +476,9 @@ class _Records:
         self.reads = 0
         self._pending = {}  # rank -> [reads left while claimed, code, a, b, c]
 
+    def any(self):
+        return any(w[0] for w in self.words)
+
     def read(self, rank):
         self.reads += 1
         pending = self._pending.get(rank)
@@ -543,6 +544,7 @@ class EmulatedOp(EpDispatchCombine):
         self._pending_family = None
         self._recv_handle = None
         self._fault = None
+        self._seen = {r: dict.fromkeys(faults.RECORD_COUNTERS, 0) for r in self.local_ranks}
         self._staged = None  # a low-latency sending half's rows until its receiving half
         self.launched = []
 
@@ -697,7 +699,11 @@ def test_jitter_body_logic(emulated):
 
 
 @pytest.mark.parametrize("how", EMULATED)
-def test_a_rejected_call_launches_nothing_and_a_fault_refuses_every_later_call(how):
+def test_a_recoverable_fault_waits_for_synchronize_and_a_fatal_one_refuses_every_later_call(how):
+    """A recoverable fault is raised by check() (not cleared) and by synchronize() (cleared), never
+    by a call: with one process per GPU a rank that stopped at a fault its peers do not see yet
+    would leave them waiting, while synchronize() on every rank raises it everywhere alike. A fatal
+    fault (a timeout) is raised by every later call, which then launches nothing."""
     cfg = edge_config(8)
     op = emulated_op(cfg, how)
     good = integer_inputs(cfg, [8] * 8, "uniform", 1)
@@ -706,32 +712,52 @@ def test_a_rejected_call_launches_nothing_and_a_fault_refuses_every_later_call(h
     assert op.launches == 0
     bad = integer_inputs(cfg, [8] * 8, "uniform", 2)
     bad[6].indices[3, 1] = 99
-    op.dispatch(*op_inputs(op, bad))  # validate=False: the fault is raised at the next call
-    with pytest.raises(EpError, match=r"^rank 6: indices\[3, 1\]=99: expert ids must be -1 or in \[0, 16\) "
-                                      r"\[the faulted call's outputs are invalid; op.synchronize\(\) clears"):
-        op.check()
+    op.dispatch(*op_inputs(op, bad))  # validate=False
+    for _ in range(2):  # check() does not clear it
+        with pytest.raises(EpError, match=r"^rank 6: indices\[3, 1\]=99: expert ids must be -1 or in \[0, 16\) "
+                                          r"\[the faulted call's outputs are invalid; op.synchronize\(\) on every rank"):
+            op.check()
     launches = op.launches
-    for call in (lambda: op.dispatch(*op_inputs(op, good)), lambda: op.combine([op.combine_input(r) for r in range(8)]),
-                 op.check):  # latched until a synchronize: nothing launches
-        with pytest.raises(EpError, match=r"rank 6: indices\[3, 1\]=99.*op.synchronize\(\) clears"):
-            call()
-    assert op.launches == launches
+    op.combine([op.combine_input(r) for r in range(8)])  # the calls go on: every rank runs every call
+    assert op.launches > launches
     with pytest.raises(EpError, match=r"rank 6: indices\[3, 1\]=99.*cleared: the op runs again") as e:
         op.synchronize()
     assert e.value.recoverable
     run_exact_round(op, cfg, good)  # and it does
+    op.errors.report(2, 2, 1, 5, 7)  # a timeout of rank 2 waiting for rank 5
+    launches = op.launches
+    for call in (lambda: op.dispatch(*op_inputs(op, good)), lambda: op.combine([op.combine_input(r) for r in range(8)]),
+                 op.check, op.synchronize):
+        with pytest.raises(EpError, match=r"^rank 2: timed out after .* on rank 5 \(call 7\) \[this op is unusable"):
+            call()
+    assert op.launches == launches
+
+
+def test_the_lowest_rank_fault_is_raised_and_a_fatal_one_before_any_recoverable_one():
+    """Every process holds a record of every rank (its own faults, its peers' recoverable ones as its
+    kernels read them): all ranks pick the same one to raise."""
+    cfg = edge_config(8)
+    op = EmulatedOp(cfg, validate=False)
+    op.errors.report(6, 1, 1, 3, 99)
+    op.errors.report(4, 4, 10, 0, 12)
+    with pytest.raises(EpError, match=r"^rank 4: combine: y has 10 rows but"):
+        op.check()
+    op.errors.report(7, 2, 4, 7, 3)  # a timeout of rank 7 waiting for itself
+    with pytest.raises(EpError, match=r"^rank 7: timed out .* on rank 7, itself: blocks of its own grid"):
+        op.check()
 
 
 def test_a_record_claimed_but_unwritten_is_reread_until_its_code_is_there():
     cfg = edge_config(8)
     op = EmulatedOp(cfg, validate=False)
-    op.errors.report(5, 3, 0, 2, 70000, unwritten_reads=40)  # an overflow still being written
+    op.errors.report(5, 3, 0, 5, 70000, unwritten_reads=40)  # an overflow still being written
     assert op.errors.words[5] == [abi.ERROR_CLAIMED, 0, 0, 0]
-    with pytest.raises(EpError, match=r"^rank 5: receive buffer of rank 2 would need 70000 rows, more than its \d+ "):
+    with pytest.raises(EpError, match=r"^rank 5: the receive buffer of rank 5 needed 70000 rows in this dispatch, "
+                                      r"more than its \d+ "):
         op.check()
-    assert op.errors.reads == 5 + 40 + 1  # ranks 0-4, rank 5 claimed 40 times, then its code
+    assert op.errors.reads == 5 + 40 + 1 + 2  # ranks 0-4, rank 5 claimed 40 times, then its code, ranks 6 and 7
     op.errors.report(5, 1, 0, 0, 0)  # a second fault finds the record taken
-    with pytest.raises(EpError, match=r"rank 5: receive buffer of rank 2 .*op.synchronize\(\) clears"):
+    with pytest.raises(EpError, match=r"rank 5: the receive buffer of rank 5 .*op.synchronize\(\) on every rank"):
         op.check()
 
 
@@ -743,7 +769,7 @@ def test_a_record_that_stays_claimed_is_reported_as_a_fault_whose_details_are_un
                                       rf"still unwritten after {abi.CLAIM_REREADS} reads of the error record "
                                       r"\[this op is unusable"):
         op.check()
-    assert op.errors.reads == 3 + 1 + abi.CLAIM_REREADS
+    assert op.errors.reads == 3 + 1 + abi.CLAIM_REREADS + 4  # ranks 0-2, rank 3's rereads, ranks 4-7
     with pytest.raises(EpError, match=r"rank 3: a kernel fault is being recorded.*build a new EpDispatchCombine"):
         op.synchronize()
 
