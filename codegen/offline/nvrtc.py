@@ -99,6 +99,18 @@ def _check(result: object, call: str) -> None:
         raise RuntimeError(f"{call} failed: {result!r}")
 
 
+def _out_buffer(size: int) -> bytearray:
+    """A fresh zeroed buffer of ``size`` bytes (at least one) for an NVRTC call to write into
+    (``char *`` in cuda-bindings, which takes a bytearray as well as bytes).
+
+    Never a bytes object such as ``b" " * size``: bytes are immutable and CPython shares some of
+    them (``b" " * 1`` is the one-byte ``b" "`` of the whole process), so NVRTC writing the
+    terminating zero of an empty log into it turned every ``b" "`` of the process into ``b"\\0"``.
+    At least one byte, because an empty bytearray's storage is a static CPython shares too.
+    """
+    return bytearray(max(size, 1))
+
+
 def _nvrtc_compile(text: str, options: tuple[str, ...], output: str, arch: str = "",
                    entry: str = "") -> tuple[str, bytes]:
     """Compile ``text`` in memory with NVRTC; return the program log and the ``output``
@@ -118,17 +130,18 @@ def _nvrtc_compile(text: str, options: tuple[str, ...], output: str, arch: str =
         (compiled,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
         _check(err, "nvrtcGetProgramLogSize")
-        log_buf = b" " * size
+        log_buf = _out_buffer(size)
         (err,) = nvrtc.nvrtcGetProgramLog(prog, log_buf)
         _check(err, "nvrtcGetProgramLog")
-        log = log_buf.rstrip(b"\0").decode(errors="replace")
+        log = bytes(log_buf[:size]).rstrip(b"\0").decode(errors="replace")
         if compiled != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(arch, entry, log)
         err, size = getattr(nvrtc, f"nvrtcGet{output}Size")(prog)
         _check(err, f"nvrtcGet{output}Size")
-        image = b" " * size
-        (err,) = getattr(nvrtc, f"nvrtcGet{output}")(prog, image)
+        image_buf = _out_buffer(size)
+        (err,) = getattr(nvrtc, f"nvrtcGet{output}")(prog, image_buf)
         _check(err, f"nvrtcGet{output}")
+        image = bytes(image_buf[:size])
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
     return log, image

@@ -256,3 +256,26 @@ def test_amd_code_objects_are_v5_and_clangs_default_v6_is_refused(amd: str) -> N
         "ELF ABI version 4 (code object v6), not 3 (code object v5, the version epgen builds)")
     assert code_object_problem(image[:8] + b"\x02" + image[9:], amd).startswith("ELF ABI version 2 (code object v4)")
     assert code_object_problem(image[:8] + b"\x09" + image[9:], amd).startswith("ELF ABI version 9 (unknown)")
+
+
+def test_nvrtc_writes_into_buffers_of_its_own() -> None:
+    """NVRTC writes the log and the image into buffers the caller hands it. A bytes object there
+    (``b" " * size``) is shared: for an empty log (size 1, the terminating zero alone) it is the
+    process's one ``b" "``, which NVRTC zeroed, so ``b" ".join`` joined with a zero byte afterwards.
+    A fresh interpreter, so that no earlier compile of this process hides the damage."""
+    if toolchain_status("sm_90"):
+        pytest.skip(toolchain_status("sm_90"))
+    import subprocess
+    import sys
+
+    program = f"""
+from epgen.codegen.offline import compile_code_object, compile_offline, compiler_identity
+assert compiler_identity("sm_90").startswith("nvrtc ")  # an empty program: its log is empty
+assert compile_offline({_valid("sm_90")!r}, "sm_90", "k").shared_bytes == {SHARED_FLOATS * 4}
+assert compile_code_object({_valid("sm_90", "k2")!r}, "sm_90", "k2").image[:4] == b"\\x7fELF"
+assert b" ".join([b"a", b"b"]) == b"a b", b" ".join([b"a", b"b"])
+damaged = [i for i in range(256) if bytes([i])[0] != i]  # CPython shares every one-byte bytes object
+assert not damaged, f"one-byte bytes objects changed: {{damaged}}"
+"""
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
