@@ -59,6 +59,8 @@ def cmd_generate(args, parser, console) -> int:
             print("\n".join(f"{m.name:18} hidden {m.hidden:5}  experts {m.num_experts:4}  top-{m.topk}"
                              for m in MODELS.values()))
         return 0
+    if args.output:
+        flags.check_path_name("-o", args.output, parser)
     specs = flags.specs_from(args, parser)
     if specs is None:  # the committed catalogue: every model, every arch
         if args.arch:
@@ -182,6 +184,8 @@ def cmd_diff(args, parser, console) -> int:
         if given:
             parser.error(f"{' '.join(given)}: only with --a/--b (without them diff compares the committed catalogue, "
                          f"fixed at W={CATALOGUE_WORLD_SIZE} / Tmax={CATALOGUE_MAX_TOKENS}, with the templates)")
+        if args.output:
+            flags.check_path_name("-o", args.output, parser)
         out = flags.catalogue_dir(args, parser)
         if args.output and not out.is_dir():
             parser.error(f"-o {args.output}: not a directory (diff compares a committed catalogue folder with the "
@@ -227,6 +231,8 @@ def cmd_build(args, parser, console) -> int:
         specs = config_specs(cfg, arches)
     except ValueError as e:
         parser.error(flags.flag_error(e, args))
+    if args.output:
+        flags.check_path_name("-o", args.output, parser)
     out = Path(args.output).expanduser() if args.output else cache_dir()
     label = (f"-o {args.output}" if args.output else f"{CACHE_ENV}={os.environ[CACHE_ENV]}"
              if os.environ.get(CACHE_ENV) else f"cache directory {out}")

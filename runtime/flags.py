@@ -17,6 +17,7 @@ from pathlib import Path
 import attrs
 
 from epgen.codegen.arch import ARCHES, traits
+from epgen.codegen.atomic import path_name_problem
 from epgen.codegen.catalogue import CATALOGUE_MAX_TOKENS, CATALOGUE_WORLD_SIZE, model_specs
 from epgen.codegen.config import DISPATCH_TRANSPORTS, KERNEL_FAMILIES, LAYOUTS, EpConfig
 from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES
@@ -415,6 +416,18 @@ def in_checkout() -> bool:
     return pyproject.is_file() and 'name = "epgen"' in pyproject.read_text(errors="replace")
 
 
+def check_path_name(argument: str, path, parser, suffix: str = "") -> None:
+    """A parser error now, before any work, when the file system would refuse ``path`` (+
+    ``suffix``) as too long: a component over its ``NAME_MAX`` (usually 255 bytes) or the whole
+    over ``PATH_MAX``. The message names ``argument`` (a flag, e.g. ``-o``, or an environment
+    variable as ``NAME=``), the path (abbreviated when huge) and the rule
+    (``epgen.codegen.atomic.path_name_problem``); every output path of the command line goes
+    through here."""
+    problem = path_name_problem(argument, path, suffix)
+    if problem:
+        parser.error(problem)
+
+
 def not_a_directory(path: Path) -> str | None:
     """Why ``path`` cannot be (made) a directory: it, or its nearest existing ancestor, is not one."""
     p = path
@@ -428,9 +441,10 @@ def not_a_directory(path: Path) -> str | None:
 def check_output_files(outputs, parser) -> None:
     """``outputs``: (flag, Path) of files to write later; a parser error now (before minutes of
     compiling) when two name one file, or one exists and is not writable, is a directory or has
-    no parent folder."""
+    no parent folder, or its name is longer than the file system allows (``check_path_name``)."""
     seen = {}
     for flag, file in outputs:
+        check_path_name(flag, file, parser)
         if file.resolve() in seen:
             parser.error(f"{seen[file.resolve()]} and {flag} name the same file {file}: give each output its own")
         seen[file.resolve()] = flag
@@ -445,7 +459,9 @@ def check_output_files(outputs, parser) -> None:
 
 def check_output(output: str, parser) -> None:
     """A parser error unless ``output`` is a path prefix in an existing, writable folder whose
-    .csv/.png/.env.txt files, where they exist, are writable files."""
+    .csv/.png/.env.txt files, where they exist, are writable files, and whose names the file
+    system takes (``check_path_name``)."""
+    check_path_name("-o", output, parser, suffix=".env.txt")  # the longest of the three names
     if output.endswith(os.sep) or os.path.isdir(output):
         parser.error(f"-o {output}: a path prefix for the .csv/.png/.env.txt files, not a folder")
     folder = os.path.dirname(os.path.abspath(output))

@@ -977,3 +977,55 @@ def test_gpu_verbs_pass_the_families_and_the_low_latency_geometry_on(monkeypatch
                                                                                                Geometry(8, 16, 2))
     assert main(["demo", "--kernel-family", "normal"]) == 0
     assert seen["demo"] == {"quiet": False, "as_json": False, "kernel_family": "normal", "low_latency_geometry": None}
+
+
+def _too_long_name(folder) -> str:
+    """A file or folder name 45 bytes over what the file system of ``folder`` allows (NAME_MAX)."""
+    return "n" * (os.pathconf(folder, "PC_NAME_MAX") + 45)
+
+
+@pytest.mark.parametrize("argv, flag, where", [
+    (["generate", "--model", "mixtral-8x7b", "--arch", "sm_90", "-o", "{long}/out"], "-o", "{long}/out"),
+    (["generate", "-o", "{long}"], "-o", "{long}"),  # the catalogue into a folder of its own
+    (["build", "--model", "mixtral-8x7b", "--arch", "sm_90", "-o", "{long}"], "-o", "{long}"),
+    (["report", "--model", "mixtral-8x7b", "--arch", "sm_90", "--csv", "{long}.csv"], "--csv", "{long}.csv"),
+    (["report", "--model", "mixtral-8x7b", "--markdown", "{long}/r.md"], "--markdown", "{long}/r.md"),
+    (["diff", "-o", "{long}"], "-o", "{long}"),
+    (["bench", "-o", "{long}"], "-o", "{long}"),
+])
+def test_an_output_name_longer_than_the_file_system_allows_is_a_usage_error(argv, flag, where, capsys, tmp_path):
+    """A component over NAME_MAX (ENAMETOOLONG) is refused before any work, naming the flag, the
+    path (abbreviated: the name alone is 45 bytes over NAME_MAX) and the rule, where it used to
+    be an OSError traceback."""
+    name = _too_long_name(tmp_path)
+    long = str(tmp_path / name)
+    err = _usage_error([a.format(long=long) for a in argv], capsys).splitlines()[-1]
+    given = where.format(long=long)
+    assert err.startswith(f"epgen {argv[0]}: error: {flag} {given[:20]}") and name not in err, err
+    size = len(name) + (len(".env.txt") if argv[0] == "bench" else len(".csv") if flag == "--csv" else 0)
+    assert f"is {size} bytes; a file or folder name may have at most {len(name) - 45} bytes on this file system " \
+           "(NAME_MAX)" in err
+    assert len(err) < 300 and list(tmp_path.iterdir()) == []
+
+
+def test_path_name_problem_rules(tmp_path):
+    from epgen.codegen.atomic import abbreviate, name_too_long, path_name_problem
+
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    assert name_too_long(tmp_path / ("n" * limit)) is None  # at the limit: fine
+    assert name_too_long(tmp_path / "missing" / "deeper" / ("n" * limit)) is None
+    assert f"is {limit + 1} bytes" in name_too_long(tmp_path / "missing" / ("n" * (limit + 1)))
+    accents = "é" * (limit // 2 + 1)  # at most limit characters, but more bytes: é is two
+    assert f"is {2 * len(accents)} bytes" in name_too_long(tmp_path / accents / "x")
+    path_max = os.pathconf(".", "PC_PATH_MAX")
+    deep = "d/" * (path_max // 2 + 2)  # short names, relative (what the system calls would get), over PATH_MAX
+    assert name_too_long(deep) == (f"the path is {len(deep)} bytes; a path may have at most {path_max - 1} bytes "
+                                   f"(PATH_MAX {path_max}, its terminating zero included)")
+    assert path_name_problem("-o", tmp_path) is None
+    assert path_name_problem("EPGEN_CACHE_DIR=", deep).startswith("EPGEN_CACHE_DIR=d/d/d/")
+    prefix = tmp_path / ("x" * (limit - 4))  # bench -o PREFIX: PREFIX.csv fits, PREFIX.env.txt does not
+    assert path_name_problem("-o", prefix, suffix=".csv") is None
+    assert path_name_problem("-o", prefix, suffix=".env.txt") == (
+        f"-o {abbreviate(str(prefix))}: the name '{abbreviate(prefix.name + '.env.txt')}' is {limit + 4} bytes; a "
+        f"file or folder name may have at most {limit} bytes on this file system (NAME_MAX)")
+    assert len(abbreviate("y" * 1000)) == 60 and abbreviate("y" * 60) == "y" * 60
