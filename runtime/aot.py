@@ -25,11 +25,12 @@ compile, each in fresh processes.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 from pathlib import Path
 
-from epgen.cache import cache_dir, code_object_path
+from epgen.cache import cache_dir, code_object_path, directory_problem
 from epgen.codegen.atomic import write_atomically
 from epgen.codegen.config import EpConfig
 from epgen.codegen.offline import CodeObject, CompileError, ToolchainMissing, compile_code_object, compile_many, toolchain_status
@@ -75,8 +76,14 @@ def build(specs: list[KernelSpec], directory: Path | None = None, max_workers: i
     Raises:
         ToolchainMissing: an arch's offline compiler is not installed (before any compile).
         ManifestError: ``manifest.json`` there is not an epgen manifest (before any compile).
-        OSError: the directory or a file cannot be written.
+        OSError: the directory or a file cannot be written; errno ``ENAMETOOLONG``, before
+            anything is read or compiled, when the file system cannot name the directory
+            (``epgen.cache.directory_problem``: the message names ``EPGEN_CACHE_DIR`` when the
+            directory came from it, its value and the rule).
     """
+    problem = directory_problem(directory)
+    if problem is not None:
+        raise OSError(errno.ENAMETOOLONG, problem)
     directory = cache_dir() if directory is None else Path(directory)
     read_manifest(directory)
     for arch in sorted({s.arch for s in specs}):

@@ -217,7 +217,7 @@ def cmd_build(args, parser, console) -> int:
     cache; with --time-import, time warm imports against cold compiles on this GPU. Exit 1 on
     a compile error, 2 when a compiler, the GPU or the cache directory is unusable."""
     from epgen.aot import ManifestError, build, build_table, config_specs, read_manifest
-    from epgen.cache import CACHE_ENV, cache_dir
+    from epgen.cache import CACHE_ENV, cache_dir, directory_problem
 
     if args.runs is not None and not args.time_import:
         parser.error(f"--runs {args.runs}: only with --time-import")
@@ -233,6 +233,8 @@ def cmd_build(args, parser, console) -> int:
         parser.error(flags.flag_error(e, args))
     if args.output:
         flags.check_path_name("-o", args.output, parser)
+    elif problem := directory_problem():  # $EPGEN_CACHE_DIR's, named so
+        parser.error(problem)
     out = Path(args.output).expanduser() if args.output else cache_dir()
     label = (f"-o {args.output}" if args.output else f"{CACHE_ENV}={os.environ[CACHE_ENV]}"
              if os.environ.get(CACHE_ENV) else f"cache directory {out}")

@@ -13,7 +13,11 @@ else compiled with CuPy (NVRTC on CUDA, hiprtc on ROCm).
    (``$CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``) makes a second process skip it.
 
 A cached file that fails the check or that the driver rejects is reported once
-(``warnings.warn``, naming the file) and the kernel is compiled as in step 3 instead.
+(``warnings.warn``, naming the file) and the kernel is compiled as in step 3 instead. So is a
+cache directory the file system cannot name (``epgen.cache.directory_problem``: e.g.
+``$EPGEN_CACHE_DIR`` with a component over ``NAME_MAX``, usually 255 bytes), reported once a
+process, naming the variable, its value and the rule: the cache only saves compile time, so no
+problem of it stops an op's construction.
 """
 
 from __future__ import annotations

@@ -442,3 +442,35 @@ def test_cache_files_honour_the_umask(tmp_path):
 
 def test_config_specs_takes_one_arch_name():
     assert config_specs(CFG, "sm_90") == config_specs(CFG, ("sm_90",))
+
+
+def test_a_cache_dir_longer_than_the_file_system_allows_warns_once_and_compiles(monkeypatch, tmp_path):
+    """$EPGEN_CACHE_DIR with a component over NAME_MAX (every open or stat of it: ENAMETOOLONG):
+    the loader documents falling back to a compile on cache problems, so the op's kernels are
+    compiled, after one RuntimeWarning that names the variable, its value (abbreviated) and the
+    rule; an explicit build into it is an OSError saying the same, before any compile."""
+    import errno
+    import os
+
+    from epgen import cache
+
+    name = "n" * (os.pathconf(tmp_path, "PC_NAME_MAX") + 45)
+    cupy = _stand_in_cupy(monkeypatch, tmp_path / name / "cache")
+    monkeypatch.setattr(cache, "_REPORTED", set())
+    sources = [render(s) for s in config_specs(CFG, ("sm_90",))[:3]]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert [loader.load_kernel_from(src.text, src.entry)[1] for src in sources] == ["compiled"] * 3
+        assert find_code_object("text", "sm_90") is None
+    assert [c[0] for c in cupy.calls] == ["code"] * 3
+    (warning,) = [w for w in seen if issubclass(w.category, RuntimeWarning)]
+    message = str(warning.message)
+    assert message.startswith(f"EPGEN_CACHE_DIR={str(tmp_path)[:20]}") and name not in message
+    assert (f"is {len(name)} bytes; a file or folder name may have at most {len(name) - 45} bytes on this file "
+            "system (NAME_MAX); ahead-of-time code objects not used; compiling at runtime instead") in message
+    with pytest.raises(OSError, match=r"EPGEN_CACHE_DIR=.*\(NAME_MAX\)") as info:
+        aot.build(config_specs(CFG, ("sm_90",)))
+    assert info.value.errno == errno.ENAMETOOLONG
+    with pytest.raises(OSError, match=rf"cache directory {re.escape(str(tmp_path)[:20])}.*\(NAME_MAX\)"):
+        aot.build(config_specs(CFG, ("sm_90",)), tmp_path / name)
+    assert list(tmp_path.iterdir()) == []

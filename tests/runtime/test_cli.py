@@ -1008,6 +1008,17 @@ def test_an_output_name_longer_than_the_file_system_allows_is_a_usage_error(argv
     assert len(err) < 300 and list(tmp_path.iterdir()) == []
 
 
+def test_epgen_cache_dir_longer_than_the_file_system_allows_stops_build(capsys, tmp_path, monkeypatch):
+    name = _too_long_name(tmp_path)
+    monkeypatch.setenv("EPGEN_CACHE_DIR", str(tmp_path / name / "cache"))
+    err = _usage_error(["build", "--model", "mixtral-8x7b", "--arch", "sm_90"], capsys).splitlines()[-1]
+    assert err.startswith(f"epgen build: error: EPGEN_CACHE_DIR={str(tmp_path)[:20]}") and name not in err
+    assert "/cache: the name 'nnnn" in err and err.endswith(
+        f"is {len(name)} bytes; a file or folder name may have at most {len(name) - 45} bytes on this file system "
+        "(NAME_MAX)")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_path_name_problem_rules(tmp_path):
     from epgen.codegen.atomic import abbreviate, name_too_long, path_name_problem
 
