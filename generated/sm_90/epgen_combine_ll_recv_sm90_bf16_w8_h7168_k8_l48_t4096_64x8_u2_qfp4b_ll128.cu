@@ -146,12 +146,18 @@ EP_DEVICE ep_u32 ep_max_u16x2(ep_u32 a, ep_u32 b) {
 // 1024-thread blocks): the approximate reciprocal refined by one Newton step, the quotient
 // corrected by one FMA residual step. Correctly rounded for normal s and a normal quotient
 // (the combine wire divides only by normal scales; smaller quotients encode to zero anyway).
+// A zero quotient keeps x's sign, as x / s does (the wire's zero codes carry it: 0x80 for -0.0):
+// the residual is s q - x, subtracted. For x = +-0 (or a subnormal x, which -ftz=true flushes to
+// its zero), q = x r is that zero and s q - x = +0, so q - (+0) r = q; the residual x - s q added
+// instead would give q + (+0) = +0 for x = -0. Otherwise both forms give the same bits
+// (fl(-y) = -fl(y), and a zero residual leaves a nonzero q as it is); the negations are operand
+// modifiers of the FFMAs, no instructions.
 EP_DEVICE float ep_div_rn(float x, float s) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(s));
   r = __fmaf_rn(__fmaf_rn(-s, r, 1.0f), r, r);
   const float q = x * r;
-  return __fmaf_rn(__fmaf_rn(-s, q, x), r, q);
+  return __fmaf_rn(-__fmaf_rn(s, q, -x), r, q);
 }
 // Two floats -> two fp8 e4m3 (OCP) codes, lo in bits 0-7: round to nearest even, saturating to
 // +-448, NaN -> 0x7F (PTX ISA 7.8, sm_89+).

@@ -112,3 +112,23 @@ def test_printed_numbers_are_the_tables(arch, mode):
 def test_both_codec_paths_are_rendered():
     """The catalogue's arches cover the software and the hardware fp8 codec."""
     assert {traits(a).hw_fp8_convert for a in ARCHES} == {True, False}
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_the_division_is_the_one_the_cpu_tests_emulate(arch):
+    """The scaled wires' division, ep_div_rn, is what tests/runtime/test_quant.py emulates
+    (``_sm90_div_rn``, ``_amd_div_rn``): NVIDIA's approximate reciprocal, one Newton step and the
+    residual s q - x subtracted, so that a zero quotient keeps x's sign (the former x - s q added
+    made -0.0 a +0 quotient, code 0x00); AMD's IEEE division."""
+    _, text = _render(arch, "fp8_blockwise")
+    if traits(arch).vendor == "amd":
+        _one(r"^EP_DEVICE float ep_div_rn\(float x, float s\) \{ return x / s; \}", text)
+        return
+    body = _one(r"^EP_DEVICE float ep_div_rn\(float x, float s\) \{\n((?:  .*\n)+)\}$", text).group(1)
+    assert body.splitlines() == [
+        "  float r;",
+        '  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(s));',
+        "  r = __fmaf_rn(__fmaf_rn(-s, r, 1.0f), r, r);",
+        "  const float q = x * r;",
+        "  return __fmaf_rn(-__fmaf_rn(s, q, -x), r, q);",
+    ]
