@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
 
+from epgen.codegen.arch import ARCHES, traits
 from epgen.codegen.dtypes import COMBINE_FLUSH_LOG2, COMBINE_QUANTS, MINIFLOATS, MX_BLOCK, dtype_info
 from epgen.quant import (
     FP4_E2M1,
@@ -929,3 +931,162 @@ def test_the_kernels_fp4_decoder_permutes_an_f16_table():
             got = torch.tensor([h & 0xFFFF, h >> 16], dtype=torch.int32).to(torch.int16).view(torch.float16).float()
             want = fp4_e2m1_decode(torch.tensor([byte & 0xF, byte >> 4], dtype=U8))
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (j, byte)
+
+
+# --- zero codes keep the sign: each arch's encoders, emulated, against the reference --------------
+
+
+def _flush32(v: float) -> float:
+    """-ftz=true on a float32 operand or result: a subnormal becomes the zero of its sign."""
+    return math.copysign(0.0, v) if 0 < abs(v) < 2.0**-126 else v
+
+
+def _round32(v: Fraction) -> float:
+    """Nonzero rational -> float32 (as a Python float), to nearest even, steps of 2^-149 below 2^-126."""
+    a = abs(v)
+    e = a.numerator.bit_length() - a.denominator.bit_length()
+    e -= Fraction(2) ** e > a  # floor(log2 a)
+    step = Fraction(2) ** (max(e, -126) - 23)
+    n, rem = divmod(a, step)
+    n += 2 * rem > step or (2 * rem == step and n % 2)
+    assert n * step < 2**128, v  # no overflow among the probes
+    return float(n * step) if v > 0 else -float(n * step)
+
+
+def _fma32(a: float, b: float, c: float) -> float:
+    """fma.rn.ftz.f32: a b + c rounded once, subnormal operands and result flushed to zeros of their
+    signs; an exact zero is -0 only for a zero product and c both -0 (IEEE 754 6.3, round to
+    nearest). ``_fma32(x, y, -0.0)`` is mul.rn.ftz.f32."""
+    a, b, c = _flush32(a), _flush32(b), _flush32(c)
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    if exact == 0:
+        negative_product = a * b == 0 and math.copysign(1.0, a) * math.copysign(1.0, b) < 0
+        return -0.0 if negative_product and c == 0 and math.copysign(1.0, c) < 0 else 0.0
+    return _flush32(_round32(exact))
+
+
+def _sm90_div_rn(x: float, s: float, r0: float | None = None, residual_subtracted: bool = True) -> float:
+    """ep_div_rn of templates/platform/nvidia.j2 (tests/codegen/test_combine_wire.py pins its text),
+    compiled with -ftz=true: r0 = rcp.approx.ftz.f32(s) (RN(1/s) unless given: a test passes its
+    neighbours too), one Newton step, q = x r, then q - (s q - x) r; with residual_subtracted=False
+    the former q + (x - s q) r."""
+    r0 = float(torch.tensor(1.0) / torch.tensor(s)) if r0 is None else r0
+    r = _fma32(_fma32(-s, r0, 1.0), r0, r0)
+    q = _fma32(x, r, -0.0)
+    if residual_subtracted:
+        return _fma32(-_fma32(s, q, -x), r, q)
+    return _fma32(_fma32(-s, q, x), r, q)
+
+
+def _amd_div_rn(x: float, s: float) -> float:
+    """ep_div_rn of templates/platform/amd.j2: x / s, IEEE (clang lowers it correctly rounded),
+    a subnormal quotient flushed (-fcuda-flush-denormals-to-zero) to the zero of its sign."""
+    return _flush32(float(torch.tensor(x) / torch.tensor(s)))
+
+
+def _signbit(v: float) -> bool:
+    return math.copysign(1.0, v) < 0
+
+
+def _f32_neighbours(v: float) -> list[float]:
+    t = torch.tensor(v)
+    return [v, float(torch.nextafter(t, torch.tensor(0.0))), float(torch.nextafter(t, torch.tensor(math.inf)))]
+
+
+def test_the_sm90_division_is_the_quotient_and_keeps_a_zero_sign():
+    """sm_90's ep_div_rn, emulated in exact arithmetic under -ftz=true, on bf16 elements (zeros of
+    both signs, flushed-block negatives 2^-90, bf16 subnormals, normals over a wide range) and the
+    scales a block can have (1 for a flushed block, fl(amax / max) otherwise), whichever of RN(1/s)
+    and its two neighbours the approximate reciprocal gives: the quotient is x / s bit for bit, but
+    where x or x / s is a float32 subnormal (flushed: then a zero, and x / s below every format's
+    smallest nonzero code too); in every case its sign is x's. The former form, the residual
+    x - s q added, made -0.0 a +0 quotient (x / 1 of a block of -0.0: the code 0x00 an H200 wrote
+    where the reference writes 0x80) but kept -2^-90 (a nonzero quotient)."""
+    g = torch.Generator().manual_seed(90)
+    special = [0.0, 2.0**-90, 2.0**-130, 2.0**-133, 2.0**-126, 2.0**-80, 1.0, 448.0, 3.0e38]
+    spread = (torch.randn(96, generator=g) * torch.logspace(-30, 30, 96)).tolist()
+    xs = torch.tensor(special + [-v for v in special] + spread).to(torch.bfloat16).float().tolist()
+    amaxes = torch.tensor([2.0**-80, 3.7e-20, 1.0, 0.0123, 7.5, 3.0e38]).to(torch.bfloat16).float()
+    scales = [1.0] + (amaxes / FP8_E4M3_MAX).tolist() + (amaxes / FP4_E2M1_MAX).tolist()
+    checked = 0
+    for s in scales:
+        for r0 in _f32_neighbours(float(torch.tensor(1.0) / torch.tensor(s))):
+            for x in xs:
+                if abs(x) > s * FP8_E4M3_MAX * 2:
+                    continue  # not an element of a block of this scale
+                got, want = _sm90_div_rn(x, s, r0), float(torch.tensor(x) / torch.tensor(s))
+                assert _signbit(got) == _signbit(want) == _signbit(x), (x, s, r0, got)
+                if 0 < abs(x) < 2.0**-126 or 0 < abs(want) < 2.0**-126:  # flushed: a zero, as x / s encodes
+                    assert got == 0 and abs(want) < 2.0**-10, (x, s, r0, got, want)
+                else:
+                    assert got == want, (x, s, r0, got, want)
+                checked += 1
+    assert checked > 1000
+    assert not _signbit(_sm90_div_rn(-0.0, 1.0, residual_subtracted=False))
+    assert _sm90_div_rn(-(2.0**-90), 1.0, residual_subtracted=False) == -(2.0**-90)
+
+
+def _zero_sign_rows() -> torch.Tensor:
+    """bf16 [4, 256] rows of the four cases: blocks of -0.0, blocks of +0.0, flushed blocks of
+    negatives (-2^-90), and blocks mixing -0.0, +0.0, -2^-90 and a bf16 subnormal (-2^-130) with
+    normal values."""
+    y = torch.zeros(4, 256)
+    y[0] = -0.0
+    y[2] = -(2.0**-90)
+    y[3] = torch.randn(256, generator=torch.Generator().manual_seed(4))
+    y[3, 0::8], y[3, 1::8], y[3, 2::8], y[3, 3::8] = -0.0, 0.0, -(2.0**-90), -(2.0**-130)
+    return y.to(torch.bfloat16)
+
+
+def _kernel_wire_rows(arch: str, mode: str, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The codes and scales ``arch``'s encoder writes for bf16 rows ``y`` (ep_wire_encode of
+    templates/common/wire/), element by element: the block scale (amax below 2^-80: 1), the
+    quotient by the platform's ep_div_rn, and the element codec, fp8 by the conversion instruction
+    where the arch has one (cvt.rn.satfinite.e4m3x2.f32, taken as the reference encoder: round to
+    nearest even, saturating, the sign copied, as PTX and cuda_fp8.hpp's own conversion of the
+    same operation have it) or ``_kernel_grid`` (ep_grid_code), fp4 by ``_kernel_e2m1_magnitude``
+    and the bf16 element's sign bit (ep_e2m1_signs gathers exactly those)."""
+    t = traits(arch)
+    q = COMBINE_QUANTS[mode]
+    fmt = MINIFLOATS[q.element]
+    div = _sm90_div_rn if t.vendor == "nvidia" else _amd_div_rn
+    x = y.float()
+    if q.block:
+        amax = x.abs().reshape(x.shape[0], -1, q.block).amax(dim=-1)
+        scales = torch.tensor([[div(a, fmt.max) if a >= 2.0**COMBINE_FLUSH_LOG2 else 1.0 for a in row]
+                               for row in amax.tolist()])
+        per = scales.repeat_interleave(q.block, dim=1)
+        quotients = torch.tensor([[div(e, s) for e, s in zip(xr, sr)] for xr, sr in zip(x.tolist(), per.tolist())])
+    else:
+        scales, quotients = None, x
+    if q.element == "fp4":
+        codes = (_kernel_e2m1_magnitude(quotients) | torch.signbit(x).to(torch.int32) << 3).to(U8)
+        return pack_fp4(codes), scales
+    if t.hw_fp8_convert:
+        return fp8_e4m3_encode(quotients), scales
+    return _kernel_grid(quotients, "fp8", saturating=True)[0].to(U8), scales
+
+
+@pytest.mark.parametrize("mode", ["fp8_direct_cast", "fp8_blockwise", "fp4_blockwise"])
+@pytest.mark.parametrize("arch", ARCHES)
+def test_every_arch_writes_the_reference_zero_codes(arch, mode):
+    """The rule of epgen.quant.codecs, the sign bit copied from the input always, on every arch's
+    encoder (emulated: ``_kernel_wire_rows``) and in the reference alike, byte for byte: a block
+    of -0.0 and a flushed block of negatives give the negative-zero code (0x80, fp4 8) with scale
+    1, a block of +0.0 the code 0, and in a block of normal values a -0.0 or a negative rounding to
+    zero gives the negative-zero code, a +0.0 the code 0."""
+    y = _zero_sign_rows()
+    codes, scales = _kernel_wire_rows(arch, mode, y)
+    want_codes, want_scales = combine_wire_rows(mode, y)
+    assert torch.equal(codes, want_codes)
+    if want_scales is None:
+        assert scales is None
+    else:
+        assert torch.equal(scales.view(torch.int32), want_scales.view(torch.int32))
+        assert bool((scales[:3] == 1).all())
+    element = unpack_fp4(codes) if mode == "fp4_blockwise" else codes
+    negative_zero = 8 if mode == "fp4_blockwise" else 0x80
+    assert bool((element[0] == negative_zero).all()) and bool((element[1] == 0).all())
+    assert bool((element[2] == negative_zero).all())
+    assert bool((element[3, 0::8] == negative_zero).all()) and bool((element[3, 1::8] == 0).all())
+    assert bool((element[3, 2::8] == negative_zero).all()) and bool((element[3, 3::8] == negative_zero).all())
