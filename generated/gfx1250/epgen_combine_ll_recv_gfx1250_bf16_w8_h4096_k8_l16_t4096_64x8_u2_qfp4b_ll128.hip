@@ -133,6 +133,16 @@ EP_DEVICE void ep_fence_after_poll() { ep_fence_acquire_system(); }
 EP_DEVICE ep_u64 ep_clock_ns() { return __builtin_readsteadycounter() * 10ull; }
 EP_DEVICE void ep_backoff() { __builtin_amdgcn_s_sleep(1); }
 
+// Before the pull dispatch loads its sources' rows (published before their done flags, which the
+// dispatch kernel before it on the stream acquired): a system-scope acquire by every wave (LLVM
+// AMDGPUUsage, "Memory Model GFX942" table, "fence acquire - system": s_waitcnt vmcnt(0) then
+// buffer_inv sc0 sc1, which invalidates the CU's L1 and the non-coherent (peer) lines of the L2;
+// GFX125x: global_inv scope:SCOPE_SYS). A kernel's own start is an agent-scope acquire (HIP's
+// default launch fence invalidates the instruction, constant and L1 caches only), which on a part
+// with several L2s (gfx942) does not reach the L2 lines another XCD's acquire left valid. The fence
+// orders this wave's loads; each wave of the block executes it.
+EP_DEVICE void ep_acquire_published_rows() { ep_fence_acquire_system(); }
+
 // 16-byte accesses.
 EP_DEVICE ep_vec ep_load16(const void* p) { return *(const ep_vec*)p; }
 EP_DEVICE ep_vec ep_load16_peer(const void* p) { return __builtin_nontemporal_load((const ep_vec*)p); }

@@ -131,6 +131,16 @@ EP_DEVICE void ep_fence_after_poll() { ep_fence_acquire_system(); }
 EP_DEVICE ep_u64 ep_clock_ns() { return __builtin_readsteadycounter() * 10ull; }
 EP_DEVICE void ep_backoff() { __builtin_amdgcn_s_sleep(1); }
 
+// Before the pull dispatch loads its sources' rows (published before their done flags, which the
+// dispatch kernel before it on the stream acquired): a system-scope acquire by every wave (LLVM
+// AMDGPUUsage, "Memory Model GFX942" table, "fence acquire - system": s_waitcnt vmcnt(0) then
+// buffer_inv sc0 sc1, which invalidates the CU's L1 and the non-coherent (peer) lines of the L2;
+// GFX125x: global_inv scope:SCOPE_SYS). A kernel's own start is an agent-scope acquire (HIP's
+// default launch fence invalidates the instruction, constant and L1 caches only), which on a part
+// with several L2s (gfx942) does not reach the L2 lines another XCD's acquire left valid. The fence
+// orders this wave's loads; each wave of the block executes it.
+EP_DEVICE void ep_acquire_published_rows() { ep_fence_acquire_system(); }
+
 // 16-byte accesses.
 EP_DEVICE ep_vec ep_load16(const void* p) { return *(const ep_vec*)p; }
 EP_DEVICE ep_vec ep_load16_peer(const void* p) { return __builtin_nontemporal_load((const ep_vec*)p); }
@@ -430,9 +440,11 @@ EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag,
 // Why the rows are there to load: each source wrote them before its dispatch kernel on its
 // stream, and that kernel released its done flags to this rank after them (cumulative; the
 // argument with the PTX and AMDGPUUsage tables is in dispatch.j2); this rank's dispatch kernel
-// acquired those flags and this kernel follows it on the stream. recv_src and num_recv were
-// written by that kernel (its peers' metadata before their done flags; num_recv by its last
-// block) and are read here as kernel-boundary-ordered data.
+// acquired those flags and this kernel follows it on the stream; every wave acquires again at
+// system scope before its first peer load (ep_acquire_published_rows: on AMD the kernel-start
+// acquire is agent scope). recv_src and num_recv were written by that kernel (its peers' metadata
+// before their done flags; num_recv by its last block) and are read here as kernel-boundary-ordered
+// data.
 // Departure: a source may overwrite its dispatch_in (the caller's next x) only once every
 // destination has read its rows. Every block releases its loads at system scope and counts
 // itself (the fence-to-fence pattern of dispatch.j2 phase 4); the last block of the rank raises
@@ -456,6 +468,7 @@ EP_KERNEL(kThreads) epgen_dispatch_pull_gfx950_fp8_w8_h4096_k2_l1_t4096_24x16_u4
 
   EP_SHARED int s_last;
 
+  ep_acquire_published_rows();
   const ep_u32 gen = sig[kSigDispatchCalls];  // the dispatch kernel before this one published its generation
   const int rows = (int)sig[kSigNumRecv];
   const int items = rows * kChunksPerRow;
@@ -468,11 +481,9 @@ EP_KERNEL(kThreads) epgen_dispatch_pull_gfx950_fp8_w8_h4096_k2_l1_t4096_24x16_u4
   for (; item < items; item += stride) {
     const int r = item / kChunksPerRow;
     const int c = (item - r * kChunksPerRow) * kChunkVectors;
-    // A row without metadata (only after an overflow: a refused reservation's rows below the
-    // capacity) may hold any source: it is skipped rather than read out of bounds (the call
-    // reports the overflow and its outputs are invalid).
-    const bool valid = next_s >= 0 && next_s < kWorld && next_t >= 0 && next_t < 4096;
-    const ep_u8* const src = (const ep_u8*)(a.arena[valid ? next_s : rank] + kOffDispatchIn) + (ep_u64)(valid ? next_t : 0) * kRowBytes;
+    // Every row below num_recv has its metadata, an overflowed call's too (dispatch.j2 sends the
+    // rows of a reservation that fit, and every row below the capacity belongs to one).
+    const ep_u8* const src = (const ep_u8*)(a.arena[next_s] + kOffDispatchIn) + (ep_u64)next_t * kRowBytes;
     const int ahead = item + stride;
     next_s = ahead < items ? recv_src[(ep_u64)(ahead / kChunksPerRow) * 2] : 0;
     next_t = ahead < items ? recv_src[(ep_u64)(ahead / kChunksPerRow) * 2 + 1] : 0;
@@ -480,13 +491,13 @@ EP_KERNEL(kThreads) epgen_dispatch_pull_gfx950_fp8_w8_h4096_k2_l1_t4096_24x16_u4
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int i = c + u * kWave + lane;
-      v[u] = valid && i < kRowVectors ? ep_load16_peer(src + (ep_u64)i * 16) : ep_vec_zero();
+      v[u] = i < kRowVectors ? ep_load16_peer(src + (ep_u64)i * 16) : ep_vec_zero();
     }
     ep_u8* const dst = recv_x + (ep_u64)r * kRowBytes;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int i = c + u * kWave + lane;
-      if (valid && i < kRowVectors) ep_store16(dst + (ep_u64)i * 16, v[u]);
+      if (i < kRowVectors) ep_store16(dst + (ep_u64)i * 16, v[u]);
     }
   }
 

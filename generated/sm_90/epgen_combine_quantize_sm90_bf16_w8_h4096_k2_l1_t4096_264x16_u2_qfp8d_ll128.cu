@@ -101,28 +101,38 @@ EP_DEVICE ep_u64 ep_clock_ns() {
 }
 EP_DEVICE void ep_backoff() { __nanosleep(64); }
 
-// 16-byte accesses. Sources are read once through the non-coherent path.
+// 16-byte accesses. The caller's inputs (x, y), which nothing writes while a kernel runs, are read
+// once through the non-coherent path.
 EP_DEVICE ep_vec ep_load16(const void* p) { return __ldg((const uint4*)p); }
-// Data a peer published before a flag this block acquired, read once: not written while the
-// kernel runs, so the non-coherent path is safe, and it is not kept in L1.
+// Rows a peer published before a flag that this thread acquired, or that a barrier ordered after
+// an acquire of another thread of the block (or an earlier kernel of the stream: the pull
+// dispatch), read once and not kept in L1. Weak coherent loads, not ld.global.nc: a peer may write
+// the rows while this kernel runs (before the flag), and the PTX memory model lets a weak load
+// observe them only through the acquire pattern, which ld.global.nc (data read-only for the
+// kernel's lifetime) does not join (PTX ISA, "ld.global.nc"; "Memory Consistency Model").
 EP_DEVICE ep_vec ep_load16_peer(const void* p) {
   ep_vec v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 { %0, %1, %2, %3 }, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  asm volatile("ld.global.L1::no_allocate.v4.u32 { %0, %1, %2, %3 }, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
   return v;
 }
 EP_DEVICE void ep_store16(void* p, ep_vec v) { *(uint4*)p = v; }
-// Narrower peer reads and local stores of the quantized combine wire (8 and 4 bytes).
+// Narrower peer reads (as ep_load16_peer) and local stores of the quantized combine wire (8 and 4 bytes).
 EP_DEVICE ep_u64 ep_load8_peer(const void* p) {
   ep_u64 v;
-  asm volatile("ld.global.nc.L1::no_allocate.u64 %0, [%1];" : "=l"(v) : "l"(p));
+  asm volatile("ld.global.L1::no_allocate.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
 EP_DEVICE ep_u32 ep_load4_peer(const void* p) {
   ep_u32 v;
-  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  asm volatile("ld.global.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+// Before the pull dispatch loads its sources' rows: nothing. The dispatch kernel before it on the
+// stream acquired the sources' done flags at system scope, and a kernel observes what the kernels
+// before it on its stream observed (CUDA stream order: each kernel starts after the previous one
+// completed, at system scope for the memory it made visible).
+EP_DEVICE void ep_acquire_published_rows() {}
 EP_DEVICE void ep_store8(void* p, ep_u64 v) { *(ep_u64*)p = v; }
 EP_DEVICE void ep_store4(void* p, ep_u32 v) { *(ep_u32*)p = v; }
 EP_DEVICE ep_u32 ep_vec_word(const ep_vec& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }

@@ -101,28 +101,38 @@ EP_DEVICE ep_u64 ep_clock_ns() {
 }
 EP_DEVICE void ep_backoff() { __nanosleep(64); }
 
-// 16-byte accesses. Sources are read once through the non-coherent path.
+// 16-byte accesses. The caller's inputs (x, y), which nothing writes while a kernel runs, are read
+// once through the non-coherent path.
 EP_DEVICE ep_vec ep_load16(const void* p) { return __ldg((const uint4*)p); }
-// Data a peer published before a flag this block acquired, read once: not written while the
-// kernel runs, so the non-coherent path is safe, and it is not kept in L1.
+// Rows a peer published before a flag that this thread acquired, or that a barrier ordered after
+// an acquire of another thread of the block (or an earlier kernel of the stream: the pull
+// dispatch), read once and not kept in L1. Weak coherent loads, not ld.global.nc: a peer may write
+// the rows while this kernel runs (before the flag), and the PTX memory model lets a weak load
+// observe them only through the acquire pattern, which ld.global.nc (data read-only for the
+// kernel's lifetime) does not join (PTX ISA, "ld.global.nc"; "Memory Consistency Model").
 EP_DEVICE ep_vec ep_load16_peer(const void* p) {
   ep_vec v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 { %0, %1, %2, %3 }, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  asm volatile("ld.global.L1::no_allocate.v4.u32 { %0, %1, %2, %3 }, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
   return v;
 }
 EP_DEVICE void ep_store16(void* p, ep_vec v) { *(uint4*)p = v; }
-// Narrower peer reads and local stores of the quantized combine wire (8 and 4 bytes).
+// Narrower peer reads (as ep_load16_peer) and local stores of the quantized combine wire (8 and 4 bytes).
 EP_DEVICE ep_u64 ep_load8_peer(const void* p) {
   ep_u64 v;
-  asm volatile("ld.global.nc.L1::no_allocate.u64 %0, [%1];" : "=l"(v) : "l"(p));
+  asm volatile("ld.global.L1::no_allocate.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
 EP_DEVICE ep_u32 ep_load4_peer(const void* p) {
   ep_u32 v;
-  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  asm volatile("ld.global.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+// Before the pull dispatch loads its sources' rows: nothing. The dispatch kernel before it on the
+// stream acquired the sources' done flags at system scope, and a kernel observes what the kernels
+// before it on its stream observed (CUDA stream order: each kernel starts after the previous one
+// completed, at system scope for the memory it made visible).
+EP_DEVICE void ep_acquire_published_rows() {}
 EP_DEVICE void ep_store8(void* p, ep_u64 v) { *(ep_u64*)p = v; }
 EP_DEVICE void ep_store4(void* p, ep_u32 v) { *(ep_u32*)p = v; }
 EP_DEVICE ep_u32 ep_vec_word(const ep_vec& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
@@ -443,9 +453,11 @@ EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag,
 // Why the rows are there to load: each source wrote them before its dispatch kernel on its
 // stream, and that kernel released its done flags to this rank after them (cumulative; the
 // argument with the PTX and AMDGPUUsage tables is in dispatch.j2); this rank's dispatch kernel
-// acquired those flags and this kernel follows it on the stream. recv_src and num_recv were
-// written by that kernel (its peers' metadata before their done flags; num_recv by its last
-// block) and are read here as kernel-boundary-ordered data.
+// acquired those flags and this kernel follows it on the stream; every wave acquires again at
+// system scope before its first peer load (ep_acquire_published_rows: on AMD the kernel-start
+// acquire is agent scope). recv_src and num_recv were written by that kernel (its peers' metadata
+// before their done flags; num_recv by its last block) and are read here as kernel-boundary-ordered
+// data.
 // Departure: a source may overwrite its dispatch_in (the caller's next x) only once every
 // destination has read its rows. Every block releases its loads at system scope and counts
 // itself (the fence-to-fence pattern of dispatch.j2 phase 4); the last block of the rank raises
@@ -469,6 +481,7 @@ EP_KERNEL(kThreads) epgen_dispatch_pull_sm90_bf16_w8_h7168_k8_l48_t4096_24x32_u4
 
   EP_SHARED int s_last;
 
+  ep_acquire_published_rows();
   const ep_u32 gen = sig[kSigDispatchCalls];  // the dispatch kernel before this one published its generation
   const int rows = (int)sig[kSigNumRecv];
   const int items = rows * kChunksPerRow;
@@ -481,11 +494,9 @@ EP_KERNEL(kThreads) epgen_dispatch_pull_sm90_bf16_w8_h7168_k8_l48_t4096_24x32_u4
   for (; item < items; item += stride) {
     const int r = item / kChunksPerRow;
     const int c = (item - r * kChunksPerRow) * kChunkVectors;
-    // A row without metadata (only after an overflow: a refused reservation's rows below the
-    // capacity) may hold any source: it is skipped rather than read out of bounds (the call
-    // reports the overflow and its outputs are invalid).
-    const bool valid = next_s >= 0 && next_s < kWorld && next_t >= 0 && next_t < 4096;
-    const ep_u8* const src = (const ep_u8*)(a.arena[valid ? next_s : rank] + kOffDispatchIn) + (ep_u64)(valid ? next_t : 0) * kRowBytes;
+    // Every row below num_recv has its metadata, an overflowed call's too (dispatch.j2 sends the
+    // rows of a reservation that fit, and every row below the capacity belongs to one).
+    const ep_u8* const src = (const ep_u8*)(a.arena[next_s] + kOffDispatchIn) + (ep_u64)next_t * kRowBytes;
     const int ahead = item + stride;
     next_s = ahead < items ? recv_src[(ep_u64)(ahead / kChunksPerRow) * 2] : 0;
     next_t = ahead < items ? recv_src[(ep_u64)(ahead / kChunksPerRow) * 2 + 1] : 0;
@@ -493,13 +504,13 @@ EP_KERNEL(kThreads) epgen_dispatch_pull_sm90_bf16_w8_h7168_k8_l48_t4096_24x32_u4
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int i = c + u * kWave + lane;
-      v[u] = valid && i < kRowVectors ? ep_load16_peer(src + (ep_u64)i * 16) : ep_vec_zero();
+      v[u] = i < kRowVectors ? ep_load16_peer(src + (ep_u64)i * 16) : ep_vec_zero();
     }
     ep_u8* const dst = recv_x + (ep_u64)r * kRowBytes;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int i = c + u * kWave + lane;
-      if (valid && i < kRowVectors) ep_store16(dst + (ep_u64)i * 16, v[u]);
+      if (i < kRowVectors) ep_store16(dst + (ep_u64)i * 16, v[u]);
     }
   }
 

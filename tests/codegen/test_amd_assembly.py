@@ -452,3 +452,21 @@ def test_gfx1250_cache_ops_wait_as_the_table_says():
         if found:
             bad[entry] = dict(count=len(found), first=found[:4])
     assert not bad, bad
+
+
+@pytest.mark.parametrize("arch,acquire", [("gfx950", r"buffer_inv sc0 sc1"), ("gfx1250", r"global_inv scope:SCOPE_SYS")])
+def test_the_pull_dispatch_acquires_at_system_scope_before_its_first_peer_load(arch, acquire):
+    """The pull kernel reads its sources' rows, published before done flags that the kernel before
+    it acquired: on AMD the kernel's start acquire is agent scope, so each wave acquires at system
+    scope before its first 16-byte load (``ep_acquire_published_rows``)."""
+    reason = toolchain_status(arch)
+    if reason:
+        pytest.skip(reason)
+    pulls = [(entry, asm) for entry, asm in _catalogue_assembly(arch, ("deepseek-v3",))
+             if entry.startswith("epgen_dispatch_pull_")]
+    assert pulls
+    for entry, asm in pulls:
+        body = asm[asm.index(f"{entry}:"):]
+        first_load = re.search(r"^\s*(global|flat|buffer)_load_(dwordx4|b128)\b", body, re.M)
+        inv = re.search(rf"^\s*{acquire}\s*$", body, re.M)
+        assert first_load and inv and inv.start() < first_load.start(), entry
