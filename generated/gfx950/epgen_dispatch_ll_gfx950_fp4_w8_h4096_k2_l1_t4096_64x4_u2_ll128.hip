@@ -349,9 +349,12 @@ EP_DEVICE void ep_report_call(const EpArgs& a, int rank, int records, ep_u32 gen
 
 // One release, then lane d of the calling warp stores `value` into word `word` of rank d's signals
 // (for every rank d, lanes striding by the wave): a flag fan-out with one fence for the whole warp
-// instead of a release per flag in sequence (each of which waits for the remote store before it).
-// Every lane executes the fence and then its own store, the release pattern of each flag.
+// (one fence instruction, which every lane executes before its own store: each flag's release
+// pattern) instead of a release per flag in sequence by one thread, each waiting for the remote
+// store before it. The warp barrier first makes what any lane wrote before (a fault record) precede
+// every lane's fence.
 EP_DEVICE void ep_release_to_ranks(const EpArgs& a, int word, ep_u32 value, int lane) {
+  ep_sync_warp();
   ep_fence_release_system();
   for (int d = lane; d < kWorld; d += kWave) ep_store_relaxed_system(ep_signals(a, d) + word, value);
 }

@@ -362,9 +362,12 @@ EP_DEVICE void ep_report_call(const EpArgs& a, int rank, int records, ep_u32 gen
 
 // One release, then lane d of the calling warp stores `value` into word `word` of rank d's signals
 // (for every rank d, lanes striding by the wave): a flag fan-out with one fence for the whole warp
-// instead of a release per flag in sequence (each of which waits for the remote store before it).
-// Every lane executes the fence and then its own store, the release pattern of each flag.
+// (one fence instruction, which every lane executes before its own store: each flag's release
+// pattern) instead of a release per flag in sequence by one thread, each waiting for the remote
+// store before it. The warp barrier first makes what any lane wrote before (a fault record) precede
+// every lane's fence.
 EP_DEVICE void ep_release_to_ranks(const EpArgs& a, int word, ep_u32 value, int lane) {
+  ep_sync_warp();
   ep_fence_release_system();
   for (int d = lane; d < kWorld; d += kWave) ep_store_relaxed_system(ep_signals(a, d) + word, value);
 }
@@ -564,14 +567,17 @@ EP_KERNEL(kThreads) epgen_dispatch_sm90_fp8_w8_h4096_k2_l1_t4096_24x32_u4_ll128(
   EP_SHARED ep_u32 s_fault[4];  // the rank's first bad id if a lane of this block reported it
 
   if (tid < kWorld) s_count[tid] = 0u;
-  if (tid == 0) {
-    s_fault[0] = 0u;
-    const ep_u32 g = sig[kSigDispatchCalls] + 1u;  // published by the previous call on this stream
-    s_gen = g;
-    if (ep_atomic_add_device(&sig[kSigDispatchArrive], 1u) == 0u) {
-      // First block of this rank to run: every peer may now write into our receive buffers.
-      for (int d = 0; d < kWorld; ++d) ep_store_release_system(ep_signals(a, d) + kSigReadyFrom + rank, g);
+  if (warp == 0) {
+    ep_u32 g = 0u;
+    int first = 0;
+    if (lane == 0) {
+      s_fault[0] = 0u;
+      g = sig[kSigDispatchCalls] + 1u;  // published by the previous call on this stream
+      s_gen = g;
+      first = ep_atomic_add_device(&sig[kSigDispatchArrive], 1u) == 0u;
     }
+    // First block of this rank to run: every peer may now write into our receive buffers.
+    if (ep_shfl(first, 0)) ep_release_to_ranks(a, kSigReadyFrom + rank, (ep_u32)ep_shfl((int)g, 0), lane);
   }
   ep_sync_block();
   const ep_u32 gen = s_gen;

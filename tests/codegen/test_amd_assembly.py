@@ -470,3 +470,24 @@ def test_the_pull_dispatch_acquires_at_system_scope_before_its_first_peer_load(a
         first_load = re.search(r"^\s*(global|flat|buffer)_load_(dwordx4|b128)\b", body, re.M)
         inv = re.search(rf"^\s*{acquire}\s*$", body, re.M)
         assert first_load and inv and inv.start() < first_load.start(), entry
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_a_ready_flag_fan_out_costs_one_writeback_whatever_the_world_size(op):
+    """The normal family's ready flags go to every rank as one release by a warp, lane d storing
+    rank d's flag (``ep_release_to_ranks``), not as W releases in sequence by one thread, each
+    waiting for the store before it: the kernel holds as many ``buffer_wbl2`` at W = 8 as at W = 2."""
+    from epgen.codegen.config import EpConfig
+    from epgen.codegen.spec import Op
+
+    reason = toolchain_status("gfx950")
+    if reason:
+        pytest.skip(reason)
+    counts = []
+    for w in (2, 8):
+        cfg = EpConfig(world_size=w, hidden=2048, topk=4, num_experts=16, max_tokens_per_rank=64,
+                       kernel_family="normal")
+        spec = cfg.spec("gfx950", Op(op), cfg.geometry("gfx950", Op(op), 64))
+        src = render(spec)
+        counts.append(len(re.findall(r"^\s*buffer_wbl2\b", assembly(src.text, "gfx950", src.entry), re.M)))
+    assert counts[0] == counts[1], counts
