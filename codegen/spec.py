@@ -80,6 +80,17 @@ class Op(str, enum.Enum):
                 Op.DISPATCH_LL_RECV: Op.DISPATCH, Op.COMBINE_LL: Op.COMBINE, Op.COMBINE_LL_SEND: Op.COMBINE,
                 Op.COMBINE_LL_RECV: Op.COMBINE, Op.COMBINE_QUANTIZE: Op.COMBINE}.get(self, self)
 
+    def waits_within_grid(self, ranks: int) -> bool:
+        """Whether blocks of this kernel wait for blocks of the same launch when one grid runs
+        ``ranks`` ranks, so that the launch must make every block resident at once (a cooperative
+        launch): the whole low-latency op always (its receiving phase waits for the flags of every
+        block's sending phase, its own rank's included), and with several ranks a grid (virtual
+        ranks) the normal family's kernels and the pull kernel, whose blocks wait for signals the
+        other ranks' blocks of the grid raise. The halves of the low-latency op wait only for
+        kernels launched before them."""
+        return self in (Op.DISPATCH_LL, Op.COMBINE_LL) or (ranks > 1 and self in (Op.DISPATCH, Op.COMBINE,
+                                                                                  Op.DISPATCH_PULL))
+
     @property
     def template(self) -> str:
         """``templates/ops/<template>.j2`` renders it: a low-latency op and its two halves share one."""

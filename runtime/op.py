@@ -21,7 +21,7 @@ from epgen.codegen.arch import ARCH_TRAITS
 from epgen.codegen.dtypes import dtype_info
 from epgen.codegen.occupancy import resident_blocks
 from epgen.codegen.render import render
-from epgen.codegen.spec import TRANSPORT_OPS, KernelSpec, Op
+from epgen.codegen.spec import KernelSpec, Op
 from epgen.codegen.config import EpConfig
 from epgen.platform import Platform
 
@@ -333,8 +333,9 @@ class EpDispatchCombine:
         self.dispatch_spec = self._variants[next(op for op in config.ops if op.payload)][-1][1]
         self.low_latency_tokens = self.dispatch_spec.ll_tokens  # T_ll: 0 without the low-latency family
         # A whole low-latency op in one kernel needs every block of its grid resident at once (a
-        # block's receiving phase waits for every block's sending phase); where the GPU cannot hold
-        # them, each call launches the two halves instead.
+        # block's receiving phase waits for every block's sending phase): it is launched
+        # cooperatively, and where the GPU cannot hold its grid at all, each call launches the two
+        # halves instead.
         self._fused = {op: self.low_latency_tokens > 0 and all(
             self._resident_blocks(fn, spec) // len(self.local_ranks) >= spec.blocks for _, spec, fn in self._variants[whole])
             for op, whole in ((Op.DISPATCH, Op.DISPATCH_LL), (Op.COMBINE, Op.COMBINE_LL))}
@@ -952,11 +953,10 @@ class EpDispatchCombine:
         variants = []
         for max_tokens, spec in cfg.variants(self.arch, op, transport):
             fn = self._compile(spec)
-            # With virtual ranks every block of every rank this grid runs must be resident at once:
-            # one rank's blocks wait for another's on the same GPU. (With one rank a process no
-            # kernel waits for a block of its own grid.)
-            if (op in TRANSPORT_OPS or op is Op.DISPATCH_PULL) and self.virtual:
-                ranks = len(self.local_ranks)
+            # With virtual ranks every block of every rank this grid runs must be resident at once
+            # (a cooperative launch: Op.waits_within_grid): one rank's blocks wait for another's.
+            ranks = len(self.local_ranks)
+            if op.waits_within_grid(ranks) and not op.low_latency:  # the whole low-latency op: self._fused
                 fits = self._resident_blocks(fn, spec) // ranks
                 if fits < spec.blocks:
                     if explicit or fits < 1:
@@ -978,8 +978,9 @@ class EpDispatchCombine:
         """Launch the variant of ``op`` (of ``transport``) for ``tokens`` (local ops have one) over
         the local ranks."""
         spec, fn = self._pick(op, tokens, transport)
-        self.platform.launch(fn, (spec.blocks, len(self.local_ranks), 1), (spec.threads, 1, 1), args.ctypes.data,
-                             self.device)
+        ranks = len(self.local_ranks)
+        self.platform.launch(fn, (spec.blocks, ranks, 1), (spec.threads, 1, 1), args.ctypes.data, self.device,
+                             cooperative=op.waits_within_grid(ranks))
         # A sending half is always followed by its receiving half (the halves' call counts must
         # stay in step), and the pull dispatch's first kernel by DISPATCH_PULL (peers wait for its
         # "pulled" flags): validate after the second, so a fault raised here never skips it.

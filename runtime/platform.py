@@ -220,15 +220,41 @@ class Platform:
             return load_kernel(text, entry)
 
     def launch(self, fn, grid: tuple[int, int, int], block: tuple[int, int, int], args_address: int,
-               device: torch.device) -> None:
+               device: torch.device, cooperative: bool = False) -> None:
         """Launch ``fn`` with one by-value struct argument (at host address ``args_address``) on
-        torch's current stream of ``device`` (``epgen.device.cupy_stream``)."""
+        torch's current stream of ``device`` (``epgen.device.cupy_stream``).
+
+        Args:
+            cooperative: launch so that every block of the grid is resident at once (the kernel's
+                blocks wait for each other): CUDA ``cuLaunchCooperativeKernel`` (CuPy's
+                ``cupy.cuda.driver.launchCooperativeKernel``, which unlike ``RawKernel``'s
+                ``enable_cooperative_groups`` takes a 2-D grid as it is and queries no occupancy
+                per launch), HIP ``hipModuleLaunchCooperativeKernel`` through ctypes (CuPy-ROCm's
+                binding of the driver call is a stub that returns ``hipErrorUnknown``,
+                cupy_backends/hip/cupy_hip.h). The device starts such a grid only once all its
+                blocks fit beside whatever else runs (measured on the H200:
+                ``tools/residency_probe.py``), and a graph captures it like any launch.
+
+        Raises:
+            HipError: the cooperative launch failed on ROCm (e.g. a grid larger than the device
+                holds at once); CUDA raises CuPy's ``CUDADriverError`` likewise.
+        """
         import cupy
 
         from epgen.device import cupy_stream
 
         with self.use_device(device.index):
-            fn(grid, block, (cupy.cuda.function.CPointer(args_address),), stream=cupy_stream(device))
+            stream = cupy_stream(device)
+            if not cooperative:
+                fn(grid, block, (cupy.cuda.function.CPointer(args_address),), stream=stream)
+                return
+            params = (ctypes.c_void_p * 1)(args_address)  # void* kernelParams[]: the struct's address
+            if self.rocm:
+                self._check("hipModuleLaunchCooperativeKernel", self._hip_library().hipModuleLaunchCooperativeKernel(
+                    ctypes.c_void_p(fn.kernel.ptr), *grid, *block, 0, ctypes.c_void_p(stream.ptr), params))
+            else:
+                cupy.cuda.driver.launchCooperativeKernel(fn.kernel.ptr, *grid, *block, 0, stream.ptr,
+                                                         ctypes.addressof(params))
 
     # ---- HIP through ctypes ------------------------------------------------------------------
     def _hip_library(self):
@@ -242,6 +268,12 @@ class Platform:
             hip.hipFree.restype = ctypes.c_int
             hip.hipGetErrorString.argtypes = (ctypes.c_int,)
             hip.hipGetErrorString.restype = ctypes.c_char_p
+            # hipError_t hipModuleLaunchCooperativeKernel(hipFunction_t f, unsigned int gridDimX, gridDimY,
+            # gridDimZ, blockDimX, blockDimY, blockDimZ, unsigned int sharedMemBytes, hipStream_t stream,
+            # void** kernelParams)
+            hip.hipModuleLaunchCooperativeKernel.argtypes = (ctypes.c_void_p,) + (ctypes.c_uint,) * 7 + (
+                ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
+            hip.hipModuleLaunchCooperativeKernel.restype = ctypes.c_int
             self._hip = hip
         return self._hip
 

@@ -540,8 +540,9 @@ EP_DEVICE void ep_dispatch_recv(const EpArgs& a) {
 }
 
 // The whole op in one kernel (dispatch_ll: no second launch; every block of the grid must be resident
-// at once, since a block's receiving phase waits for the flags of every block's sending phase) or
-// one half of it (dispatch_ll_send, dispatch_ll_recv: the async_recv split).
+// at once, since a block's receiving phase waits for the flags of every block's sending phase: the
+// op launches it cooperatively, Op.waits_within_grid) or one half of it (dispatch_ll_send,
+// dispatch_ll_recv: the async_recv split, or where the GPU cannot hold the whole op's grid).
 EP_KERNEL(kThreads) epgen_dispatch_ll_recv_gfx950_fp8_w8_h5120_k1_l16_t4096_64x4_u2_ll128(const EP_GRID_CONSTANT EpArgs a) {
   ep_dispatch_recv(a);
 }

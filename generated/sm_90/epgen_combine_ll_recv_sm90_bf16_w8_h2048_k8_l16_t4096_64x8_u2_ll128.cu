@@ -592,8 +592,9 @@ EP_DEVICE void ep_combine_recv(const EpArgs& a) {
 }
 
 // The whole op in one kernel (combine_ll: no second launch; every block of the grid must be resident
-// at once, since a block's receiving phase waits for the flags of every block's sending phase) or
-// one half of it (combine_ll_send, combine_ll_recv: the async_recv split).
+// at once, since a block's receiving phase waits for the flags of every block's sending phase: the
+// op launches it cooperatively, Op.waits_within_grid) or one half of it (combine_ll_send,
+// combine_ll_recv: the async_recv split, or where the GPU cannot hold the whole op's grid).
 EP_KERNEL(kThreads) epgen_combine_ll_recv_sm90_bf16_w8_h2048_k8_l16_t4096_64x8_u2_ll128(const EP_GRID_CONSTANT EpArgs a) {
   ep_combine_recv(a);
 }

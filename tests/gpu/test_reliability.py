@@ -559,8 +559,9 @@ class EmulatedOp(EpDispatchCombine):
         cfg = self.config
         return self._view(rank, self.layout.send_slot, (cfg.max_tokens_per_rank, cfg.world_size), torch.int32)
 
-    def _emulate(self, op, grid, block, args_address, device):
+    def _emulate(self, op, grid, block, args_address, device, cooperative):
         assert grid == (self._variants[op][0][1].blocks, len(self.local_ranks), 1) and device == self.device
+        assert cooperative == op.waits_within_grid(len(self.local_ranks)), (op, cooperative)
         self.launched.append(op)
         dtype = _args_dtype(self.config.world_size)
         io = np.frombuffer((ctypes.c_uint8 * dtype.itemsize).from_address(args_address), dtype=dtype)[0]["io"]

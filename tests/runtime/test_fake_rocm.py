@@ -105,7 +105,7 @@ class _FakeCupyRocm:
     """The stand-in: ``module`` goes into ``sys.modules["cupy"]``; calls are logged in ``calls``."""
 
     def __init__(self):
-        self.touched, self.calls, self.buffers, self.launches = [], [], {}, []
+        self.touched, self.calls, self.buffers, self.launches, self.functions = [], [], {}, [], {}
         log, fake = self.touched, self
 
         def memset(ptr, value, nbytes):
@@ -156,6 +156,8 @@ class _FakeCupyRocm:
         class Kernel:
             def __init__(self, path, entry):
                 self.path, self.entry = path, entry
+                self.ptr = 0x7000 + len(fake.functions)  # the hipFunction_t (Function.ptr)
+                fake.functions[self.ptr] = entry
 
             kernel = property(lambda self: self)
 
@@ -166,7 +168,7 @@ class _FakeCupyRocm:
             def __call__(self, grid, block, args, stream):
                 (arg,) = args
                 fake.launches.append({"entry": self.entry, "grid": list(grid), "block": list(block),
-                                      "address": arg.address, "stream": stream.ptr})
+                                      "address": arg.address, "stream": stream.ptr, "cooperative": False})
 
         class RawModule:
             def __init__(self, *, code=None, path=None, options=()):
@@ -202,9 +204,16 @@ class _FakeCupyRocm:
 
 
 class _FakeHip:
-    """``libamdhip64.so``: hipExtMallocWithFlags / hipFree / hipGetErrorString, logged."""
+    """``libamdhip64.so``: hipExtMallocWithFlags / hipFree / hipGetErrorString /
+    hipModuleLaunchCooperativeKernel, logged (a cooperative launch into ``fake.launches``)."""
 
     def __init__(self, fake: _FakeCupyRocm):
+        def cooperative(f, gx, gy, gz, bx, by, bz, shared, stream, params):
+            fake.launches.append({"entry": fake.functions[f.value], "grid": [gx, gy, gz], "block": [bx, by, bz],
+                                  "address": params[0], "stream": stream.value, "cooperative": True,
+                                  "shared": shared})
+            return 0
+
         def ext_malloc(ptr_ref, nbytes, flags):
             p = _Memory(fake, nbytes).ptr
             ptr_ref._obj.value = p  # ctypes.byref(c_void_p): the out-parameter
@@ -216,6 +225,7 @@ class _FakeHip:
             return 0
 
         self.hipExtMallocWithFlags = _CFunction(ext_malloc)
+        self.hipModuleLaunchCooperativeKernel = _CFunction(cooperative)
         self.hipFree = _CFunction(free)
         self.hipGetErrorString = _CFunction(lambda status: b"fake error")
 
@@ -282,7 +292,8 @@ def _family_calls(fake, cfg: EpConfig, rank: int) -> list[dict]:
         except (TypeError, ValueError, RuntimeError) as e:
             result, error = None, f"{type(e).__name__}: {e}"
         launched = [kernel_op[x["entry"]] for x in fake.launches[before:]]
-        row = {"step": name, "ops": [o.value for o in launched], "error": error, "result": type(result).__name__}
+        row = {"step": name, "ops": [o.value for o in launched], "error": error, "result": type(result).__name__,
+               "cooperative": [x["cooperative"] for x in fake.launches[before:]]}
         if y is not None:
             used = [int(op._args[o]["io"][0]["y"]) for o in launched
                     if o in (Op.COMBINE, Op.COMBINE_LL, Op.COMBINE_LL_SEND, Op.COMBINE_LL_RECV)]
@@ -541,6 +552,17 @@ def test_the_low_latency_combine_reads_y_in_place_and_the_normal_one_copies_it(r
                 assert x["ops"] == ["combine"] and x["y"] != [x["own_y"]] and x["combine_in"] == "y", x
 
 
+def test_only_the_whole_low_latency_ops_launch_cooperatively_through_hip(records):
+    """One rank a process: the whole low-latency op's blocks wait for each other, so it launches
+    through hipModuleLaunchCooperativeKernel (CuPy-ROCm's cooperative launch is a stub); its halves
+    and the normal family's kernels wait only for peers and launch as any kernel."""
+    for r in records:
+        for mode in ("fused", "halves", "normal"):
+            launches = [(op, coop) for x in r[mode] for op, coop in zip(x["ops"], x["cooperative"])]
+            assert launches and all(coop == (op in ("dispatch_ll", "combine_ll")) for op, coop in launches), launches
+            assert any(coop for _, coop in launches) == (mode == "fused")
+
+
 def test_the_normal_family_refuses_the_split_before_any_launch(records):
     for r in records:
         got = [(x["step"], x["ops"], x["error"]) for x in r["normal"]]
@@ -562,6 +584,7 @@ def test_a_failed_hip_call_raises_naming_the_call_the_code_and_its_text_and_the_
 
     hip = types.SimpleNamespace(hipExtMallocWithFlags=_CFunction(lambda ptr_ref, nbytes, flags: 2),
                                 hipFree=_CFunction(lambda ptr: 1),
+                                hipModuleLaunchCooperativeKernel=_CFunction(lambda *args: 1),
                                 hipGetErrorString=_CFunction(lambda status: {1: b"invalid argument",
                                                                              2: b"out of memory"}[status]))
     def cdll(name):
