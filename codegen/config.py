@@ -42,6 +42,14 @@ def _int(value):
     return value
 
 
+DEFAULT_TIMEOUT_S = 300.0
+"""``EpConfig.timeout_s``'s default, seconds: longer than any wait of a healthy but loaded system
+(DeepEP bounds its waits at 2 x 10^11 clock cycles, about 100 s; a serving step can stall longer on
+a busy host) and shorter than torch.distributed's default collective timeout (10 minutes), so that
+epgen's timeout, which names the rank that stopped answering and the phase, comes before a
+framework watchdog aborts the process."""
+
+
 @attrs.frozen
 class EpConfig:
     """One expert-parallel MoE layer as its user describes it.
@@ -59,7 +67,12 @@ class EpConfig:
             bounds in ``epgen.quant.combine_error_bound``). Input and output stay bf16.
         dispatch_geometry, combine_geometry: launch geometry of the two kernels; None (default)
             takes it from the tuning table per token bucket (``epgen.codegen.tuning``).
-        timeout_s: bound of every in-kernel spin-wait, seconds.
+        timeout_s: bound of every in-kernel spin-wait, seconds (``DEFAULT_TIMEOUT_S``: 300). Past it
+            the waiting rank records a timeout naming the peer and the phase, and the op refuses
+            every later call (the ranks are out of step). A healthy rank can wait long for a peer
+            that is busy (a slow expert stage, a peer waiting on its own collectives, a host
+            descheduled, or processes that share a GPU), so the default is far above any such wait;
+            set a few seconds where a dead peer should be found fast (tests, a health check).
         layout: "rank" (default): dispatch returns rank-major receive rows and combine sums one
             row per (token, rank); "expert": the received rows are also expanded into per-expert
             groups and combine applies the routing weights (README, "Expert layout").
@@ -123,7 +136,7 @@ class EpConfig:
     combine_quant: str = "none"
     dispatch_geometry: Geometry | None = None
     combine_geometry: Geometry | None = None
-    timeout_s: float = 5.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     layout: str = "rank"
     expert_alignment: int = attrs.field(default=1, converter=_int)
     max_recv_tokens: int | None = attrs.field(default=None, converter=_int)

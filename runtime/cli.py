@@ -426,13 +426,15 @@ def cmd_tune(args, parser, console) -> int:
 def cmd_stress(args, parser, console) -> int:
     family = args.kernel_family or flags.CONFIG_DEFAULTS["kernel_family"]
     if flags.gpu_preflight(args, parser, _error, "stress", families={family: args.max_tokens}, virtual=args.virtual,
-                           low_latency_geometries={"--low-latency-geometry": args.low_latency_geometry}) is None:
+                           low_latency_geometries={"--low-latency-geometry": args.low_latency_geometry},
+                           share_gpu=True) is None:
         return 2
     from epgen.stress import run
 
     run(StressOptions(model=args.model, world_size=args.world_size, max_tokens=args.max_tokens, rounds=args.rounds,
                       seed=args.seed, virtual=args.virtual, dtype=args.dtype, combine_quant=args.quant,
-                      kernel_family=family, low_latency_geometry=args.low_latency_geometry))
+                      kernel_family=family, low_latency_geometry=args.low_latency_geometry,
+                      fault_every=args.fault_every or 0))
     return 0
 
 
@@ -517,8 +519,10 @@ def build_parser() -> argparse.ArgumentParser:
              "size, from one GPU's local memory", cmd_tune)
     flags.add_tune_args(t)
 
-    st = verb("stress", "many verified rounds with random token counts (0..max) and routing kinds; prints "
-              "rounds, failures and the worst combine error; exit status non-zero on a failure", cmd_stress)
+    st = verb("stress", "many verified rounds with random token counts (0..max), routing kinds and both kernel "
+              "families (the low-latency one also split, with GPU work between its halves); one process per rank, "
+              "sharing cuda:0 when there are fewer GPUs; prints rounds, failures and the worst combine error; exit "
+              "status non-zero on a failure", cmd_stress)
     flags.add_stress_args(st)
     return p
 

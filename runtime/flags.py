@@ -242,6 +242,9 @@ def add_stress_args(st) -> None:
                     help=f"max tokens per rank (default {stress.max_tokens})")
     st.add_argument("--rounds", type=positive, default=stress.rounds, help=f"rounds (default {stress.rounds})")
     st.add_argument("--seed", type=int, default=stress.seed, help=f"seed of the rounds (default {stress.seed})")
+    st.add_argument("--fault-every", type=positive, default=None, metavar="N",
+                    help="inject a recoverable fault (a bad expert id, or a y one row short) on one rank every N "
+                         "rounds; every rank must raise it and run on (default: none)")
     add_family_args(st)
 
 
@@ -478,10 +481,12 @@ def check_output(output: str, parser) -> None:
 
 def gpu_preflight(args, parser, error, verb: str, *, families: dict[str, int], virtual: bool = False,
                   output: str | None = None, geometries: dict | None = None,
-                  low_latency_geometries: dict | None = None) -> EpConfig | None:
+                  low_latency_geometries: dict | None = None, share_gpu: bool = False) -> EpConfig | None:
     """Everything about a GPU verb's arguments that can be checked without a GPU, first (parser
-    errors naming the flag), then that there is a GPU, enough of them, and (with ``output``, a
-    plot) matplotlib, then the specs for this GPU's arch. ``families``: the most tokens a rank
+    errors naming the flag), then that there is a GPU, enough of them (one a process; with
+    ``share_gpu``, a verb that checks rather than times, any: its processes then share cuda:0,
+    ``epgen.ranks``), and (with ``output``, a plot) matplotlib, then the specs for this GPU's
+    arch. ``families``: the most tokens a rank
     passes to the op of each ``EpConfig.kernel_family`` the verb builds; ``geometries`` /
     ``low_latency_geometries``: flag -> Geometry, or a list of them, or None, checked against the
     dispatch and combine / the low-latency halves of a config that builds them (a parser error
@@ -510,7 +515,7 @@ def gpu_preflight(args, parser, error, verb: str, *, families: dict[str, int], v
     if not torch.cuda.is_available():
         return error(verb, "needs a GPU (torch.cuda.is_available() is False)")
     gpus = torch.cuda.device_count()
-    if not virtual and args.world_size > gpus:
+    if not virtual and not share_gpu and args.world_size > gpus:
         hint = "; --virtual runs all ranks on one GPU" if hasattr(args, "virtual") else ""
         return error(verb, f"--world-size {args.world_size} needs {args.world_size} GPUs (one process per GPU), "
                            f"this machine has {gpus}{hint}")

@@ -119,6 +119,7 @@ class StressOptions:
     combine_quant: str = "none"
     kernel_family: str = "auto"  # EpConfig.kernel_family
     low_latency_geometry: Geometry | None = None  # None: the tuning table's
+    fault_every: int = 0  # a recoverable fault injected every this many rounds (0: none)
 
 
 def tune_counts(opts: TuneOptions) -> dict[str, tuple[int, ...]]:

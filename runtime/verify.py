@@ -224,13 +224,15 @@ def poison(op, rank: int) -> None:
             t.view(torch.uint8).fill_(0xFF)
 
 
-def run_round(op, cfg: EpConfig, tokens: list[int], kind: str, seed: int) -> dict:
+def run_round(op, cfg: EpConfig, tokens: list[int], kind: str, seed: int, busy=None) -> dict:
     """One verified dispatch + combine over every rank this process drives.
 
     ``tokens`` lists T of every rank (all W); inputs are generated for all ranks from ``seed`` so
-    every process computes the same reference. Returns {"recv": [rows per local rank],
-    "combine_err": worst |out - exact|, "bound_ratio": worst error / bound, "wire_mismatches":
-    combined elements whose bits differ from the wire reference}.
+    every process computes the same reference. ``busy`` (no arguments), when given, splits both
+    calls (``async_recv``: the call must take the low-latency family) and runs between each one's
+    halves (GPU work on the stream). Returns {"recv": [rows per local rank], "combine_err": worst
+    |out - exact|, "bound_ratio": worst error / bound, "wire_mismatches": combined elements whose
+    bits differ from the wire reference}.
 
     Raises:
         AssertionError: any mismatch with the reference.
@@ -241,7 +243,7 @@ def run_round(op, cfg: EpConfig, tokens: list[int], kind: str, seed: int) -> dic
     local = op.local_ranks
     for r in local:
         poison(op, r)
-    outs = op.dispatch(*op_inputs(op, inputs))
+    outs = _call(op.dispatch, busy, *op_inputs(op, inputs))
     outs = outs if op.virtual else [outs]
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     ys_dev = [expert_outputs(ref[d].num_rows, cfg.hidden, gen) for d in range(cfg.world_size)]
@@ -252,7 +254,7 @@ def run_round(op, cfg: EpConfig, tokens: list[int], kind: str, seed: int) -> dic
         y[perm.to(device)] = ys_dev[r]  # the op's row perm[i] is the reference's row i
         ys.append(y)
     poisoned = [torch.full((tokens[r], cfg.hidden), float("nan"), dtype=torch.bfloat16, device=device) for r in local]
-    combined = op.combine(op_arg(op, ys), out=op_arg(op, poisoned))
+    combined = _call(op.combine, busy, op_arg(op, ys), out=op_arg(op, poisoned))
     combined = combined if op.virtual else [combined]
     ref_out = combine_reference(cfg.combine_quant, ys_dev, ref, tokens)  # on the GPU, like the inputs
     stats = [check_combine(r, c, ref_out[r]) for r, c in zip(local, combined)]
@@ -260,6 +262,15 @@ def run_round(op, cfg: EpConfig, tokens: list[int], kind: str, seed: int) -> dic
     return {"recv": [ref[r].num_rows for r in local], "combine_err": max(s["max_err"] for s in stats),
             "bound_ratio": max(s["bound_ratio"] for s in stats),
             "wire_mismatches": sum(s["wire_mismatches"] for s in stats)}
+
+
+def _call(method, busy, *args, **kwargs):
+    """``method(*args, **kwargs)``, or with ``busy`` its two halves with ``busy()`` between them."""
+    if busy is None:
+        return method(*args, **kwargs)
+    handle = method(*args, **kwargs, async_recv=True)
+    busy()
+    return handle.wait()
 
 
 # ---- exact rounds: integer tokens, checked bit for bit on the op's device ---------------------

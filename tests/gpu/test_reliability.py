@@ -630,6 +630,10 @@ class EmulatedOp(EpDispatchCombine):
             _at(out_ptr, T * H * 2).copy_(acc.to(torch.bfloat16).view(torch.uint8).reshape(-1))
 
     def _combine(self, io):
+        for d in self.local_ranks:  # a y with fewer rows than received: recorded (code 4)
+            received, y_rows = int(self.recv_buffers(d).num_recv[0]), int(io[d]["y_rows"])
+            if received > y_rows:
+                self.errors.report(d, 4, y_rows, 0, received)
         self._sum(io, lambda r, d, t, slot: self.combine_input(d)[slot].float())
 
     def _push_back(self, io) -> dict:
@@ -697,6 +701,23 @@ def test_bad_id_body(emulated):
 
 def test_jitter_body_logic(emulated):
     _jitter_body(0, 2, True, 25)
+
+
+def test_the_stress_rounds_take_both_families_split_and_faults_that_every_rank_raises():
+    """``epgen stress``'s rounds (epgen.stress.stress) on the emulated op: low-latency rounds with
+    every rank's tokens at most T_ll and normal ones above it, every other low-latency round split,
+    and a recoverable fault every 4 rounds, raised by synchronize and followed by exact rounds."""
+    from epgen.stress import stress
+
+    cfg = edge_config(4, max_tokens=200)
+    op = emulated_op(cfg, "whole")
+    lines = []
+    result = stress(op, cfg, rounds=24, seed=3, report=lines.append, fault_every=4)
+    assert not result.failures, result.failures
+    assert result.counts["low_latency"] + result.counts["normal"] == 24 and result.counts["fault"] == 6
+    assert result.counts["low_latency"] and result.counts["normal"] and result.counts["split"]
+    assert sum("raised on every rank" in line for line in lines) == 6, lines
+    assert any("short_y" in line for line in lines) and any("bad_id" in line for line in lines)
 
 
 @pytest.mark.parametrize("how", EMULATED)
