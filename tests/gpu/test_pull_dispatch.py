@@ -141,7 +141,7 @@ def test_exact_rounds_and_combine_after_a_pull(world_size):
 
 def _two_process_body(rank, world_size):
     cfg, op = _op(world_size=world_size)
-    _rounds(op, cfg, zero_copy=True)
+    _rounds(op, cfg, zero_copy=True, kinds=("uniform", "skewed"))  # every kind: the virtual tests
     _rounds(op, cfg, zero_copy=False, kinds=("uniform",))
     _exact_body(rank, world_size, False)
     torch.distributed.barrier()  # every peer is done reading this rank's arena
