@@ -3,7 +3,8 @@
 # an exported epgen tree, e.g. `git archive COMMIT | tar -x -C .ab/COMMIT`, carried with the call)
 # and the working tree ("." = this checkout), each installed into its own --target folder, run in
 # turn for $AB_ROUNDS rounds (alternating, so drift over the call hits every tree alike):
-# epgen bench W=1 and virtual W=2 at $AB_TOKENS tokens, uniform, 50 queued replays a point.
+# epgen bench W=1 and virtual W (each of $AB_WORLDS, default "1 2") at $AB_TOKENS tokens, uniform,
+# 50 queued replays a point.
 # One line per (round, tree, W, tokens, op) at the end: queued and host-launched medians, us.
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -17,7 +18,7 @@ done
 for r in $(seq 1 "${AB_ROUNDS:-2}"); do
   for t in $trees; do
     tag=$(echo "$t" | tr '/.' '__')
-    for w in 1 2; do
+    for w in ${AB_WORLDS:-1 2}; do
       (cd /tmp && PYTHONPATH="/tmp/ab/$tag" timeout 300 python -m epgen bench --world-size $w $([ $w -gt 1 ] && echo --virtual) \
         --tokens ${AB_TOKENS:-1 128 4096} --routing uniform --iters 50 -o "$OUT/ab-r$r$tag-w$w" --quiet) >/dev/null 2>>"$OUT/ab.err"
       python - "$OUT/ab-r$r$tag-w$w.csv" "$r" "$t" "$w" <<'PY'
