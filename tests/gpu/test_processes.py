@@ -155,8 +155,9 @@ def _fault_body(rank, world_size, family, fault):
     culprit = world_size - 1
     T = cfg.max_tokens_per_rank
     kind = "one_rank" if fault == "overflow" else "uniform"
-    good = lambda seed, t=T // 2: integer_inputs(cfg, [t] * world_size, "uniform", seed, device=op.device)  # noqa: E731
-    run_exact_round(op, cfg, good(1, 8))
+    # rounds that fit every capacity (the overflow config's too: W x 8 rows at most)
+    good = lambda seed: integer_inputs(cfg, [8] * world_size, "uniform", seed, device=op.device)  # noqa: E731
+    run_exact_round(op, cfg, good(1))
     for attempt in range(2):
         inputs = integer_inputs(cfg, [T] * world_size, kind, 10 + attempt, device=op.device)
         if fault == "bad_id":
