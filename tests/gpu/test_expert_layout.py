@@ -76,10 +76,14 @@ def test_capped_receive_memory_overflow_raises_then_the_op_runs_again(layout):
     xs = [torch.randn(64, 256, device=dev).to(torch.bfloat16) for _ in range(4)]
     ws = [torch.rand(64, 2, device=dev) for _ in range(4)]
     crowd = [torch.zeros(64, 2, dtype=torch.int32, device=dev) for _ in range(4)]  # 256 rows for rank 0
-    with pytest.raises(EpError, match=r"receive buffer of rank 0 would need \d+ rows, more than its 70") as e:
+    with pytest.raises(EpError, match=r"^rank 0: the receive buffer of rank 0 needed 256 rows in this dispatch, "
+                                      r"more than its 70") as e:  # the true count: every sender's rows
         op.dispatch(xs, ws, crowd)
     assert e.value.recoverable
     assert int(op.recv_buffers(0).num_recv) == 70  # clamped: no later kernel reads past the buffers
+    src = op.recv_buffers(0).recv_src[:70].cpu()  # every row below it is this call's (the rows that fit)
+    assert bool(((src[:, 0] >= 0) & (src[:, 0] < 4) & (src[:, 1] >= 0) & (src[:, 1] < 64)).all())
+    assert len({tuple(r) for r in src.tolist()}) == 70
     spread = [torch.arange(128, dtype=torch.int32, device=dev).view(64, 2) % 8 for _ in range(4)]
     recv = op.dispatch(xs, ws, spread)  # both experts of a token on one rank: 64 rows a rank, within the cap
     got = [o.recv if layout == "expert" else o for o in recv]

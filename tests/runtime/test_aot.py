@@ -367,7 +367,7 @@ def test_op_from_a_build_compiles_nothing(tmp_path, monkeypatch):
     from epgen.verify import run_round
     from epgen.op import EpDispatchCombine
 
-    cfg = EpConfig.for_model("deepseek-v3", world_size=1, max_tokens_per_rank=1000)
+    cfg = EpConfig.for_model("deepseek-v3", world_size=1, max_tokens_per_rank=1000, kernel_family="normal")
     _gpu_build(tmp_path, cfg)
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     calls = _recording_raw_module(monkeypatch)
@@ -385,7 +385,7 @@ def test_a_file_the_driver_rejects_is_compiled_instead(tmp_path, monkeypatch):
     from epgen.verify import run_round
     from epgen.op import EpDispatchCombine
 
-    cfg = EpConfig.for_model("deepseek-v3", world_size=1, max_tokens_per_rank=1000)
+    cfg = EpConfig.for_model("deepseek-v3", world_size=1, max_tokens_per_rank=1000, kernel_family="normal")
     _, rows = _gpu_build(tmp_path, cfg)
     dispatch, combine = (tmp_path / r["file"] for r in rows)
     dispatch.write_bytes(combine.read_bytes())
@@ -400,7 +400,7 @@ def test_a_file_the_driver_rejects_is_compiled_instead(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 def test_time_imports_loads_warm_and_compiles_cold(tmp_path):
-    cfg = EpConfig.for_model("deepseek-v3", world_size=1, max_tokens_per_rank=1000)
+    cfg = EpConfig.for_model("deepseek-v3", world_size=1, max_tokens_per_rank=1000, kernel_family="normal")
     arch, _ = _gpu_build(tmp_path, cfg)
     timing = import_timing.time_imports(config_specs(cfg, (arch,)), tmp_path, runs=1)
     assert timing["arch"] == arch and len(timing["rows"]) == 2
