@@ -18,6 +18,10 @@ class ContractOp:
     """Virtual-rank op on the CPU: the reference's rows in a random order in capacity-sized buffers."""
 
     virtual = True
+    low_latency_tokens = 0  # one kernel family: every stress round is a normal one
+
+    def family(self, tokens):
+        return "normal"
 
     def __init__(self, cfg: EpConfig, break_rows: bool = False, combine_nudge: float = 0.0):
         self.cfg, self.break_rows, self.combine_nudge = cfg, break_rows, combine_nudge
