@@ -19,7 +19,9 @@
 #           its launch cost, and the start of W processes sharing cuda:0
 #   small   epgen bench W=1 and virtual W=2 at 1, 128, 4096 tokens, uniform, 50 queued replays a
 #           point -> tools/results/$SMALL_TAG-w{1,2}.{csv,png} (issue 13's before/after of the spin-waits)
-#   stress  epgen stress: 200 rounds with W=2 on two GPUs, then 200 with 8 virtual ranks
+#   stress  epgen stress: 200 rounds as W=2 and W=4 processes (sharing cuda:0 on one GPU; qwen3-30b-a3b, up to
+#           $STRESS_TOKENS tokens, default 4096, the fp8_blockwise wire, a recoverable fault every 25 rounds), then
+#           200 with 8 virtual ranks
 #   probe   tools/p2p_probe.py: copy mechanisms (LSU vs bulk copies) at 16-132 blocks, both directions
 #   moe     epgen demo --moe (deepseek-v3 MoE layer, 8 virtual ranks, $MOE_TOKENS tokens a rank, default
 #           the demo's), then at W = 1 -> tools/results/moe-demo-h200-w{8,1}.txt
@@ -62,8 +64,11 @@ for step in ${STEPS:-demo tune bench bench24 fp8 tests}; do
              python -m epgen bench --world-size 2 --tokens 128 4096 8192 --routing uniform \
                --dispatch-geometry "${g%%:*}" --combine-geometry "${g##*:}" -o "/tmp/sweep-$g" | grep -E "dispatch|combine"
            done ;;
-    stress) timeout ${STRESS_TIMEOUT:-300} python -m epgen stress --world-size 2 --rounds 200 | tail -3
-            timeout ${STRESS_TIMEOUT:-300} python -m epgen stress --world-size 8 --virtual --rounds 200 \
+    stress) for w in 2 4; do
+              timeout ${STRESS_TIMEOUT:-400} python -m epgen stress --world-size $w --model qwen3-30b-a3b \
+                --max-tokens ${STRESS_TOKENS:-4096} --quant fp8_blockwise --rounds 200 --fault-every 25 | tail -3
+            done
+            timeout ${STRESS_TIMEOUT:-400} python -m epgen stress --world-size 8 --virtual --rounds 200 \
               --max-tokens ${STRESS_TOKENS_W8:-1024} | tail -3 ;;
     build) rm -rf /tmp/epgen-aot
            python -m epgen build --world-size 2 --max-tokens 8192 --arch sm_90 -o /tmp/epgen-aot --time-import --runs ${RUNS:-5} \
