@@ -178,7 +178,9 @@ class EpConfig:
                and self.scale_bytes >= 0, "scale_bytes", self.scale_bytes, "must be an int >= 0")
         _check(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool), "timeout_s",
                self.timeout_s, "must be a Python int or float (seconds)")
-        _check(0 < self.timeout_s <= 3600, "timeout_s", self.timeout_s, "must be in (0, 3600] seconds")
+        _check(1e-3 <= self.timeout_s <= 3600, "timeout_s", self.timeout_s,
+               "must be in [0.001, 3600] seconds (the kernels count whole nanoseconds; a bound under a "
+               "millisecond fails healthy waits)")
         _check(isinstance(self.layout, str) and self.layout in LAYOUTS, "layout", self.layout,
                f"must be one of {', '.join(LAYOUTS)}")
         _check(isinstance(self.expert_alignment, int) and not isinstance(self.expert_alignment, bool)

@@ -10,7 +10,12 @@ explores every interleaving of their steps, each step atomic, looking for
 * ranks that raise different recoverable faults, or at different calls (a fault must be raised by
   every rank at the call that faulted, so that all of them skip the same work).
 
-A rank's host reads its fault records (``epgen.faults``) at the synchronize that ends each call.
+A rank's host reads its fault records (``epgen.faults``) at the synchronize that ends each call
+(``validate=True``). Windows of several calls between synchronizes are not modeled, and there the
+guarantee is weaker: a rank that faults in two calls of one family two calls apart, synchronizing
+between them, can replace its first fault's record (the same parity copy) before a peer's host has
+read it; that peer then raises only the second fault, one synchronize later (README, "One process
+per GPU").
 
 The model follows the kernels' templates (``templates/ops``): one step per signal store, per wait
 on one peer's signal, per read of one peer's rows and per fault record; a store "to each" rank is
@@ -56,7 +61,11 @@ class Step:
         value: what a write stores: "gen" (the kernel family's generation of the call) or "call"
             (the call itself: rows, which the reader checks against the call it runs, or for
             combine_in the dispatch being combined).
-        exact: a wait for exactly the generation (a parity copy: ``abi.PARITY_RULE``).
+        exact: a wait for exactly the generation (a parity copy: ``abi.PARITY_RULE``); otherwise
+            the generation or any later one, as the kernels' ``ep_flag_reached``.
+        carries: the flag carries values of its call (the low-latency dispatch flag's row count and
+            first token): a wait that accepts another call's generation gives wrong rows. A flag of
+            a generation alone (the normal family's) may hold a later one: g + 1 implies g.
     """
 
     kind: str
@@ -64,6 +73,7 @@ class Step:
     peer: str = "self"
     value: str = "call"
     exact: bool = False
+    carries: bool = False
 
 
 REGIONS = {"ll_dispatch_stage": 2, "ll_combine_stage": 2, "recv_x": 1, "combine_in": 1, "dispatch_in": 1}
@@ -95,7 +105,7 @@ KERNELS = {
                          Step("write", "ll_dispatch_stage", "each"),
                          Step("share", "fault_dispatch_ll", "peers"),
                          Step("write", "ll_dispatch_from", "each", "gen")),
-    "dispatch_ll_recv": (Step("wait", "ll_dispatch_from", "each", exact=True),
+    "dispatch_ll_recv": (Step("wait", "ll_dispatch_from", "each", exact=True, carries=True),
                          Step("read", "ll_dispatch_stage", "each")),
     # combine.j2: the first block records a short y and raises the ready flags; every block waits
     # for every rank's and reads their combine_in (the expert stage wrote it before the kernel).
@@ -196,9 +206,14 @@ def check(protocol: Protocol, world_size: int, program: tuple[str, ...], fault: 
     with a recoverable fault first seen by rank ``fault[0]`` in call ``fault[1]`` (None: none).
 
     Raises:
+        TypeError: ``protocol`` is not a Protocol.
+        ValueError: ``world_size`` not an int >= 1, a program the op refuses (unknown calls, a
+            combine first, two in a row, or of another family than its dispatch), or a fault
+            outside the ranks and calls; each naming the argument, its value and the rule.
         RuntimeError: more than ``limit`` states (the model grew past what CI can check).
     """
-    m = _Model(protocol, world_size, program, fault)
+    _check_arguments(protocol, world_size, program, fault)
+    m = _Model(protocol, world_size, tuple(program), None if fault is None else tuple(fault))
     start = m.initial()
     seen = {start: None}
     queue = deque([start])
@@ -223,6 +238,26 @@ def check(protocol: Protocol, world_size: int, program: tuple[str, ...], fault: 
     return Result(len(seen), None)
 
 
+def _check_arguments(protocol, world_size, program, fault) -> None:
+    """``check``'s arguments, as its docstring says."""
+    if not isinstance(protocol, Protocol):
+        raise TypeError(f"protocol: expected a Protocol, got {type(protocol).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
+    if isinstance(program, str) or not all(isinstance(c, str) and c in CALLS for c in program):
+        raise ValueError(f"program={program!r}: must be a sequence of calls, each one of {', '.join(CALLS)}")
+    last = None
+    for i, call in enumerate(program):
+        if call in COMBINE_OF:
+            last = call
+        elif last is None or program[i - 1] in COMBINE_OF.values() or COMBINE_OF[last] != call:
+            raise ValueError(f"program={tuple(program)!r}: call {i} ({call}) must follow a dispatch whose combine it "
+                             "is (the op refuses a combine first, two in a row, or one of another family)")
+    if fault is not None and not (len(fault) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in fault)
+                                  and 0 <= fault[0] < world_size and 0 <= fault[1] < len(program)):
+        raise ValueError(f"fault={fault!r}: must be None or (rank in [0, {world_size}), call in [0, {len(program)}))")
+
+
 def _trace(seen: dict, state) -> tuple:
     out = []
     while seen[state] is not None:
@@ -232,9 +267,10 @@ def _trace(seen: dict, state) -> tuple:
 
 
 class _Model:
-    """The transition system. A rank's state: (call index, step index in the call, raised faults,
-    dispatch being combined, skipping combines); memory: {(word, owner, writer, copy): value};
-    records: each rank's error records as {(source rank, call)}."""
+    """The transition system. A rank's state: (call index, step index in the call, the faults it
+    raised as (call, count), the dispatch being combined, whether it skips combines, the calls it
+    skipped); memory: {(word, owner, writer, copy): value}; records: each rank's error records as
+    {(source rank, call)}."""
 
     def __init__(self, protocol: Protocol, world_size: int, program: tuple[str, ...], fault):
         self.p, self.W, self.program, self.fault = protocol, world_size, program, fault
@@ -261,9 +297,10 @@ class _Model:
                 continue
             peers = {"each": range(self.W), "self": [None], "peers": range(self.W)}[step.peer]
             for d in peers:
-                out.append((step.kind, step.word, d, step.value, step.exact and self.p.exact, step.peer == "peers"))
+                out.append((step.kind, step.word, d, step.value, step.exact and self.p.exact, step.peer == "peers",
+                            step.carries))
         shared = tuple(sorted({st.word for k in kernels for st in KERNELS[k] if st.kind == "share"}))
-        out.append(("sync", shared, None, None, False, False))
+        out.append(("sync", shared, None, None, False, False, False))
         self.steps[call] = tuple(out)
         return self.steps[call]
 
@@ -310,14 +347,14 @@ class _Model:
                 nxt[rank] = (k + 1, 0, raised, combined, True, skipped + (k,))
                 out.append(((rank, "skip " + call), (tuple(nxt), mem, records)))
                 continue
-            kind, word, d, value, exact, peers_only = self.call_steps(call)[i]
+            kind, word, d, value, exact, peers_only, carries = self.call_steps(call)[i]
             if peers_only and d == rank:
                 nxt = list(ranks)
                 nxt[rank] = (k, i + 1, raised, combined, skipping, skipped)
                 out.append(((rank, "-"), (tuple(nxt), mem, records)))
                 continue
             g = self.gen(k, skipped)
-            result = self._step(rank, k, g, combined, kind, word, d, value, exact, memd, records, raised)
+            result = self._step(rank, k, g, combined, kind, word, d, value, exact, carries, memd, records, raised)
             if result is None:
                 continue  # a wait not yet satisfied
             if isinstance(result, str):
@@ -335,7 +372,7 @@ class _Model:
             out.append(((rank, f"{kind} {word} {d}"), (tuple(nxt), mem2.values, records2)))
         return out
 
-    def _step(self, rank, k, g, combined, kind, word, d, value, exact, memd, records, raised):
+    def _step(self, rank, k, g, combined, kind, word, d, value, exact, carries, memd, records, raised):
         copy = lambda gen: gen % self.p.copies(word)  # noqa: E731
         if kind == "host":
             return memd.set((word, rank, rank, 0), combined if word == "combine_in" else k), records, raised
@@ -346,7 +383,7 @@ class _Model:
             v = memd.get((word, rank, d, copy(g)))
             if v is None or (v != g if exact else v < g):
                 return None
-            if v != g:
+            if v != g and carries:
                 return f"accepted generation {v} of rank {d}'s {word} for generation {g} (its count and rows " \
                        "belong to another call: wrong rows)"
             return memd, records, raised

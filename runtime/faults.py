@@ -74,7 +74,12 @@ def shared_faults(signal_words: np.ndarray, rank: int, world_size: int, seen: di
 
     Args:
         signal_words: [SIGNAL_WORDS] uint32, ``rank``'s signal region, read while its stream is idle.
+
+    Raises:
+        ValueError: ``world_size`` above ``abi.MAX_RANKS`` (the ranges hold that many ranks).
     """
+    if not 1 <= world_size <= abi.MAX_RANKS:
+        raise ValueError(f"world_size={world_size}: the fault ranges hold 1 to {abi.MAX_RANKS} ranks")
     found = []
     width = len(abi.FAULT_RECORD)
     for name in RECORD_COUNTERS:

@@ -12,6 +12,7 @@ rule out. Timings of shared-GPU runs measure the time slicing, not the kernels.
 from __future__ import annotations
 
 import atexit
+import numbers
 import os
 import shutil
 import tempfile
@@ -110,9 +111,14 @@ class RankPool:
 
     def run(self, fn, args: tuple, timeout_s: float | None = None) -> None:
         """``fn(rank, world_size, *args)`` on every process of the pool, until each returned (or
-        ended with exit status 0: a test playing a dead peer; the pool then closes)."""
+        ended with exit status 0: a test playing a dead peer; the pool then closes).
+
+        Raises:
+            ValueError: ``timeout_s`` is neither None nor a positive number (before any rank runs).
+        """
         from multiprocessing.connection import wait
 
+        _check_timeout(timeout_s)
         for conn in self._conns:
             conn.send((fn, args))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -169,6 +175,17 @@ class RankPool:
         shutil.rmtree(self._folder, ignore_errors=True)
 
 
+def _check_timeout(timeout_s) -> None:
+    """``timeout_s`` is None or a positive number.
+
+    Raises:
+        ValueError: naming the value and the rule.
+    """
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real)
+                                  or not timeout_s > 0):
+        raise ValueError(f"timeout_s={timeout_s!r}: must be None or a positive number of seconds")
+
+
 _POOLS: dict[int, RankPool] = {}
 
 
@@ -196,15 +213,17 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float | None = None) -> Non
             killed and TimeoutError raised, so a hung rank fails the caller instead of hanging it.
 
     Raises:
-        ValueError: world_size not an int >= 1.
+        ValueError: world_size not an int >= 1, or timeout_s neither None nor positive.
         RuntimeError: no GPU.
         torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback included); the
             other ranks are terminated.
         torch.multiprocessing.ProcessExitedException: a rank died with a non-zero status or a signal.
         TimeoutError: ranks still running after ``timeout_s``.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
+    world_size = int(world_size)
+    _check_timeout(timeout_s)
     if torch.cuda.device_count() < 1:
         raise RuntimeError(f"world_size={world_size}: needs a GPU (W processes share one when there are fewer "
                            "than W), this machine has none")

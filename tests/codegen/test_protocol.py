@@ -76,3 +76,22 @@ def test_every_word_of_the_model_is_a_signal_of_the_table_or_a_region_and_the_ke
                 assert re.search(rf"\b{signals[step.word].c_name}\b", body), (kernel, step.word)
             if step.kind == "wait":
                 assert step.exact == (signals[step.word].parities == 2), (kernel, step)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(world_size=0), r"world_size=0: must be an int >= 1"),
+    (dict(world_size=True), r"world_size=True: must be an int >= 1"),
+    (dict(program=("combine",)), r"call 0 \(combine\) must follow a dispatch"),
+    (dict(program=("dispatch", "combine_ll")), r"call 1 \(combine_ll\) must follow a dispatch whose combine it is"),
+    (dict(program=("dispatch", "combine", "combine")), r"call 2 \(combine\) must follow"),
+    (dict(program=("dispatch", "frobnicate")), r"program=.*each one of dispatch, dispatch_pull"),
+    (dict(program="dispatch"), r"program='dispatch': must be a sequence of calls"),
+    (dict(fault=(2, 0)), r"fault=\(2, 0\): must be None or \(rank in \[0, 2\), call in \[0, 2\)\)"),
+    (dict(fault=(0, 5)), r"fault=\(0, 5\)"),
+])
+def test_check_refuses_what_the_op_refuses_and_faults_outside_the_program(kwargs, match):
+    args = dict(protocol=protocol.PROTOCOL, world_size=2, program=("dispatch", "combine"), fault=None) | kwargs
+    with pytest.raises(ValueError, match=match):
+        protocol.check(**args)
+    with pytest.raises(TypeError, match="protocol: expected a Protocol, got NoneType"):
+        protocol.check(None, 2, ("dispatch", "combine"))

@@ -88,3 +88,18 @@ def test_a_pool_ends_on_any_failure_and_an_early_exit_0_is_no_failure(mode, erro
 
 def _pool_body(rank, world_size, mode):
     _rank_body(rank, mode)
+
+
+@pytest.mark.parametrize("timeout_s", ["5", 0, -1, True, float("nan")])
+def test_a_bad_timeout_is_refused_before_any_rank_runs(timeout_s, tmp_path):
+    from epgen.ranks import RankPool
+
+    pool = RankPool(2)
+    try:
+        with pytest.raises(ValueError, match=r"timeout_s=.*: must be None or a positive number of seconds"):
+            pool.run(_pid_body, (str(tmp_path),), timeout_s=timeout_s)
+        assert not list(tmp_path.iterdir()), "a rank ran"
+        pool.run(_pid_body, (str(tmp_path),), timeout_s=120)  # the pool is still in step
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["pid0", "pid1"]
+    finally:
+        pool.close()
