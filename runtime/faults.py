@@ -7,7 +7,9 @@ rows that rank needed into every rank's ``overflow_need`` words, all before the 
 rank's stream has passed the call (``EpDispatchCombine.synchronize``), its host copies its signal
 words and finds there the faults of every call since its last synchronize: the records whose
 generation lies after the generation it last saw and at most the kernel's counter now. So every
-rank raises the same faults at the same synchronizing call.
+rank raises the same faults at the same synchronizing call, when each synchronizes every call; with
+more calls between synchronizes a record has one copy per call parity, and a rank's fault two
+calls later can replace it unread (README, "One process per GPU").
 """
 
 from __future__ import annotations
