@@ -37,6 +37,7 @@ peers read (the expert stage's combine_in, the pull dispatch's x in dispatch_in)
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections import deque
 
 import attrs
@@ -150,11 +151,22 @@ class Protocol:
         exact: whether the waits marked exact wait for exactly the generation (else any later one).
         share_faults: whether a rank hands a recoverable fault to its peers ("share" steps, read by
             each peer's host at synchronize).
+
+    Raises:
+        ValueError: ``parities`` lacks a signal the kernels use, or gives one other than 1 or 2 copies.
     """
 
     parities: dict = attrs.field(factory=lambda: {s.name: s.parities for s in abi.SIGNALS})
     exact: bool = True
     share_faults: bool = True
+
+    @parities.validator
+    def _check_parities(self, attribute, value) -> None:
+        """Raises ValueError: a signal the kernels use missing, or a count other than 1 or 2."""
+        used = {st.word for steps in KERNELS.values() for st in steps} - set(REGIONS)
+        if not isinstance(value, dict) or not used <= set(value) or any(
+                value[w] not in (1, 2) or isinstance(value[w], bool) for w in used):
+            raise ValueError(f"parities={value!r}: must map each of {', '.join(sorted(used))} to 1 or 2 copies")
 
     def copies(self, word: str) -> int:
         return REGIONS[word] if word in REGIONS else self.parities[word]
@@ -212,8 +224,8 @@ def check(protocol: Protocol, world_size: int, program: tuple[str, ...], fault: 
             outside the ranks and calls; each naming the argument, its value and the rule.
         RuntimeError: more than ``limit`` states (the model grew past what CI can check).
     """
-    _check_arguments(protocol, world_size, program, fault)
-    m = _Model(protocol, world_size, tuple(program), None if fault is None else tuple(fault))
+    world_size, program, fault = _check_arguments(protocol, world_size, program, fault)
+    m = _Model(protocol, world_size, program, fault)
     start = m.initial()
     seen = {start: None}
     queue = deque([start])
@@ -238,24 +250,32 @@ def check(protocol: Protocol, world_size: int, program: tuple[str, ...], fault: 
     return Result(len(seen), None)
 
 
-def _check_arguments(protocol, world_size, program, fault) -> None:
-    """``check``'s arguments, as its docstring says."""
+def _check_arguments(protocol, world_size, program, fault) -> tuple[int, tuple, tuple | None]:
+    """``check``'s arguments, as its docstring says; returns them as ``_Model`` takes them."""
+    def integer(x):
+        return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
     if not isinstance(protocol, Protocol):
         raise TypeError(f"protocol: expected a Protocol, got {type(protocol).__name__}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if not integer(world_size) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
-    if isinstance(program, str) or not all(isinstance(c, str) and c in CALLS for c in program):
-        raise ValueError(f"program={program!r}: must be a sequence of calls, each one of {', '.join(CALLS)}")
+    if not isinstance(program, (tuple, list)) or not all(isinstance(c, str) and c in CALLS for c in program):
+        raise ValueError(f"program={program!r}: must be a tuple or list of calls, each one of {', '.join(CALLS)}")
+    program = tuple(program)
     last = None
     for i, call in enumerate(program):
         if call in COMBINE_OF:
             last = call
         elif last is None or program[i - 1] in COMBINE_OF.values() or COMBINE_OF[last] != call:
-            raise ValueError(f"program={tuple(program)!r}: call {i} ({call}) must follow a dispatch whose combine it "
+            raise ValueError(f"program={program!r}: call {i} ({call}) must follow a dispatch whose combine it "
                              "is (the op refuses a combine first, two in a row, or one of another family)")
-    if fault is not None and not (len(fault) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in fault)
-                                  and 0 <= fault[0] < world_size and 0 <= fault[1] < len(program)):
-        raise ValueError(f"fault={fault!r}: must be None or (rank in [0, {world_size}), call in [0, {len(program)}))")
+    if fault is not None:
+        if not (isinstance(fault, (tuple, list)) and len(fault) == 2 and all(map(integer, fault))
+                and 0 <= fault[0] < world_size and 0 <= fault[1] < len(program)):
+            raise ValueError(f"fault={fault!r}: must be None or a pair of ints (rank in [0, {world_size}), "
+                             f"call in [0, {len(program)}))")
+        fault = (int(fault[0]), int(fault[1]))
+    return int(world_size), program, fault
 
 
 def _trace(seen: dict, state) -> tuple:

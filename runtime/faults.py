@@ -9,7 +9,8 @@ words and finds there the faults of every call since its last synchronize: the r
 generation lies after the generation it last saw and at most the kernel's counter now. So every
 rank raises the same faults at the same synchronizing call, when each synchronizes every call; with
 more calls between synchronizes a record has one copy per call parity, and a rank's fault two
-calls later can replace it unread (README, "One process per GPU").
+calls later can replace it unread, and after 2^32 calls of one kernel a record that old is read
+again as new (README, "One process per GPU").
 """
 
 from __future__ import annotations

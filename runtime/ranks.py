@@ -114,7 +114,7 @@ class RankPool:
         ended with exit status 0: a test playing a dead peer; the pool then closes).
 
         Raises:
-            ValueError: ``timeout_s`` is neither None nor a positive number (before any rank runs).
+            ValueError: ``timeout_s`` neither None nor in (0, ``MAX_TIMEOUT_S``] (before any rank runs).
         """
         from multiprocessing.connection import wait
 
@@ -175,15 +175,20 @@ class RankPool:
         shutil.rmtree(self._folder, ignore_errors=True)
 
 
+MAX_TIMEOUT_S = 1e6
+"""The longest bound a run takes, in seconds (11.6 days; the process waits refuse 2^31 ms and more)."""
+
+
 def _check_timeout(timeout_s) -> None:
-    """``timeout_s`` is None or a positive number.
+    """``timeout_s`` is None or a real number in (0, ``MAX_TIMEOUT_S``] seconds.
 
     Raises:
         ValueError: naming the value and the rule.
     """
     if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real)
-                                  or not timeout_s > 0):
-        raise ValueError(f"timeout_s={timeout_s!r}: must be None or a positive number of seconds")
+                                  or not 0 < timeout_s <= MAX_TIMEOUT_S):
+        raise ValueError(f"timeout_s={timeout_s!r}: must be None (no bound) or a real number of seconds in "
+                         f"(0, {MAX_TIMEOUT_S:g}]")
 
 
 _POOLS: dict[int, RankPool] = {}
@@ -213,7 +218,7 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float | None = None) -> Non
             killed and TimeoutError raised, so a hung rank fails the caller instead of hanging it.
 
     Raises:
-        ValueError: world_size not an int >= 1, or timeout_s neither None nor positive.
+        ValueError: world_size not an int >= 1, or timeout_s neither None nor in (0, ``MAX_TIMEOUT_S``].
         RuntimeError: no GPU.
         torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback included); the
             other ranks are terminated.
@@ -238,7 +243,12 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float | None = None) -> Non
 def start_and_join(target, args: tuple, nprocs: int, timeout_s: float | None = None) -> None:
     """``torch.multiprocessing.spawn(target, args, nprocs)`` with an optional bound: past
     ``timeout_s`` seconds, kill every process still running and raise TimeoutError naming them.
-    Failures propagate as from ``spawn``; no process outlives the call."""
+    Failures propagate as from ``spawn``; no process outlives the call.
+
+    Raises:
+        ValueError: ``timeout_s`` neither None nor in (0, ``MAX_TIMEOUT_S``] (before any process starts).
+    """
+    _check_timeout(timeout_s)
     ctx = torch.multiprocessing.start_processes(target, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:

@@ -4,6 +4,7 @@ recoverable fault first seen by any rank in any call, every interleaving of the 
 
 import re
 
+import numpy
 import pytest
 
 from epgen.codegen import abi, protocol
@@ -85,9 +86,13 @@ def test_every_word_of_the_model_is_a_signal_of_the_table_or_a_region_and_the_ke
     (dict(program=("dispatch", "combine_ll")), r"call 1 \(combine_ll\) must follow a dispatch whose combine it is"),
     (dict(program=("dispatch", "combine", "combine")), r"call 2 \(combine\) must follow"),
     (dict(program=("dispatch", "frobnicate")), r"program=.*each one of dispatch, dispatch_pull"),
-    (dict(program="dispatch"), r"program='dispatch': must be a sequence of calls"),
-    (dict(fault=(2, 0)), r"fault=\(2, 0\): must be None or \(rank in \[0, 2\), call in \[0, 2\)\)"),
+    (dict(program="dispatch"), r"program='dispatch': must be a tuple or list of calls"),
+    (dict(program=(c for c in ("combine",))), r"program=<generator.*: must be a tuple or list"),
+    (dict(program=None), r"program=None: must be a tuple or list"),
+    (dict(fault=(2, 0)), r"fault=\(2, 0\): must be None or a pair of ints \(rank in \[0, 2\), call in \[0, 2\)\)"),
     (dict(fault=(0, 5)), r"fault=\(0, 5\)"),
+    (dict(fault=0), r"fault=0: must be None or a pair"),
+    (dict(fault={0: "a", 1: "b"}), r"fault=\{0: 'a', 1: 'b'\}: must be None or a pair"),
 ])
 def test_check_refuses_what_the_op_refuses_and_faults_outside_the_program(kwargs, match):
     args = dict(protocol=protocol.PROTOCOL, world_size=2, program=("dispatch", "combine"), fault=None) | kwargs
@@ -95,3 +100,16 @@ def test_check_refuses_what_the_op_refuses_and_faults_outside_the_program(kwargs
         protocol.check(**args)
     with pytest.raises(TypeError, match="protocol: expected a Protocol, got NoneType"):
         protocol.check(None, 2, ("dispatch", "combine"))
+
+
+def test_check_takes_lists_and_numpy_ints_as_tuples_and_ints():
+    as_tuple = protocol.check(protocol.PROTOCOL, 2, ("dispatch", "combine"), (1, 0))
+    assert protocol.check(protocol.PROTOCOL, numpy.int64(2), ["dispatch", "combine"],
+                          [numpy.int64(1), numpy.int32(0)]) == as_tuple
+
+
+@pytest.mark.parametrize("parities", [{}, {**protocol.PROTOCOL.parities, "ready_from": 0},
+                                      {**protocol.PROTOCOL.parities, "ready_from": "2"}])
+def test_a_protocol_names_a_missing_or_bad_copy_count(parities):
+    with pytest.raises(ValueError, match=r"parities=.*: must map each of .*ready_from.* to 1 or 2 copies"):
+        protocol.Protocol(parities=parities)

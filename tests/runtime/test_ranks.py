@@ -90,13 +90,16 @@ def _pool_body(rank, world_size, mode):
     _rank_body(rank, mode)
 
 
-@pytest.mark.parametrize("timeout_s", ["5", 0, -1, True, float("nan")])
+@pytest.mark.parametrize("timeout_s", ["5", 0, -1, True, float("nan"), float("inf"), 2e6])
 def test_a_bad_timeout_is_refused_before_any_rank_runs(timeout_s, tmp_path):
     from epgen.ranks import RankPool
 
+    rule = r"timeout_s=.*: must be None \(no bound\) or a real number of seconds in \(0, 1e\+06\]"
+    with pytest.raises(ValueError, match=rule):
+        start_and_join(_rank_body, ("hang",), 2, timeout_s=timeout_s)
     pool = RankPool(2)
     try:
-        with pytest.raises(ValueError, match=r"timeout_s=.*: must be None or a positive number of seconds"):
+        with pytest.raises(ValueError, match=rule):
             pool.run(_pid_body, (str(tmp_path),), timeout_s=timeout_s)
         assert not list(tmp_path.iterdir()), "a rank ran"
         pool.run(_pid_body, (str(tmp_path),), timeout_s=120)  # the pool is still in step
