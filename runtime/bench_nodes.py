@@ -157,13 +157,13 @@ def run(options: NodesBenchOptions, print_fn=print) -> list[dict]:
             reference included).
         TimeoutError: the processes ran past their bound.
     """
-    from epgen.ranks import start_and_join
+    from epgen.ranks import MAX_TIMEOUT_S, start_and_join
 
     config(options)  # the layer's errors here, before any process starts
     folder = tempfile.mkdtemp(prefix="epgen-bench-nodes-")
     try:
         results = os.path.join(folder, "rows.csv")
-        bound = options.timeout_s * (2 + len(options.tokens) * len(options.routings))
+        bound = min(MAX_TIMEOUT_S, options.timeout_s * (2 + len(options.tokens) * len(options.routings)))
         start_and_join(_worker, (options.nodes, os.path.join(folder, "store"), options, results), options.nodes,
                        timeout_s=bound)
         with open(results) as f:
