@@ -492,7 +492,7 @@ class KernelSpec:
         for a scaled combine wire. More rows in flight per warp hide the peer read latency; a
         scaled wire's per-vector scales would exceed 64 registers in 1024-thread blocks on sm_90,
         and in the normal family, whose quantized combine has 128 (512 threads), two rows measured
-        slower than one on the H200 (546 against 406 us, tools/NOTES.md session 7)."""
+        slower than one on the H200 (546 against 406 us, docs/measurements/quantized-combine.md#fan-in)."""
         return min(self.world_size, self.topk, 1 if self.quant.block else 2)
 
     @property

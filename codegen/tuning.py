@@ -4,7 +4,8 @@ A table entry lists buckets ``(max_tokens, blocks, warps_per_block, unroll)``; `
 smallest bucket whose ``max_tokens`` is not below the token count and clamps above the largest.
 Explicit geometry in ``EpConfig`` overrides the table. A shape with no entry gets
 ``default_geometry``: 24 blocks of 1024 threads, unroll 4, the best geometry at 24 blocks that
-``epgen tune`` measured for deepseek-v3 on 2 x H200 (tools/NOTES.md, 2026-11-29); on AMD it is
+``epgen tune`` measured for deepseek-v3 on 2 x H200 (2026-11-29,
+docs/measurements/normal-family.md#tune); on AMD it is
 a starting point, not a measurement.
 
 Tables live in ``codegen/tuning/<arch>.json``; every entry records where its numbers came from
@@ -73,12 +74,13 @@ def default_geometry(arch: str) -> Geometry:
 LOCAL_GEOMETRY = {"expand": (132, 512, 1), "fold": (256, 512, 1), "combine_quantize": (264, 512, 2)}
 """(blocks, threads, unroll) of the local kernels without a table entry. The combine's quantize
 kernel: 264 x 512 threads, unroll 2, the best compromise of 18 geometries (264-528 blocks, 256-1024
-threads, unroll 2-8) in ``tools/quant_profile.py --sweep`` on the H200 (tools/NOTES.md, session 9
-runs 3 and 5: deepseek-v3, virtual W = 2): at 128 tokens a rank the fastest for fp4_blockwise
+threads, unroll 2-8) in ``tools/quant_profile.py --sweep`` on the H200
+(docs/measurements/quantized-combine.md#quantize-geometry, a349056: deepseek-v3, virtual W = 2): at 128 tokens a rank the fastest for fp4_blockwise
 (3.9 us) and within 3 % of the fastest for fp8_blockwise; at 4096 within 5 % (fp4: 59.5 us against
 56.6 at 528 x 512 u4, which takes 6.8 us at 128) and 2.5 % (fp8: 51.2 against 50.0). The kernel
 has one geometry for every call (``EpConfig.variants``). The expert layout's, from
-``tools/local_sweep.py`` on the H200 (tools/NOTES.md, session 5 runs 4 and 6: deepseek-v3 at 1024
+``tools/local_sweep.py`` on the H200 (docs/measurements/moe-layer.md#local-geometry, 6fdbde6 and
+6295cde: deepseek-v3 at 1024
 tokens a rank, W = 1 and virtual W = 8): the fold at unroll 1 with 16 warps a block (45 / 523 us
 against 62 / 711 us at 256 x 8 warps, unroll 2); expand within 1 % of any geometry at W = 8 and
 fastest at W = 1 with 132 blocks. Expand copies at unroll 1: at unroll 2 gfx950 runs out of its 106
@@ -90,7 +92,8 @@ point, not a measurement."""
 LOW_LATENCY_GEOMETRY = (64, 256, 2)
 """(blocks, threads, unroll) of a low-latency op and its halves without a table entry: 64 x 256 threads,
 the best at 1 and 128 tokens together among eight geometries ``tools/latency.py --sweep`` timed at
-W = 1 and virtual W = 2 on the H200 (tools/NOTES.md, session 6 run 2, at unroll 4), at unroll 2,
+W = 1 and virtual W = 2 on the H200 (docs/measurements/decode-latency.md#ll-geometry, 8a5b1f1, at
+unroll 4), at unroll 2,
 where every catalogue and test shape compiles without a spill on sm_90 (tests/codegen). The
 measured shapes have table entries (``epgen tune``); on AMD a starting point, not a measurement."""
 

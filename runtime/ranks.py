@@ -36,7 +36,7 @@ def _init_group(rank: int, world_size: int, store: str) -> None:
     """This process's device and process group as rank ``rank`` of ``world_size``."""
     import torch.distributed as dist
 
-    # NVLink multicast stays off (shared hosts; see the device notes in tools/NOTES.md).
+    # NVLink multicast stays off (shared hosts; docs/measurements/README.md#environment).
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     device = rank_device(rank, world_size)

@@ -48,15 +48,15 @@ CANDIDATE_BLOCKS = (8, 16, 24, 32, 48, 64, 132)
 LOW_LATENCY_CANDIDATE_BLOCKS = (16, 32, 64, 128)
 LOW_LATENCY_CANDIDATE_THREADS = (256, 512)
 LOW_LATENCY_CANDIDATE_UNROLL = 4
-"""Around the geometry that led ``tools/latency.py --sweep`` on the H200 (64 x 256 u4; tools/NOTES.md,
-session 6 run 2), where 132 blocks helped at 128 tokens."""
+"""Around the geometry that led ``tools/latency.py --sweep`` on the H200 (64 x 256 u4, measured on
+8a5b1f1: docs/measurements/decode-latency.md#ll-geometry), where 132 blocks helped at 128 tokens."""
 
 
 def default_candidates(arch: str, combine_quant: str = "none") -> tuple[Geometry, ...]:
     """CANDIDATE_BLOCKS blocks of 1024 threads (the arch's wave size decides the warps), unroll 4;
     for a quantized wire's combine, of ``QUANTIZED_COMBINE_THREADS`` and unroll 4 or 2 (its
     registers at unroll 4 allow one 512-thread block an SM on sm_90, at unroll 2 two: 132 x 16 u2
-    led the geometry sweep of virtual W = 2 there, tools/NOTES.md session 8)."""
+    led the geometry sweep of virtual W = 2 there, docs/measurements/quantized-combine.md#grid-rounding)."""
     warps = default_geometry(arch).warps_per_block
     if combine_quant == "none":
         return tuple(Geometry(b, warps, DEFAULT_UNROLL) for b in CANDIDATE_BLOCKS)

@@ -1,4 +1,5 @@
-"""Where the quantized combine's time goes, on one GPU with virtual ranks (tools/NOTES.md, session 7).
+"""Where the quantized combine's time goes, on one GPU with virtual ranks
+(docs/measurements/quantized-combine.md#bandwidth).
 
 For each combine wire at deepseek-v3, W = 2 virtual ranks, uniform routing, T tokens a rank: the
 whole combine (quantize kernel + combine kernel, as ``op.combine`` runs them), each kernel alone,

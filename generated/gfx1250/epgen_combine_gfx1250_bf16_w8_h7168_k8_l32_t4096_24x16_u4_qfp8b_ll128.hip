@@ -652,7 +652,7 @@ EP_DEVICE void ep_add_own_row(float (&acc)[kUnroll][8], const ep_u8* src, int c,
 // address in src_row), ascending rank; rank own's row (-1: none) is bf16, encoded where it is
 // added (ep_add_own_row). The first kFanIn rows load before acc is live: with acc held
 // across the loads, the 64 registers of a 1024-thread block leave room for only half of them in
-// flight (tools/NOTES.md).
+// flight (docs/measurements/normal-family.md#early-loads).
 EP_DEVICE void ep_combine_chunk(ep_mask m, ep_u64 src_row, int c, int lane, int own, ep_u8* dst) {
   ep_wire v[kFanIn][kUnroll];
   float scale[kFanIn][kUnroll];

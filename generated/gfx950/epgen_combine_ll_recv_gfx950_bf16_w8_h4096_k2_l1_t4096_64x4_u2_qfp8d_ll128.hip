@@ -607,7 +607,7 @@ EP_DEVICE void ep_add_rows(float (&acc)[kUnroll][8], const ep_wire (&v)[kFanIn][
 // Chunk c of out row dst = the sum over the ranks in m of their rows (lane d holds rank d's row
 // address in src_row), ascending rank. The first kFanIn rows load before acc is live: with acc held
 // across the loads, the 64 registers of a 1024-thread block leave room for only half of them in
-// flight (tools/NOTES.md).
+// flight (docs/measurements/normal-family.md#early-loads).
 EP_DEVICE void ep_combine_chunk(ep_mask m, ep_u64 src_row, int c, int lane, int own, ep_u8* dst) {
   ep_wire v[kFanIn][kUnroll];
   float scale[kFanIn][kUnroll];

@@ -692,7 +692,7 @@ EP_KERNEL(kThreads) epgen_dispatch_gfx950_fp8_w8_h7168_k8_l48_t4096_24x16_u4_ll1
     // on ROCm the end of this kernel does not order plain stores for them. Relaxed is enough: the
     // next call on this stream runs after this kernel, and a peer touches kSigRecvCount only after
     // that call's kSigReadyFrom release (a release here would put a system fence on every call's
-    // critical path: +0.5-0.8 us a combine on the H200, tools/NOTES.md session 4 run 4).
+    // critical path: +0.5-0.8 us a combine on the H200, docs/measurements/decode-latency.md#spin-waits-h200).
     ep_store_relaxed_system(sig + kSigNumRecv, received);
     ep_store_relaxed_system(sig + kSigRecvCount, 0u);
     ep_store_relaxed_system(sig + kSigDispatchArrive, 0u);

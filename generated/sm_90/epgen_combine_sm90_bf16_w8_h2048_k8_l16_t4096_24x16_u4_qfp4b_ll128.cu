@@ -16,7 +16,7 @@ typedef ep_u64 ep_mask;
 #define EP_KERNEL(threads) extern "C" __global__ void __launch_bounds__(threads)
 #define EP_GRID_CONSTANT __grid_constant__
 // Kept out of line: with both phases of the one-kernel low-latency dispatch inlined, NVRTC 13.0
-// spills 8-24 bytes through a stack frame in some shapes (tools/NOTES.md, session 6).
+// spills 8-24 bytes through a stack frame in some shapes (docs/measurements/decode-latency.md#outlined-receive).
 #define EP_DEVICE_OUTLINED __device__ __noinline__
 
 EP_DEVICE int ep_thread_idx() { return (int)threadIdx.x; }
@@ -82,7 +82,7 @@ EP_DEVICE ep_u64 ep_load_acquire_system(const ep_u64* p) {
 EP_DEVICE void ep_fence_acquire_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 // Spin-wait polls (ep_wait_generation): acquire loads and nothing after the loop; relaxed polls
 // with a fence.acq_rel.sys after the loop measured 0.4-1.1 us slower a call on the H200 at 1-128
-// tokens (tools/NOTES.md, session 4 run 4).
+// tokens (docs/measurements/decode-latency.md#spin-waits-h200).
 EP_DEVICE ep_u32 ep_load_poll_system(const ep_u32* p) { return ep_load_acquire_system(p); }
 EP_DEVICE ep_u64 ep_load_poll_system(const ep_u64* p) { return ep_load_acquire_system(p); }
 EP_DEVICE void ep_fence_after_poll() {}
@@ -675,7 +675,7 @@ EP_DEVICE void ep_add_own_row(float (&acc)[kUnroll][8], const ep_u8* src, int c,
 // address in src_row), ascending rank; rank own's row (-1: none) is bf16, encoded where it is
 // added (ep_add_own_row). The first kFanIn rows load before acc is live: with acc held
 // across the loads, the 64 registers of a 1024-thread block leave room for only half of them in
-// flight (tools/NOTES.md).
+// flight (docs/measurements/normal-family.md#early-loads).
 EP_DEVICE void ep_combine_chunk(ep_mask m, ep_u64 src_row, int c, int lane, int own, ep_u8* dst) {
   ep_wire v[kFanIn][kUnroll];
   float scale[kFanIn][kUnroll];

@@ -36,7 +36,8 @@ def test_extra_shapes_compile_clean(arch):
 
 
 def _known_spill(spec) -> bool:
-    """The known spill, open (tools/NOTES.md, session 6): gfx950's low-latency dispatch at top-k 16,
+    """The known spill, open (docs/measurements/import-and-compile.md#known-spills):
+    gfx950's low-latency dispatch at top-k 16,
     whole op and sending half (its 106 SGPRs run out; 48-56 bytes into VGPR lanes, no scratch
     memory). Listed so that a new spill, or this one fixed, fails the test."""
     return spec.topk == 16 and spec.arch == "gfx950" and spec.op.value in ("dispatch_ll", "dispatch_ll_send")

@@ -243,8 +243,8 @@ def test_check_selectors_pick_catalogue_variants(argv, ops, token, count, capsys
 def test_selector_errors_name_the_flag():
     r = run("check", "--num-experts", "64")
     assert r.returncode == 2 and "--num-experts needs --hidden" in r.stderr
-    # gfx950 left out: its low-latency dispatch spills 40-56 bytes at top-k 16 (clang 22; tools/NOTES.md,
-    # session 9), so check exits 1 there
+    # gfx950 left out: its low-latency dispatch spills 40-56 bytes at top-k 16 (clang 22;
+    # docs/measurements/import-and-compile.md#known-spills), so check exits 1 there
     r = run("check", "--topk", "16", "--world-size", "8", "--max-tokens", "8", "--arch", "sm_90", "--arch", "gfx1250")
     assert r.returncode == 0, r.stderr
     r = run("check", "--quant", "fp16")

@@ -869,7 +869,7 @@ def _kernel_e2m1_signs(words: list[int]) -> int:
 def test_the_kernels_fp4_encoder_equals_the_reference():
     """The kernels' fp4 encoder (ep_wire_encode of templates/common/wire/fp4_blockwise.j2): the
     least of its three lines is the reference's magnitude code on every probe (the magnitude is
-    exact on all 2^31 non-negative float32 too: one CPU run, tools/NOTES.md session 9), NaN and
+    exact on all 2^31 non-negative float32 too: one CPU run, docs/measurements/quantized-combine.md#fp4-encoder), NaN and
     infinity saturate to 7; and on random bf16 vectors with their quotients, the sign gather and the
     packing (magnitudes with 2^23's bits cancelled mod 2^32) give the reference's packed codes."""
     q = _grid_probes("fp4")
