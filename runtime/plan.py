@@ -224,3 +224,62 @@ class Plan:
         if not variants:
             raise KeyError(f"this op builds no {op.value} kernels of transport {transport!r}")
         return next((spec for max_tokens, spec in variants if tokens <= max_tokens), variants[-1][1])
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Token ranges ``(first, last)`` up to max_tokens_per_rank within which every call launches the
+        same kernels: split at every variant's bucket, T_ll and each transport bucket."""
+        tmax = self.config.max_tokens_per_rank
+        edges = {t for v in self.variants.values() for t, _ in v} | {t for t, _ in self.transports}
+        edges = sorted({min(t, tmax) for t in edges | {self.low_latency_tokens} if t > 0} | {tmax})
+        return [(lo + 1, hi) for lo, hi in zip([0] + edges, edges)]
+
+    def table(self) -> list[dict]:
+        """One row per kernel each call launches, per token bucket (``buckets``): tokens (first,
+        last), family, call, transport, split, stage ("call" or "finish"), op, spec name, geometry
+        (BLOCKSxWARPSuUNROLL), threads, grid (blocks x grid_ranks), cooperative, and ``when`` (the
+        route's condition: "", "x in dispatch_input", "async_recv or the whole grid does not fit")."""
+        rows = []
+        for lo, hi in self.buckets():
+            family = self.family(hi)
+            for route in self.routes.values():
+                if route.family != family or (route.call is Op.DISPATCH and route.family == "normal"
+                                              and route.transport not in {self.transport(hi, z) for z in (False, True)}):
+                    continue
+                when = ("async_recv or grid too large" if route.split else
+                        "x in dispatch_input" if route.transport == "pull" and self.transport(hi, False) == "push" else "")
+                for stage, steps in (("call", route.send), ("finish", route.recv)):
+                    for s in steps:
+                        spec = self.variant(s.op, hi, s.transport)
+                        rows.append(dict(tokens=(lo, hi), family=family, call=route.call.value,
+                                         transport=route.transport, split=route.split, stage=stage, op=s.op.value,
+                                         spec=spec.name, geometry=f"{spec.blocks}x{spec.warps_per_block}u{spec.unroll}",
+                                         threads=spec.threads, grid=spec.blocks * self.grid_ranks,
+                                         cooperative=s.op.waits_within_grid(self.grid_ranks), when=when))
+        return rows
+
+
+def describe(plan: Plan, model: str | None = None) -> str:
+    """``plan`` as text: a heading (shape, world size, family and transport settings), then per
+    token bucket the kernels each call launches, in order: call, route (transport, or the
+    low-latency op whole or split, with when it applies), stage ("finish": at the end of the call,
+    or in ``RecvHandle.wait`` with async_recv), kernel, geometry, grid blocks x threads and the
+    spec's entry name."""
+    cfg = plan.config
+    ranks = "virtual ranks, one grid" if plan.grid_ranks > 1 else "one process a GPU" if cfg.world_size > 1 else "one rank"
+    family = cfg.kernel_family + (f" (low-latency up to {plan.low_latency_tokens} tokens)"
+                                  if cfg.kernel_family == "auto" else "")
+    lines = [f"{model or f'H={cfg.hidden} K={cfg.topk} E={cfg.num_experts}'} on {plan.arch}: W={cfg.world_size} "
+             f"({ranks}), Tmax={cfg.max_tokens_per_rank}, {cfg.dtype}, combine wire {cfg.combine_quant}, layout "
+             f"{cfg.layout}, family {family}, dispatch transport {cfg.dispatch_transport}"]
+    header = ("tokens", "call", "route", "stage", "kernel", "geometry", "grid", "spec")
+    table, last = [header], None
+    for r in plan.table():
+        route = r["transport"] if r["family"] == "normal" else "split" if r["split"] else "whole"
+        route = f"{r['family']}/{route}" + (f" ({r['when']})" if r["when"] else "")
+        bucket = f"{r['tokens'][0]}-{r['tokens'][1]}"
+        table.append((bucket if bucket != last else "", r["call"], route, r["stage"], r["op"], r["geometry"],
+                      f"{r['grid']}x{r['threads']}" + (" coop" if r["cooperative"] else ""), r["spec"]))
+        last = bucket
+    widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in table]
+    return "\n".join(line.rstrip() for line in lines)

@@ -1,4 +1,4 @@
-"""Kernel plans (``epgen.plan``): the routes a config builds, and the launches of
+"""Kernel plans (``epgen.plan``): the routes a config builds, ``epgen plan``, and the launches of
 ``EpDispatchCombine`` on the CPU against the record taken before the op ran its plan.
 
 ``launch_records.json`` holds, per configuration of ``CASES``, the kernels the op's call
@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import attrs
 import pytest
 
+from epgen.cli import main
 from epgen.codegen.config import EpConfig, Geometry
 from epgen.codegen.spec import Op
-from epgen.plan import Plan
+from epgen.plan import Plan, describe
 
 sys.path.insert(0, str(Path(__file__).parent))
 import launch_record  # noqa: E402
@@ -101,6 +103,52 @@ def test_a_config_drops_the_routes_whose_kernels_it_does_not_build():
     assert [key[1] for key in one.routes] == ["low_latency"] * 4
     with pytest.raises(KeyError):
         one.route(Op.DISPATCH, "normal")
+
+
+def test_the_buckets_split_where_any_kernel_family_or_transport_changes(table_dir):
+    from epgen.codegen import tuning
+
+    cfg = attrs.evolve(SMALL, max_tokens_per_rank=1000, kernel_family="auto")
+    tuning.write_entry(cfg.tuning_key("sm_90", Op.DISPATCH), [(64, Geometry(4, 4, 2)), (512, Geometry(8, 4, 2))],
+                       "test", {}, transports={64: "push", 512: "pull"})
+    plan = Plan.build(cfg, "sm_90", grid_ranks=2)
+    assert plan.buckets() == [(1, 64), (65, 128), (129, 512), (513, 1000)]
+    rows = plan.table()
+    assert {(r["tokens"], r["op"], r["transport"], r["when"]) for r in rows if r["call"] == "dispatch"
+            and r["family"] == "normal"} == {  # above the largest bucket: the largest's rule
+        (t, op, tr, when) for t in ((129, 512), (513, 1000)) for op, tr, when in (
+            ("dispatch", "push", ""), ("dispatch", "pull", "x in dispatch_input"),
+            ("dispatch_pull", "pull", "x in dispatch_input"))}
+    assert Plan.build(cfg, "sm_90", grid_ranks=1).transports == ((1 << 30, "push"),)  # one rank a process
+
+
+def test_epgen_plan_prints_each_bucket_kernels(capsys):
+    assert main(["plan", "--arch", "sm_90", "--world-size", "8", "--max-tokens", "4096"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("deepseek-v3 on sm_90: W=8 (one process a GPU), Tmax=4096, bf16")
+    assert [line.split()[:1] for line in lines[2:] if line[:1] != " "] == [["1-128"], ["129-4096"]]
+    assert "dispatch_ll_send" in out and "epgen_combine_sm90_bf16_w8_h7168_k8_l32_t4096" in out
+    cfg = EpConfig.for_model("deepseek-v3", world_size=8, max_tokens_per_rank=4096)
+    assert out == describe(Plan.build(cfg, "sm_90"), "deepseek-v3") + "\n"
+
+
+def test_epgen_plan_loads_neither_torch_nor_cupy():
+    code = ("import sys, contextlib, io\nfrom epgen.cli import main\nwith contextlib.redirect_stdout(io.StringIO()):\n"
+            "    main(['plan', '--model', 'mixtral-8x7b', '--layout', 'expert'])\n"
+            "print(sorted(m for m in ('torch', 'cupy') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_epgen_plan_json_and_flag_errors(capsys):
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--quant", "fp8_blockwise", "--layout", "expert", "--arch",
+                 "gfx950", "--virtual", "--json"]) == 0
+    (doc,) = json.loads(capsys.readouterr().out)
+    assert doc["arch"] == "gfx950" and {r["op"] for r in doc["launches"]} >= {"fold", "expand", "expand_plan"}
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "deepseek-v3", "--kernel-family", "low_latency", "--transport", "pull"])
+    assert "--transport" in capsys.readouterr().err
 
 
 if __name__ == "__main__":  # rewrite RECORDS from the op as it is now (see the module docstring)
