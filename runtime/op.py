@@ -271,6 +271,10 @@ class EpDispatchCombine:
           launch runs all of them; inputs and outputs are lists with one entry per rank.
         * W = 1: a single rank, no process group needed.
 
+    The kernels each call launches are the op's ``plan`` (``epgen.plan.Plan``: built from the
+    config, the arch and the tuning tables, its geometries as this GPU runs them; ``epgen plan``
+    prints one without a GPU).
+
     Args:
         config: the layer (validated).
         group: process group of the W ranks (default: the world group).
