@@ -1,8 +1,8 @@
-"""The ``epgen`` command line: generate, check, report, diff, build, demo, bench, tune, stress.
+"""The ``epgen`` command line: generate, check, report, diff, build, plan, demo, bench, tune, stress.
 
 Each verb parses, builds its config through ``epgen.flags``, calls one library function and
 prints. Errors go to stderr, prefixed ``epgen VERB:``. ``epgen --help`` and the CPU verbs
-(generate, check, report, diff, build without --time-import) load neither torch nor CuPy.
+(generate, check, report, diff, build without --time-import, plan) load neither torch nor CuPy.
 """
 
 from __future__ import annotations
@@ -279,6 +279,23 @@ def cmd_build(args, parser, console) -> int:
     return 0 if ok else 1
 
 
+def cmd_plan(args, parser, console) -> int:
+    """``epgen plan``: print the kernels each call of an op of the config launches (CPU only)."""
+    from epgen.plan import Plan, describe
+
+    args.model = args.model or (DEFAULT_MODEL if args.hidden is None else None)
+    cfg = flags.config_from(args, parser, dispatch_transport=args.transport)
+    try:
+        plans = [Plan.build(cfg, arch, cfg.world_size if args.virtual else 1) for arch in flags.arches(args)]
+    except ValueError as e:
+        parser.error(flags.flag_error(e, args))
+    if args.json:
+        print(json.dumps([{"arch": p.arch, "launches": p.table()} for p in plans]))
+    elif not args.quiet:
+        print("\n\n".join(describe(p, args.model) for p in plans))
+    return 0
+
+
 def cmd_demo(args, parser, console) -> int:
     from epgen.codegen.arch import ARCHES
     from epgen.codegen.config import EpConfig
@@ -494,6 +511,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "import from the cache against a cold runtime compile, in fresh processes")
     bd.add_argument("--runs", type=flags.positive, default=None, help="processes per mode for --time-import "
                     "(default 5)")
+
+    pl = verb("plan", "print which kernels dispatch and combine launch per token bucket (kernel family, transport, "
+              "async_recv split, expert layout), with each kernel's geometry and spec; no GPU needed", cmd_plan)
+    flags.add_plan_args(pl)
 
     d = verb("demo", "render and compile-check one model for every arch (printing the compiler releases); with a "
              "GPU, run, verify and time dispatch/combine over virtual ranks; with --moe, the whole MoE layer",

@@ -35,7 +35,8 @@ FLAGS = {"hidden": "--hidden", "topk": "--topk", "num_experts": "--num-experts",
          "dispatch_geometry": "--dispatch-geometry", "combine_geometry": "--combine-geometry",
          "combine_quant": "--quant", "layout": "--layout", "expert_alignment": "--expert-alignment",
          "max_recv_tokens": "--max-recv-tokens", "recv_tokens": "--max-recv-tokens",
-         "kernel_family": "--kernel-family", "low_latency_geometry": "--low-latency-geometry"}
+         "kernel_family": "--kernel-family", "low_latency_geometry": "--low-latency-geometry",
+         "dispatch_transport": "--transport"}
 """The flag of each EpConfig / KernelSpec field the shape flags set directly."""
 
 _GEOMETRY_FIELDS = ("blocks", "warps_per_block", "unroll")
@@ -139,6 +140,16 @@ def add_geometry_args(p: argparse.ArgumentParser) -> None:
     for op in TRANSPORT_OPS:
         p.add_argument(f"--{op.value}-geometry", type=geometry, default=None, help="BLOCKSxWARPS[uUNROLL] of the "
                        f"normal family's {op.value} kernel (default: the tuning table per token bucket)")
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    """``epgen plan``: the shape and geometry flags, --transport and --virtual."""
+    add_shape_args(p, model_help="; default deepseek-v3 without --hidden")
+    add_geometry_args(p)
+    p.add_argument("--transport", choices=list(DISPATCH_TRANSPORTS), help="the normal family's dispatch "
+                   f"(EpConfig.dispatch_transport; default {CONFIG_DEFAULTS['dispatch_transport']})")
+    p.add_argument("--virtual", action="store_true", help="every rank in one process, one grid (default: one "
+                   "process a GPU)")
 
 
 def add_jobs_arg(p: argparse.ArgumentParser) -> None:
@@ -329,9 +340,10 @@ def _layer_kw(args) -> dict:
                 max_recv_tokens=getattr(args, "max_recv_tokens", None))
 
 
-def config_from(args, parser) -> EpConfig | None:
+def config_from(args, parser, **fields) -> EpConfig | None:
     """The EpConfig the shape flags (and, where the verb has them, the geometry flags) describe,
-    or None when they name no shape. Errors name the flag."""
+    with ``fields`` (EpConfig's, None: its default) on top, or None when they name no shape.
+    Errors name the flag."""
     _resolve_sizes(args, parser)
     shape = [f for f, v in (("--hidden", args.hidden), ("--topk", args.topk), ("--num-experts", args.num_experts))
              if v is not None]
@@ -347,7 +359,8 @@ def config_from(args, parser) -> EpConfig | None:
     kw = dict(_layer_kw(args), dispatch_geometry=getattr(args, "dispatch_geometry", None),
               combine_geometry=getattr(args, "combine_geometry", None),
               kernel_family=args.kernel_family or CONFIG_DEFAULTS["kernel_family"],
-              low_latency_geometry=args.low_latency_geometry)
+              low_latency_geometry=args.low_latency_geometry,
+              **{f: CONFIG_DEFAULTS[f] if v is None else v for f, v in fields.items()})
     missing = [f"--{n}" for n, v in (("topk", args.topk), ("num-experts", args.num_experts)) if v is None]
     if args.hidden is not None and missing:
         parser.error(f"--hidden needs {' and '.join(missing)}")

@@ -21,8 +21,9 @@ from epgen.codegen.arch import ARCH_TRAITS
 from epgen.codegen.dtypes import dtype_info
 from epgen.codegen.occupancy import resident_blocks
 from epgen.codegen.render import render
-from epgen.codegen.spec import KernelSpec, Op
+from epgen.codegen.spec import EXPERT_OPS, KernelSpec, Op
 from epgen.codegen.config import EpConfig
+from epgen.plan import Plan
 from epgen.platform import Platform
 
 
@@ -270,6 +271,10 @@ class EpDispatchCombine:
           launch runs all of them; inputs and outputs are lists with one entry per rank.
         * W = 1: a single rank, no process group needed.
 
+    The kernels each call launches are the op's ``plan`` (``epgen.plan.Plan``: built from the
+    config, the arch and the tuning tables, its geometries as this GPU runs them; ``epgen plan``
+    prints one without a GPU).
+
     Args:
         config: the layer (validated).
         group: process group of the W ranks (default: the world group).
@@ -325,20 +330,20 @@ class EpDispatchCombine:
         self.platform = Platform.current()  # every vendor-specific host call goes through it
         self.arch = self.platform.arch(self.device.index)  # ValueError for an arch epgen has no kernels for
         # Every variant the op can pick is compiled here: dispatch() and combine() never compile.
-        self._variants = {op: self._build_variants(op) for op in config.ops}
-        # The pull dispatch's first kernel: op DISPATCH of transport "pull" (empty where the op
-        # builds no pull kernels: EpConfig.transports).
-        self._pull_dispatch = self._build_variants(Op.DISPATCH, "pull") if "pull" in config.transports(
-            self.arch, Op.DISPATCH) else []
-        self.dispatch_spec = self._variants[next(op for op in config.ops if op.payload)][-1][1]
-        self.low_latency_tokens = self.dispatch_spec.ll_tokens  # T_ll: 0 without the low-latency family
+        self._kernels = {}  # spec -> loaded kernel
+        plan = Plan.build(config, self.arch, len(self.local_ranks))
+        self.plan = attrs.evolve(plan, variants={key: self._load_variants(key[0], variants)
+                                                 for key, variants in plan.variants.items()})
+        self.dispatch_spec = self.plan.dispatch_spec
+        self.low_latency_tokens = self.plan.low_latency_tokens  # T_ll: 0 without the low-latency family
         # A whole low-latency op in one kernel needs every block of its grid resident at once (a
         # block's receiving phase waits for every block's sending phase): it is launched
         # cooperatively, and where the GPU cannot hold its grid at all, each call launches the two
         # halves instead.
-        self._fused = {op: self.low_latency_tokens > 0 and all(
-            self._resident_blocks(fn, spec) // len(self.local_ranks) >= spec.blocks for _, spec, fn in self._variants[whole])
-            for op, whole in ((Op.DISPATCH, Op.DISPATCH_LL), (Op.COMBINE, Op.COMBINE_LL))}
+        ranks = len(self.local_ranks)
+        self._fused = {call: self.low_latency_tokens > 0 and all(
+            self._resident_blocks(self._kernels[spec], spec) // ranks >= spec.blocks
+            for spec in self.plan.whole_grid_specs(call)) for call in (Op.DISPATCH, Op.COMBINE)}
         self.layout = self.dispatch_spec.layout
         self.expert_layout = config.layout == "expert"
         free, _ = torch.cuda.mem_get_info(self.device)
@@ -502,10 +507,7 @@ class EpDispatchCombine:
         """The kernel family a call with ``tokens`` (the largest token count of the ranks this
         process drives) takes: "low_latency" or "normal" (``EpConfig.kernel_family``; "auto"
         takes the low-latency family up to ``low_latency_tokens``)."""
-        kind = self.config.kernel_family
-        if kind == "auto":
-            return "low_latency" if self.low_latency_tokens and tokens <= self.low_latency_tokens else "normal"
-        return kind
+        return self.plan.family(tokens)
 
     def transport(self, tokens: int, x) -> str:
         """The transport a dispatch of ``tokens`` (the largest token count of the ranks this
@@ -515,21 +517,13 @@ class EpDispatchCombine:
         "auto" pulls where the tuning bucket of ``tokens`` says "pull" and x starts at
         ``dispatch_input()`` (on every rank in virtual mode), else pushes; with one rank a process
         (W > 1) "auto" always pushes: no process sees its peers' x or token counts, and every rank
-        must take the same transport."""
+        must take the same transport (``Plan.transport``)."""
         return self._transport(tokens, self._per_rank(x, "x"))
 
     def _transport(self, tokens: int, xs: list) -> str:
-        if self.family(tokens) == "low_latency" or self.config.transport(self.arch, tokens) == "push":
-            return "push"
-        if self.config.dispatch_transport == "pull":
-            return "pull"
-        if not self.virtual and self.config.world_size > 1:
-            # one rank a process: this process sees only its own x and token count, and a rank
-            # that pulls while a peer pushes corrupts rows, so "auto" pushes (set "pull" on every rank)
-            return "push"
         zero_copy = all(isinstance(t, torch.Tensor) and t.data_ptr() == self.dispatch_input(r).data_ptr()
                         for r, t in zip(self.local_ranks, xs))
-        return "pull" if zero_copy else "push"
+        return self.plan.transport(tokens, zero_copy)
 
     def _check_dispatch_input_use(self, rank: int, x: torch.Tensor, tag: str):
         """An x that overlaps ``rank``'s dispatch_input must start at its first row.
@@ -582,37 +576,29 @@ class EpDispatchCombine:
         xs, ws, ids, ss = self._per_rank(x, "x"), self._per_rank(weights, "weights"), \
             self._per_rank(indices, "indices"), self._per_rank(scales, "scales", optional=True)
         cfg = self.config
-        io, tokens = [], []
+        tokens = []
         for i, rank in enumerate(self.local_ranks):
             tag = f"[rank {rank}]" if self.virtual else ""
-            T = check_dispatch_inputs(cfg, self.device, xs[i], ws[i], ids[i], ss[i], tag)
+            tokens.append(check_dispatch_inputs(cfg, self.device, xs[i], ws[i], ids[i], ss[i], tag))
             self._check_dispatch_input_use(rank, xs[i], tag)
-            io.append(_rank_io(x=xs[i].data_ptr(), weights=ws[i].data_ptr(), indices=ids[i].data_ptr(),
-                               scales=ss[i].data_ptr() if cfg.scale_bytes else 0, num_tokens=T))
-            tokens.append(T)
         family = self._family_for_call(max(tokens), async_recv, "dispatch")
-        send = self._first_kernel(Op.DISPATCH, family, async_recv)
-        transport = self._transport(max(tokens), xs) if send is Op.DISPATCH else "push"
-        a = self._args[send]
-        for i, record in enumerate(io):
-            a["io"][i] = record
-        if transport == "pull":  # the rows must be in dispatch_input, where the peers read them
-            for i, rank in enumerate(self.local_ranks):
-                region = self.dispatch_input(rank)
-                if xs[i].data_ptr() != region.data_ptr() and tokens[i]:
-                    region[: tokens[i]].copy_(xs[i])
-                a["io"]["x"][i] = region.data_ptr()
-        self._launch(send, max(tokens), a, transport)
-        if transport == "pull":
-            self._launch(Op.DISPATCH_PULL, max(tokens), self._args[Op.DISPATCH_PULL])
+        route = self.plan.route(Op.DISPATCH, family, self._transport(max(tokens), xs),
+                                async_recv or not self._fused[Op.DISPATCH])
+        io = []
+        for i, rank in enumerate(self.local_ranks):
+            x = xs[i]
+            if route.x_in_dispatch_input:  # the rows must be in dispatch_input, where the peers read them
+                x = self.dispatch_input(rank)
+                if xs[i].data_ptr() != x.data_ptr() and tokens[i]:
+                    x[: tokens[i]].copy_(xs[i])
+            io.append(dict(x=x.data_ptr(), weights=ws[i].data_ptr(), indices=ids[i].data_ptr(),
+                           scales=ss[i].data_ptr() if cfg.scale_bytes else 0, num_tokens=tokens[i]))
+        self._run(route.send, max(tokens), {"call": io})
         self._pending_tokens = tokens
         self._pending_family = family
 
         def finish():
-            if send is Op.DISPATCH_LL_SEND:
-                self._launch(Op.DISPATCH_LL_RECV, 0, self._args[Op.DISPATCH_LL_RECV])
-            if self.expert_layout:
-                self.expand()
+            self._run(route.recv, max(tokens), {"call": io})
             outs = [self.expert_buffers(r) if self.expert_layout else self.recv_buffers(r) for r in self.local_ranks]
             return outs if self.virtual else outs[0]
 
@@ -633,16 +619,6 @@ class EpDispatchCombine:
             raise ValueError(f"{name}(async_recv=True) with {tokens} tokens: the split needs the low-latency "
                              f"family, and {why}")
         return "low_latency"
-
-    def _first_kernel(self, op: Op, family: str, async_recv: bool) -> Op:
-        """The kernel a call of ``op`` (DISPATCH or COMBINE) launches first: the normal family's,
-        else the whole low-latency op, or only its sending half with ``async_recv`` or when the
-        whole op's grid does not fit the GPU at once."""
-        if family == "normal":
-            return op
-        if async_recv or not self._fused[op]:
-            return {Op.DISPATCH: Op.DISPATCH_LL_SEND, Op.COMBINE: Op.COMBINE_LL_SEND}[op]
-        return {Op.DISPATCH: Op.DISPATCH_LL, Op.COMBINE: Op.COMBINE_LL}[op]
 
     def _finish_or_handle(self, finish, async_recv: bool):
         if not async_recv:
@@ -665,8 +641,7 @@ class EpDispatchCombine:
             EpError: an earlier call timed out in a kernel (recoverable faults are raised by synchronize).
         """
         self._expert_stage("expand", "it expands that dispatch's rows")
-        for op in (Op.EXPAND_PLAN, Op.EXPAND):
-            self._launch(op, 0, self._args[op])
+        self._run([s for s in self.plan.route(Op.DISPATCH, self._pending_family).recv if s.op in EXPERT_OPS], 0, {})
 
     def fold(self, y):
         """Expert layout: sum each received token's weighted expert outputs into the row combine
@@ -685,7 +660,8 @@ class EpDispatchCombine:
         for i, rank in enumerate(self.local_ranks):
             check_combine_inputs(self.config, self.device, ys[i], None, self._pending_tokens[i],
                                  self.layout.expert_rows, f"[rank {rank}]" if self.virtual else "")
-        self._fold(ys)
+        route = self.plan.route(Op.COMBINE, self._pending_family)
+        self._run([s for s in route.send if s.op is Op.FOLD], 0, {"fold": self._fold_io(ys)})
 
     def _expert_stage(self, name: str, why: str):
         """Before ``expand`` or ``fold`` alone: no fault pending, the expert layout, a dispatch to work on."""
@@ -696,14 +672,10 @@ class EpDispatchCombine:
         if self._pending_tokens is None:
             raise RuntimeError(f"{name}: needs a dispatch first ({why})")
 
-    def _fold(self, ys):
-        # Before the normal family's quantized combine the fold writes the rows for other ranks as
-        # wire rows (the low-latency combine encodes them itself as it sends them).
-        quantize = int(self.dispatch_spec.quant.quantized and self._pending_family == "normal")
-        a = self._args[Op.FOLD]
-        for i, y in enumerate(ys):
-            a["io"][i] = _rank_io(y=y.data_ptr(), y_rows=y.shape[0], quantize=quantize)
-        self._launch(Op.FOLD, 0, a)
+    @staticmethod
+    def _fold_io(ys) -> list[dict]:
+        """The fold's io records: each rank's expert outputs y."""
+        return [dict(y=y.data_ptr(), y_rows=y.shape[0]) for y in ys]
 
     def combine(self, y, out=None, async_recv: bool = False):
         """Sum, for each token of the last dispatch, the expert outputs of the ranks it reached.
@@ -759,57 +731,35 @@ class EpDispatchCombine:
         cfg = self.config
         wire_input = self._wire_inputs(y)
         ys, given = self._per_rank(y, "y"), self._per_rank(out, "out", optional=True)
-        # The normal family's quantized combine in the rank layout reads y in place: the quantize
-        # kernel encodes the rows for other ranks into the wire rows, the combine a rank's own.
-        quantized = self.dispatch_spec.quant.quantized and not low_latency and not self.expert_layout
+        route = self.plan.route(Op.COMBINE, self._pending_family, "push", async_recv or not self._fused[Op.COMBINE])
         capacity = self.layout.expert_rows if self.expert_layout else self.layout.capacity_rows
         for i, rank in enumerate(self.local_ranks):  # every rank's inputs before any copy or launch
             tag = f"[rank {rank}]" if self.virtual else ""
-            if wire_input:
-                check_combine_inputs(cfg, self.device, None, given[i], self._pending_tokens[i], capacity, tag)
-            else:
-                check_combine_inputs(cfg, self.device, ys[i], given[i], self._pending_tokens[i], capacity, tag,
-                                     in_place=low_latency or quantized)
-        if self.expert_layout:
-            self._fold(ys)  # fills combine_in (and the wire rows) with every received row: combine reads no y
-        send = self._first_kernel(Op.COMBINE, self._pending_family, async_recv)
-        a = self._args[send]
-        outs = []
+            check_combine_inputs(cfg, self.device, None if wire_input else ys[i], given[i], self._pending_tokens[i],
+                                 capacity, tag, in_place=not wire_input and route.y == "in_place")
+        outs, io = [], []
         for i, rank in enumerate(self.local_ranks):
-            T = self._pending_tokens[i]
-            # y: the rows this rank's kernels read as bf16 (the low-latency family and the quantized
-            # wire: in place; the expert layout: the folded rows; the bf16 wire: combine_in, where
-            # peers reach them, filled from y unless y is combine_input() itself); 0 with wire rows.
-            # y_rows: the caller's rows, which the kernels check against the rows the dispatch
-            # produced (num_recv, or expert_offsets[L] in the expert layout)
-            if wire_input:
-                source, rows = None, self.layout.capacity_rows
-            elif self.expert_layout:
-                source, rows = self._combine_in(rank), ys[i].shape[0]
-            elif low_latency or quantized:
-                source, rows = ys[i], ys[i].shape[0]
-            else:
-                source, rows = self._combine_in(rank), ys[i].shape[0]
-                if ys[i].data_ptr() != source.data_ptr():
+            # y: the rows this rank's kernels read as bf16 (Route.y: y itself, the fold's rows, or
+            # combine_in, where peers reach them, filled from y unless y is combine_input()
+            # itself); 0 with wire rows. y_rows: the caller's rows, which the kernels check against
+            # the rows the dispatch produced (num_recv, or expert_offsets[L] in the expert layout)
+            source, rows = None, self.layout.capacity_rows
+            if not wire_input:
+                source, rows = ys[i] if route.y == "in_place" else self._combine_in(rank), ys[i].shape[0]
+                if route.y == "copy" and ys[i].data_ptr() != source.data_ptr():
                     source[:rows].copy_(ys[i])
+            T = self._pending_tokens[i]
             o = given[i] if given[i] is not None else torch.empty((T, cfg.hidden), dtype=torch.bfloat16,
                                                                   device=self.device)
-            a["io"][i] = _rank_io(out=o.data_ptr(), num_tokens=T, y_rows=rows,
-                                  y=source.data_ptr() if source is not None else 0)
+            io.append(dict(out=o.data_ptr(), num_tokens=T, y_rows=rows, y=source.data_ptr() if source is not None else 0))
             outs.append(o)
-        if quantized and not wire_input and cfg.quantize_kernel:
-            q = self._args[Op.COMBINE_QUANTIZE]
-            q["io"] = a["io"]
-            self._launch(Op.COMBINE_QUANTIZE, 0, q)
-        self._launch(send, max(self._pending_tokens), a)
+        records = {"call": io, "fold": [] if wire_input else self._fold_io(ys)}
+        tokens = max(self._pending_tokens)
+        self._run([s for s in route.send if not (wire_input and s.encodes)], tokens, records)
         self._pending_tokens = None
-        recv = self._args[Op.COMBINE_LL_RECV] if send is Op.COMBINE_LL_SEND else None
-        if recv is not None:
-            recv["io"] = a["io"]
 
         def finish():
-            if recv is not None:
-                self._launch(Op.COMBINE_LL_RECV, 0, recv)
+            self._run(route.recv, tokens, records)
             return outs if self.virtual else outs[0]
 
         return self._finish_or_handle(finish, async_recv)
@@ -936,22 +886,19 @@ class EpDispatchCombine:
 
         Raises:
             KeyError: the op builds no kernels of ``op`` (or no pull kernels)."""
-        return self._pick(op, tokens, transport)[0]
+        return self.plan.variant(op, tokens, transport)
 
     def _pick(self, op: Op, tokens: int, transport: str = "push"):
-        variants = self._pull_dispatch if transport == "pull" else self._variants[op]
-        if not variants:
-            raise KeyError(f"this op builds no {op.value} kernels of transport {transport!r}")
-        for max_tokens, spec, fn in variants:
-            if tokens <= max_tokens:
-                return spec, fn
-        return variants[-1][1:]
+        spec = self.plan.variant(op, tokens, transport)
+        return spec, self._kernels[spec]
 
-    def _build_variants(self, op: Op, transport: str = "push") -> list[tuple[int, KernelSpec, object]]:
+    def _load_variants(self, op: Op, variants) -> tuple[tuple[int, KernelSpec], ...]:
+        """Load (or compile) each ``(max_tokens, spec)`` of ``op`` into ``self._kernels``; returns
+        them, a table geometry clamped where virtual ranks need it (below)."""
         cfg = self.config
         explicit = cfg.dispatch_geometry if op.transport is Op.DISPATCH else cfg.combine_geometry
-        variants = []
-        for max_tokens, spec in cfg.variants(self.arch, op, transport):
+        out = []
+        for max_tokens, spec in variants:
             fn = self._compile(spec)
             # With virtual ranks every block of every rank this grid runs must be resident at once
             # (a cooperative launch: Op.waits_within_grid): one rank's blocks wait for another's.
@@ -966,25 +913,35 @@ class EpDispatchCombine:
                             f"{self._resident_blocks(fn, spec)}; lower EpConfig.{op.transport.value}_geometry blocks to "
                             f"{max(fits, 1)} or fewer warps")
                     spec = spec.replace(blocks=fits)  # table geometry, clamped so every rank fits
-                    fn = self._compile(spec)
-            variants.append((max_tokens, spec, fn))
-        return variants
+                    self._compile(spec)
+            out.append((max_tokens, spec))
+        return tuple(out)
 
     def _compile(self, spec: KernelSpec):
         src = render(spec)
-        return self.platform.load_kernel(src.text, src.entry, self.device.index)
+        fn = self._kernels[spec] = self.platform.load_kernel(src.text, src.entry, self.device.index)
+        return fn
 
-    def _launch(self, op: Op, tokens: int, args: np.ndarray, transport: str = "push"):
+    def _run(self, steps, tokens: int, records: dict[str, list[dict]]):
+        """Launch ``steps`` (of a ``Route``) for a call of ``tokens``, each with its launch
+        argument's io records from ``records[step.io]`` (fields by name, one dict per local rank;
+        a kind not there leaves them as they are)."""
+        for step in steps:
+            if step.raises_first:
+                self._raise_if_faulted()
+            a = self._args[step.op]
+            for i, fields in enumerate(records.get(step.io, ())):
+                a["io"][i] = _rank_io(quantize=int(step.quantize), **fields)
+            self._launch(step.op, tokens, a, step.transport, step.sync)
+
+    def _launch(self, op: Op, tokens: int, args: np.ndarray, transport: str = "push", sync: bool = True):
         """Launch the variant of ``op`` (of ``transport``) for ``tokens`` (local ops have one) over
-        the local ranks."""
+        the local ranks; with ``validate``, synchronize after it when ``sync`` (``Step.sync``)."""
         spec, fn = self._pick(op, tokens, transport)
         ranks = len(self.local_ranks)
         self.platform.launch(fn, (spec.blocks, ranks, 1), (spec.threads, 1, 1), args.ctypes.data, self.device,
                              cooperative=op.waits_within_grid(ranks))
-        # A sending half is always followed by its receiving half (the halves' call counts must
-        # stay in step), and the pull dispatch's first kernel by DISPATCH_PULL (peers wait for its
-        # "pulled" flags): validate after the second, so a fault raised here never skips it.
-        if self.validate and op not in (Op.DISPATCH_LL_SEND, Op.COMBINE_LL_SEND) and transport == "push":
+        if self.validate and sync:
             self.synchronize()
 
     def _resident_blocks(self, fn, spec: KernelSpec) -> int:

@@ -131,7 +131,7 @@ def profile(mode: str, tokens: int, sweep: bool) -> list[dict]:
                      "us": round(us, 2), "bytes": nbytes, "tb_s": round(nbytes / us / 1e6, 2) if nbytes else "",
                      "exact": exact})
 
-    quantized = Op.COMBINE_QUANTIZE in s.op._variants
+    quantized = (Op.COMBINE_QUANTIZE, "push") in s.op.plan.variants
     # the call's kernels as op.combine launches them (each call needs a dispatch before it)
     kernels = [s.launch(Op.COMBINE_QUANTIZE)] if quantized else []
     kernels.append(s.launch(Op.COMBINE))

@@ -184,8 +184,9 @@ def test_resident_blocks_of_every_variant_the_op_builds_equal_the_drivers(quant)
     op = EpDispatchCombine(cfg, virtual=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     checked = 0
-    for variants in op._variants.values():
-        for _, spec, fn in variants:
+    for variants in op.plan.variants.values():
+        for _, spec in variants:
+            fn = op._kernels[spec]
             assert op._resident_blocks(fn, spec) == _driver_blocks(fn, spec) * sms, spec.name
             checked += 1
     op.close()

@@ -92,7 +92,7 @@ def test_pull_dispatch_then_the_quantized_combine(world_size, mode):
     and the combine's own-row encoding read the rows and sources the pull path placed; the combine
     geometry's 512 threads fit the quantized combine on sm_90 (16 warps)."""
     cfg, op = _op(world_size=world_size, virtual=True, combine_quant=mode)
-    assert Op.COMBINE_QUANTIZE in op._variants and op.variant(Op.DISPATCH_PULL, 1)
+    assert (Op.COMBINE_QUANTIZE, "push") in op.plan.variants and op.variant(Op.DISPATCH_PULL, 1)
     _rounds(op, cfg, zero_copy=True, kinds=("uniform", "invalid", "duplicates"))
     _rounds(op, cfg, zero_copy=False, kinds=("skewed",), seed=100)
     op.close()

@@ -28,7 +28,7 @@ def test_every_wire_is_bit_equal_to_the_wire_reference(world_size, mode):
     uniform / -1 / duplicate routing: every output element within its bound and bit-equal to the
     wire reference (the quantize kernel's rows and the own rows encoded in registers alike)."""
     cfg, op = _op(world_size, mode, virtual=world_size > 1)
-    assert (Op.COMBINE_QUANTIZE in op._variants) is (world_size > 1)
+    assert ((Op.COMBINE_QUANTIZE, "push") in op.plan.variants) is (world_size > 1)
     seed = 1600
     for tokens in ([1024] * world_size, [0, 1, 7, 1024, 300, 128, 1, 0][:world_size], [0] * world_size):
         for kind in ("uniform", "invalid", "duplicates", "skewed"):

@@ -27,6 +27,7 @@ from epgen import faults
 from epgen.codegen import abi
 from epgen.codegen.spec import Op
 from epgen.op import EpDispatchCombine, EpError, _args_dtype
+from epgen.plan import Plan
 from epgen.verify import (PROCESS_WORLD_SIZES, ROUTINGS, check_exact_combine, check_exact_dispatch, expect,
                           integer_expert_stage, integer_inputs, op_arg, op_inputs, per_rank, poison, run_exact_round,
                           run_round)
@@ -528,7 +529,9 @@ class EmulatedOp(EpDispatchCombine):
         self.arch = "sm_90"  # the specs' arch (the op's transport and family picks read it)
         specs = {op: config.spec(self.arch, op, config.geometry(self.arch, op, config.max_tokens_per_rank))
                  for op in config.ops}
-        self._variants = {op: [(config.max_tokens_per_rank, spec, op)] for op, spec in specs.items()}  # fn: the op
+        self.plan = attrs.evolve(Plan.build(config, self.arch, len(self.local_ranks)), variants={
+            (op, "push"): ((config.max_tokens_per_rank, spec),) for op, spec in specs.items()})
+        self._kernels = {spec: op for op, spec in specs.items()}  # fn: the op
         self.dispatch_spec = specs[next(op for op in config.ops if op.payload)]
         self.low_latency_tokens = self.dispatch_spec.ll_tokens
         self._fused = {op: fused and self.low_latency_tokens > 0 for op in (Op.DISPATCH, Op.COMBINE)}
@@ -561,7 +564,7 @@ class EmulatedOp(EpDispatchCombine):
         return self._view(rank, self.layout.send_slot, (cfg.max_tokens_per_rank, cfg.world_size), torch.int32)
 
     def _emulate(self, op, grid, block, args_address, device, cooperative):
-        assert grid == (self._variants[op][0][1].blocks, len(self.local_ranks), 1) and device == self.device
+        assert grid == (self.plan.variant(op, 0).blocks, len(self.local_ranks), 1) and device == self.device
         assert cooperative == op.waits_within_grid(len(self.local_ranks)), (op, cooperative)
         self.launched.append(op)
         dtype = _args_dtype(self.config.world_size)

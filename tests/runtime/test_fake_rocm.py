@@ -283,7 +283,7 @@ def _family_calls(fake, cfg: EpConfig, rank: int) -> list[dict]:
         return (torch.zeros(T, H, dtype=torch.bfloat16), torch.ones(T, K),
                 torch.arange(T * K, dtype=torch.int32).view(T, K) % E)
 
-    kernel_op = {spec.name: o for o, variants in op._variants.items() for _, spec, _ in variants}
+    kernel_op = {spec.name: o for (o, _), variants in op.plan.variants.items() for _, spec in variants}
 
     def step(name, call, y=None):
         before = len(fake.launches)
@@ -343,8 +343,8 @@ def _pull_calls(fake, cfg: EpConfig, rank: int) -> list[dict]:
     op = EpDispatchCombine(cfg)
     op.device = torch.device("cpu")
     H, K, E = cfg.hidden, cfg.topk, cfg.num_experts
-    kernel = {spec.name: o.value for o, variants in op._variants.items() for _, spec, _ in variants}
-    kernel.update({spec.name: "dispatch:pull" for _, spec, _ in op._pull_dispatch})
+    kernel = {spec.name: o.value if tr == "push" else f"{o.value}:{tr}" for (o, tr), variants in op.plan.variants.items()
+              for _, spec in variants}
     region = op.dispatch_input()
     steps = []
 

@@ -4,8 +4,12 @@ raises naming the argument, its value and the rule."""
 import pytest
 import torch
 
+from epgen.codegen import tuning
 from epgen.codegen.config import EpConfig
+from epgen.codegen.spec import Op
+from epgen.codegen.tuning import Geometry
 from epgen.op import check_combine_inputs, check_dispatch_inputs
+from epgen.plan import Plan
 
 CPU = torch.device("cpu")
 CFG = EpConfig.for_model("gpt-oss-120b", world_size=2, max_tokens_per_rank=64)  # H 2880, K 4, E 128
@@ -171,7 +175,7 @@ def test_a_layer_across_nodes_is_refused_before_anything_else():
 @pytest.mark.parametrize("virtual,transport,want", [
     (True, "auto", "pull"), (False, "auto", "push"), (False, "pull", "pull"), (True, "push", "push"),
 ])
-def test_auto_pulls_only_where_one_process_decides_for_every_rank(monkeypatch, virtual, transport, want):
+def test_auto_pulls_only_where_one_process_decides_for_every_rank(table_dir, virtual, transport, want):
     """With one rank a process each process sees only its own x and token count, and ranks must
     take the same transport: "auto" pushes there even where the bucket says pull and x is
     dispatch_input; "pull" pulls on every rank."""
@@ -179,11 +183,12 @@ def test_auto_pulls_only_where_one_process_decides_for_every_rank(monkeypatch, v
 
     cfg = EpConfig(world_size=2, hidden=256, topk=2, num_experts=4, max_tokens_per_rank=64, kernel_family="normal",
                    dispatch_transport=transport)
-    if transport == "auto":
-        monkeypatch.setattr(EpConfig, "transport", lambda self, arch, tokens: "pull")  # a pull bucket
+    if transport == "auto":  # a pull bucket
+        tuning.write_entry(cfg.tuning_key("sm_90", Op.DISPATCH), [(64, Geometry(4, 4, 2))], "test", {},
+                           transports={64: "pull"})
     op = object.__new__(EpDispatchCombine)  # the decision alone: no GPU
     region = torch.zeros(64, 256, dtype=torch.bfloat16)
-    op.config, op.arch, op.low_latency_tokens, op.virtual = cfg, "sm_90", 0, virtual
     op.local_ranks = [0, 1] if virtual else [1]
+    op.plan = Plan.build(cfg, "sm_90", len(op.local_ranks))
     op.dispatch_input = lambda rank=None: region
     assert op._transport(64, [region[:64]] * len(op.local_ranks)) == want

@@ -1,0 +1,155 @@
+"""Kernel plans (``epgen.plan``): the routes a config builds, ``epgen plan``, and the launches of
+``EpDispatchCombine`` on the CPU against the record taken before the op ran its plan.
+
+``launch_records.json`` holds, per configuration of ``CASES``, the kernels the op's call
+sequence launched (``launch_record.record``) and a digest of every launch's spec, grid, block,
+cooperative flag and argument (pointers named by buffer): recorded from the op as it decided its
+kernels in code, before ``Plan``. Regenerate it (``python tests/runtime/test_plan.py``) only for
+a change meant to alter what the op launches, and review its diff.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+
+from epgen.cli import main
+from epgen.codegen.config import EpConfig, Geometry
+from epgen.codegen.spec import Op
+from epgen.plan import Plan, describe
+
+sys.path.insert(0, str(Path(__file__).parent))
+import launch_record  # noqa: E402
+
+RECORDS = Path(__file__).parent / "launch_records.json"
+SMALL = EpConfig(world_size=2, hidden=2048, topk=4, num_experts=8, max_tokens_per_rank=160)
+"""No tuning entry: T_ll = 128 < Tmax, so "auto" takes both families."""
+
+
+def _cases():
+    yield "W4 auto rank fp8_blockwise", attrs.evolve(SMALL, world_size=4, combine_quant="fp8_blockwise"), True, 132, False
+    for W in (1, 2):
+        for family in ("auto", "normal", "low_latency"):
+            for layout in ("rank", "expert"):
+                for wire in ("none", "fp8_blockwise", "fp4_blockwise"):
+                    transport = "pull" if family == "normal" and wire == "fp4_blockwise" else "auto"
+                    cfg = attrs.evolve(SMALL, world_size=W, kernel_family=family, layout=layout, combine_quant=wire,
+                                       expert_alignment=8 if layout == "expert" else 1, dispatch_transport=transport)
+                    yield f"W{W} {family} {layout} {wire} {transport}", cfg, W > 1, 132, False
+    yield "halves validate", attrs.evolve(SMALL, combine_quant="fp8_direct_cast"), True, 2, True
+    yield "fp8 scales explicit", attrs.evolve(SMALL, dtype="fp8", scale_bytes=32, dispatch_geometry=Geometry(4, 4, 2),
+                                              combine_geometry=Geometry(8, 4, 2), max_recv_tokens=300), True, 132, True
+
+
+CASES = {name: rest for name, *rest in _cases()}
+
+
+def _record(name: str) -> dict:
+    import epgen.op
+
+    cfg, virtual, sms, validate = CASES[name]
+    events = launch_record.record(epgen.op, cfg, virtual=virtual, sms=sms, validate=validate)
+    calls, label = [], None
+    for e in events:
+        if e[0] == "step":
+            label = e[1]
+        elif e[0] == "launch":
+            calls.append(f"{label}: {e[1].split('_sm90')[0].removeprefix('epgen_')} {e[2][0]}x{e[3][0]}"
+                         + (" coop" if e[4] else ""))
+        elif e[0] == "sync":
+            calls.append(f"{label}: sync")
+    return {"launches": calls, "sha256": hashlib.sha256(repr(events).encode()).hexdigest()}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_op_launches_what_it_launched_before_it_ran_a_plan(name):
+    assert _record(name) == json.loads(RECORDS.read_text())[name]
+
+
+def test_each_call_takes_a_route_of_its_family_transport_and_split():
+    plan = Plan.build(attrs.evolve(SMALL, layout="expert", expert_alignment=8, combine_quant="fp8_blockwise",
+                                   dispatch_transport="pull"), "sm_90")
+    ops = {key: [s.op.value for s in r.steps] for key, r in plan.routes.items()}
+    assert ops == {
+        (Op.DISPATCH, "normal", "push", False): ["dispatch", "expand_plan", "expand"],
+        (Op.DISPATCH, "normal", "pull", False): ["dispatch", "dispatch_pull", "expand_plan", "expand"],
+        (Op.DISPATCH, "low_latency", "push", False): ["dispatch_ll", "expand_plan", "expand"],
+        (Op.DISPATCH, "low_latency", "push", True): ["dispatch_ll_send", "dispatch_ll_recv", "expand_plan", "expand"],
+        (Op.COMBINE, "normal", "push", False): ["fold", "combine"],  # the fold writes the wire rows: no quantize kernel
+        (Op.COMBINE, "low_latency", "push", False): ["fold", "combine_ll"],
+        (Op.COMBINE, "low_latency", "push", True): ["fold", "combine_ll_send", "combine_ll_recv"],
+    }
+    assert plan.route(Op.COMBINE, "normal").send[0].quantize and not plan.route(Op.COMBINE, "low_latency").send[0].quantize
+    assert {r.y for r in plan.routes.values() if r.call is Op.COMBINE} == {"folded"}
+    assert plan.route(Op.DISPATCH, "normal", "push", split=True) is plan.route(Op.DISPATCH, "normal", "push")
+    assert (plan.family(128), plan.family(129), plan.transport(5, False), plan.transport(129, False)) == (
+        "low_latency", "normal", "push", "pull")  # the low-latency family never pulls
+
+
+def test_a_config_drops_the_routes_whose_kernels_it_does_not_build():
+    rank = Plan.build(attrs.evolve(SMALL, kernel_family="normal", combine_quant="fp4_blockwise"), "sm_90")
+    assert {key: [s.op.value for s in r.steps] for key, r in rank.routes.items()} == {
+        (Op.DISPATCH, "normal", "push", False): ["dispatch"],
+        (Op.COMBINE, "normal", "push", False): ["combine_quantize", "combine"],
+    }
+    assert rank.route(Op.COMBINE, "normal").y == "in_place" and rank.transports == ((1 << 30, "push"),)
+    one = Plan.build(attrs.evolve(SMALL, world_size=1, kernel_family="low_latency"), "sm_90")
+    assert [key[1] for key in one.routes] == ["low_latency"] * 4
+    with pytest.raises(KeyError):
+        one.route(Op.DISPATCH, "normal")
+
+
+def test_the_buckets_split_where_any_kernel_family_or_transport_changes(table_dir):
+    from epgen.codegen import tuning
+
+    cfg = attrs.evolve(SMALL, max_tokens_per_rank=1000, kernel_family="auto")
+    tuning.write_entry(cfg.tuning_key("sm_90", Op.DISPATCH), [(64, Geometry(4, 4, 2)), (512, Geometry(8, 4, 2))],
+                       "test", {}, transports={64: "push", 512: "pull"})
+    plan = Plan.build(cfg, "sm_90", grid_ranks=2)
+    assert plan.buckets() == [(1, 64), (65, 128), (129, 512), (513, 1000)]
+    rows = plan.table()
+    assert {(r["tokens"], r["op"], r["transport"], r["when"]) for r in rows if r["call"] == "dispatch"
+            and r["family"] == "normal"} == {  # above the largest bucket: the largest's rule
+        (t, op, tr, when) for t in ((129, 512), (513, 1000)) for op, tr, when in (
+            ("dispatch", "push", ""), ("dispatch", "pull", "x in dispatch_input"),
+            ("dispatch_pull", "pull", "x in dispatch_input"))}
+    assert Plan.build(cfg, "sm_90", grid_ranks=1).transports == ((1 << 30, "push"),)  # one rank a process
+
+
+def test_epgen_plan_prints_each_bucket_kernels(capsys):
+    assert main(["plan", "--arch", "sm_90", "--world-size", "8", "--max-tokens", "4096"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("deepseek-v3 on sm_90: W=8 (one process a GPU), Tmax=4096, bf16")
+    assert [line.split()[:1] for line in lines[2:] if line[:1] != " "] == [["1-128"], ["129-4096"]]
+    assert "dispatch_ll_send" in out and "epgen_combine_sm90_bf16_w8_h7168_k8_l32_t4096" in out
+    cfg = EpConfig.for_model("deepseek-v3", world_size=8, max_tokens_per_rank=4096)
+    assert out == describe(Plan.build(cfg, "sm_90"), "deepseek-v3") + "\n"
+
+
+def test_epgen_plan_loads_neither_torch_nor_cupy():
+    code = ("import sys, contextlib, io\nfrom epgen.cli import main\nwith contextlib.redirect_stdout(io.StringIO()):\n"
+            "    main(['plan', '--model', 'mixtral-8x7b', '--layout', 'expert'])\n"
+            "print(sorted(m for m in ('torch', 'cupy') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_epgen_plan_json_and_flag_errors(capsys):
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--quant", "fp8_blockwise", "--layout", "expert", "--arch",
+                 "gfx950", "--virtual", "--json"]) == 0
+    (doc,) = json.loads(capsys.readouterr().out)
+    assert doc["arch"] == "gfx950" and {r["op"] for r in doc["launches"]} >= {"fold", "expand", "expand_plan"}
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "deepseek-v3", "--kernel-family", "low_latency", "--transport", "pull"])
+    assert "--transport" in capsys.readouterr().err
+
+
+if __name__ == "__main__":  # rewrite RECORDS from the op as it is now (see the module docstring)
+    RECORDS.write_text(json.dumps({name: _record(name) for name in CASES}, indent=1) + "\n")
