@@ -8,10 +8,10 @@ import statistics
 import pytest
 import torch
 
-from epgen import bench
-from epgen.bench import gathered_rows, op_row
-from epgen.options import BOTH_LOW_LATENCY_MAX_TOKENS, family_points
-from epgen.timing import Timing
+from epgen.cli import bench
+from epgen.cli.bench import gathered_rows, op_row
+from epgen.cli.options import BOTH_LOW_LATENCY_MAX_TOKENS, family_points
+from epgen.harness.timing import Timing
 from epgen.reference import dispatch
 
 
@@ -193,7 +193,7 @@ def fake_bench(monkeypatch):
     """bench_process on the CPU: fake ops, measure, ceiling and environment; records the
     (kernel family, tokens) of every measure call."""
     import epgen.op
-    from epgen.timing import PairTiming, QueueDelay
+    from epgen.harness.timing import PairTiming, QueueDelay
 
     _FakeOp.built = []
     calls = []
@@ -214,7 +214,7 @@ def fake_bench(monkeypatch):
 
 
 def test_bench_times_each_point_on_every_family_that_covers_it(fake_bench, capsys):
-    from epgen.options import BenchOptions
+    from epgen.cli.options import BenchOptions
 
     opts = BenchOptions(world_size=2, virtual=True, tokens=(1, 1024, 4096), routings=("uniform",), iters=3)
     rows = bench.bench_process(0, 2, opts)
@@ -240,7 +240,7 @@ def test_bench_times_each_point_on_every_family_that_covers_it(fake_bench, capsy
 def test_bench_transport_goes_to_the_normal_family_and_its_dispatch_rows(fake_bench, capsys):
     """--transport pull: the normal op's EpConfig pulls, the low-latency op's pushes (it has no
     pull); the dispatch rows name the transport taken, the combine rows none."""
-    from epgen.options import BenchOptions
+    from epgen.cli.options import BenchOptions
 
     rows = bench.bench_process(0, 2, BenchOptions(world_size=2, virtual=True, tokens=(8, 4096), routings=("uniform",),
                                                   transport="pull"))
@@ -252,7 +252,7 @@ def test_bench_transport_goes_to_the_normal_family_and_its_dispatch_rows(fake_be
 
 
 def test_bench_auto_rows_name_the_family_each_point_took(fake_bench):
-    from epgen.options import BenchOptions
+    from epgen.cli.options import BenchOptions
 
     rows = bench.bench_process(0, 1, BenchOptions(world_size=1, tokens=(8, 4096), routings=("uniform",),
                                                   family="auto"))

@@ -152,7 +152,7 @@ def test_output_files_that_cannot_be_written_are_refused_before_the_run(tmp_path
     # a file that exists but cannot be written (os.access as a non-root user sees a read-only file)
     import argparse
 
-    from epgen import flags
+    from epgen.cli import flags
 
     ro = tmp_path / "ro.csv"
     ro.write_text("")
@@ -318,7 +318,7 @@ def test_list_models_and_diff_print_json(capsys):
 
 
 def test_missing_compiler_hint_keeps_its_brackets_and_pins(monkeypatch, capsys):
-    from epgen import cli
+    from epgen.cli import commands as cli
     from epgen.codegen import offline
 
     monkeypatch.setattr(offline, "toolchain_status", lambda arch: f"NVRTC unusable: pip install {offline.nvrtc.PACKAGES}")
@@ -397,7 +397,7 @@ def test_whole_catalogue_table_reads_at_80_and_120_columns(width, capsys, monkey
     spills brings its columns back and still fits, its label folding onto a second line."""
     from rich.console import Console
 
-    from epgen import cli
+    from epgen.cli import commands as cli
     from epgen.codegen import catalogue
     from epgen.codegen.report import resource_table
 
@@ -599,7 +599,7 @@ def test_check_report_and_demo_print_the_compiler_releases(capsys):
         assert f"sm_90: {release}" in " ".join(capsys.readouterr().out.split())
     assert main(["check", "--model", "mixtral-8x7b", "--arch", "sm_90", "--json"]) == 0
     assert {r["compiler"] for r in json.loads(capsys.readouterr().out)} == {release}
-    from epgen.demo import run_demo  # the demo prints the same table
+    from epgen.cli.demo import run_demo  # the demo prints the same table
     from rich.console import Console
 
     console = Console(width=120, record=True, file=io.StringIO())
@@ -768,7 +768,7 @@ def test_bench_outside_a_checkout_defaults_to_the_current_directory(capsys, monk
     with one, writes bench-ep<W>-<gpu>.* in the current directory; in the checkout, under tools/results/."""
     import torch
 
-    from epgen.bench import default_output
+    from epgen.cli.bench import default_output
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -790,7 +790,8 @@ def test_bench_outside_a_checkout_defaults_to_the_current_directory(capsys, monk
 def test_build_table_honours_the_console_width(width, capsys, monkeypatch, tmp_path):
     """COLUMNS=80 (or 120) epgen build: the table fits, in the resource report's style (a rule under
     the header, no frame), every entry name whole once the folds are joined, a compile error in red."""
-    from epgen import aot, cli
+    from epgen import aot
+    from epgen.cli import commands as cli
 
     built = []
 
@@ -835,10 +836,10 @@ def test_demo_moe_without_gpu_says_so():
 
 
 def test_demo_moe_defaults(monkeypatch):
-    import epgen.moe_demo
+    import epgen.cli.moe_demo
 
     seen = {}
-    monkeypatch.setattr(epgen.moe_demo, "run_moe_demo", lambda cfg, model, intermediate, *a, **k: seen.update(
+    monkeypatch.setattr(epgen.cli.moe_demo, "run_moe_demo", lambda cfg, model, intermediate, *a, **k: seen.update(
         cfg=cfg, model=model, intermediate=intermediate) or 0)
     assert main(["demo", "--moe"]) == 0
     cfg = seen["cfg"]
@@ -889,7 +890,7 @@ def _parse(argv):
 
 
 def test_kernel_family_flags_reach_the_specs_of_the_shape_verbs():
-    from epgen import flags
+    from epgen.cli import flags
     from epgen.codegen.spec import LOW_LATENCY_OPS, Op
 
     base = ["--model", "gpt-oss-120b", "--arch", "sm_90"]
@@ -940,40 +941,40 @@ def _fake_gpu(monkeypatch, gpus=2):
 
 
 def test_gpu_verbs_pass_the_families_and_the_low_latency_geometry_on(monkeypatch, tmp_path):
-    import epgen.bench
-    import epgen.demo
-    import epgen.stress
-    import epgen.tune
+    import epgen.cli.bench
+    import epgen.cli.demo
+    import epgen.cli.stress
+    import epgen.cli.tune
     from epgen.codegen.tuning import Geometry
-    from epgen.options import LOW_LATENCY_SWEEP
+    from epgen.cli.options import LOW_LATENCY_SWEEP
 
     _fake_gpu(monkeypatch, gpus=1)
     seen = {}
-    for module in (epgen.bench, epgen.tune, epgen.stress):
+    for module in (epgen.cli.bench, epgen.cli.tune, epgen.cli.stress):
         monkeypatch.setattr(module, "run", lambda opts, name=module.__name__: seen.__setitem__(name, opts))
-    monkeypatch.setattr(epgen.demo, "run_demo", lambda *a, **kw: seen.__setitem__("demo", kw) or 0)
+    monkeypatch.setattr(epgen.cli.demo, "run_demo", lambda *a, **kw: seen.__setitem__("demo", kw) or 0)
     out = ["-o", str(tmp_path / "b")]
     assert main(["bench", "--world-size", "1", *out]) == 0
-    assert (seen["epgen.bench"].family, seen["epgen.bench"].low_latency_geometry) == ("both", None)
+    assert (seen["epgen.cli.bench"].family, seen["epgen.cli.bench"].low_latency_geometry) == ("both", None)
     assert main(["bench", "--world-size", "2", "--virtual", "--family", "low_latency", "--tokens", "1", "256",
                  "--low-latency-geometry", "16x16u2", *out]) == 0
-    b = seen["epgen.bench"]
+    b = seen["epgen.cli.bench"]
     assert (b.family, b.low_latency_geometry, b.tokens, b.virtual) == (
         "low_latency", Geometry(16, 16, 2), (1, 256), True)
     assert main(["tune", "--world-size", "1"]) == 0
-    t = seen["epgen.tune"]
+    t = seen["epgen.cli.tune"]
     assert (t.family, t.low_latency_tokens, t.low_latency_geometries, t.virtual) == ("both", LOW_LATENCY_SWEEP, None,
                                                                                      False)
     assert main(["tune", "--world-size", "2", "--virtual", "--family", "low_latency", "--low-latency-tokens", "4",
                  "16", "--low-latency-geometry", "8x16u2", "16x16u4", "--dry-run"]) == 0
-    t = seen["epgen.tune"]
+    t = seen["epgen.cli.tune"]
     assert (t.family, t.low_latency_tokens, t.virtual, t.write) == ("low_latency", (4, 16), True, False)
     assert t.low_latency_geometries == (Geometry(8, 16, 2), Geometry(16, 16, 4))
     assert main(["stress", "--world-size", "1"]) == 0
-    assert (seen["epgen.stress"].kernel_family, seen["epgen.stress"].low_latency_geometry) == ("auto", None)
+    assert (seen["epgen.cli.stress"].kernel_family, seen["epgen.cli.stress"].low_latency_geometry) == ("auto", None)
     assert main(["stress", "--world-size", "4", "--virtual", "--kernel-family", "low_latency",
                  "--low-latency-geometry", "8x16u2", "--max-tokens", "64"]) == 0
-    assert (seen["epgen.stress"].kernel_family, seen["epgen.stress"].low_latency_geometry) == ("low_latency",
+    assert (seen["epgen.cli.stress"].kernel_family, seen["epgen.cli.stress"].low_latency_geometry) == ("low_latency",
                                                                                                Geometry(8, 16, 2))
     assert main(["demo", "--kernel-family", "normal"]) == 0
     assert seen["demo"] == {"quiet": False, "as_json": False, "kernel_family": "normal", "low_latency_geometry": None}

@@ -8,13 +8,13 @@ import attrs
 
 import pytest
 
-from epgen import tune
+from epgen.cli import tune
 from epgen.codegen.arch import ARCHES, traits
 from epgen.codegen.config import EpConfig
 from epgen.codegen.spec import LOW_LATENCY_OPS, Op
 from epgen.codegen.tuning import Geometry
-from epgen.options import LOW_LATENCY_SWEEP, TuneOptions, tune_counts
-from epgen.tune import Sweep, choose_low_latency, low_latency_threshold, plan
+from epgen.cli.options import LOW_LATENCY_SWEEP, TuneOptions, tune_counts
+from epgen.cli.tune import Sweep, choose_low_latency, low_latency_threshold, plan
 
 
 @pytest.mark.parametrize("ll, normal, threshold", [
@@ -196,7 +196,7 @@ def fake_tune(monkeypatch):
     import torch
 
     import epgen.op
-    from epgen.timing import PairTiming, QueueDelay, Timing
+    from epgen.harness.timing import PairTiming, QueueDelay, Timing
 
     def measure(op, cfg, tokens, routing, seed, iters):
         geo = cfg.low_latency_geometry if cfg.kernel_family == "low_latency" else cfg.dispatch_geometry

@@ -4,7 +4,7 @@ Each round draws, from one seeded generator (so every process draws the same rou
 family, when the op builds both ("auto" with a threshold T_ll below max_tokens_per_rank: every
 rank's tokens in [0, T_ll] for a low-latency round, in (T_ll, max] for a normal one, so that every
 rank takes the same family, as one process per GPU requires); T per rank; a routing kind
-(``epgen.options.ROUTINGS``: uniform, -1 sprinkled, duplicates, skewed, all to one rank, a shared
+(``epgen.harness.ROUTINGS``: uniform, -1 sprinkled, duplicates, skewed, all to one rank, a shared
 expert column); and for every other low-latency round the send/receive split with a matmul on the
 stream between the halves. ``verify.run_round`` checks the round against the reference.
 
@@ -25,8 +25,9 @@ import random
 import attrs
 import torch
 
-from epgen.options import ROUTINGS, StressOptions
-from epgen.verify import expert_outputs, make_inputs, op_arg, op_inputs, reference_dispatch, run_round
+from epgen.cli.options import StressOptions
+from epgen.harness import ROUTINGS
+from epgen.harness.verify import expert_outputs, make_inputs, op_arg, op_inputs, reference_dispatch, run_round
 from epgen.codegen.config import EpConfig
 
 
@@ -158,7 +159,7 @@ def stress_process(rank: int, world_size: int, opts: StressOptions) -> StressRes
         dist.barrier()  # every peer is done with this rank's arena
     op.close()
     if speak:
-        from epgen.ranks import shares_gpu
+        from epgen.harness.ranks import shares_gpu
 
         where = ("virtual " if opts.virtual else "") + f"W={world_size}" + (
             " processes sharing cuda:0" if not opts.virtual and shares_gpu(world_size) else "")
@@ -175,7 +176,7 @@ def stress_process(rank: int, world_size: int, opts: StressOptions) -> StressRes
 def run(opts: StressOptions) -> None:
     """One process per rank for W > 1 unless virtual (sharing cuda:0 when there are fewer GPUs),
     else in this process."""
-    from epgen.ranks import run_ranks_or_here
+    from epgen.harness.ranks import run_ranks_or_here
 
     run_ranks_or_here(opts.world_size, opts.virtual, stress_process, opts)
 

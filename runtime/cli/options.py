@@ -11,9 +11,6 @@ from epgen.codegen.tuning import Geometry
 DEFAULT_MODEL = "deepseek-v3"
 """The catalogue model the GPU verbs and ``epgen build`` take when none is named."""
 
-ROUTINGS = ("uniform", "invalid", "duplicates", "skewed", "one_rank", "shared")
-"""Routing kinds of ``epgen.verify.make_inputs``."""
-
 SWEEP = (1, 8, 32, 128, 512, 1024, 4096, 8192, 16384)
 """Tokens per rank ``epgen bench`` sweeps by default."""
 

@@ -34,14 +34,14 @@ from __future__ import annotations
 import attrs
 import torch
 
-from epgen.bench import FAMILY_OPS, environment, measure
+from epgen.cli.bench import FAMILY_OPS, environment, measure
 from epgen.codegen.abi import LL_FLAG_SLOTS
 from epgen.codegen.arch import traits
 from epgen.codegen.tuning import DEFAULT_UNROLL, Geometry, default_geometry, pick_fewest_blocks, write_entry
 from epgen.device import device_arch
 from epgen.codegen.config import EpConfig
 from epgen.codegen.spec import QUANTIZED_COMBINE_THREADS, Op
-from epgen.options import TuneOptions, tune_counts
+from epgen.cli.options import TuneOptions, tune_counts
 
 
 CANDIDATE_BLOCKS = (8, 16, 24, 32, 48, 64, 132)
@@ -320,7 +320,7 @@ def _report(times: dict, sweeps: tuple[Sweep, ...], skipped: list, opts: TuneOpt
 
 def run(opts: TuneOptions) -> None:
     """One process per GPU for W > 1 unless virtual, else in this process."""
-    from epgen.ranks import run_ranks_or_here
+    from epgen.harness.ranks import run_ranks_or_here
 
     run_ranks_or_here(opts.world_size, opts.virtual, tune_process, opts)
 

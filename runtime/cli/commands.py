@@ -1,6 +1,6 @@
 """The ``epgen`` command line: generate, check, report, diff, build, demo, bench, tune, stress.
 
-Each verb parses, builds its config through ``epgen.flags``, calls one library function and
+Each verb parses, builds its config through ``epgen.cli.flags``, calls one library function and
 prints. Errors go to stderr, prefixed ``epgen VERB:``. ``epgen --help`` and the CPU verbs
 (generate, check, report, diff, build without --time-import) load neither torch nor CuPy.
 """
@@ -16,15 +16,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from epgen import flags
+from epgen.cli import flags
 from epgen.codegen.catalogue import CATALOGUE_MAX_TOKENS, CATALOGUE_WORLD_SIZE
-from epgen.options import (DEFAULT_MODEL, NODES_SWEEP, NODES_SWEEP_CPU, BenchOptions, DemoOptions, StressOptions,
-                           TuneOptions, family_points, tune_counts)
-from epgen.progress import Progress
+from epgen.cli.options import (DEFAULT_MODEL, NODES_SWEEP, NODES_SWEEP_CPU, BenchOptions, DemoOptions, StressOptions,
+                               TuneOptions, family_points, tune_counts)
+from epgen.cli.progress import Progress
 
 MOE_DEMO_TOKENS = 1024
 """``epgen demo --moe``'s tokens per rank: W = 8 virtual ranks of deepseek-v3 then need about
-40 GiB (``epgen.moe_demo.memory_bytes``: weights 21 GiB, expert-major rows 14 GiB, receive rows
+40 GiB (``epgen.cli.moe_demo.memory_bytes``: weights 21 GiB, expert-major rows 14 GiB, receive rows
 2 GiB, one rank's GEMM temporaries at a time, eager and in the timing's graphs, 3 GiB), plus the
 dense reference's chunk; 4096 would need about 95 GiB."""
 MOE_DEMO_INTERMEDIATE = 2048
@@ -216,7 +216,7 @@ def cmd_build(args, parser, console) -> int:
     """``epgen build``: compile every variant an op of the config compiles into the ahead-of-time
     cache; with --time-import, time warm imports against cold compiles on this GPU. Exit 1 on
     a compile error, 2 when a compiler, the GPU or the cache directory is unusable."""
-    from epgen.aot import ManifestError, build, build_table, config_specs, read_manifest
+    from epgen.aot import ManifestError, build, config_specs, read_manifest
     from epgen.cache import CACHE_ENV, cache_dir, directory_problem
 
     if args.runs is not None and not args.time_import:
@@ -263,7 +263,7 @@ def cmd_build(args, parser, console) -> int:
     ok = all(r["status"] == "ok" for r in rows)
     timing = None
     if gpu_arch and ok:
-        from epgen.import_timing import import_table, time_imports
+        from epgen.cli.import_timing import import_table, time_imports
 
         runs = args.runs or 5
         with Progress(2 * runs, f"timing imports on {gpu_arch}: {runs} runs, warm and cold", quiet) as bar:
@@ -277,6 +277,28 @@ def cmd_build(args, parser, console) -> int:
     if timing and not args.quiet:
         console.print(import_table(timing, rows))
     return 0 if ok else 1
+
+
+def build_table(rows: list[dict], directory: Path, jobs: int):
+    """A rich table of ``build``'s rows in the resource report's style (``styled_table``), reading at
+    80 columns: per code object its arch, entry name (folding onto a second line where narrow),
+    the first 8 hex digits of its key, bytes, cold compile seconds (with ``jobs`` parallel
+    compiles) and status; the units and the compilers in the caption."""
+    from epgen.codegen.report import styled_table
+
+    compilers = {r["arch"]: r["compiler"] for r in rows if r["status"] == "ok"}
+    caption = [f"compile s: cold compile wall seconds, {jobs} compiles in parallel; key: the file's name under "
+               "<arch>/ (first 8 hex digits)", *(f"{a}: {c}" for a, c in compilers.items())]
+    t = styled_table(f"epgen build: {len(rows)} code objects in {directory}", "\n".join(caption))
+    errors = any(r["status"] != "ok" for r in rows)
+    for c in ("arch", "entry", "key", "bytes", "compile s", "status"):
+        wraps = c == "entry" or c == "status" and errors  # the rest stay one word a cell
+        t.add_column(c, overflow="fold", no_wrap=not wraps, justify="right" if c in ("bytes", "compile s") else "left")
+    for r in rows:
+        ok = r["status"] == "ok"
+        t.add_row(r["arch"], r["entry"], r["key"][:8] if ok else "", str(r["bytes"]) if ok else "",
+                  f"{r['compile_s']:.2f}" if ok else "", "ok" if ok else f"[red]{escape(r['status'])}[/red]")
+    return t
 
 
 def cmd_demo(args, parser, console) -> int:
@@ -302,15 +324,15 @@ def cmd_demo(args, parser, console) -> int:
         flag = ("--tokens" if field == "max_tokens_per_rank" else "--low-latency-geometry"
                 if args.low_latency_geometry and field in ("blocks", "warps_per_block", "unroll") else "--world-size")
         parser.error(f"{e} ({flag} {getattr(args, flag[2:].replace('-', '_'))} with --model {args.model})")
-    from epgen.demo import run_demo
+    from epgen.cli.demo import run_demo
 
     return run_demo(args.model, args.world_size, args.tokens, args.iters, console, quiet=args.quiet, as_json=args.json,
                     **family)
 
 
 def _moe_demo(args, parser, console) -> int:
-    """``epgen demo --moe``: the MoE layer (``epgen.moe_demo``); --tokens defaults to MOE_DEMO_TOKENS."""
-    from epgen.moe_demo import moe_config, run_moe_demo
+    """``epgen demo --moe``: the MoE layer (``epgen.cli.moe_demo``); --tokens defaults to MOE_DEMO_TOKENS."""
+    from epgen.cli.moe_demo import moe_config, run_moe_demo
 
     given = [f for f, v in (("--kernel-family", args.kernel_family),
                             ("--low-latency-geometry", args.low_latency_geometry)) if v is not None]
@@ -338,7 +360,7 @@ def cmd_bench(args, parser, console) -> int:
     if args.transport == "pull" and args.family == "low_latency":
         parser.error("--transport pull: the low-latency family pushes (pull is the normal family's dispatch; "
                      "--family normal, both or auto)")
-    from epgen.bench import default_output
+    from epgen.cli.bench import default_output
 
     output = args.output or default_output(args.world_size, args.virtual, flags.in_checkout())
     args.tokens = args.tokens or list(BenchOptions().tokens)
@@ -348,7 +370,7 @@ def cmd_bench(args, parser, console) -> int:
                                        "--combine-geometry": args.combine_geometry},
                            low_latency_geometries={"--low-latency-geometry": args.low_latency_geometry}) is None:
         return 2
-    from epgen.bench import run
+    from epgen.cli.bench import run
 
     run(BenchOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens), dtype=args.dtype,
                      combine_quant=args.quant, routings=tuple(args.routing), dispatch_geometry=args.dispatch_geometry,
@@ -358,8 +380,8 @@ def cmd_bench(args, parser, console) -> int:
 
 
 def _bench_nodes(args, parser, console) -> int:
-    from epgen.bench_nodes import NodesBenchOptions, config, run
-    from epgen.hierarchical_verify import ROUTINGS as NODE_ROUTINGS
+    from epgen.cli.bench_nodes import NodesBenchOptions, config, run
+    from epgen.harness.hierarchical_verify import ROUTINGS as NODE_ROUTINGS
 
     if args.nodes < 2:
         parser.error(f"--nodes {args.nodes}: the hierarchical bench needs at least 2 nodes")
@@ -417,7 +439,7 @@ def cmd_tune(args, parser, console) -> int:
                            geometries={"--geometry": args.geometry},
                            low_latency_geometries={"--low-latency-geometry": args.low_latency_geometry}) is None:
         return 2
-    from epgen.tune import run
+    from epgen.cli.tune import run
 
     run(opts)
     return 0
@@ -429,7 +451,7 @@ def cmd_stress(args, parser, console) -> int:
                            low_latency_geometries={"--low-latency-geometry": args.low_latency_geometry},
                            share_gpu=True) is None:
         return 2
-    from epgen.stress import run
+    from epgen.cli.stress import run
 
     run(StressOptions(model=args.model, world_size=args.world_size, max_tokens=args.max_tokens, rounds=args.rounds,
                       seed=args.seed, virtual=args.virtual, dtype=args.dtype, combine_quant=args.quant,

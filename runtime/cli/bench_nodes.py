@@ -5,10 +5,10 @@ N processes play the N nodes on this machine, rendezvous through a file, the net
 over CPU tensors (one machine has no network between nodes: its times are those of gloo through
 the host, not of a fabric; the output says so). Each process drives its node's G = W / N ranks as
 virtual ranks: an ``EpDispatchCombine`` on cuda:0 when there is a GPU (and not ``cpu``), else the
-CPU stand-in ``epgen.hierarchical.ReferenceNodeOp``, so CI runs it on tiny shapes.
+CPU stand-in ``epgen.layers.hierarchical.ReferenceNodeOp``, so CI runs it on tiny shapes.
 
 Per (routing, tokens) point: one round checked bit for bit against the reference
-(``epgen.hierarchical_verify.check_round``), then ``iters`` timed rounds of dispatch and combine
+(``epgen.harness.hierarchical_verify.check_round``), then ``iters`` timed rounds of dispatch and combine
 with ``HierarchicalEp(time_legs=True)``; each leg's median host wall time (device synchronized at
 the leg's ends) and bytes (``HierarchicalEp.legs``), the total, and the median of a flat
 ``all_to_all_single`` over the same group moving the same bytes as the whole op (network and
@@ -83,8 +83,8 @@ def _flat_seconds(nbytes: int, group, device, iters: int) -> tuple[float, int]:
 
 
 def _worker(node: int, nodes: int, store: str, options: NodesBenchOptions, results: str):
-    from epgen.hierarchical import HierarchicalEp, ReferenceNodeOp
-    from epgen.hierarchical_verify import check_round, make_inputs
+    from epgen.layers.hierarchical import HierarchicalEp, ReferenceNodeOp
+    from epgen.harness.hierarchical_verify import check_round, make_inputs
 
     torch.set_num_threads(1)  # N processes share the cores
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=node, world_size=nodes,
@@ -157,7 +157,7 @@ def run(options: NodesBenchOptions, print_fn=print) -> list[dict]:
             reference included).
         TimeoutError: the processes ran past their bound.
     """
-    from epgen.ranks import MAX_TIMEOUT_S, start_and_join
+    from epgen.harness.ranks import MAX_TIMEOUT_S, start_and_join
 
     config(options)  # the layer's errors here, before any process starts
     folder = tempfile.mkdtemp(prefix="epgen-bench-nodes-")
@@ -171,7 +171,7 @@ def run(options: NodesBenchOptions, print_fn=print) -> list[dict]:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     if options.output:
-        from epgen.bench import environment
+        from epgen.cli.bench import environment
 
         with open(f"{options.output}.csv", "w", newline="") as f:
             w = csv.DictWriter(f, CSV_COLUMNS)

@@ -57,10 +57,10 @@ def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Cons
 
 def _run_gpu(cfg: EpConfig, model: str, tokens: int, iters: int, console: Console, quiet: bool) -> dict:
     """Verify, time and print; returns the per-rank results (raises on a mismatch)."""
-    from epgen.bench import FAMILY_OPS
-    from epgen.verify import make_inputs, op_arg, op_inputs, run_round
+    from epgen.cli.bench import FAMILY_OPS
+    from epgen.harness.verify import make_inputs, op_arg, op_inputs, run_round
     from epgen.op import EpDispatchCombine
-    from epgen.timing import gbps, time_pairs
+    from epgen.harness.timing import gbps, time_pairs
 
     W = cfg.world_size
     virtual = W > 1

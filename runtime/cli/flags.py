@@ -24,8 +24,9 @@ from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES
 from epgen.codegen.models import MODELS, model
 from epgen.codegen.spec import LL_MAX_TOKENS, LOW_LATENCY_OPS, TRANSPORT_OPS, Op
 from epgen.codegen.tuning import DEFAULT_UNROLL, Geometry
-from epgen.options import (BENCH_FAMILIES, BOTH_LOW_LATENCY_MAX_TOKENS, NODES_SWEEP, NODES_SWEEP_CPU, ROUTINGS,
-                           TUNE_FAMILIES, BenchOptions, DemoOptions, StressOptions, TuneOptions, family_transport)
+from epgen.harness import ROUTINGS
+from epgen.cli.options import (BENCH_FAMILIES, BOTH_LOW_LATENCY_MAX_TOKENS, NODES_SWEEP, NODES_SWEEP_CPU,
+                               TUNE_FAMILIES, BenchOptions, DemoOptions, StressOptions, TuneOptions, family_transport)
 
 CONFIG_DEFAULTS = {f.name: f.default for f in attrs.fields(EpConfig) if f.default is not attrs.NOTHING}
 """EpConfig's defaults by field (dtype, scale_bytes, combine_quant, ...)."""
@@ -485,7 +486,7 @@ def gpu_preflight(args, parser, error, verb: str, *, families: dict[str, int], v
     """Everything about a GPU verb's arguments that can be checked without a GPU, first (parser
     errors naming the flag), then that there is a GPU, enough of them (one a process; with
     ``share_gpu``, a verb that checks rather than times, any: its processes then share cuda:0,
-    ``epgen.ranks``), and (with ``output``, a plot) matplotlib, then the specs for this GPU's
+    ``epgen.harness.ranks``), and (with ``output``, a plot) matplotlib, then the specs for this GPU's
     arch. ``families``: the most tokens a rank
     passes to the op of each ``EpConfig.kernel_family`` the verb builds; ``geometries`` /
     ``low_latency_geometries``: flag -> Geometry, or a list of them, or None, checked against the
