@@ -47,7 +47,7 @@ def _compilers_missing(arches, verb: str) -> bool:
 
 
 def cmd_generate(args, parser, console) -> int:
-    from epgen.codegen.catalogue import NotACatalogue, catalogue_specs, check, render_files, write
+    from epgen.codegen.catalogue import NotACatalogue, catalogue_specs, check, read_manifest, render_files, write
     from epgen.codegen.models import MODELS
     from epgen.codegen.offline import toolchain_status
 
@@ -73,6 +73,14 @@ def cmd_generate(args, parser, console) -> int:
     problem = flags.not_a_directory(out)
     if problem:
         parser.error(f"-o {out}: {problem}")
+    if args.check and not out.is_dir():  # before rendering: a minute of compiling would find nothing to check
+        parser.error(f"-o {out}: does not exist; --check compares a directory epgen generate wrote (run without "
+                     "--check to write it)")
+    try:
+        read_manifest(out)  # another tool's manifest stops the write or check: say so before rendering
+    except NotACatalogue as e:
+        _error("generate", f"-o {out}: {e}")
+        return 2
     quiet = args.quiet or args.json
     missing = {a: r for a in sorted({s.arch for s in specs}) if (r := toolchain_status(a))}
     if missing and not quiet:
@@ -152,7 +160,7 @@ def cmd_report(args, parser, console) -> int:
 
 def cmd_diff(args, parser, console) -> int:
     from epgen.codegen import diff
-    from epgen.codegen.catalogue import catalogue_specs, render_files
+    from epgen.codegen.catalogue import NotACatalogue, catalogue_specs, read_manifest, render_files
     from epgen.codegen.offline import toolchain_status
 
     if args.a or args.b:
@@ -165,10 +173,12 @@ def cmd_diff(args, parser, console) -> int:
                 changes[side] = diff.field_changes(getattr(args, side))
             except diff.FieldChangeError as e:
                 parser.error(f"--{side} {e.item!r}: {e}")
+        specs, one_sided = _split_by_wire(specs, changes)
         try:
-            chunks = diff.spec_pair_chunks(specs, changes["a"], changes["b"])
+            chunks = diff.spec_pair_chunks(specs, changes["a"], changes["b"]) + one_sided
         except diff.ChangedSpecError as e:
-            hint = ("; --quant WIRE starts both sides from that wire's geometry" if "combine_quant" in changes[e.side]
+            wire = changes[e.side].get("combine_quant")
+            hint = (f"; add --quant {wire}: both sides then start from that wire's geometry" if wire
                     and "warps_per_block" in str(e) and not args.quant else "")
             parser.error(f"--{e.side} {' '.join(f'{k}={v}' for k, v in changes[e.side].items())}: {e}{hint}")
     else:
@@ -187,16 +197,18 @@ def cmd_diff(args, parser, console) -> int:
         if args.output:
             flags.check_path_name("-o", args.output, parser)
         out = flags.catalogue_dir(args, parser)
-        if args.output and not out.is_dir():
-            parser.error(f"-o {args.output}: not a directory (diff compares a committed catalogue folder with the "
-                         "templates)")
-        specs = catalogue_specs()
-        try:
-            chunks = diff.catalogue_chunks(out, render_files(specs, with_report=not any(
-                toolchain_status(a) for a in {s.arch for s in specs})))
-        except ValueError as e:  # another tool's manifest.json
+        if not out.is_dir():
+            parser.error(f"-o {out}: not a directory (diff compares a committed catalogue folder with the templates)")
+        try:  # before rendering the catalogue (a minute): a folder epgen generate did not write has nothing to diff
+            if read_manifest(out) is None:
+                parser.error(f"-o {out}: has no manifest.json, so epgen generate did not write it (diff compares a "
+                             "committed catalogue folder with the templates)")
+        except NotACatalogue as e:  # another tool's manifest.json
             _error("diff", str(e))
             return 2
+        specs = catalogue_specs()
+        chunks = diff.catalogue_chunks(out, render_files(specs, with_report=not any(
+            toolchain_status(a) for a in {s.arch for s in specs})))
     if args.json:
         print(json.dumps([{"variant": c.variant, "a": c.a_name, "b": c.b_name, "diff": c.unified(args.context)}
                           for c in chunks]))
@@ -210,6 +222,36 @@ def cmd_diff(args, parser, console) -> int:
     if not chunks and not args.quiet:
         console.print("no differences")
     return 1 if chunks else 0
+
+
+def _split_by_wire(specs, changes: dict) -> tuple[list, list]:
+    """``specs`` that both sides' ``changes`` build, and a chunk for each of the others: a kernel
+    that exists with one side's combine wire only (the quantize kernel, without a quantized
+    wire: its spec refuses the other side's ``combine_quant``), shown whole on the side that
+    builds it."""
+    from epgen.codegen import diff
+    from epgen.codegen.errors import FieldError
+    from epgen.codegen.render import render
+
+    both, one_sided = [], []
+    for base in specs:
+        refused = []
+        for side in ("a", "b"):
+            try:
+                base.replace(**changes[side])
+            except FieldError as e:
+                if e.field == "combine_quant":
+                    refused.append(side)
+        if len(refused) != 1:
+            both.append(base)  # built by both, or refused by both (spec_pair_chunks then names the rule)
+            continue
+        built = "b" if refused == ["a"] else "a"
+        src = render(base.replace(**changes[built]))
+        gone = f"(no {base.op.value} kernel with combine_quant={changes[refused[0]]['combine_quant']})"
+        texts = {refused[0]: (gone, ""), built: (src.entry, src.text)}
+        one_sided.append(diff.Chunk(f"{base.op.value} {base.arch}", texts["a"][0], texts["b"][0], texts["a"][1],
+                                    texts["b"][1]))
+    return both, one_sided
 
 
 def cmd_build(args, parser, console) -> int:
@@ -392,7 +434,7 @@ def _bench_nodes(args, parser, console) -> int:
     bad = [r for r in args.routing if r not in NODE_ROUTINGS]
     if bad:
         parser.error(f"--routing {' '.join(bad)}: with --nodes one of {', '.join(NODE_ROUTINGS)}")
-    unused = [flag for flag, given in (("--json", args.json), ("--dispatch-geometry", args.dispatch_geometry),
+    unused = [flag for flag, given in (("--dispatch-geometry", args.dispatch_geometry),
                                        ("--combine-geometry", args.combine_geometry),
                                        ("--low-latency-geometry", args.low_latency_geometry),
                                        ("--family", args.family != "both"),
@@ -413,7 +455,7 @@ def _bench_nodes(args, parser, console) -> int:
         config(options)
     except ValueError as e:
         parser.error(f"{e} (--nodes {args.nodes} --world-size {args.world_size}, tokens up to {max(args.tokens)})")
-    run(options, print_fn=console.print if not args.quiet else (lambda *a: None))
+    run(options, print_fn=console.print)
     return 0
 
 
@@ -460,6 +502,17 @@ def cmd_stress(args, parser, console) -> int:
     return 0
 
 
+class _Refused(argparse.Action):
+    """A flag a verb does not take: a parser error naming it and ``reason``, hidden from the help."""
+
+    def __init__(self, option_strings, dest, reason: str, **kw):
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, help=argparse.SUPPRESS, **kw)
+        self.reason = reason
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: {self.reason}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from epgen import __version__
 
@@ -468,11 +521,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"epgen {__version__}")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    def verb(name, help_, fn):
+    def verb(name, help_, fn, output: str = ""):
+        """A verb's parser; ``output``: what a verb that takes neither --quiet nor --json prints
+        instead (its parser then refuses both, naming it), empty for a verb that honours them."""
         sp = sub.add_parser(name, help=help_, description=help_.replace("%%", "%"))
-        sp.add_argument("--quiet", action="store_true", help="print only failures")
-        sp.add_argument("--json", action="store_true", help="print machine-readable JSON")
-        sp.set_defaults(fn=fn, parser=sp)
+        if output:
+            sp.add_argument("--quiet", "--json", action=_Refused, reason=f"epgen {name} does not take it: {output}")
+        else:
+            sp.add_argument("--quiet", action="store_true", help="print only failures")
+            sp.add_argument("--json", action="store_true", help="print machine-readable JSON")
+        sp.set_defaults(fn=fn, parser=sp, quiet=False, json=False)
         return sp
 
     g = verb("generate", "render the catalogue into generated/ (or one shape into -o DIR)", cmd_generate)
@@ -488,10 +546,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = verb("check", f"compile kernels offline and print {table}; exit 1 on a compile error, scratch or spill",
              cmd_report)
     flags.add_shape_args(c)
+    flags.add_geometry_args(c)
     flags.add_jobs_arg(c)
     r = verb("report", "check, and also write its table to files (--markdown, --csv; the CSV has the full entry "
              "names); exit 1 on a compile error, scratch or spill", cmd_report)
     flags.add_shape_args(r)
+    flags.add_geometry_args(r)
     flags.add_jobs_arg(r)
     r.add_argument("--markdown", help="also write the table as Markdown to this file")
     r.add_argument("--csv", help="also write the table as CSV to this file")
@@ -532,19 +592,22 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{MOE_DEMO_INTERMEDIATE})")
 
     b = verb("bench", "time dispatch/combine of both kernel families (--family) against the P2P ceiling and NCCL "
-             "all_to_all_single in one run; write CSV, PNG and a table", cmd_bench)
+             "all_to_all_single in one run; write CSV, PNG and a table", cmd_bench,
+             output="it prints a line per point and a table; the CSV under -o holds every figure, for programs")
     flags.add_bench_args(b)
 
     t = verb("tune", "sweep launch geometry on the GPU and write codegen/tuning/<arch>.json (fewest blocks "
              "within 3%% of the best per token bucket; for the low-latency family its geometry and the threshold up "
              "to which it beats the normal family); --virtual writes the same entries as real ranks of that world "
-             "size, from one GPU's local memory", cmd_tune)
+             "size, from one GPU's local memory", cmd_tune,
+             output="it prints the timings and writes codegen/tuning/<arch>.json (--dry-run: prints only)")
     flags.add_tune_args(t)
 
     st = verb("stress", "many verified rounds with random token counts (0..max), routing kinds and both kernel "
               "families (the low-latency one also split, with GPU work between its halves); one process per rank, "
               "sharing cuda:0 when there are fewer GPUs; prints rounds, failures and the worst combine error; exit "
-              "status non-zero on a failure", cmd_stress)
+              "status non-zero on a failure", cmd_stress,
+              output="it prints a line per failure and a summary; its exit status says whether every round passed")
     flags.add_stress_args(st)
     return p
 

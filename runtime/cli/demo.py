@@ -50,9 +50,28 @@ def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Cons
             console.print(summary["gpu_skipped"] + ".")
     else:
         summary["gpu"] = _run_gpu(cfg, model, tokens, iters, console, quiet)
+    if not quiet:
+        console.print(next_steps(model, bool(rows)))
     if as_json:
         print(json.dumps(summary))
     return rc
+
+
+def next_steps(model: str, table: bool) -> str:
+    """What the demo's notation means (with ``table``: its resource table's), where its kernels
+    are and what to run next."""
+    legend = ("how to read the table: a variant is PAYLOAD BLOCKSxWARPSuUNROLL, e.g. bf16 2048x16u2: the "
+              "dispatched dtype or the combine's wire (bf16, or a quantized wire's tag such as qfp8b), then the "
+              "launch geometry, blocks x warps per block, and the copy loop's unroll. The caption's 'every row: "
+              "w8 h7168 k8 l32 t4096' is the shape the kernels share: w world size (ranks), h hidden size, k top-k, "
+              "l experts per rank, t max tokens per rank (s scale bytes, r receive rows, a expert alignment where "
+              "set). regs, AGPR, SGPR: registers a thread uses; LDS and occ: shared memory a block uses and "
+              "occupancy, in the caption's units.\n" if table else "")
+    return (f"{legend}the kernels: rendered in memory and compiled, not written; `epgen generate --model {model} -o "
+            "DIR` writes their sources, named by the entry names above (an epgen checkout's generated/ holds the "
+            f"catalogue's).\nnext: `epgen check --model {model} --arch ARCH` (one arch's resources; --json for "
+            f"scripts), `epgen demo --moe` (the whole MoE layer), and on a GPU `epgen bench --model {model}` "
+            "(time against the link's ceiling and NCCL) or `epgen stress` (many verified rounds).")
 
 
 def _run_gpu(cfg: EpConfig, model: str, tokens: int, iters: int, console: Console, quiet: bool) -> dict:

@@ -307,7 +307,9 @@ def _resolve_sizes(args, parser) -> None:
                                            ("--expert-alignment", getattr(args, "expert_alignment", None)),
                                            ("--max-recv-tokens", getattr(args, "max_recv_tokens", None)),
                                            ("--kernel-family", getattr(args, "kernel_family", None)),
-                                           ("--low-latency-geometry", getattr(args, "low_latency_geometry", None)))
+                                           ("--low-latency-geometry", getattr(args, "low_latency_geometry", None)),
+                                           ("--dispatch-geometry", getattr(args, "dispatch_geometry", None)),
+                                           ("--combine-geometry", getattr(args, "combine_geometry", None)))
              if v is not None]
     shape = args.model or any(v is not None for v in (args.hidden, args.topk, args.dtype, args.quant))
     if given and not shape:
@@ -377,11 +379,13 @@ def selected_catalogue_specs(args, parser) -> list | None:
     """With only the selectors --dtype/--topk/--quant: those variants of every catalogue model
     (--dtype: dispatch, --quant: combine, each with its low-latency halves and its local kernels,
     as the quantize kernel; --topk: both unless one of the others narrows it); None
-    when no selector is given. The kernel family flags need a shape (a parser error here)."""
+    when no selector is given. The kernel family and geometry flags need a shape (a parser error here)."""
     if args.topk is None and args.dtype is None and args.quant is None:
         return None
     family = [f"{flag} {v}" for flag, v in (("--kernel-family", getattr(args, "kernel_family", None)),
-                                            ("--low-latency-geometry", getattr(args, "low_latency_geometry", None)))
+                                            ("--low-latency-geometry", getattr(args, "low_latency_geometry", None)),
+                                            ("--dispatch-geometry", getattr(args, "dispatch_geometry", None)),
+                                            ("--combine-geometry", getattr(args, "combine_geometry", None)))
               if v is not None]
     if family:
         parser.error(f"{' '.join(family)}: needs a shape (--model or --hidden); the selectors --dtype/--topk/--quant "

@@ -393,8 +393,7 @@ def _fake_report_rows(specs) -> list[dict]:
 @pytest.mark.parametrize("width", [80, 120])
 def test_whole_catalogue_table_reads_at_80_and_120_columns(width, capsys, monkeypatch):
     """COLUMNS=80 (or 120) epgen check over the whole catalogue: every line fits, nothing cut, one
-    line a row; scratch, spill and status, the same on every row, move to the caption. A row that
-    spills brings its columns back and still fits, its label folding onto a second line."""
+    line a row; scratch, spill and status are in the caption, a row that spills named there too."""
     from rich.console import Console
 
     from epgen.cli import commands as cli
@@ -410,7 +409,7 @@ def test_whole_catalogue_table_reads_at_80_and_120_columns(width, capsys, monkey
     assert main(["check"]) == 0
     text = capsys.readouterr().out
     assert "…" not in text and all(len(line) <= width for line in text.splitlines())
-    assert "every row: w8 t4096, scratch 0, spill 0, status ok" in " ".join(text.split())
+    assert "every row: w8 t4096; scratch 0, spill 0, status ok" in " ".join(text.split())
     head = next(line for line in text.splitlines() if line.startswith("arch "))
     assert head.split() == ["arch", "op", "variant", "regs", "AGPR", "SGPR", "LDS", "occ"]
     body = [line for line in text.splitlines() if line.startswith(("gfx950 ", "gfx1250 ", "sm_90 "))]
@@ -423,8 +422,8 @@ def test_whole_catalogue_table_reads_at_80_and_120_columns(width, capsys, monkey
     text = console.export_text()
     assert "…" not in text and all(len(line) <= width for line in text.splitlines())
     head = next(line for line in text.splitlines() if line.startswith("arch "))
-    assert head.split() == ["arch", "op", "variant", "regs", "AGPR", "SGPR", "scratch", "spill", "LDS", "occ", "status"]
-    assert "scratch/spill" in text and "every row: w8 t4096" in text and "status ok" not in text
+    assert head.split() == ["arch", "op", "variant", "regs", "AGPR", "SGPR", "LDS", "occ"]
+    assert "status scratch/spill" in " ".join(text.split()) and "every row: w8 t4096" in text
 
 
 def _matplotlib(monkeypatch, present: bool) -> None:
@@ -455,8 +454,8 @@ def _matplotlib(monkeypatch, present: bool) -> None:
     (["tune", "--quant", "fp8_blockwise"], "--quant fp8_blockwise: only with --family normal"),
     (["bench", "--nodes", "2", "--cpu", "--world-size", "4", "-o", "/nonexistent/x"],
      "-o /nonexistent/x: folder /nonexistent does not exist"),
-    (["bench", "--nodes", "2", "--cpu", "--world-size", "4", "--json", "--combine-geometry", "24x16"],
-     "--json --combine-geometry: not with --nodes"),
+    (["bench", "--nodes", "2", "--cpu", "--world-size", "4", "--combine-geometry", "24x16"],
+     "--combine-geometry: not with --nodes"),
     (["stress", "--kernel-family", "low_latency", "--max-tokens", "70000"],
      "(--world-size 2, the low_latency family with tokens up to 70000, with --model deepseek-v3)"),
     (["bench", "--family", "fast"], "argument --family: invalid choice: 'fast'"),
@@ -1041,3 +1040,123 @@ def test_path_name_problem_rules(tmp_path):
         f"-o {abbreviate(str(prefix))}: the name '{abbreviate(prefix.name + '.env.txt')}' is {limit + 4} bytes; a "
         f"file or folder name may have at most {limit} bytes on this file system (NAME_MAX)")
     assert len(abbreviate("y" * 1000)) == 60 and abbreviate("y" * 60) == "y" * 60
+
+
+@pytest.mark.parametrize("verb", ["bench", "tune", "stress"])
+@pytest.mark.parametrize("flag", ["--json", "--quiet"])
+def test_gpu_verbs_refuse_the_output_flags_they_do_not_honour(verb, flag, capsys):
+    """bench, tune and stress print their own output (and write files): --json and --quiet are
+    usage errors that say what the verb prints instead, before any GPU is looked for, and neither
+    shows in the verb's help."""
+    err = _usage_error([verb, flag], capsys)
+    assert f"epgen {verb}: error: {flag}: epgen {verb} does not take it: it prints" in err
+    with pytest.raises(SystemExit):
+        main([verb, "--help"])
+    assert "--json" not in capsys.readouterr().out
+
+
+def test_generate_check_and_diff_refuse_a_folder_before_rendering(tmp_path, capsys, monkeypatch):
+    """generate --check -o MISSING, and generate or diff -o on another tool's folder, stop before
+    the catalogue is rendered (a minute of compiling), naming the folder and the rule."""
+    from epgen.codegen import catalogue
+
+    def no_render(*a, **kw):
+        raise AssertionError("rendered before refusing")
+
+    monkeypatch.setattr(catalogue, "render_files", no_render)
+    missing = tmp_path / "missing"
+    err = _usage_error(["generate", "--check", "-o", str(missing)], capsys)
+    assert f"-o {missing}: does not exist; --check compares a directory epgen generate wrote" in err
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "manifest.json").write_text('{"schema": 1, "code_objects": {}}\n')  # a build cache's
+    for argv in (["generate", "-o", str(foreign)], ["generate", "--check", "-o", str(foreign)],
+                 ["diff", "-o", str(foreign)]):
+        assert main(argv) == 2
+        assert "manifest.json: not a manifest epgen generate wrote" in capsys.readouterr().err
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    err = _usage_error(["diff", "-o", str(bare)], capsys)
+    assert f"-o {bare}: has no manifest.json, so epgen generate did not write it" in err
+    assert f"-o {missing}: not a directory" in _usage_error(["diff", "-o", str(missing)], capsys)
+
+
+def test_check_takes_the_geometry_flags(capsys, monkeypatch):
+    """epgen check/report --dispatch-geometry/--combine-geometry: one variant's resources; a bad
+    geometry names its flag, and the flags need a shape."""
+    from epgen.cli import commands as cli
+    from epgen.codegen import catalogue
+
+    seen = []
+    monkeypatch.setattr(cli, "_compilers_missing", lambda arches, verb: False)
+    monkeypatch.setattr(catalogue, "report_rows", lambda specs, max_workers=None, on_done=None:
+                        seen.extend(specs) or _fake_report_rows(specs))
+    for verb in ("check", "report"):
+        seen.clear()
+        assert main([verb, "--model", "mixtral-8x7b", "--arch", "sm_90", "--dispatch-geometry", "8x4u2",
+                     "--combine-geometry", "16x8", "--json"]) == 0
+        geometry = {s.op.value: (s.blocks, s.warps_per_block, s.unroll) for s in seen}
+        assert geometry["dispatch"] == (8, 4, 2) and geometry["combine"][:2] == (16, 8)
+    err = _usage_error(["check", "--model", "mixtral-8x7b", "--arch", "sm_90", "--dispatch-geometry", "8x64u2"], capsys)
+    assert "--dispatch-geometry" in err.splitlines()[-1]
+    err = _usage_error(["check", "--quant", "fp8_blockwise", "--combine-geometry", "16x8"], capsys)
+    assert "--combine-geometry 16x8u4: needs a shape (--model or --hidden)" in err
+
+
+def test_the_wire_diff_hint_leads_to_a_command_that_works():
+    """The bf16-vs-fp8 combine diff: the refusal names the --quant flag to add, and that command
+    works, showing the quantize kernel, which only the quantized wire builds, whole on its side."""
+    shape = ("--model", "deepseek-v3", "--world-size", "2", "--kernel-family", "normal", "--arch", "sm_90")
+    r = run("diff", *shape, "--b", "combine_quant=fp8_blockwise")
+    assert r.returncode == 2 and "add --quant fp8_blockwise: both sides then start from" in r.stderr
+    r = run("diff", *shape, "--quant", "fp8_blockwise", "--a", "combine_quant=none")
+    assert r.returncode == 1, r.stderr
+    assert "=== combine_quantize sm_90\n--- (no combine_quantize kernel with combine_quant=none)" in r.stdout
+    assert re.search(r"^\+\+\+ epgen_combine_sm90_bf16_\S+_qfp8b$", r.stdout, re.M)
+
+
+@pytest.mark.parametrize("spill", [False, True])
+def test_resource_table_fits_80_columns_when_a_row_spills(spill):
+    """The whole catalogue's table at 80 columns: one line a row, with or without a spilling row;
+    the spilling row's scratch, spill and status are in the caption, named by its label."""
+    from rich.console import Console
+
+    from epgen.codegen import catalogue
+    from epgen.codegen.report import resource_table
+
+    rows = _fake_report_rows(catalogue.catalogue_specs())
+    if spill:
+        rows[0] = {**rows[0], "spill_bytes": 8, "scratch_bytes": 16, "status": "scratch/spill"}
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(resource_table(rows, "t"))
+    lines = console.export_text().splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("arch "))
+    assert lines[head].split() == ["arch", "op", "variant", "regs", "AGPR", "SGPR", "LDS", "occ"]
+    body = lines[head + 2:head + 2 + len(rows)]
+    assert all(line.startswith(("gfx950 ", "gfx1250 ", "sm_90 ")) for line in body)  # nothing folded
+    assert all(len(line) <= 80 for line in lines)
+    caption = " ".join(" ".join(lines[head + 2 + len(rows):]).split())
+    if spill:
+        assert ("scratch 0, spill 0, status ok, except these (red in the table): gfx950 dispatch bf16 h7168 k8 l32 "
+                "2048x16u2: scratch 16, spill 8, status scratch/spill") in caption
+    else:
+        assert "scratch 0, spill 0, status ok scratch, spill" in caption
+
+
+def test_demo_explains_its_notation_and_what_to_run_next(monkeypatch):
+    from rich.console import Console
+
+    from epgen.cli import demo
+
+    monkeypatch.setattr(demo, "toolchain_status", lambda arch: None)
+    monkeypatch.setattr(demo, "report_rows", _fake_report_rows)
+    monkeypatch.setattr(demo.torch.cuda, "is_available", lambda: False)
+    console = Console(width=100, record=True, file=io.StringIO())
+    assert demo.run_demo("mixtral-8x7b", 8, 4096, 1, console) == 0
+    text = " ".join(console.export_text().split())
+    assert "a variant is PAYLOAD BLOCKSxWARPSuUNROLL" in text and "w world size (ranks), h hidden size" in text
+    assert "`epgen generate --model mixtral-8x7b -o DIR` writes their sources" in text
+    assert "next: `epgen check --model mixtral-8x7b --arch ARCH`" in text and "`epgen demo --moe`" in text
+    console = Console(width=100, record=True, file=io.StringIO())
+    assert demo.run_demo("mixtral-8x7b", 8, 4096, 1, console, quiet=True) == 0
+    assert console.export_text() == ""
