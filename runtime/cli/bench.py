@@ -39,6 +39,7 @@ import platform
 import subprocess
 from pathlib import Path
 
+import attrs
 import torch
 
 from epgen.harness.verify import make_inputs, op_arg, op_inputs, run_round, zero_copy_inputs
@@ -50,7 +51,7 @@ from epgen.device import cupy_stream
 from epgen.loader import load_kernel
 from epgen.codegen.config import EpConfig, Geometry
 from epgen.reference import route
-from epgen.cli.options import BenchOptions, family_points, family_transport
+from epgen.cli.options import BenchOptions, family_config, family_points
 from epgen.harness.timing import PairTiming, Timing, gbps, time_pairs, time_pairs_queued
 
 CSV_COLUMNS = ("op", "family", "dtype", "routing", "tokens", "rank", "world_size", "virtual", "time_us", "mean_us",
@@ -189,21 +190,18 @@ def measure(op, cfg: EpConfig, tokens: int, routing: str, seed: int,
     return pair, gathered, transport
 
 
-def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
+def bench_process(rank: int, world_size: int, layer: EpConfig, opts: BenchOptions) -> list[dict]:
     """The benchmark body of one process (every rank of a real group, or the only process): one
-    op per kernel family of ``family_points(opts.family, opts.tokens)``, every point timed on
-    each op that covers its token count, the ceiling and NCCL once per point."""
+    op of ``layer`` per kernel family of ``family_points(opts.family, opts.tokens)``
+    (``family_config``), every point timed on each op that covers its token count, the ceiling
+    and NCCL once per point."""
     from epgen.op import EpDispatchCombine
 
     dist = torch.distributed if torch.distributed.is_initialized() else None
     points = family_points(opts.family, opts.tokens)
     ops = {}
     for family, counts in points.items():
-        cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=max(counts),
-                                 dtype=opts.dtype, combine_quant=opts.combine_quant,
-                                 dispatch_geometry=opts.dispatch_geometry, combine_geometry=opts.combine_geometry,
-                                 kernel_family=family, low_latency_geometry=opts.low_latency_geometry, timeout_s=20.0,
-                                 dispatch_transport=family_transport(family, opts.transport))
+        cfg = attrs.evolve(family_config(layer, family, max(counts)), timeout_s=20.0)
         ops[family] = (cfg, EpDispatchCombine(cfg, virtual=opts.virtual))
     cfg0, first = next(iter(ops.values()))  # its arena holds the ceiling's bytes (W x its Tmax rows)
     me = first.local_ranks[0]
@@ -308,11 +306,12 @@ def op_row(name: str, dtype: str, routing: str, tokens: int, rank: int, world_si
             "blocks": geo.blocks, "warps_per_block": geo.warps_per_block, "unroll": geo.unroll, "transport": transport}
 
 
-def run(opts: BenchOptions) -> None:
-    """Run the benchmark: one process per GPU for W > 1 (unless virtual), else in this process."""
+def run(layer: EpConfig, opts: BenchOptions) -> None:
+    """Run the benchmark of ``layer``: one process per GPU for W > 1 (unless virtual), else in
+    this process."""
     from epgen.harness.ranks import run_ranks_or_here
 
-    run_ranks_or_here(opts.world_size, opts.virtual, bench_process, opts)
+    run_ranks_or_here(layer.world_size, opts.virtual, bench_process, layer, opts)
 
 
 def write_results(rows: list[dict], prefix: str, quiet: bool = False, env: dict | None = None) -> None:

@@ -18,8 +18,8 @@ from rich.markup import escape
 
 from epgen.cli import flags
 from epgen.codegen.catalogue import CATALOGUE_MAX_TOKENS, CATALOGUE_WORLD_SIZE
-from epgen.cli.options import (DEFAULT_MODEL, NODES_SWEEP, NODES_SWEEP_CPU, BenchOptions, DemoOptions, StressOptions,
-                               TuneOptions, family_points, tune_counts)
+from epgen.cli.options import (DEFAULT_MODEL, NODES_SWEEP, NODES_SWEEP_CPU, BenchOptions, StressOptions, TuneOptions,
+                               family_points, tune_counts)
 from epgen.cli.progress import Progress
 
 MOE_DEMO_TOKENS = 1024
@@ -354,11 +354,11 @@ def cmd_demo(args, parser, console) -> int:
     given = [f for f, v in (("--experts", args.experts), ("--intermediate", args.intermediate)) if v is not None]
     if given:
         parser.error(f"{' '.join(given)}: only with --moe")
-    args.tokens = args.tokens or DemoOptions().tokens
-    family = dict(kernel_family=args.kernel_family or flags.CONFIG_DEFAULTS["kernel_family"],
-                  low_latency_geometry=args.low_latency_geometry)
+    args.tokens = args.tokens or CATALOGUE_MAX_TOKENS
     try:
-        cfg = EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=args.tokens, **family)
+        cfg = EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=args.tokens,
+                                 kernel_family=args.kernel_family or flags.CONFIG_DEFAULTS["kernel_family"],
+                                 low_latency_geometry=args.low_latency_geometry)
         for arch in ARCHES:  # the demo compiles every arch's kernels
             cfg.kernel_specs(arch)
     except ValueError as e:
@@ -368,8 +368,7 @@ def cmd_demo(args, parser, console) -> int:
         parser.error(f"{e} ({flag} {getattr(args, flag[2:].replace('-', '_'))} with --model {args.model})")
     from epgen.cli.demo import run_demo
 
-    return run_demo(args.model, args.world_size, args.tokens, args.iters, console, quiet=args.quiet, as_json=args.json,
-                    **family)
+    return run_demo(cfg, args.model, args.iters, console, quiet=args.quiet, as_json=args.json)
 
 
 def _moe_demo(args, parser, console) -> int:
@@ -405,24 +404,25 @@ def cmd_bench(args, parser, console) -> int:
     from epgen.cli.bench import default_output
 
     output = args.output or default_output(args.world_size, args.virtual, flags.in_checkout())
-    args.tokens = args.tokens or list(BenchOptions().tokens)
-    families = {family: max(counts) for family, counts in family_points(args.family, args.tokens).items()}
-    if flags.gpu_preflight(args, parser, _error, "bench", families=families, virtual=args.virtual, output=output,
+    opts = BenchOptions(tokens=tuple(args.tokens or BenchOptions().tokens), routings=tuple(args.routing),
+                        iters=args.iters, virtual=args.virtual, output=output, family=args.family)
+    families = {family: max(counts) for family, counts in family_points(opts.family, opts.tokens).items()}
+    cfg = flags.config_from(args, parser)
+    if flags.gpu_preflight(args, parser, _error, "bench", cfg, families=families, virtual=args.virtual, output=output,
                            geometries={"--dispatch-geometry": args.dispatch_geometry,
                                        "--combine-geometry": args.combine_geometry},
                            low_latency_geometries={"--low-latency-geometry": args.low_latency_geometry}) is None:
         return 2
     from epgen.cli.bench import run
 
-    run(BenchOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens), dtype=args.dtype,
-                     combine_quant=args.quant, routings=tuple(args.routing), dispatch_geometry=args.dispatch_geometry,
-                     combine_geometry=args.combine_geometry, iters=args.iters, virtual=args.virtual, output=output,
-                     family=args.family, low_latency_geometry=args.low_latency_geometry, transport=args.transport))
+    run(cfg, opts)
     return 0
 
 
 def _bench_nodes(args, parser, console) -> int:
-    from epgen.cli.bench_nodes import NodesBenchOptions, config, run
+    import attrs
+
+    from epgen.cli.bench_nodes import NodesBenchOptions, run
     from epgen.harness.hierarchical_verify import ROUTINGS as NODE_ROUTINGS
 
     if args.nodes < 2:
@@ -448,57 +448,53 @@ def _bench_nodes(args, parser, console) -> int:
         import torch
 
         args.tokens = list(NODES_SWEEP_CPU if args.cpu or not torch.cuda.is_available() else NODES_SWEEP)
-    options = NodesBenchOptions(model=args.model, world_size=args.world_size, nodes=args.nodes,
-                                tokens=tuple(args.tokens), routings=tuple(args.routing), dtype=args.dtype,
-                                combine_quant=args.quant, iters=args.iters, cpu=args.cpu, output=args.output)
+    options = NodesBenchOptions(tokens=tuple(args.tokens), routings=tuple(args.routing), iters=args.iters,
+                                cpu=args.cpu, output=args.output)
     try:
-        config(options)
+        cfg = attrs.evolve(flags.config_from(args, parser), nodes=args.nodes, max_tokens_per_rank=max(args.tokens))
     except ValueError as e:
         parser.error(f"{e} (--nodes {args.nodes} --world-size {args.world_size}, tokens up to {max(args.tokens)})")
-    run(options, print_fn=console.print)
+    run(cfg, options, print_fn=console.print)
     return 0
 
 
 def cmd_tune(args, parser, console) -> int:
     if args.family == "normal":
         given = [f for f, v in (("--low-latency-tokens", args.low_latency_tokens),
-                                ("--low-latency-geometry", args.low_latency_geometry)) if v is not None]
+                                ("--low-latency-geometry", args.low_latency_geometries)) if v is not None]
         if given:
             parser.error(f"{' '.join(given)}: only with --family low_latency or both (--family normal tunes the "
                          "normal family alone)")
     if args.quant != "none" and args.family != "normal":
         parser.error(f"--quant {args.quant}: only with --family normal (the normal family's combine with a quantized "
                      "wire has entries of its own; the low-latency family's entries, bf16 ones, serve every wire)")
-    opts = TuneOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens), dtype=args.dtype,
-                       combine_quant=args.quant,
-                       geometries=tuple(args.geometry) if args.geometry else None, routing=args.routing,
-                       iters=args.iters, write=not args.dry_run, family=args.family,
+    opts = TuneOptions(tokens=tuple(args.tokens), geometries=tuple(args.geometry) if args.geometry else None,
+                       routing=args.routing, iters=args.iters, write=not args.dry_run, family=args.family,
                        low_latency_tokens=tuple(args.low_latency_tokens or TuneOptions().low_latency_tokens),
-                       low_latency_geometries=tuple(args.low_latency_geometry) if args.low_latency_geometry else None,
+                       low_latency_geometries=tuple(args.low_latency_geometries) if args.low_latency_geometries else None,
                        virtual=args.virtual, pull=not args.no_pull)
     families = {family: max(counts) for family, counts in tune_counts(opts).items()}
-    if flags.gpu_preflight(args, parser, _error, "tune", families=families, virtual=args.virtual,
+    cfg = flags.config_from(args, parser)
+    if flags.gpu_preflight(args, parser, _error, "tune", cfg, families=families, virtual=args.virtual,
                            geometries={"--geometry": args.geometry},
-                           low_latency_geometries={"--low-latency-geometry": args.low_latency_geometry}) is None:
+                           low_latency_geometries={"--low-latency-geometry": args.low_latency_geometries}) is None:
         return 2
     from epgen.cli.tune import run
 
-    run(opts)
+    run(cfg, opts)
     return 0
 
 
 def cmd_stress(args, parser, console) -> int:
-    family = args.kernel_family or flags.CONFIG_DEFAULTS["kernel_family"]
-    if flags.gpu_preflight(args, parser, _error, "stress", families={family: args.max_tokens}, virtual=args.virtual,
-                           low_latency_geometries={"--low-latency-geometry": args.low_latency_geometry},
-                           share_gpu=True) is None:
+    cfg = flags.config_from(args, parser)
+    cfg = flags.gpu_preflight(args, parser, _error, "stress", cfg, families={cfg.kernel_family: cfg.max_tokens_per_rank},
+                              virtual=args.virtual, share_gpu=True,
+                              low_latency_geometries={"--low-latency-geometry": args.low_latency_geometry})
+    if cfg is None:
         return 2
     from epgen.cli.stress import run
 
-    run(StressOptions(model=args.model, world_size=args.world_size, max_tokens=args.max_tokens, rounds=args.rounds,
-                      seed=args.seed, virtual=args.virtual, dtype=args.dtype, combine_quant=args.quant,
-                      kernel_family=family, low_latency_geometry=args.low_latency_geometry,
-                      fault_every=args.fault_every or 0))
+    run(cfg, StressOptions(rounds=args.rounds, seed=args.seed, virtual=args.virtual, fault_every=args.fault_every or 0))
     return 0
 
 
@@ -581,7 +577,6 @@ def build_parser() -> argparse.ArgumentParser:
              "GPU, run, verify and time dispatch/combine over virtual ranks; with --moe, the whole MoE layer",
              cmd_demo)
     flags.add_demo_args(d)
-    d.set_defaults(tokens=None)  # DemoOptions().tokens, or MOE_DEMO_TOKENS with --moe
     d.add_argument("--moe", action="store_true", help="instead: the whole MoE layer of --model (epgen.moe.MoELayer: "
                    "dispatch, expansion, SwiGLU expert GEMMs, fold, combine) on virtual ranks of one GPU with random "
                    "weights and routing, checked against the dense reference, GPU time per stage; --tokens defaults "

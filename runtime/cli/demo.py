@@ -13,18 +13,17 @@ from epgen.codegen.offline import toolchain_status
 from epgen.codegen.config import EpConfig
 
 
-def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Console, quiet: bool = False,
-             as_json: bool = False, kernel_family: str = "auto", low_latency_geometry=None) -> int:
-    """Returns the process exit code: 0 when every check passed. ``quiet`` prints only failures;
-    ``as_json`` also prints a JSON summary (resources and, with a GPU, per-rank results) on stdout.
-    ``kernel_family`` and ``low_latency_geometry``: EpConfig's fields (the GPU run times the family
-    ``op.family(tokens)`` takes)."""
+def run_demo(cfg: EpConfig, model: str, iters: int, console: Console, quiet: bool = False,
+             as_json: bool = False) -> int:
+    """Returns the process exit code: 0 when every check passed. ``cfg``: the layer, of catalogue
+    ``model``, its max tokens per rank the tokens each virtual rank sends (the GPU run times the
+    family ``op.family(tokens)`` takes); ``quiet`` prints only failures; ``as_json`` also prints a
+    JSON summary (resources and, with a GPU, per-rank results) on stdout."""
     import json
 
-    cfg = EpConfig.for_model(model, world_size=world_size, max_tokens_per_rank=tokens, kernel_family=kernel_family,
-                             low_latency_geometry=low_latency_geometry)
+    world_size, tokens = cfg.world_size, cfg.max_tokens_per_rank
     summary = {"model": model, "world_size": world_size, "tokens": tokens, "dtype": cfg.dtype,
-               "kernel_family": kernel_family, "resources": [], "gpu": None, "gpu_skipped": None}
+               "kernel_family": cfg.kernel_family, "resources": [], "gpu": None, "gpu_skipped": None}
     missing = {arch: toolchain_status(arch) for arch in ARCHES}
     for arch, reason in missing.items():
         if reason:

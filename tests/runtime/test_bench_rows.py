@@ -213,11 +213,18 @@ def fake_bench(monkeypatch):
     return calls
 
 
+def _layer(world_size: int, **kw):
+    """The layer bench takes from the command line: deepseek-v3 at ``world_size`` ranks."""
+    from epgen.codegen.config import EpConfig
+
+    return EpConfig.for_model("deepseek-v3", world_size=world_size, max_tokens_per_rank=4096, **kw)
+
+
 def test_bench_times_each_point_on_every_family_that_covers_it(fake_bench, capsys):
     from epgen.cli.options import BenchOptions
 
-    opts = BenchOptions(world_size=2, virtual=True, tokens=(1, 1024, 4096), routings=("uniform",), iters=3)
-    rows = bench.bench_process(0, 2, opts)
+    opts = BenchOptions(virtual=True, tokens=(1, 1024, 4096), routings=("uniform",), iters=3)
+    rows = bench.bench_process(0, 2, _layer(2), opts)
     assert [(op.config.kernel_family, op.config.max_tokens_per_rank, op.virtual) for op in _FakeOp.built] == [
         ("normal", 4096, True), ("low_latency", 1024, True)]
     assert [c[:2] for c in fake_bench] == [("normal", 1), ("low_latency", 1), ("normal", 1024), ("low_latency", 1024),
@@ -242,8 +249,8 @@ def test_bench_transport_goes_to_the_normal_family_and_its_dispatch_rows(fake_be
     pull); the dispatch rows name the transport taken, the combine rows none."""
     from epgen.cli.options import BenchOptions
 
-    rows = bench.bench_process(0, 2, BenchOptions(world_size=2, virtual=True, tokens=(8, 4096), routings=("uniform",),
-                                                  transport="pull"))
+    rows = bench.bench_process(0, 2, _layer(2, dispatch_transport="pull"),
+                               BenchOptions(virtual=True, tokens=(8, 4096), routings=("uniform",)))
     assert [(op.config.kernel_family, op.config.dispatch_transport) for op in _FakeOp.built] == [
         ("normal", "pull"), ("low_latency", "push")]
     assert [(r["op"], r["family"], r["transport"]) for r in rows if r["tokens"] == 8] == [
@@ -254,8 +261,7 @@ def test_bench_transport_goes_to_the_normal_family_and_its_dispatch_rows(fake_be
 def test_bench_auto_rows_name_the_family_each_point_took(fake_bench):
     from epgen.cli.options import BenchOptions
 
-    rows = bench.bench_process(0, 1, BenchOptions(world_size=1, tokens=(8, 4096), routings=("uniform",),
-                                                  family="auto"))
+    rows = bench.bench_process(0, 1, _layer(1), BenchOptions(tokens=(8, 4096), routings=("uniform",), family="auto"))
     assert [op.config.kernel_family for op in _FakeOp.built] == ["auto"]
     assert [(r["family"], r["tokens"], r["blocks"]) for r in rows] == [
         ("low_latency", 8, 32), ("low_latency", 8, 32), ("normal", 4096, 24), ("normal", 4096, 24)]

@@ -286,7 +286,7 @@ def test_report_output_paths_are_checked_before_compiling(capsys, tmp_path):
     (["check", "--dtype", "fp8", "--world-size", "16"], "--world-size 16: catalogue model mixtral-8x7b has 8 experts"),
     (["check", "--model", "deepseek-v3", "--world-size", "24"],
      "multiple of world_size=24 (--world-size 24 with --model deepseek-v3)"),
-    (["build", "--dispatch-geometry", "24x33"], "KernelSpec.warps_per_block=33: must be in [1, 32] (--dispatch-geometry)"),
+    (["build", "--dispatch-geometry", "24x33"], "KernelSpec.warps_per_block=33: must be in [1, 32] (--dispatch-geometry 24x33u4)"),
     (["diff", "--model", "deepseek-v3", "--a", "unroll=abc", "--b", "unroll=2"], "--a unroll=abc: KernelSpec.unroll"),
     (["diff", "--model", "deepseek-v3", "--a", "unroll=2", "unroll=4", "--b", "unroll=2"],
      "--a 'unroll=4': unroll is already set to 2"),
@@ -457,7 +457,8 @@ def _matplotlib(monkeypatch, present: bool) -> None:
     (["bench", "--nodes", "2", "--cpu", "--world-size", "4", "--combine-geometry", "24x16"],
      "--combine-geometry: not with --nodes"),
     (["stress", "--kernel-family", "low_latency", "--max-tokens", "70000"],
-     "(--world-size 2, the low_latency family with tokens up to 70000, with --model deepseek-v3)"),
+     "EpConfig.max_tokens_per_rank=70000: kernel_family='low_latency' holds at most 65535 tokens a rank (use 'auto' "
+     "or 'normal') (--max-tokens)"),
     (["bench", "--family", "fast"], "argument --family: invalid choice: 'fast'"),
     (["stress", "--kernel-family", "both"], "argument --kernel-family: invalid choice: 'both'"),
 ])
@@ -502,15 +503,15 @@ def test_gpu_verbs_need_as_many_gpus_as_ranks(capsys, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--virtual", "--world-size", "2", "--dispatch-geometry", "24x64u4"],
-     "KernelSpec.warps_per_block=64: must be in [1, 32] (--dispatch-geometry 24x64u4 on every arch)"),
+     "KernelSpec.warps_per_block=64: must be in [1, 32] (--dispatch-geometry 24x64u4)"),
     (["bench", "--virtual", "--world-size", "2", "--combine-geometry", "24x32u999"],
-     "(--combine-geometry 24x32u999 on every arch)"),
+     "KernelSpec.unroll=999: must be in [1, 16] (--combine-geometry 24x32u999)"),
     (["tune", "--world-size", "1", "--geometry", "24x32u4", "24x64u4"], "(--geometry 24x64u4 on every arch)"),
     (["stress", "--virtual", "--world-size", "64"], "(--world-size 64 on this GPU's arch sm_90)"),
     (["bench", "--virtual", "--world-size", "2", "--low-latency-geometry", "16x64u2"],
-     "KernelSpec.warps_per_block=64: must be in [1, 32] (--low-latency-geometry 16x64u2 on every arch)"),
+     "KernelSpec.warps_per_block=64: must be in [1, 32] (--low-latency-geometry 16x64u2)"),
     (["bench", "--virtual", "--world-size", "2", "--low-latency-geometry", "600x16u2"],
-     "world_size x blocks = 1200, at most 1024; at most 512 blocks (--low-latency-geometry 600x16u2 on every arch)"),
+     "world_size x blocks = 1200, at most 1024; at most 512 blocks (--low-latency-geometry 600x16u2)"),
     (["bench", "--virtual", "--world-size", "2", "--family", "low_latency", "--dispatch-geometry", "24x32u4"],
      "--dispatch-geometry 24x32u4: applies to the normal family's kernels, which this run does not build"),
     (["bench", "--virtual", "--world-size", "2", "--family", "normal", "--low-latency-geometry", "16x16u2"],
@@ -518,9 +519,10 @@ def test_gpu_verbs_need_as_many_gpus_as_ranks(capsys, monkeypatch, tmp_path):
     (["tune", "--virtual", "--world-size", "4", "--low-latency-geometry", "16x16u2", "600x16u2"],
      "(--low-latency-geometry 600x16u2 on every arch)"),  # --virtual: 4 ranks on the 2 GPUs are fine
     (["stress", "--virtual", "--kernel-family", "normal", "--low-latency-geometry", "16x16u2"],
-     "--low-latency-geometry 16x16u2: applies to the low-latency family's kernels"),
+     "applies to kernel_family 'auto' or 'low_latency' (kernel_family='normal' builds no low-latency kernels) "
+     "(--low-latency-geometry)"),
     (["stress", "--virtual", "--world-size", "8", "--kernel-family", "low_latency", "--low-latency-geometry",
-      "256x16u2"], "(--low-latency-geometry 256x16u2 on every arch)"),
+      "256x16u2"], "at most 128 blocks (--low-latency-geometry 256x16u2)"),
 ])
 def test_gpu_verbs_check_geometry_and_world_size_against_the_gpus_arch(argv, message, capsys, monkeypatch, tmp_path):
     import torch
@@ -554,7 +556,7 @@ def test_a_geometry_some_arch_runs_is_checked_against_the_gpus_arch(capsys, monk
 def test_a_geometry_no_arch_runs_is_refused_without_a_gpu(capsys):
     err = _usage_error(["bench", "--virtual", "--world-size", "2", "--low-latency-geometry", "1024x8"], capsys)
     assert err.splitlines()[-1].endswith("world_size x blocks = 2048, at most 1024; at most 512 blocks "
-                                         "(--low-latency-geometry 1024x8u4 on every arch)")
+                                         "(--low-latency-geometry 1024x8u4)")
 
 
 @pytest.mark.parametrize("argv", [["diff", "-o", ""], ["bench", "-o", ""], ["generate", "-o", " "], ["build", "-o", ""]])
@@ -599,10 +601,11 @@ def test_check_report_and_demo_print_the_compiler_releases(capsys):
     assert main(["check", "--model", "mixtral-8x7b", "--arch", "sm_90", "--json"]) == 0
     assert {r["compiler"] for r in json.loads(capsys.readouterr().out)} == {release}
     from epgen.cli.demo import run_demo  # the demo prints the same table
+    from epgen.codegen.config import EpConfig
     from rich.console import Console
 
     console = Console(width=120, record=True, file=io.StringIO())
-    run_demo("mixtral-8x7b", 8, 4096, 1, console, quiet=False)
+    run_demo(EpConfig.for_model("mixtral-8x7b", world_size=8, max_tokens_per_rank=4096), "mixtral-8x7b", 1, console)
     assert f"sm_90: {release}" in " ".join(console.export_text().split())
 
 
@@ -748,7 +751,7 @@ def test_a_broken_compiler_reads_as_missing(monkeypatch, capsys, tmp_path):
 def test_generate_names_the_kernels_that_spill():
     """generate's summary names the report's kernels that use scratch or spill (only REPORT.md
     held them)."""
-    from epgen.cli import _spilling
+    from epgen.cli.commands import _spilling
     from epgen.codegen.catalogue import REPORT_CSV
 
     report = "entry,status\na,ok\nb,scratch/spill\n"
@@ -881,7 +884,7 @@ def test_demo_moe_on_the_gpu_passes_and_times_every_stage(capsys):
 
 
 def _parse(argv):
-    from epgen.cli import build_parser
+    from epgen.cli.commands import build_parser
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -911,7 +914,7 @@ def test_kernel_family_flags_reach_the_specs_of_the_shape_verbs():
      "--kernel-family low_latency: needs a shape (--model or --hidden); the selectors"),
     (["generate", "--model", "gpt-oss-120b", "--low-latency-geometry", "600x16u2", "-o", "/nonexistent-epgen-out"],
      "KernelSpec.blocks=600: the low-latency family raises one flag per (rank, block), world_size x blocks = 4800, "
-     "at most 1024; at most 128 blocks (--low-latency-geometry)"),
+     "at most 1024; at most 128 blocks (--low-latency-geometry 600x16u2)"),
     (["check", "--model", "gpt-oss-120b", "--kernel-family", "low_latency", "--max-tokens", "70000"],
      "kernel_family='low_latency' holds at most 65535 tokens a rank (use 'auto' or 'normal') (--max-tokens)"),
     (["build", "--kernel-family", "fast"], "argument --kernel-family: invalid choice: 'fast'"),
@@ -940,6 +943,8 @@ def _fake_gpu(monkeypatch, gpus=2):
 
 
 def test_gpu_verbs_pass_the_families_and_the_low_latency_geometry_on(monkeypatch, tmp_path):
+    """bench, tune and stress hand their verb the EpConfig the flags build (config_from) and
+    options of the verb's own; demo its config too."""
     import epgen.cli.bench
     import epgen.cli.demo
     import epgen.cli.stress
@@ -950,33 +955,39 @@ def test_gpu_verbs_pass_the_families_and_the_low_latency_geometry_on(monkeypatch
     _fake_gpu(monkeypatch, gpus=1)
     seen = {}
     for module in (epgen.cli.bench, epgen.cli.tune, epgen.cli.stress):
-        monkeypatch.setattr(module, "run", lambda opts, name=module.__name__: seen.__setitem__(name, opts))
-    monkeypatch.setattr(epgen.cli.demo, "run_demo", lambda *a, **kw: seen.__setitem__("demo", kw) or 0)
+        monkeypatch.setattr(module, "run", lambda cfg, opts, name=module.__name__: seen.__setitem__(name, (cfg, opts)))
+    monkeypatch.setattr(epgen.cli.demo, "run_demo", lambda cfg, *a, **kw: seen.__setitem__("demo", (cfg, kw)) or 0)
     out = ["-o", str(tmp_path / "b")]
     assert main(["bench", "--world-size", "1", *out]) == 0
-    assert (seen["epgen.cli.bench"].family, seen["epgen.cli.bench"].low_latency_geometry) == ("both", None)
+    cfg, b = seen["epgen.cli.bench"]
+    assert (b.family, cfg.low_latency_geometry, cfg.world_size, cfg.hidden) == ("both", None, 1, 7168)
     assert main(["bench", "--world-size", "2", "--virtual", "--family", "low_latency", "--tokens", "1", "256",
-                 "--low-latency-geometry", "16x16u2", *out]) == 0
-    b = seen["epgen.cli.bench"]
-    assert (b.family, b.low_latency_geometry, b.tokens, b.virtual) == (
-        "low_latency", Geometry(16, 16, 2), (1, 256), True)
+                 "--low-latency-geometry", "16x16u2", "--quant", "fp8_blockwise", *out]) == 0
+    cfg, b = seen["epgen.cli.bench"]
+    assert (b.family, cfg.low_latency_geometry, b.tokens, b.virtual, cfg.combine_quant) == (
+        "low_latency", Geometry(16, 16, 2), (1, 256), True, "fp8_blockwise")
     assert main(["tune", "--world-size", "1"]) == 0
-    t = seen["epgen.cli.tune"]
+    cfg, t = seen["epgen.cli.tune"]
     assert (t.family, t.low_latency_tokens, t.low_latency_geometries, t.virtual) == ("both", LOW_LATENCY_SWEEP, None,
                                                                                      False)
+    assert cfg.low_latency_geometry is None  # tune's --low-latency-geometry lists candidates, not the config's
     assert main(["tune", "--world-size", "2", "--virtual", "--family", "low_latency", "--low-latency-tokens", "4",
                  "16", "--low-latency-geometry", "8x16u2", "16x16u4", "--dry-run"]) == 0
-    t = seen["epgen.cli.tune"]
-    assert (t.family, t.low_latency_tokens, t.virtual, t.write) == ("low_latency", (4, 16), True, False)
+    cfg, t = seen["epgen.cli.tune"]
+    assert (t.family, t.low_latency_tokens, t.virtual, t.write, cfg.world_size) == ("low_latency", (4, 16), True,
+                                                                                    False, 2)
     assert t.low_latency_geometries == (Geometry(8, 16, 2), Geometry(16, 16, 4))
     assert main(["stress", "--world-size", "1"]) == 0
-    assert (seen["epgen.cli.stress"].kernel_family, seen["epgen.cli.stress"].low_latency_geometry) == ("auto", None)
+    cfg, _ = seen["epgen.cli.stress"]
+    assert (cfg.kernel_family, cfg.low_latency_geometry, cfg.max_tokens_per_rank) == ("auto", None, 4096)
     assert main(["stress", "--world-size", "4", "--virtual", "--kernel-family", "low_latency",
-                 "--low-latency-geometry", "8x16u2", "--max-tokens", "64"]) == 0
-    assert (seen["epgen.cli.stress"].kernel_family, seen["epgen.cli.stress"].low_latency_geometry) == ("low_latency",
-                                                                                               Geometry(8, 16, 2))
+                 "--low-latency-geometry", "8x16u2", "--max-tokens", "64", "--fault-every", "5"]) == 0
+    cfg, st = seen["epgen.cli.stress"]
+    assert (cfg.kernel_family, cfg.low_latency_geometry, cfg.max_tokens_per_rank, st.fault_every) == (
+        "low_latency", Geometry(8, 16, 2), 64, 5)
     assert main(["demo", "--kernel-family", "normal"]) == 0
-    assert seen["demo"] == {"quiet": False, "as_json": False, "kernel_family": "normal", "low_latency_geometry": None}
+    cfg, kw = seen["demo"]
+    assert (cfg.kernel_family, cfg.low_latency_geometry, kw) == ("normal", None, {"quiet": False, "as_json": False})
 
 
 def _too_long_name(folder) -> str:
@@ -1152,11 +1163,12 @@ def test_demo_explains_its_notation_and_what_to_run_next(monkeypatch):
     monkeypatch.setattr(demo, "report_rows", _fake_report_rows)
     monkeypatch.setattr(demo.torch.cuda, "is_available", lambda: False)
     console = Console(width=100, record=True, file=io.StringIO())
-    assert demo.run_demo("mixtral-8x7b", 8, 4096, 1, console) == 0
+    cfg = demo.EpConfig.for_model("mixtral-8x7b", world_size=8, max_tokens_per_rank=4096)
+    assert demo.run_demo(cfg, "mixtral-8x7b", 1, console) == 0
     text = " ".join(console.export_text().split())
     assert "a variant is PAYLOAD BLOCKSxWARPSuUNROLL" in text and "w world size (ranks), h hidden size" in text
     assert "`epgen generate --model mixtral-8x7b -o DIR` writes their sources" in text
     assert "next: `epgen check --model mixtral-8x7b --arch ARCH`" in text and "`epgen demo --moe`" in text
     console = Console(width=100, record=True, file=io.StringIO())
-    assert demo.run_demo("mixtral-8x7b", 8, 4096, 1, console, quiet=True) == 0
+    assert demo.run_demo(cfg, "mixtral-8x7b", 1, console, quiet=True) == 0
     assert console.export_text() == ""

@@ -233,7 +233,7 @@ def test_bench_nodes_default_points_fit_the_node_op(monkeypatch):
     from epgen.cli.options import NODES_SWEEP, NODES_SWEEP_CPU
 
     seen = []
-    monkeypatch.setattr(epgen.cli.bench_nodes, "run", lambda options, print_fn: seen.append(options.tokens))
+    monkeypatch.setattr(epgen.cli.bench_nodes, "run", lambda cfg, options, print_fn: seen.append(options.tokens))
     assert main(["bench", "--nodes", "2", "--world-size", "4", "--cpu"]) == 0
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert main(["bench", "--nodes", "2", "--world-size", "4"]) == 0
