@@ -103,47 +103,42 @@ def styled_table(title: str, caption: str):
 
 
 # (header, row key, caption name): columns that leave the table for the caption when every row has the same value
-_FOLDABLE = (("AGPR", "agprs", "AGPRs"), ("SGPR", "sgprs", "SGPRs"), ("scratch", "scratch_bytes", "scratch"),
-             ("spill", "spill_bytes", "spill"), ("status", "status", "status"))
+_FOLDABLE = (("AGPR", "agprs", "AGPRs"), ("SGPR", "sgprs", "SGPRs"))
 
 
-_NUMBERS = ("regs", "AGPR", "SGPR", "scratch", "spill", "LDS", "occ")
+_NUMBERS = ("regs", "AGPR", "SGPR", "LDS", "occ")
 
 
 def resource_table(report_rows: list[dict], title: str):
-    """A rich table of ``rows`` that reads at 80 columns: a short variant label (``variant_labels``)
-    instead of the entry name (which ``--json`` and the CSV carry); the shape every row shares, the
-    AGPR, SGPR, scratch, spill and status values every row shares (with more than one row, e.g.
-    ``scratch 0``; a value no target of the rows has, such as SGPRs on sm_90, is left out) and the compilers in the caption instead of in columns."""
+    """A rich table of ``rows`` that reads at 80 columns, one line a row: a short variant label
+    (``variant_labels``) instead of the entry name (which ``--json`` and the CSV carry); the shape
+    every row shares, the AGPR and SGPR values every row shares (with more than one row; a value no
+    target of the rows has, such as SGPRs on sm_90, is left out) and the compilers in the caption
+    instead of in columns. Scratch, spill and status never take columns (they would push the rows
+    past 80 columns): the caption gives them for every ok row (scratch 0, spill 0) and names each
+    other row, which is red, with its scratch, spill and status."""
     labels, common = variant_labels([r["spec"] for r in report_rows])
     compilers = {r["arch"]: r["compiler"] for r in report_rows if r.get("compiler")}
     shared = [(head, key, name) for head, key, name in _FOLDABLE
               if len(report_rows) > 1 and len({r[key] for r in report_rows}) == 1]
     every = [common] if common else []
     every += [f"{name} {report_rows[0][key]}" for _, key, name in shared if report_rows[0][key] is not None]
-    caption = [f"every row: {', '.join(every)}"] if every else []
+    failed = [(r, label) for r, label in zip(report_rows, labels) if r["status"] != "ok"]
+    ok = "scratch 0, spill 0, status ok" + (", except these (red in the table):" if failed else "")
+    caption = [f"every row: {', '.join(every)}; {ok}" if every else ok]
+    caption += [escape(f"  {r['arch']} {r['op']} {label}: scratch {r['scratch_bytes']}, spill {r['spill_bytes']}, "
+                       f"status {r['status']}") for r, label in failed]
     caption += ["scratch, spill, LDS (AMD) or shared memory (NVIDIA) in bytes; occupancy in waves per SIMD (AMD) "
                 "or blocks per SM (NVIDIA)"]
     caption += [f"{arch}: {c}" for arch, c in compilers.items()]
     t = styled_table(title, "\n".join(caption))
     columns = [("arch", "arch"), ("op", "op"), ("variant", None), ("regs", "registers"), ("AGPR", "agprs"),
-               ("SGPR", "sgprs"), ("scratch", "scratch_bytes"), ("spill", "spill_bytes"), ("LDS", "shared_bytes"),
-               ("occ", "occupancy"), ("status", "status")]
+               ("SGPR", "sgprs"), ("LDS", "shared_bytes"), ("occ", "occupancy")]
     columns = [(head, key) for head, key in columns if head not in {h for h, _, _ in shared}]
-    errors = any(r["status"] not in ("ok", "scratch/spill") for r in report_rows)  # compile errors wrap
     for c, _ in columns:
-        # the rest stay one word a cell; a long op name (dispatch_ll_send) folds where the columns of
-        # a spilling row leave the variant too little room at 80 columns
-        wraps = c in ("variant", "op") or c == "status" and errors
-        t.add_column(c, overflow="fold", no_wrap=not wraps, justify="right" if c in _NUMBERS else "left")
+        # a long op name (dispatch_ll_send) or label folds only where the console is narrower than 80 columns
+        t.add_column(c, overflow="fold", no_wrap=c not in ("variant", "op"), justify="right" if c in _NUMBERS else "left")
     for r, label in zip(report_rows, labels):
-        cells = []
-        for c, key in columns:
-            if c == "variant":
-                cells.append(label)
-            elif c == "status":
-                cells.append(r["status"] if r["status"] == "ok" else f"[red]{escape(r['status'])}[/red]")
-            else:
-                cells.append("" if r[key] is None else str(r[key]))
-        t.add_row(*cells)
+        t.add_row(*(label if c == "variant" else "" if r[key] is None else str(r[key]) for c, key in columns),
+                  style="red" if r["status"] != "ok" else None)
     return t

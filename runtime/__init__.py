@@ -1,19 +1,35 @@
 """epgen: generated MoE expert-parallel dispatch/combine kernels on torch tensors.
 
 ``EpConfig`` describes a layer, ``EpDispatchCombine`` runs it (``epgen.op``), ``HierarchicalEp``
-runs one spanning nodes (``epgen.hierarchical``); ``epgen.reference``
-is the pure-torch reference; ``epgen.codegen`` renders and checks kernels without a GPU.
+runs one spanning nodes (``epgen.hierarchical``); ``epgen.reference`` is the pure-torch
+reference; ``epgen.codegen`` renders and checks kernels without a GPU.
 
-Package map (folder in the checkout -> import package), and the one-way rule:
+Package map (folder in the checkout -> import package):
 
-* ``runtime/``   -> ``epgen``: the op, loader, arenas, verification, bench, CLI (torch, CuPy);
 * ``codegen/``   -> ``epgen.codegen``: specs, configs, arch traits, ABI, rendering, catalogue,
   offline compile checks (no GPU, no torch at import);
-* ``templates/`` -> ``epgen.templates``: the Jinja templates (package data).
+* ``templates/`` -> ``epgen.templates``: the Jinja templates (package data);
+* ``runtime/``   -> ``epgen``, in wings, each named for its layer:
 
-``epgen`` imports ``epgen.codegen``, never the other way round; every import names its module
-absolutely (``from epgen.codegen.spec import ...``). ``tests/codegen/test_imports.py`` enforces both.
-The op is imported on first use, so ``import epgen`` (and ``epgen --help``) loads no torch.
+  * the core, at the top: ``op`` (the op), ``plan`` (which kernels each call launches, as data),
+    ``arena``, ``platform``, ``faults`` (its buffers, signals and fault records), ``loader``,
+    ``cache``, ``device`` (compile and load a kernel),
+    ``aot`` (fill the cache ahead of time: a library call, as serving code makes it), ``config``
+    (``EpConfig``'s public path);
+  * the references, at the top too: ``reference`` and ``quant/`` (pure torch, no GPU);
+  * ``layers/`` -> ``epgen.layers``: model layers on the op (``moe``, ``moe_a2a``,
+    ``hierarchical``; ``epgen.moe`` and ``epgen.hierarchical`` re-export the public two);
+  * ``harness/`` -> ``epgen.harness``: verification, timing and rank processes;
+  * ``cli/`` -> ``epgen.cli``: the command line (verbs, flags, options).
+
+The rules, one way (``tests/codegen/test_imports.py`` enforces each): ``epgen.codegen`` imports
+nothing else of ``epgen``; the core imports codegen and the core; the references import
+codegen and the references; the layers add the core and the references; the harness adds the
+layers; the command line may import everything and nothing imports it but ``epgen.__main__``.
+This module and the re-export modules (``epgen.moe``, ``epgen.hierarchical``) are the public
+front: no module of the package imports them but ``epgen.cli`` (``__version__``). Every import
+names its module absolutely (``from epgen.codegen.spec import ...``). The op is imported on
+first use, so ``import epgen`` (and ``epgen --help``) loads no torch.
 """
 
 from epgen.codegen.config import EpConfig
@@ -34,7 +50,7 @@ def __getattr__(name: str):
 
         return getattr(op, name)
     if name in _FROM_HIERARCHICAL:
-        from epgen import hierarchical
+        from epgen.layers import hierarchical
 
         return getattr(hierarchical, name)
     raise AttributeError(f"module 'epgen' has no attribute {name!r}")

@@ -18,7 +18,7 @@ old file or the new one. The lookup computes the key with the offline compiler's
 the serving environment needs that toolchain installed (``pip install -e .[dev]``); without it
 the cache is skipped with a warning.
 
-The lookup itself is ``epgen.cache``; ``epgen.import_timing`` (``epgen build --time-import``, GPU)
+The lookup itself is ``epgen.cache``; ``epgen.cli.import_timing`` (``epgen build --time-import``, GPU)
 measures, per variant, the warm import (``load_kernel`` from the cache) against a cold runtime
 compile, each in fresh processes.
 """
@@ -153,26 +153,3 @@ def _update_manifest(directory: Path, rows: list[dict]) -> None:
     doc = {"schema": MANIFEST_SCHEMA, "code_objects": dict(sorted(entries.items()))}
     write_atomically(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
 
-
-def build_table(rows: list[dict], directory: Path, jobs: int):
-    """A rich table of ``build``'s rows in the resource report's style (``styled_table``), reading at
-    80 columns: per code object its arch, entry name (folding onto a second line where narrow),
-    the first 8 hex digits of its key, bytes, cold compile seconds (with ``jobs`` parallel
-    compiles) and status; the units and the compilers in the caption."""
-    from rich.markup import escape
-
-    from epgen.codegen.report import styled_table
-
-    compilers = {r["arch"]: r["compiler"] for r in rows if r["status"] == "ok"}
-    caption = [f"compile s: cold compile wall seconds, {jobs} compiles in parallel; key: the file's name under "
-               "<arch>/ (first 8 hex digits)", *(f"{a}: {c}" for a, c in compilers.items())]
-    t = styled_table(f"epgen build: {len(rows)} code objects in {directory}", "\n".join(caption))
-    errors = any(r["status"] != "ok" for r in rows)
-    for c in ("arch", "entry", "key", "bytes", "compile s", "status"):
-        wraps = c == "entry" or c == "status" and errors  # the rest stay one word a cell
-        t.add_column(c, overflow="fold", no_wrap=not wraps, justify="right" if c in ("bytes", "compile s") else "left")
-    for r in rows:
-        ok = r["status"] == "ok"
-        t.add_row(r["arch"], r["entry"], r["key"][:8] if ok else "", str(r["bytes"]) if ok else "",
-                  f"{r['compile_s']:.2f}" if ok else "", "ok" if ok else f"[red]{escape(r['status'])}[/red]")
-    return t

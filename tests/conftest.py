@@ -24,7 +24,7 @@ def _gpu_reason():
 
 def pytest_collection_modifyitems(config, items):
     """Skip gpu and processes tests, with the reason, where no GPU can run them. A processes test
-    runs its W processes on W GPUs when there are enough, else all on cuda:0 (``epgen.ranks``):
+    runs its W processes on W GPUs when there are enough, else all on cuda:0 (``epgen.harness.ranks``):
     one GPU is enough."""
     reason = _gpu_reason()
     if reason is None:

@@ -1,10 +1,10 @@
 """The epgen MoE layer against the torch-native one, one process per GPU, on the same weights and inputs.
 
 Layers (both on the same ExpertWeights and the same routed tokens, both checked against
-``epgen.moe.dense_moe`` within its bound before they are timed):
-  epgen       epgen.moe.MoELayer: the generated dispatch (expert-major layout), SwiGLU GEMMs,
+``epgen.layers.moe.dense_moe`` within its bound before they are timed):
+  epgen       epgen.layers.moe.MoELayer: the generated dispatch (expert-major layout), SwiGLU GEMMs,
               the weighted combine; no host synchronization
-  all_to_all  epgen.moe_a2a.AllToAllMoE: all_to_all_single count exchange and row exchange around
+  all_to_all  epgen.layers.moe_a2a.AllToAllMoE: all_to_all_single count exchange and row exchange around
               a local permute, the same swiglu_experts; host syncs for the split sizes
 
 Timing (the same for both): per iteration, a barrier, then CUDA events around one forward on
@@ -12,13 +12,13 @@ fresh random inputs (generated beforehand, one set per iteration), after warm-up
 rank times its own stream, and the layer's time of an iteration is its slowest rank's. Reported:
 median, mean, stdev and best over the iterations. The events are launched from the host (the
 all_to_all layer waits for the device inside each forward, so it cannot be queued); the epgen
-layer is also timed queued behind a GPU-side delay (``epgen.timing.time_pairs_queued``,
+layer is also timed queued behind a GPU-side delay (``epgen.harness.timing.time_pairs_queued``,
 ``queued_us``), its device time without the host's launch rate.
 
 At W = 1 the group is a one-rank NCCL group: no row crosses a link, so the run checks both layers
 and times their local work; it measures no expert parallelism.
 
-Writes <prefix>.csv and <prefix>.env.txt (GPU, driver, torch, CuPy, commit: epgen.bench.environment),
+Writes <prefix>.csv and <prefix>.env.txt (GPU, driver, torch, CuPy, commit: epgen.cli.bench.environment),
 default prefix tools/results/bench_moe-ep<W>-<gpu>, and prints a table (rank 0).
 
 Usage: python tools/bench_moe.py [--world-size W] [--tokens 128 1024 4096] [--experts E]
@@ -82,7 +82,7 @@ def _queued(layer, inputs: list, iters: int) -> tuple[float, bool]:
     import itertools
 
     import torch.distributed as dist
-    from epgen.timing import time_pairs_queued
+    from epgen.harness.timing import time_pairs_queued
 
     cycle = itertools.cycle(inputs)
     dist.barrier()
@@ -91,13 +91,13 @@ def _queued(layer, inputs: list, iters: int) -> tuple[float, bool]:
 
 
 def bench_rank(rank: int, world_size: int, opts: Options) -> None:
-    """The body of one rank (epgen.ranks.run_ranks has set its device and process group)."""
+    """The body of one rank (epgen.harness.ranks.run_ranks has set its device and process group)."""
     import torch
     import torch.distributed as dist
 
-    from epgen.moe import ExpertWeights, MoELayer
-    from epgen.moe_a2a import AllToAllMoE
-    from epgen.moe_demo import dense_error, moe_config, rank_inputs
+    from epgen.layers.moe import ExpertWeights, MoELayer
+    from epgen.layers.moe_a2a import AllToAllMoE
+    from epgen.cli.moe_demo import dense_error, moe_config, rank_inputs
 
     # dense_moe's bound models bf16 GEMMs that accumulate in float32 (no bf16 split-K partial sums)
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
@@ -116,7 +116,7 @@ def bench_rank(rank: int, world_size: int, opts: Options) -> None:
               "all_to_all": AllToAllMoE(own, num_experts=E, topk=cfg.topk)}
     env = None
     if rank == 0:
-        from epgen.bench import environment
+        from epgen.cli.bench import environment
 
         env = environment()
     rows = []
@@ -204,7 +204,7 @@ expert count L = E / W and the tuned geometries do depend on W."""
 
 def _config_error(a, world_size: int) -> ValueError | None:
     """The error of ``moe_config`` with these flags at ``world_size`` ranks (None: it builds)."""
-    from epgen.moe_demo import moe_config
+    from epgen.cli.moe_demo import moe_config
 
     try:
         moe_config(a.model, world_size, max(a.tokens), a.experts)
@@ -230,7 +230,7 @@ def check_flags(a, p: argparse.ArgumentParser) -> None:
     """The flags' rules that need no GPU, as parser errors naming the flag: --iters, --warmup,
     --tokens, --intermediate, --world-size and --model alone, then the layer's EpConfig at
     --world-size W (without --world-size, the rules that hold at every W: W_INDEPENDENT_FIELDS)."""
-    from epgen.flags import check_model
+    from epgen.cli.flags import check_model
 
     if a.iters < 5:
         p.error(f"--iters {a.iters}: must be at least 5")
@@ -281,7 +281,7 @@ def parse_args(argv=None) -> Options:
 
 
 def main(argv=None) -> int:
-    from epgen.ranks import run_ranks
+    from epgen.harness.ranks import run_ranks
 
     opts = parse_args(argv)
     run_ranks(opts.world_size, bench_rank, opts)

@@ -1,7 +1,7 @@
 """Decode latency of both kernel families on one GPU: W = 1 and virtual W = 2 and 8.
 
 For every (family, world size, tokens): one round verified against the reference, then dispatch
-and combine captured in CUDA graphs and timed both ways (``epgen.timing.time_pairs_queued``: the
+and combine captured in CUDA graphs and timed both ways (``epgen.harness.timing.time_pairs_queued``: the
 replays queued behind a GPU-side delay, the primary figure, and launched from the host), 50
 iterations, deepseek-v3, bf16, uniform routing, the tuning table's geometry. Also times the floor
 of a graph of one and of two trivial kernels the same way, and the overlap the split offers: a
@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from epgen.bench import QUEUED, SHORT_SLEEP, _graph, environment, measure
+from epgen.cli.bench import QUEUED, SHORT_SLEEP, _graph, environment, measure
 from epgen.codegen.config import EpConfig
 from epgen.codegen.tuning import Geometry
 from epgen.codegen.spec import Op
-from epgen.timing import time_pairs_queued
-from epgen.verify import make_inputs, op_arg, op_inputs
+from epgen.harness.timing import time_pairs_queued
+from epgen.harness.verify import make_inputs, op_arg, op_inputs
 
 COLUMNS = ("family", "op", "world_size", "virtual", "tokens", "queued_us", "host_launched_us", "mean_us", "stdev_us",
            "best_us", "timing", "blocks", "warps_per_block", "unroll")
@@ -115,7 +115,7 @@ def graph_k_rows(op, cfg, family, world_size, virtual, T, iters) -> list[dict]:
     t = time_pairs_queued(gd.replay, gp.replay, iters=max(5, iters // 5), warmup=2)
     d = [s / GRAPH_K for s in t.queued[0].samples_us]
     c = [(b - a) / GRAPH_K for a, b in zip(t.queued[0].samples_us, t.queued[1].samples_us)]
-    from epgen.timing import Timing
+    from epgen.harness.timing import Timing
 
     op.synchronize()
     return [_row(family, f"{name} graph/{GRAPH_K}", world_size, virtual, T, Timing(tuple(v)), Timing(tuple(v)),

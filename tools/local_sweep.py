@@ -1,7 +1,7 @@
 """Geometry sweep of the expert layout's local kernels (expand plan + expand, fold) on one GPU:
 deepseek-v3, W = 1 and virtual W = 8, 1024 tokens a rank, uniform routing, alignment 16. Each
 geometry replaces ``local_geometry`` (the default of shapes without a tuning-table entry) and
-times ``op.expand()`` and ``op.fold(y)`` queued (epgen.timing.time_pairs_queued, 20 iterations).
+times ``op.expand()`` and ``op.fold(y)`` queued (epgen.harness.timing.time_pairs_queued, 20 iterations).
 Prints one line per (W, geometry): medians in us and the HBM rate of the bytes each moves."""
 import torch
 
@@ -9,7 +9,7 @@ import epgen.codegen.config as config_module
 from epgen.codegen.config import EpConfig
 from epgen.codegen.tuning import Geometry
 from epgen.op import EpDispatchCombine
-from epgen.timing import time_pairs_queued
+from epgen.harness.timing import time_pairs_queued
 
 GEOS = [Geometry(*g) for g in ((256, 8, 2), (528, 8, 2), (264, 8, 4), (132, 16, 2), (256, 4, 4), (1056, 4, 2),
                                (256, 16, 1), (132, 16, 1))]

@@ -29,7 +29,7 @@ from epgen.codegen.config import EpConfig
 from epgen.codegen.render import render
 from epgen.codegen.spec import Op
 from epgen.op import EpDispatchCombine
-from epgen.verify import make_inputs, op_inputs, run_round
+from epgen.harness.verify import make_inputs, op_inputs, run_round
 
 K = 20
 WIRES = ("none", "fp8_blockwise", "fp4_blockwise", "fp8_direct_cast")

@@ -9,7 +9,7 @@ Measures, in one run (prints a short table last):
    out, and when does it finish;
 2. the same cooperative launch captured in a CUDA graph (torch) and replayed: does the capture take it;
 3. the cost of the launch mode: K launches of an empty kernel, host-enqueued and as one graph;
-4. the start of W processes sharing cuda:0 through ``epgen.ranks.run_ranks`` (W = 2, 3, 4): the
+4. the start of W processes sharing cuda:0 through ``epgen.harness.ranks.run_ranks`` (W = 2, 3, 4): the
    fixed cost every multi-process test pays.
 
 Usage: python tools/residency_probe.py [--hog-seconds 3] [--bound-seconds 1]
@@ -24,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from epgen.verify import hog_gpu
+from epgen.harness.verify import hog_gpu
 
 WAIT = r"""
 extern "C" __global__ void grid_wait(unsigned int* counter, unsigned int* timeouts, unsigned long long bound_ns) {
@@ -71,7 +71,7 @@ def grid_wait_beside_a_hog(cooperative: bool, blocks: int, hog_s: float, bound_s
     counter = torch.zeros(2, dtype=torch.int32, device="cuda")
     side, main = torch.cuda.Stream(), torch.cuda.current_stream()
     torch.cuda.synchronize()
-    hog_gpu(torch.device("cuda", 0), hog_s, side)  # the tests' busy GPU (epgen.verify)
+    hog_gpu(torch.device("cuda", 0), hog_s, side)  # the tests' busy GPU (epgen.harness.verify)
     time.sleep(0.05)  # the hog's blocks are resident first
     t0 = time.monotonic()
     keep = _launch(fn.kernel, (blocks, 1), 512, [counter.data_ptr(), counter.data_ptr() + 4, int(bound_s * 1e9)],
@@ -140,7 +140,7 @@ def _start_body(rank, world_size):
 
 
 def process_start(world_size: int) -> dict:
-    from epgen.ranks import run_ranks
+    from epgen.harness.ranks import run_ranks
 
     t0 = time.monotonic()
     run_ranks(world_size, _start_body, timeout_s=120)

@@ -1,7 +1,7 @@
-"""The package map's one-way rule, read from the sources (``ast``, no import executed).
+"""The package map's one-way rules, read from the sources (``ast``, no import executed).
 
 ``runtime/`` is ``epgen``, ``codegen/`` is ``epgen.codegen``: every import of a project module
-names it absolutely, ``epgen.codegen`` never imports ``epgen`` outside ``epgen.codegen``, the
+names it absolutely, each wing imports only the wings below it (``WINGS``, ``MAY_IMPORT``), the
 module graph has no cycle, and no test imports another test module.
 """
 
@@ -37,16 +37,68 @@ def _imports(path: Path) -> list[tuple[int, int, str | None, list[str]]]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    mods = _modules()
-    graph = {m: set() for m in mods}
+def _edges() -> list[tuple[str, str, str]]:
+    """(importer, imported module, ``path:line``) of every import of a project module."""
+    mods, edges = _modules(), []
     for mod, path in mods.items():
-        for _, _, name, names in _imports(path):
+        for line, _, name, names in _imports(path):
             if name is None or not (name == "epgen" or name.startswith("epgen.")):
                 continue
             targets = {f"{name}.{n}" for n in names if f"{name}.{n}" in mods} or {name}
-            graph[mod] |= {t for t in targets if t in mods and t != mod}
+            edges += [(mod, t, f"{path.relative_to(ROOT)}:{line}") for t in sorted(targets) if t in mods and t != mod]
+    return edges
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {m: set() for m in _modules()}
+    for mod, target, _ in _edges():
+        graph[mod].add(target)
     return graph
+
+
+WINGS = {
+    "codegen": ("epgen.codegen",),
+    "core": ("epgen.op", "epgen.arena", "epgen.platform", "epgen.faults", "epgen.loader", "epgen.cache",
+             "epgen.device", "epgen.aot", "epgen.config", "epgen.plan"),
+    "references": ("epgen.reference", "epgen.quant"),
+    "layers": ("epgen.layers",),
+    "harness": ("epgen.harness",),
+    "cli": ("epgen.cli", "epgen.__main__"),
+    "front": ("epgen", "epgen.moe", "epgen.hierarchical"),
+}
+"""The wing of each module: a name or the package it lies in (``runtime/__init__.py``'s map).
+"front" is the public face: the package's own ``__init__`` and the re-exports of public paths."""
+
+MAY_IMPORT = {
+    "codegen": {"codegen"},
+    "core": {"codegen", "core"},
+    "references": {"codegen", "references"},
+    "layers": {"codegen", "core", "references", "layers"},
+    "harness": {"codegen", "core", "references", "layers", "harness"},
+    "cli": {"codegen", "core", "references", "layers", "harness", "cli", "front"},
+    "front": {"codegen", "core", "references", "layers"},
+}
+"""Which wings a module of each wing may import: nothing imports the command line from outside it
+(``epgen.__main__`` is its entry), and only the command line reads the front
+(``epgen.__version__``): the package imports each module from where it lives."""
+
+
+def _wing(module: str) -> str:
+    """The wing of ``module``: the longest ``WINGS`` entry that is it or a package above it."""
+    found = [(len(p), wing) for wing, prefixes in WINGS.items() for p in prefixes
+             if module == p or module.startswith(p + ".")]
+    assert found, f"{module}: in no wing; add it to WINGS in {Path(__file__).name} (and the map in runtime/__init__.py)"
+    return max(found)[1]
+
+
+def _wing_violations(edges) -> list[str]:
+    bad = []
+    for mod, target, where in edges:
+        wing, target_wing = _wing(mod), _wing(target)
+        if target_wing not in MAY_IMPORT[wing]:
+            bad.append(f"{where}: {mod} ({wing}) imports {target} ({target_wing}); the {wing} wing may import "
+                       f"{', '.join(sorted(MAY_IMPORT[wing]))} only")
+    return bad
 
 
 def test_the_map_covers_every_module():
@@ -62,10 +114,30 @@ def test_imports_are_absolute():
     assert not relative, f"relative imports (write 'from epgen... import'): {relative}"
 
 
-def test_codegen_never_imports_the_runtime():
-    bad = [f"{m} -> {t}" for m, ts in _graph().items() if m.startswith("epgen.codegen")
-           for t in ts if not t.startswith("epgen.codegen")]
-    assert not bad, f"epgen.codegen must not import the runtime package: {bad}"
+def test_every_module_has_a_wing():
+    assert not [m for m in _modules() if not any(m == p or m.startswith(p + ".") for ps in WINGS.values() for p in ps)]
+
+
+def test_each_wing_imports_only_the_wings_below_it():
+    bad = _wing_violations(_edges())
+    assert not bad, "imports against the layer rules (runtime/__init__.py):\n  " + "\n  ".join(bad)
+
+
+def test_the_wing_rule_names_the_offending_import():
+    """A harness module importing the command line, and a layer importing the harness, are caught
+    with the file, line and rule; the command line importing a layer is not."""
+    bad = _wing_violations([("epgen.harness.verify", "epgen.cli.options", "runtime/harness/verify.py:16"),
+                            ("epgen.layers.moe", "epgen.harness.timing", "runtime/layers/moe.py:3"),
+                            ("epgen.op", "epgen.layers.hierarchical", "runtime/op.py:9"),
+                            ("epgen.cli.bench", "epgen.layers.moe", "runtime/cli/bench.py:2")])
+    assert bad == [
+        "runtime/harness/verify.py:16: epgen.harness.verify (harness) imports epgen.cli.options (cli); the harness "
+        "wing may import codegen, core, harness, layers, references only",
+        "runtime/layers/moe.py:3: epgen.layers.moe (layers) imports epgen.harness.timing (harness); the layers wing "
+        "may import codegen, core, layers, references only",
+        "runtime/op.py:9: epgen.op (core) imports epgen.layers.hierarchical (layers); the core wing may import "
+        "codegen, core only"]
+    assert _wing("epgen.codegen.offline.nvrtc") == "codegen" and _wing("epgen.quant.wire") == "references"
 
 
 def test_no_import_cycle():

@@ -101,7 +101,7 @@ def test_shipped_tables_are_valid(arch):
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_tune_default_candidates_build_on_every_arch(arch):
-    from epgen.tune import default_candidates
+    from epgen.cli.tune import default_candidates
 
     cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096)
     for geo in default_candidates(arch):

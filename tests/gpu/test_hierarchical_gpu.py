@@ -1,7 +1,7 @@
 """The hierarchical op on one GPU: two processes play two nodes, each driving its node's two ranks
 as virtual ranks of an ``EpDispatchCombine`` on cuda:0, the network leg on gloo over CPU tensors
 (the copies to and from the GPU are part of the leg). The same cases and layers as the CPU test
-(tests/runtime/test_hierarchical.py, ``epgen.hierarchical_verify``), bit for bit against the
+(tests/runtime/test_hierarchical.py, ``epgen.harness.hierarchical_verify``), bit for bit against the
 reference."""
 
 import datetime
@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from epgen.codegen.config import Geometry
-from epgen.hierarchical_verify import VARIANTS, run_cases, small_config
-from epgen.ranks import start_and_join
+from epgen.harness.hierarchical_verify import VARIANTS, run_cases, small_config
+from epgen.harness.ranks import start_and_join
 
 GEO = Geometry(16, 16, 4)
 """Explicit geometry: one variant per op, 2 x 16 blocks resident at once (virtual ranks)."""
@@ -22,7 +22,7 @@ PROCS_TIMEOUT_S = 280.0
 
 
 def _worker(rank, world_size, store, fields):
-    from epgen.hierarchical import HierarchicalEp
+    from epgen.layers.hierarchical import HierarchicalEp
     from epgen.op import EpDispatchCombine
 
     torch.cuda.set_device(0)

@@ -1,6 +1,6 @@
 """GPU tests of the low-latency kernel family (``EpConfig(kernel_family=...)``) on one GPU.
 
-Every round is checked against the torch reference (``epgen.verify.run_round``: poisoned receive
+Every round is checked against the torch reference (``epgen.harness.verify.run_round``: poisoned receive
 buffers, every wire bit-equal to its reference) or exactly on the device (integer tokens,
 ``run_exact_round``). W = 1 and virtual W = 2, 4, 8; processes: tests/gpu/test_processes.py.
 """
@@ -12,8 +12,8 @@ import torch
 
 from epgen.codegen import abi
 from epgen.codegen.config import EpConfig
-from epgen.verify import (ROUTINGS, check_exact_combine, check_exact_dispatch, expect, integer_expert_stage,
-                          integer_inputs, op_arg, op_inputs, poison, run_exact_round, run_round)
+from epgen.harness.verify import (ROUTINGS, check_exact_combine, check_exact_dispatch, expect, integer_expert_stage,
+                                  integer_inputs, op_arg, op_inputs, poison, run_exact_round, run_round)
 
 TMAX = 256
 TOKENS = (0, 1, 7, 128, 256)

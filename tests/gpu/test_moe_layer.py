@@ -1,4 +1,4 @@
-"""GPU tests of epgen.moe (run on the device machine): the real MoELayer (EpDispatchCombine in the
+"""GPU tests of epgen.layers.moe (run on the device machine): the real MoELayer (EpDispatchCombine in the
 expert layout around the SwiGLU experts) against dense_moe within its derived bound.
 
 W = 1, and W = 4 and 8 as virtual ranks on one GPU; the grouped (torch._grouped_mm) and the loop
@@ -35,7 +35,7 @@ def _config(world_size, alignment=1, combine_quant="none"):
 def _weights(world_size, seed):
     import torch
 
-    from epgen.moe import ExpertWeights
+    from epgen.layers.moe import ExpertWeights
 
     g = torch.Generator().manual_seed(seed)  # drawn on the CPU, the same weights on any device
     return [ExpertWeights.random(EXPERTS // world_size, HIDDEN, INTERMEDIATE, generator=g, device="cuda")
@@ -47,7 +47,7 @@ def _inputs(tokens, seed):
     same expert in two slots on every 7th, and no expert at all on every 11th."""
     import torch
 
-    from epgen.moe import route_topk
+    from epgen.layers.moe import route_topk
 
     g = torch.Generator().manual_seed(seed)
     xs, ws, ids = [], [], []
@@ -65,7 +65,7 @@ def _inputs(tokens, seed):
 
 def _check(outs, xs, ws, ids, weights, combine_quant, what):
     """Every element of the layer's outputs within dense_moe's bound; returns the worst ratio."""
-    from epgen.moe import dense_moe
+    from epgen.layers.moe import dense_moe
 
     want, bounds = dense_moe(xs, ws, ids, weights, combine_quant=combine_quant)
     worst = 0.0
@@ -81,7 +81,7 @@ def _check(outs, xs, ws, ids, weights, combine_quant, what):
 def _skip_without_grouped_mm(grouped):
     import torch
 
-    from epgen.moe import grouped_mm_available
+    from epgen.layers.moe import grouped_mm_available
 
     if grouped and not grouped_mm_available(torch.device("cuda")):
         pytest.skip(f"torch {torch.__version__} on this GPU has no synchronization-free torch._grouped_mm")
@@ -94,7 +94,7 @@ def test_expert_paths_agree_within_the_bound(grouped):
     swiglu_reference, with empty groups, padding and rows past offsets[L]."""
     import torch
 
-    from epgen.moe import swiglu_experts, swiglu_reference
+    from epgen.layers.moe import swiglu_experts, swiglu_reference
 
     _skip_without_grouped_mm(grouped)
     w = _weights(4, 1)[0]  # L = 8
@@ -117,7 +117,7 @@ def test_expert_paths_agree_within_the_bound(grouped):
 @pytest.mark.gpu
 @pytest.mark.parametrize("grouped", [True, False])
 def test_single_rank(grouped):
-    from epgen.moe import MoELayer
+    from epgen.layers.moe import MoELayer
 
     _skip_without_grouped_mm(grouped)
     weights = _weights(1, 3)
@@ -142,7 +142,7 @@ CASES = {
 @pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("alignment, combine_quant", [(1, "none"), (16, "none"), (8, "fp8_blockwise")])
 def test_virtual_ranks(world_size, grouped, alignment, combine_quant):
-    from epgen.moe import MoELayer
+    from epgen.layers.moe import MoELayer
 
     _skip_without_grouped_mm(grouped)
     weights = _weights(world_size, 4)
@@ -172,7 +172,7 @@ def test_forward_replays_in_a_cuda_graph(world_size, tokens):
     x / weights / ids are copied into the captured input tensors matches dense_moe on them."""
     import torch
 
-    from epgen.moe import MoELayer
+    from epgen.layers.moe import MoELayer
 
     _skip_without_grouped_mm(True)
     weights = _weights(world_size, 5)

@@ -1,12 +1,12 @@
 """GPU tests of dispatch and combine against the torch reference (run on the device machine).
 
-W = 1; W = 4 and 8 as virtual ranks on one GPU; W = 2, 3 and 4 as processes (``epgen.ranks``).
+W = 1; W = 4 and 8 as virtual ranks on one GPU; W = 2, 3 and 4 as processes (``epgen.harness.ranks``).
 """
 
 import pytest
 import torch
 
-from epgen.verify import PROCESS_WORLD_SIZES, model_config, per_rank, run_round
+from epgen.harness.verify import PROCESS_WORLD_SIZES, model_config, per_rank, run_round
 from epgen.codegen.spec import Op
 from epgen.codegen.config import EpConfig, Geometry
 
@@ -68,7 +68,7 @@ def _two_process_body(rank, world_size, model):
 @pytest.mark.parametrize("model", SHAPES)
 @pytest.mark.parametrize("world_size", PROCESS_WORLD_SIZES)
 def test_processes(model, world_size):
-    from epgen.ranks import run_ranks
+    from epgen.harness.ranks import run_ranks
 
     run_ranks(world_size, _two_process_body, model)
 
@@ -106,7 +106,7 @@ def test_quantized_dispatch_virtual_8(dtype):
 @pytest.mark.parametrize("dtype", ["fp8", "fp4"])
 @pytest.mark.parametrize("world_size", PROCESS_WORLD_SIZES)
 def test_quantized_dispatch_processes(dtype, world_size):
-    from epgen.ranks import run_ranks
+    from epgen.harness.ranks import run_ranks
 
     run_ranks(world_size, _quantized_body, dtype, False)
 
@@ -157,7 +157,7 @@ def test_combine_wire_virtual_8(mode, model):
 @pytest.mark.parametrize("mode", COMBINE_WIRES)
 @pytest.mark.parametrize("world_size", PROCESS_WORLD_SIZES)
 def test_combine_wire_processes(mode, world_size):
-    from epgen.ranks import run_ranks
+    from epgen.harness.ranks import run_ranks
 
     run_ranks(world_size, _combine_wire_body, mode, "deepseek-v3", False)
 

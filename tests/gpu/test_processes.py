@@ -1,4 +1,4 @@
-"""The deployment mode, one process per rank, on one GPU: W processes sharing cuda:0 (``epgen.ranks``).
+"""The deployment mode, one process per rank, on one GPU: W processes sharing cuda:0 (``epgen.harness.ranks``).
 
 Each test here guards a defect that only W processes can show (a grid holding every virtual rank
 rules it out) and that was reproduced that way:
@@ -11,7 +11,7 @@ rules it out) and that was reproduced that way:
 * a kernel whose blocks wait for blocks of its own grid (the fused low-latency op) completes
   exactly while another kernel holds most of the GPU for longer than ``timeout_s``.
 
-Rounds are exact (``epgen.verify.run_exact_round``). Nothing can hang: every in-kernel wait is
+Rounds are exact (``epgen.harness.verify.run_exact_round``). Nothing can hang: every in-kernel wait is
 bounded by ``EpConfig.timeout_s``, every run by ``run_ranks(timeout_s=...)`` and the conftest
 watchdog.
 """
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from epgen.codegen.config import EpConfig, Geometry
-from epgen.verify import (check_exact_combine, check_exact_dispatch, expect, hog_gpu, integer_expert_stage,
-                          integer_inputs, op_inputs, poison, run_exact_round)
+from epgen.harness.verify import (check_exact_combine, check_exact_dispatch, expect, hog_gpu, integer_expert_stage,
+                                  integer_inputs, op_inputs, poison, run_exact_round)
 
 PROCESSES = (2, 3, 4)
 """World sizes run as processes (on one GPU: all share cuda:0)."""
@@ -40,7 +40,7 @@ def proc_config(world_size: int, family: str, **kw) -> EpConfig:
 
 
 def _run(world_size, body, *args):
-    from epgen.ranks import run_ranks
+    from epgen.harness.ranks import run_ranks
 
     run_ranks(world_size, body, *args, timeout_s=RUN_TIMEOUT_S)
 

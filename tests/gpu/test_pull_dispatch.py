@@ -2,7 +2,7 @@
 reference, its combine (also with a quantized combine wire), graph capture with zero-copy inputs, push and pull calls in one op, two ops
 in one process and a bounded wait that cannot complete.
 
-W = 1 and W = 2, 4, 8 as virtual ranks on one GPU; W = 2, 3 and 4 as processes (``epgen.ranks``).
+W = 1 and W = 2, 4, 8 as virtual ranks on one GPU; W = 2, 3 and 4 as processes (``epgen.harness.ranks``).
 Every call checks what it took with ``op.transport``; inputs either sit in ``op.dispatch_input()``
 (zero copy) or elsewhere (the "pull" op copies them there first).
 """
@@ -12,9 +12,9 @@ import torch
 
 from epgen.codegen.config import EpConfig, Geometry
 from epgen.codegen.spec import Op
-from epgen.verify import (PROCESS_WORLD_SIZES, check_exact_combine, check_exact_dispatch, expect, integer_expert_stage,
-                          integer_inputs, model_config, op_arg, op_inputs, poison, run_exact_round, run_round,
-                          zero_copy_inputs)
+from epgen.harness.verify import (PROCESS_WORLD_SIZES, check_exact_combine, check_exact_dispatch, expect, integer_expert_stage,
+                                  integer_inputs, model_config, op_arg, op_inputs, poison, run_exact_round, run_round,
+                                  zero_copy_inputs)
 
 GEO = Geometry(blocks=16, warps_per_block=16, unroll=4)
 TMAX = 4096
@@ -39,7 +39,7 @@ def _rounds(op, cfg, zero_copy: bool, kinds=KINDS, seed=0):
     scales and source bit-equal, the combine within its bound and, with a quantized combine wire,
     bit-equal to the wire reference) over ``TOKENS[W]`` and ``kinds``, with x in dispatch_input
     (``zero_copy``) or elsewhere; every call must take the pull."""
-    import epgen.verify as verify
+    import epgen.harness.verify as verify
 
     original = verify.op_inputs
 
@@ -151,7 +151,7 @@ def _two_process_body(rank, world_size):
 @pytest.mark.processes
 @pytest.mark.parametrize("world_size", PROCESS_WORLD_SIZES)
 def test_processes(world_size):
-    from epgen.ranks import run_ranks
+    from epgen.harness.ranks import run_ranks
 
     run_ranks(world_size, _two_process_body)
 

@@ -7,7 +7,7 @@ import pytest
 
 from epgen.codegen.config import EpConfig, Geometry
 from epgen.codegen.spec import Op
-from epgen.verify import PROCESS_WORLD_SIZES, model_config, op_arg, per_rank, run_round
+from epgen.harness.verify import PROCESS_WORLD_SIZES, model_config, op_arg, per_rank, run_round
 
 WIRES = ["fp8_direct_cast", "fp8_blockwise", "fp4_blockwise"]
 
@@ -52,7 +52,7 @@ def test_the_quantize_kernel_writes_combine_wire_rows_for_rows_from_other_ranks(
     import torch
 
     from epgen import quant
-    from epgen.verify import make_inputs, op_inputs
+    from epgen.harness.verify import make_inputs, op_inputs
 
     cfg, op = _op(2, mode, virtual=True)
     inputs = make_inputs(cfg, [1024, 777], "uniform", 5, device=op.device)
@@ -93,7 +93,7 @@ def test_wire_rows_written_by_the_caller_give_the_same_output(world_size, mode):
     import torch
 
     from epgen import quant
-    from epgen.verify import make_inputs, op_inputs
+    from epgen.harness.verify import make_inputs, op_inputs
 
     cfg, op = _op(world_size, mode, virtual=world_size > 1)
     virtual = world_size > 1
@@ -133,7 +133,7 @@ def test_a_block_holding_nan_or_infinity_arrives_as_nan(mode):
     import torch
 
     from epgen.codegen.dtypes import COMBINE_QUANTS
-    from epgen.verify import make_inputs, op_inputs
+    from epgen.harness.verify import make_inputs, op_inputs
 
     block = COMBINE_QUANTS[mode].block
     tokens = [512, 300]
@@ -178,7 +178,7 @@ def test_combine_wire_input_is_refused_where_it_cannot_serve():
     import torch
 
     from epgen.op import EpDispatchCombine
-    from epgen.verify import make_inputs, op_inputs
+    from epgen.harness.verify import make_inputs, op_inputs
 
     bf16 = EpDispatchCombine(EpConfig(world_size=1, hidden=256, topk=2, num_experts=4, max_tokens_per_rank=8))
     with pytest.raises(RuntimeError, match="needs a quantized combine wire"):
@@ -256,7 +256,7 @@ def _two_process_matmul_body(rank, world_size, mode):
 @pytest.mark.parametrize("mode", ["fp8_blockwise", "fp4_blockwise"])
 @pytest.mark.parametrize("world_size", PROCESS_WORLD_SIZES)
 def test_processes_with_a_matmul_beside_each(mode, world_size):
-    from epgen.ranks import run_ranks
+    from epgen.harness.ranks import run_ranks
 
     run_ranks(world_size, _two_process_matmul_body, mode)
 
@@ -269,7 +269,7 @@ def test_graph_replays_of_the_quantized_combine_take_fresh_inputs(layout):
     replay bit-equal to the eager call on the same inputs."""
     import torch
 
-    from epgen.verify import make_inputs, op_inputs
+    from epgen.harness.verify import make_inputs, op_inputs
 
     cfg, op = _op(4, "fp8_blockwise", virtual=True, tmax=256, validate=False, layout=layout)  # no sync in a capture
     static = make_inputs(cfg, [256] * 4, "uniform", 1, device=op.device)

@@ -15,7 +15,7 @@ def _tiny():
 @pytest.mark.gpu
 def test_queued_is_no_slower_than_host_launched_and_covered():
     """A ~2 us kernel: host-launched samples carry the host's launch rate, queued ones do not."""
-    from epgen.timing import time_pairs_queued
+    from epgen.harness.timing import time_pairs_queued
 
     first, second = _tiny()
     with warnings.catch_warnings():
@@ -31,7 +31,7 @@ def test_queued_is_no_slower_than_host_launched_and_covered():
 def test_a_forced_tiny_delay_is_flagged(monkeypatch):
     """A sleep rate a million times too low sizes a delay of a cycle or two: it ends long before
     the host has enqueued 50 pairs, both tries end early, the result is flagged and warned."""
-    from epgen import timing
+    from epgen.harness import timing
 
     monkeypatch.setattr(timing, "sleep_rate", lambda: 1e-3)  # cycles per us: a delay of one or two cycles
     first, second = _tiny()

@@ -2,7 +2,7 @@
 
 Modes: ``virtual8`` = W = 8 virtual ranks on one GPU (marker gpu) and ``procsW`` = W = 2, 3 and 4
 processes (marker processes: one GPU each, or all sharing cuda:0), unless a case names its own W. Rounds are checked bit for bit
-on the device (``epgen.verify.run_exact_round``: integer tokens whose combine sums are exact), so
+on the device (``epgen.harness.verify.run_exact_round``: integer tokens whose combine sums are exact), so
 even a thousand rounds cost little.
 
 Nothing here can hang: every in-kernel wait is bounded by ``EpConfig.timeout_s``, every
@@ -28,9 +28,9 @@ from epgen.codegen import abi
 from epgen.codegen.spec import Op
 from epgen.op import EpDispatchCombine, EpError, _args_dtype
 from epgen.plan import Plan
-from epgen.verify import (PROCESS_WORLD_SIZES, ROUTINGS, check_exact_combine, check_exact_dispatch, expect,
-                          integer_expert_stage, integer_inputs, op_arg, op_inputs, per_rank, poison, run_exact_round,
-                          run_round)
+from epgen.harness.verify import (PROCESS_WORLD_SIZES, ROUTINGS, check_exact_combine, check_exact_dispatch, expect,
+                                  integer_expert_stage, integer_inputs, op_arg, op_inputs, per_rank, poison, run_exact_round,
+                                  run_round)
 from epgen.codegen.config import EpConfig, Geometry
 
 GEO = Geometry(16, 16, 4)
@@ -70,7 +70,7 @@ def _run(world_size: int, virtual: bool, body, *args, timeout_s: float = PROCS_T
     if virtual:
         body(0, world_size, virtual, *args)
     else:
-        from epgen.ranks import run_ranks
+        from epgen.harness.ranks import run_ranks
 
         run_ranks(world_size, body, virtual, *args, timeout_s=timeout_s)
 
@@ -708,10 +708,10 @@ def test_jitter_body_logic(emulated):
 
 
 def test_the_stress_rounds_take_both_families_split_and_faults_that_every_rank_raises():
-    """``epgen stress``'s rounds (epgen.stress.stress) on the emulated op: low-latency rounds with
+    """``epgen stress``'s rounds (epgen.cli.stress.stress) on the emulated op: low-latency rounds with
     every rank's tokens at most T_ll and normal ones above it, every other low-latency round split,
     and a recoverable fault every 4 rounds, raised by synchronize and followed by exact rounds."""
-    from epgen.stress import stress
+    from epgen.cli.stress import stress
 
     cfg = edge_config(4, max_tokens=200)
     op = emulated_op(cfg, "whole")

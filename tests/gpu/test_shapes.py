@@ -7,7 +7,7 @@ to 384 / W, with a shared-expert column pinned to the token's own rank.
 
 import pytest
 
-from epgen.verify import PROCESS_WORLD_SIZES, per_rank, run_round
+from epgen.harness.verify import PROCESS_WORLD_SIZES, per_rank, run_round
 from epgen.codegen.config import EpConfig, Geometry
 
 GEO = Geometry(16, 16, 4)
@@ -82,6 +82,6 @@ def _two_process_body(rank, world_size):
 @pytest.mark.processes
 @pytest.mark.parametrize("world_size", PROCESS_WORLD_SIZES)
 def test_shapes_processes(world_size):
-    from epgen.ranks import run_ranks
+    from epgen.harness.ranks import run_ranks
 
     run_ranks(world_size, _two_process_body, timeout_s=240.0)

@@ -17,7 +17,9 @@ from pathlib import Path
 import attrs
 import pytest
 
-from epgen import aot, import_timing, loader
+from epgen import aot, loader
+
+from epgen.cli import import_timing
 from epgen.aot import MANIFEST, config_specs
 from epgen.cache import CACHE_ENV, cache_dir, code_object_path, find_code_object
 from epgen.cli import main
@@ -256,7 +258,7 @@ def test_time_imports_runs_fresh_processes_and_takes_medians(monkeypatch, tmp_pa
     import torch
     from rich.console import Console
 
-    from epgen.import_timing import import_table as _import_table
+    from epgen.cli.import_timing import import_table as _import_table
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -364,7 +366,7 @@ def _recording_raw_module(monkeypatch):
 
 @pytest.mark.gpu
 def test_op_from_a_build_compiles_nothing(tmp_path, monkeypatch):
-    from epgen.verify import run_round
+    from epgen.harness.verify import run_round
     from epgen.op import EpDispatchCombine
 
     cfg = EpConfig.for_model("deepseek-v3", world_size=1, max_tokens_per_rank=1000, kernel_family="normal")
@@ -382,7 +384,7 @@ def test_op_from_a_build_compiles_nothing(tmp_path, monkeypatch):
 def test_a_file_the_driver_rejects_is_compiled_instead(tmp_path, monkeypatch):
     """Another kernel's valid CUBIN under this kernel's key passes the ELF check; the driver then
     lacks the entry, the op warns naming the file and compiles."""
-    from epgen.verify import run_round
+    from epgen.harness.verify import run_round
     from epgen.op import EpDispatchCombine
 
     cfg = EpConfig.for_model("deepseek-v3", world_size=1, max_tokens_per_rank=1000, kernel_family="normal")

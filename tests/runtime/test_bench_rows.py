@@ -8,10 +8,10 @@ import statistics
 import pytest
 import torch
 
-from epgen import bench
-from epgen.bench import gathered_rows, op_row
-from epgen.options import BOTH_LOW_LATENCY_MAX_TOKENS, family_points
-from epgen.timing import Timing
+from epgen.cli import bench
+from epgen.cli.bench import gathered_rows, op_row
+from epgen.cli.options import BOTH_LOW_LATENCY_MAX_TOKENS, family_points
+from epgen.harness.timing import Timing
 from epgen.reference import dispatch
 
 
@@ -193,7 +193,7 @@ def fake_bench(monkeypatch):
     """bench_process on the CPU: fake ops, measure, ceiling and environment; records the
     (kernel family, tokens) of every measure call."""
     import epgen.op
-    from epgen.timing import PairTiming, QueueDelay
+    from epgen.harness.timing import PairTiming, QueueDelay
 
     _FakeOp.built = []
     calls = []
@@ -213,11 +213,18 @@ def fake_bench(monkeypatch):
     return calls
 
 
-def test_bench_times_each_point_on_every_family_that_covers_it(fake_bench, capsys):
-    from epgen.options import BenchOptions
+def _layer(world_size: int, **kw):
+    """The layer bench takes from the command line: deepseek-v3 at ``world_size`` ranks."""
+    from epgen.codegen.config import EpConfig
 
-    opts = BenchOptions(world_size=2, virtual=True, tokens=(1, 1024, 4096), routings=("uniform",), iters=3)
-    rows = bench.bench_process(0, 2, opts)
+    return EpConfig.for_model("deepseek-v3", world_size=world_size, max_tokens_per_rank=4096, **kw)
+
+
+def test_bench_times_each_point_on_every_family_that_covers_it(fake_bench, capsys):
+    from epgen.cli.options import BenchOptions
+
+    opts = BenchOptions(virtual=True, tokens=(1, 1024, 4096), routings=("uniform",), iters=3)
+    rows = bench.bench_process(0, 2, _layer(2), opts)
     assert [(op.config.kernel_family, op.config.max_tokens_per_rank, op.virtual) for op in _FakeOp.built] == [
         ("normal", 4096, True), ("low_latency", 1024, True)]
     assert [c[:2] for c in fake_bench] == [("normal", 1), ("low_latency", 1), ("normal", 1024), ("low_latency", 1024),
@@ -240,10 +247,10 @@ def test_bench_times_each_point_on_every_family_that_covers_it(fake_bench, capsy
 def test_bench_transport_goes_to_the_normal_family_and_its_dispatch_rows(fake_bench, capsys):
     """--transport pull: the normal op's EpConfig pulls, the low-latency op's pushes (it has no
     pull); the dispatch rows name the transport taken, the combine rows none."""
-    from epgen.options import BenchOptions
+    from epgen.cli.options import BenchOptions
 
-    rows = bench.bench_process(0, 2, BenchOptions(world_size=2, virtual=True, tokens=(8, 4096), routings=("uniform",),
-                                                  transport="pull"))
+    rows = bench.bench_process(0, 2, _layer(2, dispatch_transport="pull"),
+                               BenchOptions(virtual=True, tokens=(8, 4096), routings=("uniform",)))
     assert [(op.config.kernel_family, op.config.dispatch_transport) for op in _FakeOp.built] == [
         ("normal", "pull"), ("low_latency", "push")]
     assert [(r["op"], r["family"], r["transport"]) for r in rows if r["tokens"] == 8] == [
@@ -252,10 +259,9 @@ def test_bench_transport_goes_to_the_normal_family_and_its_dispatch_rows(fake_be
 
 
 def test_bench_auto_rows_name_the_family_each_point_took(fake_bench):
-    from epgen.options import BenchOptions
+    from epgen.cli.options import BenchOptions
 
-    rows = bench.bench_process(0, 1, BenchOptions(world_size=1, tokens=(8, 4096), routings=("uniform",),
-                                                  family="auto"))
+    rows = bench.bench_process(0, 1, _layer(1), BenchOptions(tokens=(8, 4096), routings=("uniform",), family="auto"))
     assert [op.config.kernel_family for op in _FakeOp.built] == ["auto"]
     assert [(r["family"], r["tokens"], r["blocks"]) for r in rows] == [
         ("low_latency", 8, 32), ("low_latency", 8, 32), ("normal", 4096, 24), ("normal", 4096, 24)]

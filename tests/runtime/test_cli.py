@@ -152,7 +152,7 @@ def test_output_files_that_cannot_be_written_are_refused_before_the_run(tmp_path
     # a file that exists but cannot be written (os.access as a non-root user sees a read-only file)
     import argparse
 
-    from epgen import flags
+    from epgen.cli import flags
 
     ro = tmp_path / "ro.csv"
     ro.write_text("")
@@ -286,7 +286,7 @@ def test_report_output_paths_are_checked_before_compiling(capsys, tmp_path):
     (["check", "--dtype", "fp8", "--world-size", "16"], "--world-size 16: catalogue model mixtral-8x7b has 8 experts"),
     (["check", "--model", "deepseek-v3", "--world-size", "24"],
      "multiple of world_size=24 (--world-size 24 with --model deepseek-v3)"),
-    (["build", "--dispatch-geometry", "24x33"], "KernelSpec.warps_per_block=33: must be in [1, 32] (--dispatch-geometry)"),
+    (["build", "--dispatch-geometry", "24x33"], "KernelSpec.warps_per_block=33: must be in [1, 32] (--dispatch-geometry 24x33u4)"),
     (["diff", "--model", "deepseek-v3", "--a", "unroll=abc", "--b", "unroll=2"], "--a unroll=abc: KernelSpec.unroll"),
     (["diff", "--model", "deepseek-v3", "--a", "unroll=2", "unroll=4", "--b", "unroll=2"],
      "--a 'unroll=4': unroll is already set to 2"),
@@ -318,7 +318,7 @@ def test_list_models_and_diff_print_json(capsys):
 
 
 def test_missing_compiler_hint_keeps_its_brackets_and_pins(monkeypatch, capsys):
-    from epgen import cli
+    from epgen.cli import commands as cli
     from epgen.codegen import offline
 
     monkeypatch.setattr(offline, "toolchain_status", lambda arch: f"NVRTC unusable: pip install {offline.nvrtc.PACKAGES}")
@@ -393,11 +393,10 @@ def _fake_report_rows(specs) -> list[dict]:
 @pytest.mark.parametrize("width", [80, 120])
 def test_whole_catalogue_table_reads_at_80_and_120_columns(width, capsys, monkeypatch):
     """COLUMNS=80 (or 120) epgen check over the whole catalogue: every line fits, nothing cut, one
-    line a row; scratch, spill and status, the same on every row, move to the caption. A row that
-    spills brings its columns back and still fits, its label folding onto a second line."""
+    line a row; scratch, spill and status are in the caption, a row that spills named there too."""
     from rich.console import Console
 
-    from epgen import cli
+    from epgen.cli import commands as cli
     from epgen.codegen import catalogue
     from epgen.codegen.report import resource_table
 
@@ -410,7 +409,7 @@ def test_whole_catalogue_table_reads_at_80_and_120_columns(width, capsys, monkey
     assert main(["check"]) == 0
     text = capsys.readouterr().out
     assert "…" not in text and all(len(line) <= width for line in text.splitlines())
-    assert "every row: w8 t4096, scratch 0, spill 0, status ok" in " ".join(text.split())
+    assert "every row: w8 t4096; scratch 0, spill 0, status ok" in " ".join(text.split())
     head = next(line for line in text.splitlines() if line.startswith("arch "))
     assert head.split() == ["arch", "op", "variant", "regs", "AGPR", "SGPR", "LDS", "occ"]
     body = [line for line in text.splitlines() if line.startswith(("gfx950 ", "gfx1250 ", "sm_90 "))]
@@ -423,8 +422,8 @@ def test_whole_catalogue_table_reads_at_80_and_120_columns(width, capsys, monkey
     text = console.export_text()
     assert "…" not in text and all(len(line) <= width for line in text.splitlines())
     head = next(line for line in text.splitlines() if line.startswith("arch "))
-    assert head.split() == ["arch", "op", "variant", "regs", "AGPR", "SGPR", "scratch", "spill", "LDS", "occ", "status"]
-    assert "scratch/spill" in text and "every row: w8 t4096" in text and "status ok" not in text
+    assert head.split() == ["arch", "op", "variant", "regs", "AGPR", "SGPR", "LDS", "occ"]
+    assert "status scratch/spill" in " ".join(text.split()) and "every row: w8 t4096" in text
 
 
 def _matplotlib(monkeypatch, present: bool) -> None:
@@ -455,10 +454,11 @@ def _matplotlib(monkeypatch, present: bool) -> None:
     (["tune", "--quant", "fp8_blockwise"], "--quant fp8_blockwise: only with --family normal"),
     (["bench", "--nodes", "2", "--cpu", "--world-size", "4", "-o", "/nonexistent/x"],
      "-o /nonexistent/x: folder /nonexistent does not exist"),
-    (["bench", "--nodes", "2", "--cpu", "--world-size", "4", "--json", "--combine-geometry", "24x16"],
-     "--json --combine-geometry: not with --nodes"),
+    (["bench", "--nodes", "2", "--cpu", "--world-size", "4", "--combine-geometry", "24x16"],
+     "--combine-geometry: not with --nodes"),
     (["stress", "--kernel-family", "low_latency", "--max-tokens", "70000"],
-     "(--world-size 2, the low_latency family with tokens up to 70000, with --model deepseek-v3)"),
+     "EpConfig.max_tokens_per_rank=70000: kernel_family='low_latency' holds at most 65535 tokens a rank (use 'auto' "
+     "or 'normal') (--max-tokens)"),
     (["bench", "--family", "fast"], "argument --family: invalid choice: 'fast'"),
     (["stress", "--kernel-family", "both"], "argument --kernel-family: invalid choice: 'both'"),
 ])
@@ -503,15 +503,15 @@ def test_gpu_verbs_need_as_many_gpus_as_ranks(capsys, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--virtual", "--world-size", "2", "--dispatch-geometry", "24x64u4"],
-     "KernelSpec.warps_per_block=64: must be in [1, 32] (--dispatch-geometry 24x64u4 on every arch)"),
+     "KernelSpec.warps_per_block=64: must be in [1, 32] (--dispatch-geometry 24x64u4)"),
     (["bench", "--virtual", "--world-size", "2", "--combine-geometry", "24x32u999"],
-     "(--combine-geometry 24x32u999 on every arch)"),
+     "KernelSpec.unroll=999: must be in [1, 16] (--combine-geometry 24x32u999)"),
     (["tune", "--world-size", "1", "--geometry", "24x32u4", "24x64u4"], "(--geometry 24x64u4 on every arch)"),
     (["stress", "--virtual", "--world-size", "64"], "(--world-size 64 on this GPU's arch sm_90)"),
     (["bench", "--virtual", "--world-size", "2", "--low-latency-geometry", "16x64u2"],
-     "KernelSpec.warps_per_block=64: must be in [1, 32] (--low-latency-geometry 16x64u2 on every arch)"),
+     "KernelSpec.warps_per_block=64: must be in [1, 32] (--low-latency-geometry 16x64u2)"),
     (["bench", "--virtual", "--world-size", "2", "--low-latency-geometry", "600x16u2"],
-     "world_size x blocks = 1200, at most 1024; at most 512 blocks (--low-latency-geometry 600x16u2 on every arch)"),
+     "world_size x blocks = 1200, at most 1024; at most 512 blocks (--low-latency-geometry 600x16u2)"),
     (["bench", "--virtual", "--world-size", "2", "--family", "low_latency", "--dispatch-geometry", "24x32u4"],
      "--dispatch-geometry 24x32u4: applies to the normal family's kernels, which this run does not build"),
     (["bench", "--virtual", "--world-size", "2", "--family", "normal", "--low-latency-geometry", "16x16u2"],
@@ -519,9 +519,10 @@ def test_gpu_verbs_need_as_many_gpus_as_ranks(capsys, monkeypatch, tmp_path):
     (["tune", "--virtual", "--world-size", "4", "--low-latency-geometry", "16x16u2", "600x16u2"],
      "(--low-latency-geometry 600x16u2 on every arch)"),  # --virtual: 4 ranks on the 2 GPUs are fine
     (["stress", "--virtual", "--kernel-family", "normal", "--low-latency-geometry", "16x16u2"],
-     "--low-latency-geometry 16x16u2: applies to the low-latency family's kernels"),
+     "applies to kernel_family 'auto' or 'low_latency' (kernel_family='normal' builds no low-latency kernels) "
+     "(--low-latency-geometry)"),
     (["stress", "--virtual", "--world-size", "8", "--kernel-family", "low_latency", "--low-latency-geometry",
-      "256x16u2"], "(--low-latency-geometry 256x16u2 on every arch)"),
+      "256x16u2"], "at most 128 blocks (--low-latency-geometry 256x16u2)"),
 ])
 def test_gpu_verbs_check_geometry_and_world_size_against_the_gpus_arch(argv, message, capsys, monkeypatch, tmp_path):
     import torch
@@ -555,7 +556,7 @@ def test_a_geometry_some_arch_runs_is_checked_against_the_gpus_arch(capsys, monk
 def test_a_geometry_no_arch_runs_is_refused_without_a_gpu(capsys):
     err = _usage_error(["bench", "--virtual", "--world-size", "2", "--low-latency-geometry", "1024x8"], capsys)
     assert err.splitlines()[-1].endswith("world_size x blocks = 2048, at most 1024; at most 512 blocks "
-                                         "(--low-latency-geometry 1024x8u4 on every arch)")
+                                         "(--low-latency-geometry 1024x8u4)")
 
 
 @pytest.mark.parametrize("argv", [["diff", "-o", ""], ["bench", "-o", ""], ["generate", "-o", " "], ["build", "-o", ""]])
@@ -599,11 +600,12 @@ def test_check_report_and_demo_print_the_compiler_releases(capsys):
         assert f"sm_90: {release}" in " ".join(capsys.readouterr().out.split())
     assert main(["check", "--model", "mixtral-8x7b", "--arch", "sm_90", "--json"]) == 0
     assert {r["compiler"] for r in json.loads(capsys.readouterr().out)} == {release}
-    from epgen.demo import run_demo  # the demo prints the same table
+    from epgen.cli.demo import run_demo  # the demo prints the same table
+    from epgen.codegen.config import EpConfig
     from rich.console import Console
 
     console = Console(width=120, record=True, file=io.StringIO())
-    run_demo("mixtral-8x7b", 8, 4096, 1, console, quiet=False)
+    run_demo(EpConfig.for_model("mixtral-8x7b", world_size=8, max_tokens_per_rank=4096), "mixtral-8x7b", 1, console)
     assert f"sm_90: {release}" in " ".join(console.export_text().split())
 
 
@@ -749,7 +751,7 @@ def test_a_broken_compiler_reads_as_missing(monkeypatch, capsys, tmp_path):
 def test_generate_names_the_kernels_that_spill():
     """generate's summary names the report's kernels that use scratch or spill (only REPORT.md
     held them)."""
-    from epgen.cli import _spilling
+    from epgen.cli.commands import _spilling
     from epgen.codegen.catalogue import REPORT_CSV
 
     report = "entry,status\na,ok\nb,scratch/spill\n"
@@ -768,7 +770,7 @@ def test_bench_outside_a_checkout_defaults_to_the_current_directory(capsys, monk
     with one, writes bench-ep<W>-<gpu>.* in the current directory; in the checkout, under tools/results/."""
     import torch
 
-    from epgen.bench import default_output
+    from epgen.cli.bench import default_output
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -790,7 +792,8 @@ def test_bench_outside_a_checkout_defaults_to_the_current_directory(capsys, monk
 def test_build_table_honours_the_console_width(width, capsys, monkeypatch, tmp_path):
     """COLUMNS=80 (or 120) epgen build: the table fits, in the resource report's style (a rule under
     the header, no frame), every entry name whole once the folds are joined, a compile error in red."""
-    from epgen import aot, cli
+    from epgen import aot
+    from epgen.cli import commands as cli
 
     built = []
 
@@ -835,10 +838,10 @@ def test_demo_moe_without_gpu_says_so():
 
 
 def test_demo_moe_defaults(monkeypatch):
-    import epgen.moe_demo
+    import epgen.cli.moe_demo
 
     seen = {}
-    monkeypatch.setattr(epgen.moe_demo, "run_moe_demo", lambda cfg, model, intermediate, *a, **k: seen.update(
+    monkeypatch.setattr(epgen.cli.moe_demo, "run_moe_demo", lambda cfg, model, intermediate, *a, **k: seen.update(
         cfg=cfg, model=model, intermediate=intermediate) or 0)
     assert main(["demo", "--moe"]) == 0
     cfg = seen["cfg"]
@@ -881,7 +884,7 @@ def test_demo_moe_on_the_gpu_passes_and_times_every_stage(capsys):
 
 
 def _parse(argv):
-    from epgen.cli import build_parser
+    from epgen.cli.commands import build_parser
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -889,7 +892,7 @@ def _parse(argv):
 
 
 def test_kernel_family_flags_reach_the_specs_of_the_shape_verbs():
-    from epgen import flags
+    from epgen.cli import flags
     from epgen.codegen.spec import LOW_LATENCY_OPS, Op
 
     base = ["--model", "gpt-oss-120b", "--arch", "sm_90"]
@@ -911,7 +914,7 @@ def test_kernel_family_flags_reach_the_specs_of_the_shape_verbs():
      "--kernel-family low_latency: needs a shape (--model or --hidden); the selectors"),
     (["generate", "--model", "gpt-oss-120b", "--low-latency-geometry", "600x16u2", "-o", "/nonexistent-epgen-out"],
      "KernelSpec.blocks=600: the low-latency family raises one flag per (rank, block), world_size x blocks = 4800, "
-     "at most 1024; at most 128 blocks (--low-latency-geometry)"),
+     "at most 1024; at most 128 blocks (--low-latency-geometry 600x16u2)"),
     (["check", "--model", "gpt-oss-120b", "--kernel-family", "low_latency", "--max-tokens", "70000"],
      "kernel_family='low_latency' holds at most 65535 tokens a rank (use 'auto' or 'normal') (--max-tokens)"),
     (["build", "--kernel-family", "fast"], "argument --kernel-family: invalid choice: 'fast'"),
@@ -940,43 +943,51 @@ def _fake_gpu(monkeypatch, gpus=2):
 
 
 def test_gpu_verbs_pass_the_families_and_the_low_latency_geometry_on(monkeypatch, tmp_path):
-    import epgen.bench
-    import epgen.demo
-    import epgen.stress
-    import epgen.tune
+    """bench, tune and stress hand their verb the EpConfig the flags build (config_from) and
+    options of the verb's own; demo its config too."""
+    import epgen.cli.bench
+    import epgen.cli.demo
+    import epgen.cli.stress
+    import epgen.cli.tune
     from epgen.codegen.tuning import Geometry
-    from epgen.options import LOW_LATENCY_SWEEP
+    from epgen.cli.options import LOW_LATENCY_SWEEP
 
     _fake_gpu(monkeypatch, gpus=1)
     seen = {}
-    for module in (epgen.bench, epgen.tune, epgen.stress):
-        monkeypatch.setattr(module, "run", lambda opts, name=module.__name__: seen.__setitem__(name, opts))
-    monkeypatch.setattr(epgen.demo, "run_demo", lambda *a, **kw: seen.__setitem__("demo", kw) or 0)
+    for module in (epgen.cli.bench, epgen.cli.tune, epgen.cli.stress):
+        monkeypatch.setattr(module, "run", lambda cfg, opts, name=module.__name__: seen.__setitem__(name, (cfg, opts)))
+    monkeypatch.setattr(epgen.cli.demo, "run_demo", lambda cfg, *a, **kw: seen.__setitem__("demo", (cfg, kw)) or 0)
     out = ["-o", str(tmp_path / "b")]
     assert main(["bench", "--world-size", "1", *out]) == 0
-    assert (seen["epgen.bench"].family, seen["epgen.bench"].low_latency_geometry) == ("both", None)
+    cfg, b = seen["epgen.cli.bench"]
+    assert (b.family, cfg.low_latency_geometry, cfg.world_size, cfg.hidden) == ("both", None, 1, 7168)
     assert main(["bench", "--world-size", "2", "--virtual", "--family", "low_latency", "--tokens", "1", "256",
-                 "--low-latency-geometry", "16x16u2", *out]) == 0
-    b = seen["epgen.bench"]
-    assert (b.family, b.low_latency_geometry, b.tokens, b.virtual) == (
-        "low_latency", Geometry(16, 16, 2), (1, 256), True)
+                 "--low-latency-geometry", "16x16u2", "--quant", "fp8_blockwise", *out]) == 0
+    cfg, b = seen["epgen.cli.bench"]
+    assert (b.family, cfg.low_latency_geometry, b.tokens, b.virtual, cfg.combine_quant) == (
+        "low_latency", Geometry(16, 16, 2), (1, 256), True, "fp8_blockwise")
     assert main(["tune", "--world-size", "1"]) == 0
-    t = seen["epgen.tune"]
+    cfg, t = seen["epgen.cli.tune"]
     assert (t.family, t.low_latency_tokens, t.low_latency_geometries, t.virtual) == ("both", LOW_LATENCY_SWEEP, None,
                                                                                      False)
+    assert cfg.low_latency_geometry is None  # tune's --low-latency-geometry lists candidates, not the config's
     assert main(["tune", "--world-size", "2", "--virtual", "--family", "low_latency", "--low-latency-tokens", "4",
                  "16", "--low-latency-geometry", "8x16u2", "16x16u4", "--dry-run"]) == 0
-    t = seen["epgen.tune"]
-    assert (t.family, t.low_latency_tokens, t.virtual, t.write) == ("low_latency", (4, 16), True, False)
+    cfg, t = seen["epgen.cli.tune"]
+    assert (t.family, t.low_latency_tokens, t.virtual, t.write, cfg.world_size) == ("low_latency", (4, 16), True,
+                                                                                    False, 2)
     assert t.low_latency_geometries == (Geometry(8, 16, 2), Geometry(16, 16, 4))
     assert main(["stress", "--world-size", "1"]) == 0
-    assert (seen["epgen.stress"].kernel_family, seen["epgen.stress"].low_latency_geometry) == ("auto", None)
+    cfg, _ = seen["epgen.cli.stress"]
+    assert (cfg.kernel_family, cfg.low_latency_geometry, cfg.max_tokens_per_rank) == ("auto", None, 4096)
     assert main(["stress", "--world-size", "4", "--virtual", "--kernel-family", "low_latency",
-                 "--low-latency-geometry", "8x16u2", "--max-tokens", "64"]) == 0
-    assert (seen["epgen.stress"].kernel_family, seen["epgen.stress"].low_latency_geometry) == ("low_latency",
-                                                                                               Geometry(8, 16, 2))
+                 "--low-latency-geometry", "8x16u2", "--max-tokens", "64", "--fault-every", "5"]) == 0
+    cfg, st = seen["epgen.cli.stress"]
+    assert (cfg.kernel_family, cfg.low_latency_geometry, cfg.max_tokens_per_rank, st.fault_every) == (
+        "low_latency", Geometry(8, 16, 2), 64, 5)
     assert main(["demo", "--kernel-family", "normal"]) == 0
-    assert seen["demo"] == {"quiet": False, "as_json": False, "kernel_family": "normal", "low_latency_geometry": None}
+    cfg, kw = seen["demo"]
+    assert (cfg.kernel_family, cfg.low_latency_geometry, kw) == ("normal", None, {"quiet": False, "as_json": False})
 
 
 def _too_long_name(folder) -> str:
@@ -1040,3 +1051,124 @@ def test_path_name_problem_rules(tmp_path):
         f"-o {abbreviate(str(prefix))}: the name '{abbreviate(prefix.name + '.env.txt')}' is {limit + 4} bytes; a "
         f"file or folder name may have at most {limit} bytes on this file system (NAME_MAX)")
     assert len(abbreviate("y" * 1000)) == 60 and abbreviate("y" * 60) == "y" * 60
+
+
+@pytest.mark.parametrize("verb", ["bench", "tune", "stress"])
+@pytest.mark.parametrize("flag", ["--json", "--quiet"])
+def test_gpu_verbs_refuse_the_output_flags_they_do_not_honour(verb, flag, capsys):
+    """bench, tune and stress print their own output (and write files): --json and --quiet are
+    usage errors that say what the verb prints instead, before any GPU is looked for, and neither
+    shows in the verb's help."""
+    err = _usage_error([verb, flag], capsys)
+    assert f"epgen {verb}: error: {flag}: epgen {verb} does not take it: it prints" in err
+    with pytest.raises(SystemExit):
+        main([verb, "--help"])
+    assert "--json" not in capsys.readouterr().out
+
+
+def test_generate_check_and_diff_refuse_a_folder_before_rendering(tmp_path, capsys, monkeypatch):
+    """generate --check -o MISSING, and generate or diff -o on another tool's folder, stop before
+    the catalogue is rendered (a minute of compiling), naming the folder and the rule."""
+    from epgen.codegen import catalogue
+
+    def no_render(*a, **kw):
+        raise AssertionError("rendered before refusing")
+
+    monkeypatch.setattr(catalogue, "render_files", no_render)
+    missing = tmp_path / "missing"
+    err = _usage_error(["generate", "--check", "-o", str(missing)], capsys)
+    assert f"-o {missing}: does not exist; --check compares a directory epgen generate wrote" in err
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "manifest.json").write_text('{"schema": 1, "code_objects": {}}\n')  # a build cache's
+    for argv in (["generate", "-o", str(foreign)], ["generate", "--check", "-o", str(foreign)],
+                 ["diff", "-o", str(foreign)]):
+        assert main(argv) == 2
+        assert "manifest.json: not a manifest epgen generate wrote" in capsys.readouterr().err
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    err = _usage_error(["diff", "-o", str(bare)], capsys)
+    assert f"-o {bare}: has no manifest.json, so epgen generate did not write it" in err
+    assert f"-o {missing}: not a directory" in _usage_error(["diff", "-o", str(missing)], capsys)
+
+
+def test_check_takes_the_geometry_flags(capsys, monkeypatch):
+    """epgen check/report --dispatch-geometry/--combine-geometry: one variant's resources; a bad
+    geometry names its flag, and the flags need a shape."""
+    from epgen.cli import commands as cli
+    from epgen.codegen import catalogue
+
+    seen = []
+    monkeypatch.setattr(cli, "_compilers_missing", lambda arches, verb: False)
+    monkeypatch.setattr(catalogue, "report_rows", lambda specs, max_workers=None, on_done=None:
+                        seen.extend(specs) or _fake_report_rows(specs))
+    for verb in ("check", "report"):
+        seen.clear()
+        assert main([verb, "--model", "mixtral-8x7b", "--arch", "sm_90", "--dispatch-geometry", "8x4u2",
+                     "--combine-geometry", "16x8", "--json"]) == 0
+        geometry = {s.op.value: (s.blocks, s.warps_per_block, s.unroll) for s in seen}
+        assert geometry["dispatch"] == (8, 4, 2) and geometry["combine"][:2] == (16, 8)
+    err = _usage_error(["check", "--model", "mixtral-8x7b", "--arch", "sm_90", "--dispatch-geometry", "8x64u2"], capsys)
+    assert "--dispatch-geometry" in err.splitlines()[-1]
+    err = _usage_error(["check", "--quant", "fp8_blockwise", "--combine-geometry", "16x8"], capsys)
+    assert "--combine-geometry 16x8u4: needs a shape (--model or --hidden)" in err
+
+
+def test_the_wire_diff_hint_leads_to_a_command_that_works():
+    """The bf16-vs-fp8 combine diff: the refusal names the --quant flag to add, and that command
+    works, showing the quantize kernel, which only the quantized wire builds, whole on its side."""
+    shape = ("--model", "deepseek-v3", "--world-size", "2", "--kernel-family", "normal", "--arch", "sm_90")
+    r = run("diff", *shape, "--b", "combine_quant=fp8_blockwise")
+    assert r.returncode == 2 and "add --quant fp8_blockwise: both sides then start from" in r.stderr
+    r = run("diff", *shape, "--quant", "fp8_blockwise", "--a", "combine_quant=none")
+    assert r.returncode == 1, r.stderr
+    assert "=== combine_quantize sm_90\n--- (no combine_quantize kernel with combine_quant=none)" in r.stdout
+    assert re.search(r"^\+\+\+ epgen_combine_sm90_bf16_\S+_qfp8b$", r.stdout, re.M)
+
+
+@pytest.mark.parametrize("spill", [False, True])
+def test_resource_table_fits_80_columns_when_a_row_spills(spill):
+    """The whole catalogue's table at 80 columns: one line a row, with or without a spilling row;
+    the spilling row's scratch, spill and status are in the caption, named by its label."""
+    from rich.console import Console
+
+    from epgen.codegen import catalogue
+    from epgen.codegen.report import resource_table
+
+    rows = _fake_report_rows(catalogue.catalogue_specs())
+    if spill:
+        rows[0] = {**rows[0], "spill_bytes": 8, "scratch_bytes": 16, "status": "scratch/spill"}
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(resource_table(rows, "t"))
+    lines = console.export_text().splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("arch "))
+    assert lines[head].split() == ["arch", "op", "variant", "regs", "AGPR", "SGPR", "LDS", "occ"]
+    body = lines[head + 2:head + 2 + len(rows)]
+    assert all(line.startswith(("gfx950 ", "gfx1250 ", "sm_90 ")) for line in body)  # nothing folded
+    assert all(len(line) <= 80 for line in lines)
+    caption = " ".join(" ".join(lines[head + 2 + len(rows):]).split())
+    if spill:
+        assert ("scratch 0, spill 0, status ok, except these (red in the table): gfx950 dispatch bf16 h7168 k8 l32 "
+                "2048x16u2: scratch 16, spill 8, status scratch/spill") in caption
+    else:
+        assert "scratch 0, spill 0, status ok scratch, spill" in caption
+
+
+def test_demo_explains_its_notation_and_what_to_run_next(monkeypatch):
+    from rich.console import Console
+
+    from epgen.cli import demo
+
+    monkeypatch.setattr(demo, "toolchain_status", lambda arch: None)
+    monkeypatch.setattr(demo, "report_rows", _fake_report_rows)
+    monkeypatch.setattr(demo.torch.cuda, "is_available", lambda: False)
+    console = Console(width=100, record=True, file=io.StringIO())
+    cfg = demo.EpConfig.for_model("mixtral-8x7b", world_size=8, max_tokens_per_rank=4096)
+    assert demo.run_demo(cfg, "mixtral-8x7b", 1, console) == 0
+    text = " ".join(console.export_text().split())
+    assert "a variant is PAYLOAD BLOCKSxWARPSuUNROLL" in text and "w world size (ranks), h hidden size" in text
+    assert "`epgen generate --model mixtral-8x7b -o DIR` writes their sources" in text
+    assert "next: `epgen check --model mixtral-8x7b --arch ARCH`" in text and "`epgen demo --moe`" in text
+    console = Console(width=100, record=True, file=io.StringIO())
+    assert demo.run_demo(cfg, "mixtral-8x7b", 1, console, quiet=True) == 0
+    assert console.export_text() == ""

@@ -34,7 +34,7 @@ from epgen.cache import CACHE_ENV
 from epgen.codegen import abi, offline
 from epgen.codegen.config import EpConfig, Geometry
 from epgen.codegen.spec import Op
-from epgen.ranks import start_and_join
+from epgen.harness.ranks import start_and_join
 
 ARCH = "gfx950"
 GCN_ARCH_NAME = "gfx950:sramecc+:xnack-"

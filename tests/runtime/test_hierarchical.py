@@ -1,7 +1,7 @@
 """The hierarchical op on the CPU: two processes play two nodes (gloo network leg over CPU tensors,
 rendezvous through a file in tmp_path), each driving its node's two ranks through
 ``ReferenceNodeOp``, and four processes play the one-process-per-GPU layout (``process_groups``);
-every round is checked bit for bit against ``epgen.reference`` (``epgen.hierarchical_verify``: the
+every round is checked bit for bit against ``epgen.reference`` (``epgen.harness.hierarchical_verify``: the
 GPU test runs the same cases)."""
 
 import datetime
@@ -15,10 +15,10 @@ import torch.distributed as dist
 from epgen import reference
 from epgen.codegen.config import EpConfig
 from epgen.codegen.spec import Op
-from epgen.hierarchical import HierarchicalEp, HierarchicalError, ReferenceNodeOp, process_groups
-from epgen.hierarchical_verify import CASES, VARIANTS, check_round, make_inputs, run_cases, small_config
+from epgen.layers.hierarchical import HierarchicalEp, HierarchicalError, ReferenceNodeOp, process_groups
+from epgen.harness.hierarchical_verify import CASES, VARIANTS, check_round, make_inputs, run_cases, small_config
 from epgen.op import EpError
-from epgen.ranks import start_and_join
+from epgen.harness.ranks import start_and_join
 
 PROCS_TIMEOUT_S = 120
 
@@ -228,12 +228,12 @@ def test_bench_nodes_on_the_cpu_stand_in(tmp_path, capsys):
 def test_bench_nodes_default_points_fit_the_node_op(monkeypatch):
     """Without --tokens: NODES_SWEEP_CPU with the CPU stand-in (the host reference takes minutes at
     4096 tokens), NODES_SWEEP with the GPU's op; a plain bench keeps its own sweep."""
-    import epgen.bench_nodes
+    import epgen.cli.bench_nodes
     from epgen.cli import main
-    from epgen.options import NODES_SWEEP, NODES_SWEEP_CPU
+    from epgen.cli.options import NODES_SWEEP, NODES_SWEEP_CPU
 
     seen = []
-    monkeypatch.setattr(epgen.bench_nodes, "run", lambda options, print_fn: seen.append(options.tokens))
+    monkeypatch.setattr(epgen.cli.bench_nodes, "run", lambda cfg, options, print_fn: seen.append(options.tokens))
     assert main(["bench", "--nodes", "2", "--world-size", "4", "--cpu"]) == 0
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert main(["bench", "--nodes", "2", "--world-size", "4"]) == 0

@@ -1,4 +1,4 @@
-"""CPU tests of epgen.moe: the router, the expert stage's two paths, the dense reference and its
+"""CPU tests of epgen.layers.moe: the router, the expert stage's two paths, the dense reference and its
 bound, and MoELayer's glue around an emulated op built from epgen.reference."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ import torch
 
 from epgen import reference
 from epgen.codegen.config import EpConfig
-from epgen.moe import (
-    ExpertWeights,
-    MoELayer,
-    dense_moe,
-    grouped_mm_available,
-    route_topk,
-    swiglu_experts,
-    swiglu_reference,
-)
+from epgen.layers.moe import (
+                              ExpertWeights,
+                              MoELayer,
+                              dense_moe,
+                              grouped_mm_available,
+                              route_topk,
+                              swiglu_experts,
+                              swiglu_reference,
+                              )
 from epgen.quant import combine_roundtrip
 
 H, I, L, K = 64, 32, 4, 4

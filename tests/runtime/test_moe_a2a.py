@@ -1,5 +1,5 @@
 """The all_to_all_single MoE layer on the CPU with gloo: W = 1 (a one-rank group) and W = 2 (two
-processes), against epgen.moe.dense_moe within its bound."""
+processes), against epgen.layers.moe.dense_moe within its bound."""
 
 import os
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from epgen.moe import ExpertWeights, dense_moe
-from epgen.ranks import start_and_join
-from epgen.verify import PROCESS_WORLD_SIZES, per_rank
+from epgen.layers.moe import ExpertWeights, dense_moe
+from epgen.harness.ranks import start_and_join
+from epgen.harness.verify import PROCESS_WORLD_SIZES, per_rank
 
 H, I, L, K = 64, 48, 5, 4  # hidden, intermediate, local experts, top-k
 
@@ -34,7 +34,7 @@ def _inputs(world_size: int, tokens: list[int], seed: int):
 
 
 def _check_rank(rank: int, world_size: int, tokens: list[int], seed: int) -> None:
-    from epgen.moe_a2a import AllToAllMoE
+    from epgen.layers.moe_a2a import AllToAllMoE
 
     xs, ws, ids, experts = _inputs(world_size, tokens, seed)
     layer = AllToAllMoE(experts[rank], num_experts=world_size * L, topk=K)
@@ -68,7 +68,7 @@ def test_two_ranks_meet_dense_moe(tmp_path, tokens):
 
 
 def _errors_worker(rank: int, world_size: int, store: str) -> None:
-    from epgen.moe_a2a import AllToAllMoE
+    from epgen.layers.moe_a2a import AllToAllMoE
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
@@ -77,7 +77,7 @@ def _errors_worker(rank: int, world_size: int, store: str) -> None:
             AllToAllMoE(w, num_experts=4, topk=K)
         with pytest.raises(ValueError, match=r"topk=6: must be an int in \[1, num_experts=5\]"):
             AllToAllMoE(w, num_experts=5, topk=6)
-        with pytest.raises(TypeError, match="weights: expected an epgen.moe.ExpertWeights, got tuple"):
+        with pytest.raises(TypeError, match="weights: expected an epgen.layers.moe.ExpertWeights, got tuple"):
             AllToAllMoE((w.gate, w.up, w.down), num_experts=5, topk=2)
         layer = AllToAllMoE(w, num_experts=5, topk=2)
         x, wt, ids = torch.zeros(2, H, dtype=torch.bfloat16), torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.int32)
@@ -98,7 +98,7 @@ def test_bad_arguments_name_the_rule(tmp_path):
 
 
 def test_needs_a_process_group():
-    from epgen.moe_a2a import AllToAllMoE
+    from epgen.layers.moe_a2a import AllToAllMoE
 
     if dist.is_initialized():
         pytest.skip("this process already has a process group")
@@ -108,10 +108,10 @@ def test_needs_a_process_group():
 
 
 def _nccl_rank(rank: int, world_size: int, tokens: list[int], seed: int) -> None:
-    """On the GPU and with the group epgen.ranks made (NCCL on a GPU of its own, gloo when the ranks
+    """On the GPU and with the group epgen.harness.ranks made (NCCL on a GPU of its own, gloo when the ranks
     share cuda:0): the layer against dense_moe."""
-    from epgen.moe_a2a import AllToAllMoE
-    from epgen.ranks import rank_device
+    from epgen.layers.moe_a2a import AllToAllMoE
+    from epgen.harness.ranks import rank_device
 
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False  # dense_moe's bound assumes it
     dev = torch.device("cuda", rank_device(rank, world_size))
@@ -127,7 +127,7 @@ def _nccl_rank(rank: int, world_size: int, tokens: list[int], seed: int) -> None
 
 @pytest.mark.gpu
 def test_one_rank_nccl_group_meets_dense_moe():
-    from epgen.ranks import run_ranks
+    from epgen.harness.ranks import run_ranks
 
     run_ranks(1, _nccl_rank, [40], 7, timeout_s=240)
 
@@ -135,6 +135,6 @@ def test_one_rank_nccl_group_meets_dense_moe():
 @pytest.mark.processes
 @pytest.mark.parametrize("world_size", PROCESS_WORLD_SIZES)
 def test_ranks_as_processes_meet_dense_moe(world_size):
-    from epgen.ranks import run_ranks
+    from epgen.harness.ranks import run_ranks
 
     run_ranks(world_size, _nccl_rank, per_rank([33, 0, 5], world_size), 8, timeout_s=240)

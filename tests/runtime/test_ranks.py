@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from epgen.ranks import start_and_join
+from epgen.harness.ranks import start_and_join
 
 
 def _rank_body(rank, mode):
@@ -37,7 +37,7 @@ def test_a_raising_rank_fails_the_run():
 
 @pytest.mark.parametrize("world_size", [0, -1, 1.5, True])
 def test_run_ranks_rejects_a_world_size_below_one(world_size):
-    from epgen.ranks import run_ranks
+    from epgen.harness.ranks import run_ranks
 
     with pytest.raises(ValueError, match=r"world_size=.*: must be an int >= 1"):
         run_ranks(world_size, print)
@@ -54,7 +54,7 @@ def _pid_body(rank, world_size, folder):
 
 
 def test_a_pool_runs_one_function_after_another_in_the_same_processes(tmp_path):
-    from epgen.ranks import RankPool
+    from epgen.harness.ranks import RankPool
 
     pool = RankPool(3)
     try:
@@ -72,7 +72,7 @@ def test_a_pool_runs_one_function_after_another_in_the_same_processes(tmp_path):
 @pytest.mark.parametrize("mode,error", [("hang", TimeoutError), ("raise", torch.multiprocessing.ProcessRaisedException),
                                         ("exit", None)])
 def test_a_pool_ends_on_any_failure_and_an_early_exit_0_is_no_failure(mode, error):
-    from epgen.ranks import RankPool
+    from epgen.harness.ranks import RankPool
 
     pool = RankPool(2)
     try:
@@ -92,7 +92,7 @@ def _pool_body(rank, world_size, mode):
 
 @pytest.mark.parametrize("timeout_s", ["5", 0, -1, True, float("nan"), float("inf"), 2e6])
 def test_a_bad_timeout_is_refused_before_any_rank_runs(timeout_s, tmp_path):
-    from epgen.ranks import RankPool
+    from epgen.harness.ranks import RankPool
 
     rule = r"timeout_s=.*: must be None \(no bound\) or a real number of seconds in \(0, 1e\+06\]"
     with pytest.raises(ValueError, match=rule):

@@ -1,4 +1,4 @@
-"""The two timing methods of epgen.timing on a simulated GPU stream (CPU): the delay's sizing
+"""The two timing methods of epgen.harness.timing on a simulated GPU stream (CPU): the delay's sizing
 arithmetic, queued samples that are the kernels' own times where host-launched ones are the
 host's launch rate, and the flag raised when the delay ends before the host finished enqueueing."""
 
@@ -6,8 +6,8 @@ import types
 
 import pytest
 
-from epgen import timing
-from epgen.timing import sleep_cycles
+from epgen.harness import timing
+from epgen.harness.timing import sleep_cycles
 
 
 class _Gpu:

@@ -8,13 +8,13 @@ import attrs
 
 import pytest
 
-from epgen import tune
+from epgen.cli import tune
 from epgen.codegen.arch import ARCHES, traits
 from epgen.codegen.config import EpConfig
 from epgen.codegen.spec import LOW_LATENCY_OPS, Op
 from epgen.codegen.tuning import Geometry
-from epgen.options import LOW_LATENCY_SWEEP, TuneOptions, tune_counts
-from epgen.tune import Sweep, choose_low_latency, low_latency_threshold, plan
+from epgen.cli.options import LOW_LATENCY_SWEEP, TuneOptions, tune_counts
+from epgen.cli.tune import Sweep, choose_low_latency, low_latency_threshold, plan
 
 
 @pytest.mark.parametrize("ll, normal, threshold", [
@@ -36,6 +36,11 @@ def test_the_threshold_needs_the_normal_time_of_every_count():
 
 G8, G16, G32 = Geometry(8, 16, 2), Geometry(16, 16, 2), Geometry(32, 16, 4)
 N24, N64 = Geometry(24, 32, 4), Geometry(64, 32, 4)
+
+
+def _layer(world_size: int = 2, **kw) -> EpConfig:
+    """The layer tune takes from the command line: deepseek-v3 at ``world_size`` ranks."""
+    return EpConfig.for_model("deepseek-v3", world_size=world_size, max_tokens_per_rank=4096, **kw)
 
 
 def _times(ll_scale=1.0):
@@ -77,15 +82,15 @@ def test_tune_counts_and_plan_per_family():
         "normal": (2, 64), "low_latency": (2, 64)}
     with pytest.raises(ValueError, match=r"TuneOptions.family='auto': must be one of both, normal, low_latency"):
         tune_counts(TuneOptions(family="auto"))
-    normal, ll = plan(opts, "sm_90", 2)
+    normal, ll = plan(_layer(2), opts, "sm_90")
     assert normal == Sweep("normal", tune.default_candidates("sm_90"), tune_counts(opts)["normal"])
     assert ll == Sweep("low_latency", tune.default_low_latency_candidates("sm_90", 2), LOW_LATENCY_SWEEP)
     # the low-latency family alone: the normal family is its reference at the table's geometry (None) ...
-    assert plan(TuneOptions(family="low_latency"), "sm_90", 2)[0] == Sweep("normal", (None,), LOW_LATENCY_SWEEP)
+    assert plan(_layer(2), TuneOptions(family="low_latency"), "sm_90")[0] == Sweep("normal", (None,), LOW_LATENCY_SWEEP)
     # ... or at the candidates given
-    assert plan(TuneOptions(family="low_latency", geometries=(N24,)), "sm_90", 2)[0].geometries == (N24,)
-    assert [s.family for s in plan(TuneOptions(family="normal"), "sm_90", 2)] == ["normal"]
-    given = plan(TuneOptions(low_latency_geometries=(G8,)), "gfx950", 8)[1]
+    assert plan(_layer(2), TuneOptions(family="low_latency", geometries=(N24,)), "sm_90")[0].geometries == (N24,)
+    assert [s.family for s in plan(_layer(2), TuneOptions(family="normal"), "sm_90")] == ["normal"]
+    given = plan(_layer(8), TuneOptions(low_latency_geometries=(G8,)), "gfx950")[1]
     assert given.geometries == (G8,)
 
 
@@ -111,9 +116,9 @@ def _env():
             "cupy": "c", "commit": "abc"}
 
 
-def _report(opts, times, world_size=2, skipped=()):
-    sweeps = plan(opts, "sm_90", world_size)
-    tune._report(times, sweeps, list(skipped), opts, "sm_90", world_size)
+def _report(opts, times, layer=None, skipped=()):
+    layer = layer or _layer()
+    tune._report(times, plan(layer, opts, "sm_90"), list(skipped), layer, opts, "sm_90")
 
 
 def test_tune_writes_both_families_and_epconfig_reads_the_threshold(table_dir, monkeypatch, capsys):
@@ -196,7 +201,7 @@ def fake_tune(monkeypatch):
     import torch
 
     import epgen.op
-    from epgen.timing import PairTiming, QueueDelay, Timing
+    from epgen.harness.timing import PairTiming, QueueDelay, Timing
 
     def measure(op, cfg, tokens, routing, seed, iters):
         geo = cfg.low_latency_geometry if cfg.kernel_family == "low_latency" else cfg.dispatch_geometry
@@ -221,7 +226,7 @@ def test_tune_process_times_every_sweep_and_skips_what_virtual_ranks_cannot_hold
     opts = TuneOptions(tokens=(128, 4096), geometries=(N24, N64), low_latency_tokens=(1, 8),
                        low_latency_geometries=(G8, G16), virtual=True)
     _FakeOp.refuse = (N64,)
-    times = tune.tune_process(0, 2, opts)
+    times = tune.tune_process(0, 2, _layer(), opts)
     normal = {(key, T) for key in ("normal", "pull") for T in (1, 8, 128, 4096)}  # the dispatch both ways
     assert set(times) == normal | {("low_latency", 1), ("low_latency", 8)}
     assert all(set(per) == {N24} for (key, _), per in times.items() if key != "low_latency")  # 64 blocks skipped
@@ -232,23 +237,24 @@ def test_tune_process_times_every_sweep_and_skips_what_virtual_ranks_cannot_hold
                               for key in ("normal", "pull")]
     assert choose_low_latency(times).threshold == 8
     # without pull, with a quantized wire or the low-latency family alone, the dispatch is timed as push only
-    for kw in (dict(pull=False), dict(family="normal", combine_quant="fp8_blockwise", geometries=(Geometry(24, 16, 4),))):
+    for layer, kw in ((_layer(), dict(pull=False)), (_layer(combine_quant="fp8_blockwise"),
+                                                     dict(family="normal", geometries=(Geometry(24, 16, 4),)))):
         fake_tune.clear()
-        times = tune.tune_process(0, 2, attrs.evolve(opts, **kw))
+        times = tune.tune_process(0, 2, layer, attrs.evolve(opts, **kw))
         assert not any(key == "pull" for key, _ in times)
 
 
 def test_tune_process_raises_a_construction_error_of_real_ranks_and_when_nothing_fits(fake_tune):
     _FakeOp.refuse = (N64,)
     with pytest.raises(ValueError, match="virtual ranks need"):
-        tune.tune_process(0, 2, TuneOptions(tokens=(128,), geometries=(N24, N64), family="normal"))
+        tune.tune_process(0, 2, _layer(), TuneOptions(tokens=(128,), geometries=(N24, N64), family="normal"))
     with pytest.raises(RuntimeError, match="no normal candidate could be built: normal 64x32u4"):
-        tune.tune_process(0, 2, TuneOptions(tokens=(128,), geometries=(N64,), family="normal", virtual=True))
+        tune.tune_process(0, 2, _layer(), TuneOptions(tokens=(128,), geometries=(N64,), family="normal", virtual=True))
 
 
 def test_tune_process_low_latency_alone_times_the_normal_family_at_the_table_geometry(fake_tune):
-    times = tune.tune_process(0, 1, TuneOptions(family="low_latency", low_latency_tokens=(1, 4),
-                                                low_latency_geometries=(G8,)))
+    times = tune.tune_process(0, 1, _layer(1), TuneOptions(family="low_latency", low_latency_tokens=(1, 4),
+                                                           low_latency_geometries=(G8,)))
     assert times == {("normal", 1): {None: (4.0, 4.0)}, ("normal", 4): {None: (7.0, 7.0)},
                      ("low_latency", 1): {G8: (0.9, 0.9)}, ("low_latency", 4): {G8: (2.4, 2.4)}}
 
@@ -290,9 +296,10 @@ def test_tune_with_a_quantized_wire_writes_that_wires_combine_entry_alone(table_
     candidates = tune.default_candidates("sm_90", "fp4_blockwise")
     assert {g.warps_per_block * 32 for g in candidates} == {512} and {g.unroll for g in candidates} == {4, 2}
     q16, q64 = Geometry(16, 16, 4), Geometry(64, 16, 4)
-    opts = TuneOptions(tokens=(4096,), family="normal", combine_quant="fp4_blockwise", geometries=(q16, q64))
-    assert plan(opts, "sm_90", 2)[0].geometries == (q16, q64)
-    _report(opts, {("normal", 4096): {q16: (100.0, 400.0), q64: (90.0, 120.0)}})
+    opts = TuneOptions(tokens=(4096,), family="normal", geometries=(q16, q64))
+    layer = _layer(combine_quant="fp4_blockwise")
+    assert plan(layer, opts, "sm_90")[0].geometries == (q16, q64)
+    _report(opts, {("normal", 4096): {q16: (100.0, 400.0), q64: (90.0, 120.0)}}, layer)
     entries = json.loads((table_dir / "sm_90.json").read_text())["entries"]
     assert [(e["op"], e["dtype"]) for e in entries] == [("combine", "fp4_blockwise")]
     assert entries[0]["buckets"] == [{"max_tokens": 4096, "blocks": 64, "warps_per_block": 16, "unroll": 4}]

@@ -98,7 +98,7 @@ def test_combine_inputs():
 
 @pytest.mark.parametrize("dtype,columns,torch_dtype", [("fp8", 2880, torch.float8_e4m3fn), ("fp4", 1440, torch.uint8)])
 def test_quantized_payload_shapes(dtype, columns, torch_dtype):
-    from epgen.verify import make_inputs, reference_dispatch
+    from epgen.harness.verify import make_inputs, reference_dispatch
     from epgen.quant import scale_bytes
 
     # 2880 is not a multiple of fp8's 128-element block: the caller defines 23 fp32 scales (92 bytes)

@@ -1,4 +1,4 @@
-"""The exact (bit-for-bit, on-device) round check of ``epgen.verify`` on the CPU, against a stand-in
+"""The exact (bit-for-bit, on-device) round check of ``epgen.harness.verify`` on the CPU, against a stand-in
 op that keeps the contract with a zero-copy combine input and a scrambled row order, and against
 stand-ins that break it in one way each: the check must pass the first and name every break."""
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from epgen import reference
-from epgen.verify import (EXACT_MAX_VALUE, check_exact_combine, check_exact_dispatch, expect, integer_inputs,
-                         run_exact_round)
+from epgen.harness.verify import (EXACT_MAX_VALUE, check_exact_combine, check_exact_dispatch, expect, integer_inputs,
+                                  run_exact_round)
 from epgen.codegen.config import EpConfig
 from epgen.op import DispatchOutput
 

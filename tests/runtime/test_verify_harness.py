@@ -1,4 +1,4 @@
-"""The GPU test harness (``epgen.verify.run_round``) on the CPU, against a stand-in op that follows
+"""The GPU test harness (``epgen.harness.verify.run_round``) on the CPU, against a stand-in op that follows
 the contract with a scrambled row order; and a broken stand-in that the harness must catch."""
 
 import types
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from epgen import quant, reference
-from epgen.verify import run_round
+from epgen.harness.verify import run_round
 from epgen.codegen.config import EpConfig
 from epgen.op import DispatchOutput
 
@@ -99,7 +99,7 @@ def test_harness_catches_a_changed_row():
 
 
 def test_stress_counts_rounds_and_failures():
-    from epgen.stress import stress
+    from epgen.cli.stress import stress
 
     lines = []
     ok = stress(ContractOp(CFG), CFG, rounds=12, seed=1, report=lines.append)
@@ -109,7 +109,7 @@ def test_stress_counts_rounds_and_failures():
 
 
 def test_shared_routing_pins_the_last_slot_to_the_own_rank():
-    from epgen.verify import make_inputs
+    from epgen.harness.verify import make_inputs
 
     cfg = EpConfig.for_model("deepseek-v3", world_size=8, max_tokens_per_rank=64)
     for rank, inp in enumerate(make_inputs(cfg, [64] * 8, "shared", seed=2)):

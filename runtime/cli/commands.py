@@ -1,6 +1,6 @@
 """The ``epgen`` command line: generate, check, report, diff, build, plan, demo, bench, tune, stress.
 
-Each verb parses, builds its config through ``epgen.flags``, calls one library function and
+Each verb parses, builds its config through ``epgen.cli.flags``, calls one library function and
 prints. Errors go to stderr, prefixed ``epgen VERB:``. ``epgen --help`` and the CPU verbs
 (generate, check, report, diff, build without --time-import, plan) load neither torch nor CuPy.
 """
@@ -16,15 +16,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from epgen import flags
+from epgen.cli import flags
 from epgen.codegen.catalogue import CATALOGUE_MAX_TOKENS, CATALOGUE_WORLD_SIZE
-from epgen.options import (DEFAULT_MODEL, NODES_SWEEP, NODES_SWEEP_CPU, BenchOptions, DemoOptions, StressOptions,
-                           TuneOptions, family_points, tune_counts)
-from epgen.progress import Progress
+from epgen.cli.options import (DEFAULT_MODEL, NODES_SWEEP, NODES_SWEEP_CPU, BenchOptions, StressOptions, TuneOptions,
+                               family_points, tune_counts)
+from epgen.cli.progress import Progress
 
 MOE_DEMO_TOKENS = 1024
 """``epgen demo --moe``'s tokens per rank: W = 8 virtual ranks of deepseek-v3 then need about
-40 GiB (``epgen.moe_demo.memory_bytes``: weights 21 GiB, expert-major rows 14 GiB, receive rows
+40 GiB (``epgen.cli.moe_demo.memory_bytes``: weights 21 GiB, expert-major rows 14 GiB, receive rows
 2 GiB, one rank's GEMM temporaries at a time, eager and in the timing's graphs, 3 GiB), plus the
 dense reference's chunk; 4096 would need about 95 GiB."""
 MOE_DEMO_INTERMEDIATE = 2048
@@ -47,7 +47,7 @@ def _compilers_missing(arches, verb: str) -> bool:
 
 
 def cmd_generate(args, parser, console) -> int:
-    from epgen.codegen.catalogue import NotACatalogue, catalogue_specs, check, render_files, write
+    from epgen.codegen.catalogue import NotACatalogue, catalogue_specs, check, read_manifest, render_files, write
     from epgen.codegen.models import MODELS
     from epgen.codegen.offline import toolchain_status
 
@@ -73,6 +73,14 @@ def cmd_generate(args, parser, console) -> int:
     problem = flags.not_a_directory(out)
     if problem:
         parser.error(f"-o {out}: {problem}")
+    if args.check and not out.is_dir():  # before rendering: a minute of compiling would find nothing to check
+        parser.error(f"-o {out}: does not exist; --check compares a directory epgen generate wrote (run without "
+                     "--check to write it)")
+    try:
+        read_manifest(out)  # another tool's manifest stops the write or check: say so before rendering
+    except NotACatalogue as e:
+        _error("generate", f"-o {out}: {e}")
+        return 2
     quiet = args.quiet or args.json
     missing = {a: r for a in sorted({s.arch for s in specs}) if (r := toolchain_status(a))}
     if missing and not quiet:
@@ -152,7 +160,7 @@ def cmd_report(args, parser, console) -> int:
 
 def cmd_diff(args, parser, console) -> int:
     from epgen.codegen import diff
-    from epgen.codegen.catalogue import catalogue_specs, render_files
+    from epgen.codegen.catalogue import NotACatalogue, catalogue_specs, read_manifest, render_files
     from epgen.codegen.offline import toolchain_status
 
     if args.a or args.b:
@@ -165,10 +173,12 @@ def cmd_diff(args, parser, console) -> int:
                 changes[side] = diff.field_changes(getattr(args, side))
             except diff.FieldChangeError as e:
                 parser.error(f"--{side} {e.item!r}: {e}")
+        specs, one_sided = _split_by_wire(specs, changes)
         try:
-            chunks = diff.spec_pair_chunks(specs, changes["a"], changes["b"])
+            chunks = diff.spec_pair_chunks(specs, changes["a"], changes["b"]) + one_sided
         except diff.ChangedSpecError as e:
-            hint = ("; --quant WIRE starts both sides from that wire's geometry" if "combine_quant" in changes[e.side]
+            wire = changes[e.side].get("combine_quant")
+            hint = (f"; add --quant {wire}: both sides then start from that wire's geometry" if wire
                     and "warps_per_block" in str(e) and not args.quant else "")
             parser.error(f"--{e.side} {' '.join(f'{k}={v}' for k, v in changes[e.side].items())}: {e}{hint}")
     else:
@@ -187,16 +197,18 @@ def cmd_diff(args, parser, console) -> int:
         if args.output:
             flags.check_path_name("-o", args.output, parser)
         out = flags.catalogue_dir(args, parser)
-        if args.output and not out.is_dir():
-            parser.error(f"-o {args.output}: not a directory (diff compares a committed catalogue folder with the "
-                         "templates)")
-        specs = catalogue_specs()
-        try:
-            chunks = diff.catalogue_chunks(out, render_files(specs, with_report=not any(
-                toolchain_status(a) for a in {s.arch for s in specs})))
-        except ValueError as e:  # another tool's manifest.json
+        if not out.is_dir():
+            parser.error(f"-o {out}: not a directory (diff compares a committed catalogue folder with the templates)")
+        try:  # before rendering the catalogue (a minute): a folder epgen generate did not write has nothing to diff
+            if read_manifest(out) is None:
+                parser.error(f"-o {out}: has no manifest.json, so epgen generate did not write it (diff compares a "
+                             "committed catalogue folder with the templates)")
+        except NotACatalogue as e:  # another tool's manifest.json
             _error("diff", str(e))
             return 2
+        specs = catalogue_specs()
+        chunks = diff.catalogue_chunks(out, render_files(specs, with_report=not any(
+            toolchain_status(a) for a in {s.arch for s in specs})))
     if args.json:
         print(json.dumps([{"variant": c.variant, "a": c.a_name, "b": c.b_name, "diff": c.unified(args.context)}
                           for c in chunks]))
@@ -212,11 +224,41 @@ def cmd_diff(args, parser, console) -> int:
     return 1 if chunks else 0
 
 
+def _split_by_wire(specs, changes: dict) -> tuple[list, list]:
+    """``specs`` that both sides' ``changes`` build, and a chunk for each of the others: a kernel
+    that exists with one side's combine wire only (the quantize kernel, without a quantized
+    wire: its spec refuses the other side's ``combine_quant``), shown whole on the side that
+    builds it."""
+    from epgen.codegen import diff
+    from epgen.codegen.errors import FieldError
+    from epgen.codegen.render import render
+
+    both, one_sided = [], []
+    for base in specs:
+        refused = []
+        for side in ("a", "b"):
+            try:
+                base.replace(**changes[side])
+            except FieldError as e:
+                if e.field == "combine_quant":
+                    refused.append(side)
+        if len(refused) != 1:
+            both.append(base)  # built by both, or refused by both (spec_pair_chunks then names the rule)
+            continue
+        built = "b" if refused == ["a"] else "a"
+        src = render(base.replace(**changes[built]))
+        gone = f"(no {base.op.value} kernel with combine_quant={changes[refused[0]]['combine_quant']})"
+        texts = {refused[0]: (gone, ""), built: (src.entry, src.text)}
+        one_sided.append(diff.Chunk(f"{base.op.value} {base.arch}", texts["a"][0], texts["b"][0], texts["a"][1],
+                                    texts["b"][1]))
+    return both, one_sided
+
+
 def cmd_build(args, parser, console) -> int:
     """``epgen build``: compile every variant an op of the config compiles into the ahead-of-time
     cache; with --time-import, time warm imports against cold compiles on this GPU. Exit 1 on
     a compile error, 2 when a compiler, the GPU or the cache directory is unusable."""
-    from epgen.aot import ManifestError, build, build_table, config_specs, read_manifest
+    from epgen.aot import ManifestError, build, config_specs, read_manifest
     from epgen.cache import CACHE_ENV, cache_dir, directory_problem
 
     if args.runs is not None and not args.time_import:
@@ -263,7 +305,7 @@ def cmd_build(args, parser, console) -> int:
     ok = all(r["status"] == "ok" for r in rows)
     timing = None
     if gpu_arch and ok:
-        from epgen.import_timing import import_table, time_imports
+        from epgen.cli.import_timing import import_table, time_imports
 
         runs = args.runs or 5
         with Progress(2 * runs, f"timing imports on {gpu_arch}: {runs} runs, warm and cold", quiet) as bar:
@@ -284,7 +326,7 @@ def cmd_plan(args, parser, console) -> int:
     from epgen.plan import Plan, describe
 
     args.model = args.model or (DEFAULT_MODEL if args.hidden is None else None)
-    cfg = flags.config_from(args, parser, dispatch_transport=args.transport)
+    cfg = flags.config_from(args, parser)
     try:
         plans = [Plan.build(cfg, arch, cfg.world_size if args.virtual else 1) for arch in flags.arches(args)]
     except ValueError as e:
@@ -294,6 +336,28 @@ def cmd_plan(args, parser, console) -> int:
     elif not args.quiet:
         print("\n\n".join(describe(p, args.model) for p in plans))
     return 0
+
+
+def build_table(rows: list[dict], directory: Path, jobs: int):
+    """A rich table of ``build``'s rows in the resource report's style (``styled_table``), reading at
+    80 columns: per code object its arch, entry name (folding onto a second line where narrow),
+    the first 8 hex digits of its key, bytes, cold compile seconds (with ``jobs`` parallel
+    compiles) and status; the units and the compilers in the caption."""
+    from epgen.codegen.report import styled_table
+
+    compilers = {r["arch"]: r["compiler"] for r in rows if r["status"] == "ok"}
+    caption = [f"compile s: cold compile wall seconds, {jobs} compiles in parallel; key: the file's name under "
+               "<arch>/ (first 8 hex digits)", *(f"{a}: {c}" for a, c in compilers.items())]
+    t = styled_table(f"epgen build: {len(rows)} code objects in {directory}", "\n".join(caption))
+    errors = any(r["status"] != "ok" for r in rows)
+    for c in ("arch", "entry", "key", "bytes", "compile s", "status"):
+        wraps = c == "entry" or c == "status" and errors  # the rest stay one word a cell
+        t.add_column(c, overflow="fold", no_wrap=not wraps, justify="right" if c in ("bytes", "compile s") else "left")
+    for r in rows:
+        ok = r["status"] == "ok"
+        t.add_row(r["arch"], r["entry"], r["key"][:8] if ok else "", str(r["bytes"]) if ok else "",
+                  f"{r['compile_s']:.2f}" if ok else "", "ok" if ok else f"[red]{escape(r['status'])}[/red]")
+    return t
 
 
 def cmd_demo(args, parser, console) -> int:
@@ -307,11 +371,11 @@ def cmd_demo(args, parser, console) -> int:
     given = [f for f, v in (("--experts", args.experts), ("--intermediate", args.intermediate)) if v is not None]
     if given:
         parser.error(f"{' '.join(given)}: only with --moe")
-    args.tokens = args.tokens or DemoOptions().tokens
-    family = dict(kernel_family=args.kernel_family or flags.CONFIG_DEFAULTS["kernel_family"],
-                  low_latency_geometry=args.low_latency_geometry)
+    args.tokens = args.tokens or CATALOGUE_MAX_TOKENS
     try:
-        cfg = EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=args.tokens, **family)
+        cfg = EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=args.tokens,
+                                 kernel_family=args.kernel_family or flags.CONFIG_DEFAULTS["kernel_family"],
+                                 low_latency_geometry=args.low_latency_geometry)
         for arch in ARCHES:  # the demo compiles every arch's kernels
             cfg.kernel_specs(arch)
     except ValueError as e:
@@ -319,15 +383,14 @@ def cmd_demo(args, parser, console) -> int:
         flag = ("--tokens" if field == "max_tokens_per_rank" else "--low-latency-geometry"
                 if args.low_latency_geometry and field in ("blocks", "warps_per_block", "unroll") else "--world-size")
         parser.error(f"{e} ({flag} {getattr(args, flag[2:].replace('-', '_'))} with --model {args.model})")
-    from epgen.demo import run_demo
+    from epgen.cli.demo import run_demo
 
-    return run_demo(args.model, args.world_size, args.tokens, args.iters, console, quiet=args.quiet, as_json=args.json,
-                    **family)
+    return run_demo(cfg, args.model, args.iters, console, quiet=args.quiet, as_json=args.json)
 
 
 def _moe_demo(args, parser, console) -> int:
-    """``epgen demo --moe``: the MoE layer (``epgen.moe_demo``); --tokens defaults to MOE_DEMO_TOKENS."""
-    from epgen.moe_demo import moe_config, run_moe_demo
+    """``epgen demo --moe``: the MoE layer (``epgen.cli.moe_demo``); --tokens defaults to MOE_DEMO_TOKENS."""
+    from epgen.cli.moe_demo import moe_config, run_moe_demo
 
     given = [f for f, v in (("--kernel-family", args.kernel_family),
                             ("--low-latency-geometry", args.low_latency_geometry)) if v is not None]
@@ -355,28 +418,29 @@ def cmd_bench(args, parser, console) -> int:
     if args.transport == "pull" and args.family == "low_latency":
         parser.error("--transport pull: the low-latency family pushes (pull is the normal family's dispatch; "
                      "--family normal, both or auto)")
-    from epgen.bench import default_output
+    from epgen.cli.bench import default_output
 
     output = args.output or default_output(args.world_size, args.virtual, flags.in_checkout())
-    args.tokens = args.tokens or list(BenchOptions().tokens)
-    families = {family: max(counts) for family, counts in family_points(args.family, args.tokens).items()}
-    if flags.gpu_preflight(args, parser, _error, "bench", families=families, virtual=args.virtual, output=output,
+    opts = BenchOptions(tokens=tuple(args.tokens or BenchOptions().tokens), routings=tuple(args.routing),
+                        iters=args.iters, virtual=args.virtual, output=output, family=args.family)
+    families = {family: max(counts) for family, counts in family_points(opts.family, opts.tokens).items()}
+    cfg = flags.config_from(args, parser)
+    if flags.gpu_preflight(args, parser, _error, "bench", cfg, families=families, virtual=args.virtual, output=output,
                            geometries={"--dispatch-geometry": args.dispatch_geometry,
                                        "--combine-geometry": args.combine_geometry},
                            low_latency_geometries={"--low-latency-geometry": args.low_latency_geometry}) is None:
         return 2
-    from epgen.bench import run
+    from epgen.cli.bench import run
 
-    run(BenchOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens), dtype=args.dtype,
-                     combine_quant=args.quant, routings=tuple(args.routing), dispatch_geometry=args.dispatch_geometry,
-                     combine_geometry=args.combine_geometry, iters=args.iters, virtual=args.virtual, output=output,
-                     family=args.family, low_latency_geometry=args.low_latency_geometry, transport=args.transport))
+    run(cfg, opts)
     return 0
 
 
 def _bench_nodes(args, parser, console) -> int:
-    from epgen.bench_nodes import NodesBenchOptions, config, run
-    from epgen.hierarchical_verify import ROUTINGS as NODE_ROUTINGS
+    import attrs
+
+    from epgen.cli.bench_nodes import NodesBenchOptions, run
+    from epgen.harness.hierarchical_verify import ROUTINGS as NODE_ROUTINGS
 
     if args.nodes < 2:
         parser.error(f"--nodes {args.nodes}: the hierarchical bench needs at least 2 nodes")
@@ -387,7 +451,7 @@ def _bench_nodes(args, parser, console) -> int:
     bad = [r for r in args.routing if r not in NODE_ROUTINGS]
     if bad:
         parser.error(f"--routing {' '.join(bad)}: with --nodes one of {', '.join(NODE_ROUTINGS)}")
-    unused = [flag for flag, given in (("--json", args.json), ("--dispatch-geometry", args.dispatch_geometry),
+    unused = [flag for flag, given in (("--dispatch-geometry", args.dispatch_geometry),
                                        ("--combine-geometry", args.combine_geometry),
                                        ("--low-latency-geometry", args.low_latency_geometry),
                                        ("--family", args.family != "both"),
@@ -401,58 +465,65 @@ def _bench_nodes(args, parser, console) -> int:
         import torch
 
         args.tokens = list(NODES_SWEEP_CPU if args.cpu or not torch.cuda.is_available() else NODES_SWEEP)
-    options = NodesBenchOptions(model=args.model, world_size=args.world_size, nodes=args.nodes,
-                                tokens=tuple(args.tokens), routings=tuple(args.routing), dtype=args.dtype,
-                                combine_quant=args.quant, iters=args.iters, cpu=args.cpu, output=args.output)
+    options = NodesBenchOptions(tokens=tuple(args.tokens), routings=tuple(args.routing), iters=args.iters,
+                                cpu=args.cpu, output=args.output)
     try:
-        config(options)
+        cfg = attrs.evolve(flags.config_from(args, parser), nodes=args.nodes, max_tokens_per_rank=max(args.tokens))
     except ValueError as e:
         parser.error(f"{e} (--nodes {args.nodes} --world-size {args.world_size}, tokens up to {max(args.tokens)})")
-    run(options, print_fn=console.print if not args.quiet else (lambda *a: None))
+    run(cfg, options, print_fn=console.print)
     return 0
 
 
 def cmd_tune(args, parser, console) -> int:
     if args.family == "normal":
         given = [f for f, v in (("--low-latency-tokens", args.low_latency_tokens),
-                                ("--low-latency-geometry", args.low_latency_geometry)) if v is not None]
+                                ("--low-latency-geometry", args.low_latency_geometries)) if v is not None]
         if given:
             parser.error(f"{' '.join(given)}: only with --family low_latency or both (--family normal tunes the "
                          "normal family alone)")
     if args.quant != "none" and args.family != "normal":
         parser.error(f"--quant {args.quant}: only with --family normal (the normal family's combine with a quantized "
                      "wire has entries of its own; the low-latency family's entries, bf16 ones, serve every wire)")
-    opts = TuneOptions(model=args.model, world_size=args.world_size, tokens=tuple(args.tokens), dtype=args.dtype,
-                       combine_quant=args.quant,
-                       geometries=tuple(args.geometry) if args.geometry else None, routing=args.routing,
-                       iters=args.iters, write=not args.dry_run, family=args.family,
+    opts = TuneOptions(tokens=tuple(args.tokens), geometries=tuple(args.geometry) if args.geometry else None,
+                       routing=args.routing, iters=args.iters, write=not args.dry_run, family=args.family,
                        low_latency_tokens=tuple(args.low_latency_tokens or TuneOptions().low_latency_tokens),
-                       low_latency_geometries=tuple(args.low_latency_geometry) if args.low_latency_geometry else None,
+                       low_latency_geometries=tuple(args.low_latency_geometries) if args.low_latency_geometries else None,
                        virtual=args.virtual, pull=not args.no_pull)
     families = {family: max(counts) for family, counts in tune_counts(opts).items()}
-    if flags.gpu_preflight(args, parser, _error, "tune", families=families, virtual=args.virtual,
+    cfg = flags.config_from(args, parser)
+    if flags.gpu_preflight(args, parser, _error, "tune", cfg, families=families, virtual=args.virtual,
                            geometries={"--geometry": args.geometry},
-                           low_latency_geometries={"--low-latency-geometry": args.low_latency_geometry}) is None:
+                           low_latency_geometries={"--low-latency-geometry": args.low_latency_geometries}) is None:
         return 2
-    from epgen.tune import run
+    from epgen.cli.tune import run
 
-    run(opts)
+    run(cfg, opts)
     return 0
 
 
 def cmd_stress(args, parser, console) -> int:
-    family = args.kernel_family or flags.CONFIG_DEFAULTS["kernel_family"]
-    if flags.gpu_preflight(args, parser, _error, "stress", families={family: args.max_tokens}, virtual=args.virtual,
-                           low_latency_geometries={"--low-latency-geometry": args.low_latency_geometry},
-                           share_gpu=True) is None:
+    cfg = flags.config_from(args, parser)
+    cfg = flags.gpu_preflight(args, parser, _error, "stress", cfg, families={cfg.kernel_family: cfg.max_tokens_per_rank},
+                              virtual=args.virtual, share_gpu=True,
+                              low_latency_geometries={"--low-latency-geometry": args.low_latency_geometry})
+    if cfg is None:
         return 2
-    from epgen.stress import run
+    from epgen.cli.stress import run
 
-    run(StressOptions(model=args.model, world_size=args.world_size, max_tokens=args.max_tokens, rounds=args.rounds,
-                      seed=args.seed, virtual=args.virtual, dtype=args.dtype, combine_quant=args.quant,
-                      kernel_family=family, low_latency_geometry=args.low_latency_geometry,
-                      fault_every=args.fault_every or 0))
+    run(cfg, StressOptions(rounds=args.rounds, seed=args.seed, virtual=args.virtual, fault_every=args.fault_every or 0))
     return 0
+
+
+class _Refused(argparse.Action):
+    """A flag a verb does not take: a parser error naming it and ``reason``, hidden from the help."""
+
+    def __init__(self, option_strings, dest, reason: str, **kw):
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, help=argparse.SUPPRESS, **kw)
+        self.reason = reason
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: {self.reason}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -463,11 +534,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"epgen {__version__}")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    def verb(name, help_, fn):
+    def verb(name, help_, fn, output: str = ""):
+        """A verb's parser; ``output``: what a verb that takes neither --quiet nor --json prints
+        instead (its parser then refuses both, naming it), empty for a verb that honours them."""
         sp = sub.add_parser(name, help=help_, description=help_.replace("%%", "%"))
-        sp.add_argument("--quiet", action="store_true", help="print only failures")
-        sp.add_argument("--json", action="store_true", help="print machine-readable JSON")
-        sp.set_defaults(fn=fn, parser=sp)
+        if output:
+            sp.add_argument("--quiet", "--json", action=_Refused, reason=f"epgen {name} does not take it: {output}")
+        else:
+            sp.add_argument("--quiet", action="store_true", help="print only failures")
+            sp.add_argument("--json", action="store_true", help="print machine-readable JSON")
+        sp.set_defaults(fn=fn, parser=sp, quiet=False, json=False)
         return sp
 
     g = verb("generate", "render the catalogue into generated/ (or one shape into -o DIR)", cmd_generate)
@@ -483,10 +559,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = verb("check", f"compile kernels offline and print {table}; exit 1 on a compile error, scratch or spill",
              cmd_report)
     flags.add_shape_args(c)
+    flags.add_geometry_args(c)
     flags.add_jobs_arg(c)
     r = verb("report", "check, and also write its table to files (--markdown, --csv; the CSV has the full entry "
              "names); exit 1 on a compile error, scratch or spill", cmd_report)
     flags.add_shape_args(r)
+    flags.add_geometry_args(r)
     flags.add_jobs_arg(r)
     r.add_argument("--markdown", help="also write the table as Markdown to this file")
     r.add_argument("--csv", help="also write the table as CSV to this file")
@@ -520,7 +598,6 @@ def build_parser() -> argparse.ArgumentParser:
              "GPU, run, verify and time dispatch/combine over virtual ranks; with --moe, the whole MoE layer",
              cmd_demo)
     flags.add_demo_args(d)
-    d.set_defaults(tokens=None)  # DemoOptions().tokens, or MOE_DEMO_TOKENS with --moe
     d.add_argument("--moe", action="store_true", help="instead: the whole MoE layer of --model (epgen.moe.MoELayer: "
                    "dispatch, expansion, SwiGLU expert GEMMs, fold, combine) on virtual ranks of one GPU with random "
                    "weights and routing, checked against the dense reference, GPU time per stage; --tokens defaults "
@@ -531,19 +608,22 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{MOE_DEMO_INTERMEDIATE})")
 
     b = verb("bench", "time dispatch/combine of both kernel families (--family) against the P2P ceiling and NCCL "
-             "all_to_all_single in one run; write CSV, PNG and a table", cmd_bench)
+             "all_to_all_single in one run; write CSV, PNG and a table", cmd_bench,
+             output="it prints a line per point and a table; the CSV under -o holds every figure, for programs")
     flags.add_bench_args(b)
 
     t = verb("tune", "sweep launch geometry on the GPU and write codegen/tuning/<arch>.json (fewest blocks "
              "within 3%% of the best per token bucket; for the low-latency family its geometry and the threshold up "
              "to which it beats the normal family); --virtual writes the same entries as real ranks of that world "
-             "size, from one GPU's local memory", cmd_tune)
+             "size, from one GPU's local memory", cmd_tune,
+             output="it prints the timings and writes codegen/tuning/<arch>.json (--dry-run: prints only)")
     flags.add_tune_args(t)
 
     st = verb("stress", "many verified rounds with random token counts (0..max), routing kinds and both kernel "
               "families (the low-latency one also split, with GPU work between its halves); one process per rank, "
               "sharing cuda:0 when there are fewer GPUs; prints rounds, failures and the worst combine error; exit "
-              "status non-zero on a failure", cmd_stress)
+              "status non-zero on a failure", cmd_stress,
+              output="it prints a line per failure and a summary; its exit status says whether every round passed")
     flags.add_stress_args(st)
     return p
 

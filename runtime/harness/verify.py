@@ -13,7 +13,7 @@ import torch
 from epgen import quant, reference
 from epgen.codegen.dtypes import dtype_info
 from epgen.codegen.config import EpConfig
-from epgen.options import ROUTINGS
+from epgen.harness import ROUTINGS
 
 """Routing kinds: uniform random distinct experts; uniform with -1 sprinkled (and some all -1
 rows); uniform with repeated expert ids inside a row; skewed (half the tokens send every slot to
@@ -517,7 +517,7 @@ def hog_gpu(device: torch.device, seconds: float, stream: torch.cuda.Stream) -> 
 # ---- processes ------------------------------------------------------------------------------------
 
 PROCESS_WORLD_SIZES = (2, 3, 4)
-"""World sizes the multi-process tests run at (``epgen.ranks``: one GPU each, or all sharing cuda:0)."""
+"""World sizes the multi-process tests run at (``epgen.harness.ranks``: one GPU each, or all sharing cuda:0)."""
 
 
 def model_config(model: str, world_size: int, max_tokens_per_rank: int, **kw) -> EpConfig:

@@ -6,7 +6,7 @@ then dispatch and combine captured in CUDA graphs and timed by device events aro
 ``all_to_all_single`` on the same bytes per peer (README.md, "Measuring"). Rank 0 writes a CSV,
 a PNG and prints a table.
 
-Kernel families (``--family``, ``epgen.options.family_points``): "both" (default) builds one op
+Kernel families (``--family``, ``epgen.cli.options.family_points``): "both" (default) builds one op
 of ``EpConfig(kernel_family="normal")`` and one of ``kernel_family="low_latency"`` and times the
 normal family at every token count and the low-latency one at the counts up to
 ``options.BOTH_LOW_LATENCY_MAX_TOKENS`` (1024); "normal" or "low_latency" times that family alone
@@ -16,7 +16,7 @@ combine is its sending half and its receiving half back to back (no ``async_recv
 ``family`` column names the family a row's calls took, ``virtual`` whether the ranks were
 virtual (all in one process on one GPU).
 
-Times (``epgen.timing``): ``time_us`` (and mean, stdev, best) are queued, the replays enqueued
+Times (``epgen.harness.timing``): ``time_us`` (and mean, stdev, best) are queued, the replays enqueued
 behind a GPU-side delay so the GPU runs them back to back; ``host_launched_us`` is the median of
 the same replays launched from the host as they are enqueued (the host's launch rate at small
 sizes). ``timing`` names the method of ``time_us``: ``queued``, or ``queued-short-sleep`` when the
@@ -39,9 +39,10 @@ import platform
 import subprocess
 from pathlib import Path
 
+import attrs
 import torch
 
-from epgen.verify import make_inputs, op_arg, op_inputs, run_round, zero_copy_inputs
+from epgen.harness.verify import make_inputs, op_arg, op_inputs, run_round, zero_copy_inputs
 from epgen.codegen.spec import Op
 from epgen.codegen.arch import traits
 from epgen.codegen.dtypes import combine_quant
@@ -50,8 +51,8 @@ from epgen.device import cupy_stream
 from epgen.loader import load_kernel
 from epgen.codegen.config import EpConfig, Geometry
 from epgen.reference import route
-from epgen.options import BenchOptions, family_points, family_transport
-from epgen.timing import PairTiming, Timing, gbps, time_pairs, time_pairs_queued
+from epgen.cli.options import BenchOptions, family_config, family_points
+from epgen.harness.timing import PairTiming, Timing, gbps, time_pairs, time_pairs_queued
 
 CSV_COLUMNS = ("op", "family", "dtype", "routing", "tokens", "rank", "world_size", "virtual", "time_us", "mean_us",
                "stdev_us", "best_us",
@@ -189,21 +190,18 @@ def measure(op, cfg: EpConfig, tokens: int, routing: str, seed: int,
     return pair, gathered, transport
 
 
-def bench_process(rank: int, world_size: int, opts: BenchOptions) -> list[dict]:
+def bench_process(rank: int, world_size: int, layer: EpConfig, opts: BenchOptions) -> list[dict]:
     """The benchmark body of one process (every rank of a real group, or the only process): one
-    op per kernel family of ``family_points(opts.family, opts.tokens)``, every point timed on
-    each op that covers its token count, the ceiling and NCCL once per point."""
+    op of ``layer`` per kernel family of ``family_points(opts.family, opts.tokens)``
+    (``family_config``), every point timed on each op that covers its token count, the ceiling
+    and NCCL once per point."""
     from epgen.op import EpDispatchCombine
 
     dist = torch.distributed if torch.distributed.is_initialized() else None
     points = family_points(opts.family, opts.tokens)
     ops = {}
     for family, counts in points.items():
-        cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=max(counts),
-                                 dtype=opts.dtype, combine_quant=opts.combine_quant,
-                                 dispatch_geometry=opts.dispatch_geometry, combine_geometry=opts.combine_geometry,
-                                 kernel_family=family, low_latency_geometry=opts.low_latency_geometry, timeout_s=20.0,
-                                 dispatch_transport=family_transport(family, opts.transport))
+        cfg = attrs.evolve(family_config(layer, family, max(counts)), timeout_s=20.0)
         ops[family] = (cfg, EpDispatchCombine(cfg, virtual=opts.virtual))
     cfg0, first = next(iter(ops.values()))  # its arena holds the ceiling's bytes (W x its Tmax rows)
     me = first.local_ranks[0]
@@ -308,11 +306,12 @@ def op_row(name: str, dtype: str, routing: str, tokens: int, rank: int, world_si
             "blocks": geo.blocks, "warps_per_block": geo.warps_per_block, "unroll": geo.unroll, "transport": transport}
 
 
-def run(opts: BenchOptions) -> None:
-    """Run the benchmark: one process per GPU for W > 1 (unless virtual), else in this process."""
-    from epgen.ranks import run_ranks_or_here
+def run(layer: EpConfig, opts: BenchOptions) -> None:
+    """Run the benchmark of ``layer``: one process per GPU for W > 1 (unless virtual), else in
+    this process."""
+    from epgen.harness.ranks import run_ranks_or_here
 
-    run_ranks_or_here(opts.world_size, opts.virtual, bench_process, opts)
+    run_ranks_or_here(layer.world_size, opts.virtual, bench_process, layer, opts)
 
 
 def write_results(rows: list[dict], prefix: str, quiet: bool = False, env: dict | None = None) -> None:

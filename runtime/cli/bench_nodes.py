@@ -5,10 +5,10 @@ N processes play the N nodes on this machine, rendezvous through a file, the net
 over CPU tensors (one machine has no network between nodes: its times are those of gloo through
 the host, not of a fabric; the output says so). Each process drives its node's G = W / N ranks as
 virtual ranks: an ``EpDispatchCombine`` on cuda:0 when there is a GPU (and not ``cpu``), else the
-CPU stand-in ``epgen.hierarchical.ReferenceNodeOp``, so CI runs it on tiny shapes.
+CPU stand-in ``epgen.layers.hierarchical.ReferenceNodeOp``, so CI runs it on tiny shapes.
 
 Per (routing, tokens) point: one round checked bit for bit against the reference
-(``epgen.hierarchical_verify.check_round``), then ``iters`` timed rounds of dispatch and combine
+(``epgen.harness.hierarchical_verify.check_round``), then ``iters`` timed rounds of dispatch and combine
 with ``HierarchicalEp(time_legs=True)``; each leg's median host wall time (device synchronized at
 the leg's ends) and bytes (``HierarchicalEp.legs``), the total, and the median of a flat
 ``all_to_all_single`` over the same group moving the same bytes as the whole op (network and
@@ -30,6 +30,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from epgen.cli.options import model_label
+
 LEGS = ("dispatch network", "dispatch node-local", "combine node-local", "combine network")
 CSV_COLUMNS = ("routing", "tokens", "node", "leg", "time_us", "bytes", "gbps", "node_op", "network")
 NETWORK_NOTE = ("network leg: gloo over CPU tensors between processes of one machine (no fabric between nodes "
@@ -38,30 +40,16 @@ NETWORK_NOTE = ("network leg: gloo over CPU tensors between processes of one mac
 
 @attrs.frozen
 class NodesBenchOptions:
-    """What ``epgen bench --nodes`` runs: the layer (model, W = nodes x G ranks, dtype, combine
-    wire), the points, ``iters`` timed rounds a point, ``cpu`` (the CPU stand-in even with a
-    GPU), the CSV path (None: none written)."""
+    """What ``epgen bench --nodes`` runs of its layer (an ``EpConfig`` of W = nodes x G ranks,
+    with at least the most ``tokens`` a rank): the points, ``iters`` timed rounds a point,
+    ``cpu`` (the CPU stand-in even with a GPU), the CSV path (None: none written)."""
 
-    model: str
-    world_size: int
-    nodes: int
     tokens: tuple[int, ...]
     routings: tuple[str, ...]
-    dtype: str = "bf16"
-    combine_quant: str = "none"
     iters: int = 5
     cpu: bool = False
     output: str | None = None
     timeout_s: float = 120.0
-
-
-def config(options: NodesBenchOptions):
-    """The bench's EpConfig (raises FieldError on a bad combination, naming the field)."""
-    from epgen.codegen.config import EpConfig
-
-    return EpConfig.for_model(options.model, world_size=options.world_size, nodes=options.nodes,
-                              max_tokens_per_rank=max(options.tokens), dtype=options.dtype,
-                              combine_quant=options.combine_quant)
 
 
 def _flat_seconds(nbytes: int, group, device, iters: int) -> tuple[float, int]:
@@ -82,15 +70,14 @@ def _flat_seconds(nbytes: int, group, device, iters: int) -> tuple[float, int]:
     return statistics.median(times), nbytes
 
 
-def _worker(node: int, nodes: int, store: str, options: NodesBenchOptions, results: str):
-    from epgen.hierarchical import HierarchicalEp, ReferenceNodeOp
-    from epgen.hierarchical_verify import check_round, make_inputs
+def _worker(node: int, nodes: int, store: str, cfg, options: NodesBenchOptions, results: str):
+    from epgen.layers.hierarchical import HierarchicalEp, ReferenceNodeOp
+    from epgen.harness.hierarchical_verify import check_round, make_inputs
 
     torch.set_num_threads(1)  # N processes share the cores
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=node, world_size=nodes,
                             timeout=datetime.timedelta(seconds=options.timeout_s))
     try:
-        cfg = config(options)
         gpu = torch.cuda.is_available() and not options.cpu
         if gpu:
             from epgen.op import EpDispatchCombine
@@ -148,30 +135,33 @@ def _worker(node: int, nodes: int, store: str, options: NodesBenchOptions, resul
         dist.destroy_process_group()
 
 
-def run(options: NodesBenchOptions, print_fn=print) -> list[dict]:
-    """Run the bench (module docstring) and print its table; returns the CSV rows as dicts.
+def run(cfg, options: NodesBenchOptions, print_fn=print) -> list[dict]:
+    """Run the bench (module docstring) of ``cfg``, a layer across ``cfg.nodes`` nodes, and print
+    its table; returns the CSV rows as dicts.
 
     Raises:
-        FieldError: the layer is invalid (``config``).
+        ValueError: ``cfg`` spans one node, or holds fewer tokens a rank than ``options.tokens``.
         torch.multiprocessing.ProcessRaisedException: a process failed (a check against the
             reference included).
         TimeoutError: the processes ran past their bound.
     """
-    from epgen.ranks import MAX_TIMEOUT_S, start_and_join
+    from epgen.harness.ranks import MAX_TIMEOUT_S, start_and_join
 
-    config(options)  # the layer's errors here, before any process starts
+    if cfg.nodes < 2 or cfg.max_tokens_per_rank < max(options.tokens):  # before any process starts
+        raise ValueError(f"EpConfig.nodes={cfg.nodes}, max_tokens_per_rank={cfg.max_tokens_per_rank}: the bench "
+                         f"needs at least 2 nodes and {max(options.tokens)} tokens a rank (its largest point)")
     folder = tempfile.mkdtemp(prefix="epgen-bench-nodes-")
     try:
         results = os.path.join(folder, "rows.csv")
         bound = min(MAX_TIMEOUT_S, options.timeout_s * (2 + len(options.tokens) * len(options.routings)))
-        start_and_join(_worker, (options.nodes, os.path.join(folder, "store"), options, results), options.nodes,
+        start_and_join(_worker, (cfg.nodes, os.path.join(folder, "store"), cfg, options, results), cfg.nodes,
                        timeout_s=bound)
         with open(results) as f:
             rows = [dict(zip(CSV_COLUMNS, r)) for r in csv.reader(f)]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     if options.output:
-        from epgen.bench import environment
+        from epgen.cli.bench import environment
 
         with open(f"{options.output}.csv", "w", newline="") as f:
             w = csv.DictWriter(f, CSV_COLUMNS)
@@ -179,10 +169,9 @@ def run(options: NodesBenchOptions, print_fn=print) -> list[dict]:
             w.writerows(rows)
         with open(f"{options.output}.env.txt", "w") as f:
             f.write("".join(f"{k}: {v}\n" for k, v in environment().items()))
-    G = options.world_size // options.nodes
     kind = rows[0]["node_op"] if rows else "-"
-    print_fn(f"epgen bench --nodes {options.nodes}: {options.model}, {options.nodes} nodes x {G} ranks, "
-             f"{options.dtype}, combine wire {options.combine_quant}; node-local op {kind}")
+    print_fn(f"epgen bench --nodes {cfg.nodes}: {model_label(cfg)}, {cfg.nodes} nodes x {cfg.ranks_per_node} ranks, "
+             f"{cfg.dtype}, combine wire {cfg.combine_quant}; node-local op {kind}")
     print_fn(NETWORK_NOTE)
     print_fn(f"{'routing':<10} {'tokens':>7} {'node':>4}  {'leg':<24} {'time_us':>11} {'bytes':>12} {'GB/s':>8}")
     for r in rows:

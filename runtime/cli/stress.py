@@ -4,7 +4,7 @@ Each round draws, from one seeded generator (so every process draws the same rou
 family, when the op builds both ("auto" with a threshold T_ll below max_tokens_per_rank: every
 rank's tokens in [0, T_ll] for a low-latency round, in (T_ll, max] for a normal one, so that every
 rank takes the same family, as one process per GPU requires); T per rank; a routing kind
-(``epgen.options.ROUTINGS``: uniform, -1 sprinkled, duplicates, skewed, all to one rank, a shared
+(``epgen.harness.ROUTINGS``: uniform, -1 sprinkled, duplicates, skewed, all to one rank, a shared
 expert column); and for every other low-latency round the send/receive split with a matmul on the
 stream between the halves. ``verify.run_round`` checks the round against the reference.
 
@@ -25,8 +25,9 @@ import random
 import attrs
 import torch
 
-from epgen.options import ROUTINGS, StressOptions
-from epgen.verify import expert_outputs, make_inputs, op_arg, op_inputs, reference_dispatch, run_round
+from epgen.cli.options import StressOptions, model_label
+from epgen.harness import ROUTINGS
+from epgen.harness.verify import expert_outputs, make_inputs, op_arg, op_inputs, reference_dispatch, run_round
 from epgen.codegen.config import EpConfig
 
 
@@ -142,12 +143,9 @@ def _same_everywhere(op, text: str) -> None:
     assert all(t == text for t in every), f"the ranks raised different faults: {every}"
 
 
-def stress_process(rank: int, world_size: int, opts: StressOptions) -> StressResult:
+def stress_process(rank: int, world_size: int, cfg: EpConfig, opts: StressOptions) -> StressResult:
     from epgen.op import EpDispatchCombine
 
-    cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=opts.max_tokens, dtype=opts.dtype,
-                             combine_quant=opts.combine_quant, kernel_family=opts.kernel_family,
-                             low_latency_geometry=opts.low_latency_geometry)
     op = EpDispatchCombine(cfg, virtual=opts.virtual)
     speak = rank == 0
     result = stress(op, cfg, opts.rounds, opts.seed, report=print if speak else (lambda _line: None),
@@ -158,26 +156,27 @@ def stress_process(rank: int, world_size: int, opts: StressOptions) -> StressRes
         dist.barrier()  # every peer is done with this rank's arena
     op.close()
     if speak:
-        from epgen.ranks import shares_gpu
+        from epgen.harness.ranks import shares_gpu
 
         where = ("virtual " if opts.virtual else "") + f"W={world_size}" + (
             " processes sharing cuda:0" if not opts.virtual and shares_gpu(world_size) else "")
         print(f"stress: {result.rounds} rounds ({', '.join(f'{v} {k}' for k, v in sorted(result.counts.items()))}), "
               f"{len(result.failures)} failures, worst combine error {result.worst_bound_ratio:.3g} of its bound "
-              f"({where}, {opts.model}, {opts.dtype}, combine {cfg.combine_quant}, max tokens {opts.max_tokens}, "
-              f"kernel family {opts.kernel_family}, a fault every {opts.fault_every or 'no'} rounds)")
+              f"({where}, {model_label(cfg)}, {cfg.dtype}, combine {cfg.combine_quant}, max tokens "
+              f"{cfg.max_tokens_per_rank}, kernel family {cfg.kernel_family}, a fault every {opts.fault_every or 'no'} "
+              "rounds)")
     if result.failures:
         raise AssertionError(f"rank {rank}: {len(result.failures)} of {result.rounds} rounds failed; first: "
                              f"{result.failures[0]}")
     return result
 
 
-def run(opts: StressOptions) -> None:
-    """One process per rank for W > 1 unless virtual (sharing cuda:0 when there are fewer GPUs),
-    else in this process."""
-    from epgen.ranks import run_ranks_or_here
+def run(cfg: EpConfig, opts: StressOptions) -> None:
+    """Stress an op of ``cfg``: one process per rank for W > 1 unless virtual (sharing cuda:0 when
+    there are fewer GPUs), else in this process."""
+    from epgen.harness.ranks import run_ranks_or_here
 
-    run_ranks_or_here(opts.world_size, opts.virtual, stress_process, opts)
+    run_ranks_or_here(cfg.world_size, opts.virtual, stress_process, cfg, opts)
 
 
 __all__ = ["StressOptions", "StressResult", "run", "stress"]

@@ -1,18 +1,19 @@
-"""The options of the GPU verbs (demo, bench, tune, stress) and the routing kinds, with their
-defaults: torch-free, so the command line builds its help from them without loading torch."""
+"""What the GPU verbs (demo, bench, tune, stress) take beyond the ``EpConfig`` the flags build
+(``epgen.cli.flags.config_from``), with their defaults: torch-free, so the command line builds its
+help from them without loading torch. A field of the layer (model shape, world size, dtype,
+combine wire, geometries, kernel family, transport) is the config's, never an option's."""
 
 from __future__ import annotations
 
 import attrs
 
-from epgen.codegen.catalogue import CATALOGUE_MAX_TOKENS, CATALOGUE_WORLD_SIZE
 from epgen.codegen.tuning import Geometry
 
 DEFAULT_MODEL = "deepseek-v3"
 """The catalogue model the GPU verbs and ``epgen build`` take when none is named."""
 
-ROUTINGS = ("uniform", "invalid", "duplicates", "skewed", "one_rank", "shared")
-"""Routing kinds of ``epgen.verify.make_inputs``."""
+GPU_VERB_WORLD_SIZE = 2
+"""Ranks bench, tune and stress run by default (one process a GPU, unless virtual)."""
 
 SWEEP = (1, 8, 32, 128, 512, 1024, 4096, 8192, 16384)
 """Tokens per rank ``epgen bench`` sweeps by default."""
@@ -63,63 +64,70 @@ def family_points(family: str, tokens) -> dict[str, tuple[int, ...]]:
     return {"normal": tokens, **({"low_latency": small} if small else {})}
 
 
-@attrs.frozen
-class DemoOptions:
-    model: str = DEFAULT_MODEL
-    world_size: int = CATALOGUE_WORLD_SIZE  # virtual ranks on one GPU
-    tokens: int = CATALOGUE_MAX_TOKENS  # tokens per rank
-    iters: int = 20  # timed iterations
+DEMO_ITERS = 20
+"""Timed iterations of ``epgen demo``."""
+
+
+def family_config(cfg, family: str, max_tokens: int):
+    """The ``EpConfig`` of a bench or tune op of kernel ``family`` built from the verb's ``cfg``:
+    that family, ``max_tokens`` tokens a rank, and ``cfg.dispatch_transport`` but "push" for the
+    low-latency family (``family_transport``).
+
+    Raises:
+        FieldError: the family, tokens or transport break a rule of the config.
+    """
+    return attrs.evolve(cfg, kernel_family=family, max_tokens_per_rank=max_tokens,
+                        dispatch_transport=family_transport(family, cfg.dispatch_transport))
+
+
+def model_label(cfg) -> str:
+    """The catalogue model of ``cfg``'s shape (``epgen.codegen.models.MODELS``), else the shape."""
+    from epgen.codegen.models import MODELS
+
+    name = next((m.name for m in MODELS.values() if (m.hidden, m.topk, m.num_experts) ==
+                 (cfg.hidden, cfg.topk, cfg.num_experts)), None)
+    return name or f"hidden {cfg.hidden}, top-{cfg.topk} of {cfg.num_experts} experts"
 
 
 @attrs.frozen
 class BenchOptions:
-    model: str = DEFAULT_MODEL
-    world_size: int = 2
+    """``epgen bench``'s points: the token counts, routings and kernel families timed (one op per
+    family, ``family_config``), timed replays a point, virtual ranks, the output path prefix."""
+
     tokens: tuple[int, ...] = SWEEP
     routings: tuple[str, ...] = ("uniform", "skewed")
-    dtype: str = "bf16"
-    combine_quant: str = "none"  # combine wire format
-    dispatch_geometry: Geometry | None = None  # None: the tuning table per token bucket
-    combine_geometry: Geometry | None = None
     iters: int = 30
     virtual: bool = False
     output: str = ""  # path prefix of the .csv/.png (rank 0 writes)
     family: str = "both"  # BENCH_FAMILIES
-    low_latency_geometry: Geometry | None = None  # None: the tuning table's
-    transport: str = "auto"  # the normal family's EpConfig.dispatch_transport (x sits in dispatch_input)
 
 
 @attrs.frozen
 class TuneOptions:
-    model: str = DEFAULT_MODEL
-    world_size: int = 2
+    """``epgen tune``'s sweeps: the candidates, token counts and families it times, and whether it
+    writes the table."""
+
     tokens: tuple[int, ...] = (128, 1024, 4096, 8192)  # the normal family's buckets
     geometries: tuple[Geometry, ...] | None = None  # None: CANDIDATE_BLOCKS x 1024 threads x unroll 4
     routing: str = "uniform"
-    dtype: str = "bf16"
     iters: int = 20
     write: bool = True
     family: str = "both"  # TUNE_FAMILIES
     low_latency_tokens: tuple[int, ...] = LOW_LATENCY_SWEEP
     low_latency_geometries: tuple[Geometry, ...] | None = None  # None: tune.default_low_latency_candidates
     virtual: bool = False  # every rank in this process on one GPU
-    combine_quant: str = "none"  # a quantized wire tunes that wire's combine entry alone (family "normal")
     pull: bool = True  # time the normal dispatch's pull transport too; a bucket takes the faster transport
 
 
 @attrs.frozen
 class StressOptions:
-    model: str = DEFAULT_MODEL
-    world_size: int = 2
-    max_tokens: int = CATALOGUE_MAX_TOKENS
+    """``epgen stress``'s rounds: how many, their seed, virtual ranks, and a fault injected every
+    ``fault_every`` rounds (0: none)."""
+
     rounds: int = 200
     seed: int = 0
     virtual: bool = False
-    dtype: str = "bf16"
-    combine_quant: str = "none"
-    kernel_family: str = "auto"  # EpConfig.kernel_family
-    low_latency_geometry: Geometry | None = None  # None: the tuning table's
-    fault_every: int = 0  # a recoverable fault injected every this many rounds (0: none)
+    fault_every: int = 0
 
 
 def tune_counts(opts: TuneOptions) -> dict[str, tuple[int, ...]]:

@@ -13,18 +13,17 @@ from epgen.codegen.offline import toolchain_status
 from epgen.codegen.config import EpConfig
 
 
-def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Console, quiet: bool = False,
-             as_json: bool = False, kernel_family: str = "auto", low_latency_geometry=None) -> int:
-    """Returns the process exit code: 0 when every check passed. ``quiet`` prints only failures;
-    ``as_json`` also prints a JSON summary (resources and, with a GPU, per-rank results) on stdout.
-    ``kernel_family`` and ``low_latency_geometry``: EpConfig's fields (the GPU run times the family
-    ``op.family(tokens)`` takes)."""
+def run_demo(cfg: EpConfig, model: str, iters: int, console: Console, quiet: bool = False,
+             as_json: bool = False) -> int:
+    """Returns the process exit code: 0 when every check passed. ``cfg``: the layer, of catalogue
+    ``model``, its max tokens per rank the tokens each virtual rank sends (the GPU run times the
+    family ``op.family(tokens)`` takes); ``quiet`` prints only failures; ``as_json`` also prints a
+    JSON summary (resources and, with a GPU, per-rank results) on stdout."""
     import json
 
-    cfg = EpConfig.for_model(model, world_size=world_size, max_tokens_per_rank=tokens, kernel_family=kernel_family,
-                             low_latency_geometry=low_latency_geometry)
+    world_size, tokens = cfg.world_size, cfg.max_tokens_per_rank
     summary = {"model": model, "world_size": world_size, "tokens": tokens, "dtype": cfg.dtype,
-               "kernel_family": kernel_family, "resources": [], "gpu": None, "gpu_skipped": None}
+               "kernel_family": cfg.kernel_family, "resources": [], "gpu": None, "gpu_skipped": None}
     missing = {arch: toolchain_status(arch) for arch in ARCHES}
     for arch, reason in missing.items():
         if reason:
@@ -50,17 +49,36 @@ def run_demo(model: str, world_size: int, tokens: int, iters: int, console: Cons
             console.print(summary["gpu_skipped"] + ".")
     else:
         summary["gpu"] = _run_gpu(cfg, model, tokens, iters, console, quiet)
+    if not quiet:
+        console.print(next_steps(model, bool(rows)))
     if as_json:
         print(json.dumps(summary))
     return rc
 
 
+def next_steps(model: str, table: bool) -> str:
+    """What the demo's notation means (with ``table``: its resource table's), where its kernels
+    are and what to run next."""
+    legend = ("how to read the table: a variant is PAYLOAD BLOCKSxWARPSuUNROLL, e.g. bf16 2048x16u2: the "
+              "dispatched dtype or the combine's wire (bf16, or a quantized wire's tag such as qfp8b), then the "
+              "launch geometry, blocks x warps per block, and the copy loop's unroll. The caption's 'every row: "
+              "w8 h7168 k8 l32 t4096' is the shape the kernels share: w world size (ranks), h hidden size, k top-k, "
+              "l experts per rank, t max tokens per rank (s scale bytes, r receive rows, a expert alignment where "
+              "set). regs, AGPR, SGPR: registers a thread uses; LDS and occ: shared memory a block uses and "
+              "occupancy, in the caption's units.\n" if table else "")
+    return (f"{legend}the kernels: rendered in memory and compiled, not written; `epgen generate --model {model} -o "
+            "DIR` writes their sources, named by the entry names above (an epgen checkout's generated/ holds the "
+            f"catalogue's).\nnext: `epgen check --model {model} --arch ARCH` (one arch's resources; --json for "
+            f"scripts), `epgen demo --moe` (the whole MoE layer), and on a GPU `epgen bench --model {model}` "
+            "(time against the link's ceiling and NCCL) or `epgen stress` (many verified rounds).")
+
+
 def _run_gpu(cfg: EpConfig, model: str, tokens: int, iters: int, console: Console, quiet: bool) -> dict:
     """Verify, time and print; returns the per-rank results (raises on a mismatch)."""
-    from epgen.bench import FAMILY_OPS
-    from epgen.verify import make_inputs, op_arg, op_inputs, run_round
+    from epgen.cli.bench import FAMILY_OPS
+    from epgen.harness.verify import make_inputs, op_arg, op_inputs, run_round
     from epgen.op import EpDispatchCombine
-    from epgen.timing import gbps, time_pairs
+    from epgen.harness.timing import gbps, time_pairs
 
     W = cfg.world_size
     virtual = W > 1

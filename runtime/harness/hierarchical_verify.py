@@ -88,7 +88,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def check_round(op, inputs: list[RankInputs]) -> dict:
     """Dispatch and combine this process's ranks of ``inputs`` through the hierarchical ``op``
-    (``epgen.hierarchical.HierarchicalEp``) and compare them with the reference bit for bit:
+    (``epgen.layers.hierarchical.HierarchicalEp``) and compare them with the reference bit for bit:
     every received row (payload, weights, global ids, scales; keyed by global (source rank,
     source token)) against ``reference.dispatch`` of W ranks, and combine's output against
     ``reference.combine_hierarchical``.

@@ -1,6 +1,6 @@
 """Warm import against cold compile, on the GPU: ``epgen build --time-import``.
 
-``time_imports`` starts fresh Python processes (``python -m epgen.import_timing MODE JOB``), each of
+``time_imports`` starts fresh Python processes (``python -m epgen.cli.import_timing MODE JOB``), each of
 which runs ``time_process`` and prints one JSON line.
 """
 
@@ -84,7 +84,7 @@ def time_imports(specs: list[KernelSpec], directory: Path, runs: int = 5, on_don
                 fresh = Path(tmp) / f"{mode}{run}"
                 env = dict(os.environ, CUPY_CACHE_DIR=str(fresh / "cupy"),
                            **{CACHE_ENV: str(Path(directory).resolve() if mode == "warm" else fresh / "empty")})
-                proc = subprocess.run([sys.executable, "-m", "epgen.import_timing", mode, str(job)], env=env,
+                proc = subprocess.run([sys.executable, "-m", "epgen.cli.import_timing", mode, str(job)], env=env,
                                       capture_output=True, text=True, check=False)
                 if proc.returncode != 0:
                     raise RuntimeError(f"import timing process ({mode}, run {run}) failed:\n{proc.stderr[-3000:]}")

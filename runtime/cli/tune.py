@@ -34,14 +34,14 @@ from __future__ import annotations
 import attrs
 import torch
 
-from epgen.bench import FAMILY_OPS, environment, measure
+from epgen.cli.bench import FAMILY_OPS, environment, measure
 from epgen.codegen.abi import LL_FLAG_SLOTS
 from epgen.codegen.arch import traits
 from epgen.codegen.tuning import DEFAULT_UNROLL, Geometry, default_geometry, pick_fewest_blocks, write_entry
 from epgen.device import device_arch
 from epgen.codegen.config import EpConfig
 from epgen.codegen.spec import QUANTIZED_COMBINE_THREADS, Op
-from epgen.options import TuneOptions, tune_counts
+from epgen.cli.options import TuneOptions, model_label, tune_counts
 
 
 CANDIDATE_BLOCKS = (8, 16, 24, 32, 48, 64, 132)
@@ -84,8 +84,8 @@ class Sweep:
     counts: tuple[int, ...]
 
 
-def plan(opts: TuneOptions, arch: str, world_size: int) -> tuple[Sweep, ...]:
-    """What ``tune_process`` times for ``opts`` on ``arch`` (module docstring), at the counts of
+def plan(layer: EpConfig, opts: TuneOptions, arch: str) -> tuple[Sweep, ...]:
+    """What ``tune_process`` times for ``layer`` and ``opts`` on ``arch`` (module docstring), at the counts of
     ``options.tune_counts``: the normal sweep over ``opts.geometries`` (default
     ``default_candidates``; with ``family="low_latency"`` the tuning table's geometry, None), then
     the low-latency sweep over ``opts.low_latency_geometries`` (default
@@ -95,11 +95,11 @@ def plan(opts: TuneOptions, arch: str, world_size: int) -> tuple[Sweep, ...]:
         ValueError: ``opts.family`` not in ``TUNE_FAMILIES``.
     """
     counts = tune_counts(opts)
-    normal = opts.geometries or ((None,) if opts.family == "low_latency" else default_candidates(arch, opts.combine_quant))
+    normal = opts.geometries or ((None,) if opts.family == "low_latency" else default_candidates(arch, layer.combine_quant))
     sweeps = [Sweep("normal", tuple(normal), counts["normal"])]
     if "low_latency" in counts:
         sweeps.append(Sweep("low_latency", tuple(opts.low_latency_geometries
-                                                 or default_low_latency_candidates(arch, world_size)),
+                                                 or default_low_latency_candidates(arch, layer.world_size)),
                             counts["low_latency"]))
     return tuple(sweeps)
 
@@ -167,13 +167,13 @@ def choose_transport(push_us: dict[Geometry, float], pull_us: dict[Geometry, flo
     return push, "push"
 
 
-def tunes_pull(opts: TuneOptions) -> bool:
+def tunes_pull(layer: EpConfig, opts: TuneOptions) -> bool:
     """Whether ``tune_process`` times the pull dispatch: ``opts.pull`` where the normal dispatch is
     tuned (family normal or both, no quantized combine wire)."""
-    return opts.pull and opts.family != "low_latency" and opts.combine_quant == "none"
+    return opts.pull and opts.family != "low_latency" and layer.combine_quant == "none"
 
 
-def tune_process(rank: int, world_size: int, opts: TuneOptions) -> dict:
+def tune_process(rank: int, world_size: int, layer: EpConfig, opts: TuneOptions) -> dict:
     """Returns {(key, tokens): {geometry: (dispatch us, combine us)}} on every rank, the slowest
     rank's queued medians (geometry None: the tuning table's); key is the family, or "pull" for the
     normal family's candidates with the pull dispatch (``tunes_pull``)."""
@@ -181,19 +181,18 @@ def tune_process(rank: int, world_size: int, opts: TuneOptions) -> dict:
 
     dist = torch.distributed if torch.distributed.is_initialized() else None
     arch = device_arch(torch.cuda.current_device())
-    sweeps = plan(opts, arch, world_size)
+    sweeps = plan(layer, opts, arch)
     times: dict = {}
     skipped = []
     seed = 500
     for sweep in sweeps:
-        transports = ("push", "pull") if sweep.family == "normal" and tunes_pull(opts) else ("push",)
+        transports = ("push", "pull") if sweep.family == "normal" and tunes_pull(layer, opts) else ("push",)
         for geo, transport in ((g, tr) for g in sweep.geometries for tr in transports):
             kw = (dict(dispatch_geometry=geo, combine_geometry=geo) if sweep.family == "normal"
                   else dict(low_latency_geometry=geo))
             key = "pull" if transport == "pull" else sweep.family
-            cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=max(sweep.counts),
-                                     dtype=opts.dtype, combine_quant=opts.combine_quant, kernel_family=sweep.family,
-                                     timeout_s=20.0, dispatch_transport=transport, **kw)
+            cfg = attrs.evolve(layer, max_tokens_per_rank=max(sweep.counts), kernel_family=sweep.family,
+                               timeout_s=20.0, dispatch_transport=transport, **kw)
             try:
                 op = EpDispatchCombine(cfg, virtual=opts.virtual)
             except ValueError as e:  # virtual ranks: the candidate's blocks of every rank do not fit at once
@@ -214,19 +213,20 @@ def tune_process(rank: int, world_size: int, opts: TuneOptions) -> dict:
         if not any(family == sweep.family for family, _ in times):
             raise RuntimeError(f"epgen tune: no {sweep.family} candidate could be built: " + "; ".join(skipped))
     if rank == 0:
-        _report(times, sweeps, skipped, opts, arch, world_size)
+        _report(times, sweeps, skipped, layer, opts, arch)
     return times
 
 
-def _provenance(opts: TuneOptions, world_size: int, env: dict, how: str) -> str:
+def _provenance(layer: EpConfig, opts: TuneOptions, env: dict, how: str) -> str:
     virtual = " --virtual (every rank on one GPU)" if opts.virtual else ""
     return (f"measured {env['date']} on {env['gpus']}x {env['gpu']} (driver {env['driver']}, torch {env['torch']}, "
-            f"cupy {env['cupy']}, commit {env['commit']}) by epgen tune --model {opts.model} --world-size "
-            f"{world_size}{virtual} --family {opts.family}"
-            f"{f' --quant {opts.combine_quant}' if opts.combine_quant != 'none' else ''}, routing {opts.routing}; {how}")
+            f"cupy {env['cupy']}, commit {env['commit']}) by epgen tune --model {model_label(layer)} --world-size "
+            f"{layer.world_size}{virtual} --family {opts.family}"
+            f"{f' --quant {layer.combine_quant}' if layer.combine_quant != 'none' else ''}, routing {opts.routing}; "
+            f"{how}")
 
 
-def _report(times: dict, sweeps: tuple[Sweep, ...], skipped: list, opts: TuneOptions, arch: str, world_size: int):
+def _report(times: dict, sweeps: tuple[Sweep, ...], skipped: list, layer: EpConfig, opts: TuneOptions, arch: str):
     from rich.console import Console
     from rich.table import Table
 
@@ -234,9 +234,8 @@ def _report(times: dict, sweeps: tuple[Sweep, ...], skipped: list, opts: TuneOpt
     console = Console(width=200)
     for line in skipped:
         console.print(f"skipped candidate {line}")
-    key_cfg = EpConfig.for_model(opts.model, world_size=world_size, max_tokens_per_rank=1, dtype=opts.dtype,
-                                 combine_quant=opts.combine_quant)
-    where = f"{opts.model}, W={world_size}{' virtual' if opts.virtual else ''}, {arch}"
+    key_cfg = attrs.evolve(layer, max_tokens_per_rank=1)
+    where = f"{model_label(layer)}, W={layer.world_size}{' virtual' if opts.virtual else ''}, {arch}"
 
     def op_table(family: str, i: int, counts, pick_at=None, key=None) -> tuple[Table, list[tuple[int, Geometry]]]:
         """Table of op ``i`` (0 dispatch, 1 combine) of ``family`` (its times under ``key``,
@@ -263,7 +262,7 @@ def _report(times: dict, sweeps: tuple[Sweep, ...], skipped: list, opts: TuneOpt
         if sweep.family != "normal" or opts.family == "low_latency":
             continue  # the normal sweep tunes only when asked to; otherwise it is the reference
         for i, op in enumerate(FAMILY_OPS["normal"]):
-            if op is Op.DISPATCH and opts.combine_quant != "none":
+            if op is Op.DISPATCH and layer.combine_quant != "none":
                 continue  # the dispatch does not depend on the combine wire: tuned without --quant
             counts = tuple(sorted(set(opts.tokens)))
             table, rows = op_table("normal", i, counts)
@@ -283,7 +282,7 @@ def _report(times: dict, sweeps: tuple[Sweep, ...], skipped: list, opts: TuneOpt
                 measured = {str(T): {**{str(g): round(v[i], 1) for g, v in times[("normal", T)].items()},
                                      **({f"pull {g}": round(v[i], 1) for g, v in times[("pull", T)].items()}
                                         if pulled else {})} for T, _ in rows}
-                path = write_entry(key_cfg.tuning_key(arch, op), rows, _provenance(opts, world_size, env, how),
+                path = write_entry(key_cfg.tuning_key(arch, op), rows, _provenance(layer, opts, env, how),
                                    measured, transports)
                 console.print(f"wrote {path}")
     if opts.family == "normal":
@@ -314,15 +313,15 @@ def _report(times: dict, sweeps: tuple[Sweep, ...], skipped: list, opts: TuneOpt
         measured = {str(T): {**{str(g): round(v[i], 1) for g, v in times[("low_latency", T)].items()},
                              "normal": round(choice.normal_us[T][i], 1)} for T in counts}
         path = write_entry(key_cfg.tuning_key(arch, op), [(choice.threshold, geo)],
-                           _provenance(opts, world_size, env, how), measured)
+                           _provenance(layer, opts, env, how), measured)
         console.print(f"wrote {path}")
 
 
-def run(opts: TuneOptions) -> None:
-    """One process per GPU for W > 1 unless virtual, else in this process."""
-    from epgen.ranks import run_ranks_or_here
+def run(layer: EpConfig, opts: TuneOptions) -> None:
+    """Tune ``layer``'s kernels: one process per GPU for W > 1 unless virtual, else in this process."""
+    from epgen.harness.ranks import run_ranks_or_here
 
-    run_ranks_or_here(opts.world_size, opts.virtual, tune_process, opts)
+    run_ranks_or_here(layer.world_size, opts.virtual, tune_process, layer, opts)
 
 
 __all__ = ["LowLatencyChoice", "Sweep", "TuneOptions", "choose_low_latency", "choose_transport", "low_latency_threshold",

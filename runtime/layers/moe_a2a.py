@@ -1,5 +1,5 @@
 """The MoE layer built the torch-native way: ``torch.distributed.all_to_all_single`` around a
-local permute, the baseline ``epgen.moe.MoELayer`` is measured against (``tools/bench_moe.py``).
+local permute, the baseline ``epgen.layers.moe.MoELayer`` is measured against (``tools/bench_moe.py``).
 
 One process per rank. A forward, on rank d of W (L = E / W local experts; local expert e of d is
 global expert d * L + e):
@@ -13,7 +13,7 @@ global expert d * L + e):
    the weights of slots naming one expert summed in fp32 in ascending slot order; rows are
    grouped by expert, ascending receive row (that is, by source rank and source token) within a
    group;
-4. the same ``epgen.moe.swiglu_experts`` on the groups;
+4. the same ``epgen.layers.moe.swiglu_experts`` on the groups;
 5. weight and fold per received row: ``acc = 0``, then per distinct local expert in ascending
    first-slot order ``acc = acc + w * float32(y)`` (the product rounded to fp32, then the sum),
    ``bf16(acc)``;
@@ -23,7 +23,7 @@ global expert d * L + e):
 
 That is the expert-major layout's weighted combine (README.md, "Expert layout, weighted combine
 and the MoE layer"; ``epgen.reference.combine_weighted``) with the bf16 wire, so the output meets
-``epgen.moe.dense_moe`` within its bound.
+``epgen.layers.moe.dense_moe`` within its bound.
 
 Host synchronization: the split sizes of the ``all_to_all_single`` calls are host integers, read
 from the exchanged counts (``.tolist()``), and the row selections of steps 2 and 3 have
@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from epgen.moe import ExpertWeights, swiglu_experts
+from epgen.layers.moe import ExpertWeights, swiglu_experts
 
 __all__ = ["AllToAllMoE"]
 
@@ -68,7 +68,7 @@ class AllToAllMoE:
 
     def __init__(self, weights: ExpertWeights, *, num_experts: int, topk: int, group=None):
         if not isinstance(weights, ExpertWeights):
-            raise TypeError(f"weights: expected an epgen.moe.ExpertWeights, got {type(weights).__name__}")
+            raise TypeError(f"weights: expected an epgen.layers.moe.ExpertWeights, got {type(weights).__name__}")
         if not dist.is_initialized():
             raise RuntimeError("AllToAllMoE needs torch.distributed initialized (one process per rank; a one-rank "
                                "group for W = 1)")

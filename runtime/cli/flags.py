@@ -24,8 +24,10 @@ from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES
 from epgen.codegen.models import MODELS, model
 from epgen.codegen.spec import LL_MAX_TOKENS, LOW_LATENCY_OPS, TRANSPORT_OPS, Op
 from epgen.codegen.tuning import DEFAULT_UNROLL, Geometry
-from epgen.options import (BENCH_FAMILIES, BOTH_LOW_LATENCY_MAX_TOKENS, NODES_SWEEP, NODES_SWEEP_CPU, ROUTINGS,
-                           TUNE_FAMILIES, BenchOptions, DemoOptions, StressOptions, TuneOptions, family_transport)
+from epgen.harness import ROUTINGS
+from epgen.cli.options import (BENCH_FAMILIES, BOTH_LOW_LATENCY_MAX_TOKENS, DEFAULT_MODEL, DEMO_ITERS,
+                               GPU_VERB_WORLD_SIZE, NODES_SWEEP, NODES_SWEEP_CPU, TUNE_FAMILIES, BenchOptions,
+                               StressOptions, TuneOptions, family_config)
 
 CONFIG_DEFAULTS = {f.name: f.default for f in attrs.fields(EpConfig) if f.default is not attrs.NOTHING}
 """EpConfig's defaults by field (dtype, scale_bytes, combine_quant, ...)."""
@@ -156,36 +158,35 @@ def add_jobs_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=positive, default=None, help="parallel compiles (default: CPU count)")
 
 
-def add_gpu_verb_args(p, defaults, *, virtual: bool, quant: bool, quant_help: str = "") -> None:
-    """--model, --world-size (, --virtual), --dtype (, --quant) of a GPU verb, defaults from its options."""
-    p.add_argument("--model", type=model_name, default=defaults.model,
-                   help=f"catalogue model (default {defaults.model})")
-    p.add_argument("--world-size", type=positive, default=defaults.world_size, help="ranks; one process per GPU"
-                   f"{' unless --virtual' if virtual else ''} (default {defaults.world_size})")
+def add_gpu_verb_args(p, *, world_size: int, virtual: bool, quant: bool, quant_help: str = "") -> None:
+    """--model, --world-size (, --virtual), --dtype (, --quant) of a GPU verb: the shape flags it
+    takes, read by ``config_from``; defaults ``DEFAULT_MODEL``, ``world_size`` and EpConfig's."""
+    p.add_argument("--model", type=model_name, default=DEFAULT_MODEL, help=f"catalogue model (default {DEFAULT_MODEL})")
+    p.add_argument("--world-size", type=positive, default=world_size, help="ranks; one process per GPU"
+                   f"{' unless --virtual' if virtual else ''} (default {world_size})")
     if virtual:
         p.add_argument("--virtual", action="store_true", help="all ranks in one process on one GPU")
-    p.add_argument("--dtype", default=defaults.dtype, choices=list(DTYPES),
-                   help=f"dispatch payload dtype (default {defaults.dtype})")
+    p.add_argument("--dtype", default=CONFIG_DEFAULTS["dtype"], choices=list(DTYPES),
+                   help=f"dispatch payload dtype (default {CONFIG_DEFAULTS['dtype']})")
     if quant:
-        p.add_argument("--quant", default=defaults.combine_quant, choices=list(COMBINE_QUANTS),
-                       help=f"combine wire format (default {defaults.combine_quant}){quant_help}")
+        p.add_argument("--quant", default=CONFIG_DEFAULTS["combine_quant"], choices=list(COMBINE_QUANTS),
+                       help=f"combine wire format (default {CONFIG_DEFAULTS['combine_quant']}){quant_help}")
 
 
 def add_demo_args(d) -> None:
-    """``epgen demo``'s flags, defaults from ``DemoOptions``."""
-    demo = DemoOptions()
-    d.add_argument("--model", type=model_name, default=demo.model, help=f"catalogue model (default {demo.model})")
-    d.add_argument("--world-size", type=positive, default=demo.world_size,
-                   help=f"virtual ranks on the GPU (default {demo.world_size})")
-    d.add_argument("--tokens", type=positive, default=demo.tokens, help=f"tokens per rank (default {demo.tokens})")
-    d.add_argument("--iters", type=positive, default=demo.iters, help=f"timed iterations (default {demo.iters})")
+    """``epgen demo``'s flags (--tokens: the config's max tokens per rank)."""
+    d.add_argument("--model", type=model_name, default=DEFAULT_MODEL, help=f"catalogue model (default {DEFAULT_MODEL})")
+    d.add_argument("--world-size", type=positive, default=CATALOGUE_WORLD_SIZE,
+                   help=f"virtual ranks on the GPU (default {CATALOGUE_WORLD_SIZE})")
+    d.add_argument("--tokens", type=positive, help=f"tokens per rank (default {CATALOGUE_MAX_TOKENS})")
+    d.add_argument("--iters", type=positive, default=DEMO_ITERS, help=f"timed iterations (default {DEMO_ITERS})")
     add_family_args(d, needs="; not with --moe")
 
 
 def add_bench_args(b) -> None:
-    """``epgen bench``'s flags, defaults from ``BenchOptions``."""
+    """``epgen bench``'s flags, defaults from ``BenchOptions`` and EpConfig."""
     bench = BenchOptions()
-    add_gpu_verb_args(b, bench, virtual=True, quant=True)
+    add_gpu_verb_args(b, world_size=GPU_VERB_WORLD_SIZE, virtual=True, quant=True)
     b.add_argument("--tokens", type=positive, nargs="+", default=None, help="tokens per rank to sweep (default "
                    f"{' '.join(map(str, bench.tokens))}; with --nodes {' '.join(map(str, NODES_SWEEP))}, on the CPU "
                    f"stand-in {' '.join(map(str, NODES_SWEEP_CPU))})")
@@ -197,8 +198,9 @@ def add_bench_args(b) -> None:
                    f"family alone at every count (low_latency: at most {LL_MAX_TOKENS} tokens); auto = one op of "
                    "kernel_family auto, each point in the family it picks. The CSV's family column says which ran")
     add_geometry_args(b)
-    b.add_argument("--transport", choices=list(DISPATCH_TRANSPORTS), default=bench.transport, help="the normal "
-                   f"family's dispatch (EpConfig.dispatch_transport; default {bench.transport}): push, pull (the "
+    transport = CONFIG_DEFAULTS["dispatch_transport"]
+    b.add_argument("--transport", choices=list(DISPATCH_TRANSPORTS), default=transport, help="the normal "
+                   f"family's dispatch (EpConfig.dispatch_transport; default {transport}): push, pull (the "
                    "receivers read the senders' rows), or auto (the tuning table's choice per bucket, with virtual "
                    "ranks; one rank a process pushes). Unless push, each call's x sits in the op's dispatch_input "
                    "(zero copy); the CSV's transport column says what each dispatch took")
@@ -216,9 +218,9 @@ def add_bench_args(b) -> None:
 
 
 def add_tune_args(t) -> None:
-    """``epgen tune``'s flags, defaults from ``TuneOptions``."""
+    """``epgen tune``'s flags, defaults from ``TuneOptions`` and EpConfig."""
     tune = TuneOptions()
-    add_gpu_verb_args(t, tune, virtual=True, quant=True,
+    add_gpu_verb_args(t, world_size=GPU_VERB_WORLD_SIZE, virtual=True, quant=True,
                       quant_help="; with --family normal: tunes that wire's combine entries alone")
     t.add_argument("--family", choices=list(TUNE_FAMILIES), default=tune.family, help="families to tune (default "
                    f"{tune.family}): normal writes the dispatch/combine buckets; low_latency writes the dispatch_ll/"
@@ -232,7 +234,8 @@ def add_tune_args(t) -> None:
     t.add_argument("--low-latency-tokens", type=positive, nargs="+", default=None,
                    help="token counts of the low-latency sweep and its threshold (default "
                    f"{' '.join(map(str, tune.low_latency_tokens))}; at most {LL_MAX_TOKENS})")
-    t.add_argument("--low-latency-geometry", type=geometry, nargs="+", default=None, help="low-latency candidates "
+    t.add_argument("--low-latency-geometry", dest="low_latency_geometries", type=geometry, nargs="+", default=None,
+                   help="low-latency candidates "
                    "BLOCKSxWARPS[uUNROLL] (default 16, 32, 64, 128 blocks of 256 and 512 threads, unroll 4, at most "
                    "1024 / world size blocks)")
     t.add_argument("--routing", default=tune.routing, choices=ROUTINGS, help=f"routing kind (default {tune.routing})")
@@ -246,11 +249,11 @@ def add_tune_args(t) -> None:
 
 
 def add_stress_args(st) -> None:
-    """``epgen stress``'s flags, defaults from ``StressOptions``."""
+    """``epgen stress``'s flags, defaults from ``StressOptions`` and EpConfig."""
     stress = StressOptions()
-    add_gpu_verb_args(st, stress, virtual=True, quant=True)
-    st.add_argument("--max-tokens", type=positive, default=stress.max_tokens,
-                    help=f"max tokens per rank (default {stress.max_tokens})")
+    add_gpu_verb_args(st, world_size=GPU_VERB_WORLD_SIZE, virtual=True, quant=True)
+    st.add_argument("--max-tokens", type=positive, default=CATALOGUE_MAX_TOKENS,
+                    help=f"max tokens per rank (default {CATALOGUE_MAX_TOKENS})")
     st.add_argument("--rounds", type=positive, default=stress.rounds, help=f"rounds (default {stress.rounds})")
     st.add_argument("--seed", type=int, default=stress.seed, help=f"seed of the rounds (default {stress.seed})")
     st.add_argument("--fault-every", type=positive, default=None, metavar="N",
@@ -299,7 +302,7 @@ def flag_error(e: ValueError, args) -> str:
     if field == "experts_per_rank":
         return f"{e} (--num-experts {args.num_experts} / --world-size {args.world_size})"
     if field in _GEOMETRY_FIELDS:
-        geo = [FLAGS[f] for f in ("dispatch_geometry", "combine_geometry", "low_latency_geometry")
+        geo = [f"{FLAGS[f]} {getattr(args, f)}" for f in ("dispatch_geometry", "combine_geometry", "low_latency_geometry")
                if getattr(args, f, None)]
         return f"{e} ({' or '.join(geo) if geo else 'the tuning table geometry'})"
     return f"{e} ({FLAGS.get(field, 'from the shape flags')})"
@@ -311,22 +314,25 @@ def _resolve_sizes(args, parser) -> None:
     --quant), a parser error, since the catalogue is fixed."""
     if getattr(args, "_sizes_resolved", False):
         return
-    given = [f"{flag} {v}" for flag, v in (("--world-size", args.world_size), ("--max-tokens", args.max_tokens),
-                                           ("--scale-bytes", args.scale_bytes),
+    given = [f"{flag} {v}" for flag, v in (("--world-size", args.world_size),
+                                           ("--max-tokens", getattr(args, "max_tokens", None)),
+                                           ("--scale-bytes", getattr(args, "scale_bytes", None)),
                                            ("--layout", getattr(args, "layout", None)),
                                            ("--expert-alignment", getattr(args, "expert_alignment", None)),
                                            ("--max-recv-tokens", getattr(args, "max_recv_tokens", None)),
                                            ("--kernel-family", getattr(args, "kernel_family", None)),
-                                           ("--low-latency-geometry", getattr(args, "low_latency_geometry", None)))
+                                           ("--low-latency-geometry", getattr(args, "low_latency_geometry", None)),
+                                           ("--dispatch-geometry", getattr(args, "dispatch_geometry", None)),
+                                           ("--combine-geometry", getattr(args, "combine_geometry", None)))
              if v is not None]
-    shape = args.model or any(v is not None for v in (args.hidden, args.topk, args.dtype, args.quant))
+    shape = args.model or any(getattr(args, f, None) is not None for f in ("hidden", "topk", "dtype", "quant"))
     if given and not shape:
         parser.error(f"{' '.join(given)}: the catalogue is fixed at W={CATALOGUE_WORLD_SIZE} / "
                      f"Tmax={CATALOGUE_MAX_TOKENS}; name --model or --hidden (or a selector --dtype/--topk/--quant) "
                      "to choose the shape")
     args.world_size = CATALOGUE_WORLD_SIZE if args.world_size is None else args.world_size
-    args.max_tokens = CATALOGUE_MAX_TOKENS if args.max_tokens is None else args.max_tokens
-    args.scale_bytes = CONFIG_DEFAULTS["scale_bytes"] if args.scale_bytes is None else args.scale_bytes
+    args.max_tokens = getattr(args, "max_tokens", None) or CATALOGUE_MAX_TOKENS
+    args.scale_bytes = CONFIG_DEFAULTS["scale_bytes"] if getattr(args, "scale_bytes", None) is None else args.scale_bytes
     args._sizes_resolved = True
 
 
@@ -335,15 +341,18 @@ def _layer_kw(args) -> dict:
     layout = getattr(args, "layout", None) or CONFIG_DEFAULTS["layout"]
     alignment = getattr(args, "expert_alignment", None) or CONFIG_DEFAULTS["expert_alignment"]
     return dict(world_size=args.world_size, max_tokens_per_rank=args.max_tokens,
-                dtype=args.dtype or CONFIG_DEFAULTS["dtype"], combine_quant=args.quant or CONFIG_DEFAULTS["combine_quant"],
+                dtype=args.dtype or CONFIG_DEFAULTS["dtype"],
+                combine_quant=getattr(args, "quant", None) or CONFIG_DEFAULTS["combine_quant"],
                 scale_bytes=args.scale_bytes, layout=layout, expert_alignment=alignment,
                 max_recv_tokens=getattr(args, "max_recv_tokens", None))
 
 
-def config_from(args, parser, **fields) -> EpConfig | None:
-    """The EpConfig the shape flags (and, where the verb has them, the geometry flags) describe,
-    with ``fields`` (EpConfig's, None: its default) on top, or None when they name no shape.
-    Errors name the flag."""
+def config_from(args, parser) -> EpConfig | None:
+    """The EpConfig the shape flags describe (with those of them a verb has: the GPU verbs take
+    --model, --world-size, --dtype, and some --quant, --max-tokens, the geometry, family and
+    transport flags), or None when they name no shape. Errors name the flag."""
+    for name in ("hidden", "topk", "num_experts", "kernel_family", "low_latency_geometry"):
+        setattr(args, name, getattr(args, name, None))  # a flag the verb lacks: unset
     _resolve_sizes(args, parser)
     shape = [f for f, v in (("--hidden", args.hidden), ("--topk", args.topk), ("--num-experts", args.num_experts))
              if v is not None]
@@ -355,12 +364,13 @@ def config_from(args, parser, **fields) -> EpConfig | None:
         return None  # --topk alone is a catalogue selector
     if args.model:
         check_model(args.model, parser)
-    check_wave_size(args.world_size, arches(args), parser)
+    if hasattr(args, "arch"):  # a GPU verb's world size meets its GPU's wave size (gpu_preflight)
+        check_wave_size(args.world_size, arches(args), parser)
     kw = dict(_layer_kw(args), dispatch_geometry=getattr(args, "dispatch_geometry", None),
               combine_geometry=getattr(args, "combine_geometry", None),
               kernel_family=args.kernel_family or CONFIG_DEFAULTS["kernel_family"],
               low_latency_geometry=args.low_latency_geometry,
-              **{f: CONFIG_DEFAULTS[f] if v is None else v for f, v in fields.items()})
+              dispatch_transport=getattr(args, "transport", None) or CONFIG_DEFAULTS["dispatch_transport"])
     missing = [f"--{n}" for n, v in (("topk", args.topk), ("num-experts", args.num_experts)) if v is None]
     if args.hidden is not None and missing:
         parser.error(f"--hidden needs {' and '.join(missing)}")
@@ -389,11 +399,13 @@ def selected_catalogue_specs(args, parser) -> list | None:
     """With only the selectors --dtype/--topk/--quant: those variants of every catalogue model
     (--dtype: dispatch, --quant: combine, each with its low-latency halves and its local kernels,
     as the quantize kernel; --topk: both unless one of the others narrows it); None
-    when no selector is given. The kernel family flags need a shape (a parser error here)."""
+    when no selector is given. The kernel family and geometry flags need a shape (a parser error here)."""
     if args.topk is None and args.dtype is None and args.quant is None:
         return None
     family = [f"{flag} {v}" for flag, v in (("--kernel-family", getattr(args, "kernel_family", None)),
-                                            ("--low-latency-geometry", getattr(args, "low_latency_geometry", None)))
+                                            ("--low-latency-geometry", getattr(args, "low_latency_geometry", None)),
+                                            ("--dispatch-geometry", getattr(args, "dispatch_geometry", None)),
+                                            ("--combine-geometry", getattr(args, "combine_geometry", None)))
               if v is not None]
     if family:
         parser.error(f"{' '.join(family)}: needs a shape (--model or --hidden); the selectors --dtype/--topk/--quant "
@@ -492,33 +504,30 @@ def check_output(output: str, parser) -> None:
             parser.error(f"-o {output}: {output + suffix} exists and is not writable")
 
 
-def gpu_preflight(args, parser, error, verb: str, *, families: dict[str, int], virtual: bool = False,
+def gpu_preflight(args, parser, error, verb: str, layer: EpConfig, *, families: dict[str, int], virtual: bool = False,
                   output: str | None = None, geometries: dict | None = None,
                   low_latency_geometries: dict | None = None, share_gpu: bool = False) -> EpConfig | None:
     """Everything about a GPU verb's arguments that can be checked without a GPU, first (parser
     errors naming the flag), then that there is a GPU, enough of them (one a process; with
     ``share_gpu``, a verb that checks rather than times, any: its processes then share cuda:0,
-    ``epgen.ranks``), and (with ``output``, a plot) matplotlib, then the specs for this GPU's
-    arch. ``families``: the most tokens a rank
-    passes to the op of each ``EpConfig.kernel_family`` the verb builds; ``geometries`` /
-    ``low_latency_geometries``: flag -> Geometry, or a list of them, or None, checked against the
-    dispatch and combine / the low-latency halves of a config that builds them (a parser error
-    when none does). Returns the first family's config, or None after ``error(verb, line)``."""
+    ``epgen.harness.ranks``), and (with ``output``, a plot) matplotlib, then the specs for this
+    GPU's arch. ``layer``: the verb's config (``config_from``); ``families``: the most tokens a rank
+    passes to the op of each ``EpConfig.kernel_family`` the verb builds (``family_config``);
+    ``geometries`` / ``low_latency_geometries``: flag -> Geometry, or a list of them, or None,
+    checked against the dispatch and combine / the low-latency halves of a config that builds them
+    (a parser error when none does). Returns the first family's config, or None after
+    ``error(verb, line)``."""
     import importlib.util
 
     import torch
 
     from epgen.device import device_arch
 
-    check_model(args.model, parser)
     cfgs = []
-    for family, max_tokens in families.items():
+    bare = attrs.evolve(layer, dispatch_geometry=None, combine_geometry=None, low_latency_geometry=None)
+    for family, max_tokens in families.items():  # the given geometries are checked against these below
         try:
-            transport = family_transport(family, getattr(args, "transport", CONFIG_DEFAULTS["dispatch_transport"]))
-            cfgs.append(EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=max_tokens,
-                                           dtype=args.dtype, kernel_family=family,
-                                           combine_quant=getattr(args, "quant", CONFIG_DEFAULTS["combine_quant"]),
-                                           dispatch_transport=transport))
+            cfgs.append(family_config(bare, family, max_tokens))
         except ValueError as e:
             parser.error(f"{e} (--world-size {args.world_size}, the {family} family with tokens up to {max_tokens}, "
                          f"with --model {args.model})")
@@ -542,7 +551,7 @@ def gpu_preflight(args, parser, error, verb: str, *, families: dict[str, int], v
         except ValueError as e:
             parser.error(f"{e} (--world-size {args.world_size} on this GPU's arch {arch})")
     _check_given_geometries(cfgs, (arch,), geometries, low_latency_geometries, parser)
-    return cfgs[0]
+    return family_config(layer, *next(iter(families.items())))
 
 
 def _check_given_geometries(cfgs, arches, geometries, low_latency_geometries, parser) -> None:

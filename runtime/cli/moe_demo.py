@@ -1,11 +1,11 @@
 """``epgen demo --moe``: the whole MoE layer of one model on virtual ranks of one GPU.
 
-Builds ``epgen.moe.MoELayer`` (expert-major dispatch, SwiGLU expert GEMMs, weighted combine) with
+Builds ``epgen.layers.moe.MoELayer`` (expert-major dispatch, SwiGLU expert GEMMs, weighted combine) with
 random expert weights, routes random tokens with ``route_topk`` on random logits, checks the
-layer's output against ``epgen.moe.dense_moe`` (every element within its bound), and times each
+layer's output against ``epgen.layers.moe.dense_moe`` (every element within its bound), and times each
 stage on the GPU: every stage call (dispatch, expand, experts, fold, combine, the whole forward)
 is captured alone in a CUDA graph, and the replays are timed with
-``epgen.timing.time_pairs_queued``, queued behind a GPU-side delay, so each sample is the stage's
+``epgen.harness.timing.time_pairs_queued``, queued behind a GPU-side delay, so each sample is the stage's
 own device time, not the host's launch rate (one replay is one launch however many kernels the
 stage has, which keeps the queue short). Without the grouped expert path (no graph capture) the
 eager calls are queued instead, and the table says so.
@@ -103,7 +103,7 @@ def _per_rank(virtual: bool, values: list):
 def rank_inputs(cfg: EpConfig, tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One rank's fresh layer inputs on ``gen``'s device: x [tokens, H] bf16 normal samples, and
     (weights float32, ids int32) [tokens, K] from ``route_topk`` on normal logits [tokens, E]."""
-    from epgen.moe import route_topk
+    from epgen.layers.moe import route_topk
 
     x = torch.randn(tokens, cfg.hidden, generator=gen, device=gen.device).to(torch.bfloat16)
     w, ids = route_topk(torch.randn(tokens, cfg.num_experts, generator=gen, device=gen.device), cfg.topk)
@@ -112,10 +112,10 @@ def rank_inputs(cfg: EpConfig, tokens: int, gen: torch.Generator) -> tuple[torch
 
 def dense_error(outs: list, xs: list, ws: list, ids: list, weights: list, combine_quant: str) -> tuple[float, float]:
     """(worst error / bound ratio, worst error) of the per-rank outputs ``outs`` against
-    ``epgen.moe.dense_moe`` of the per-rank inputs (one entry per rank; a rank's entry may hold 0
+    ``epgen.layers.moe.dense_moe`` of the per-rank inputs (one entry per rank; a rank's entry may hold 0
     tokens, then it costs nothing), computed DENSE_CHUNK_TOKENS tokens at a time (every rank's
     tokens of a chunk together); ``weights`` is every rank's ExpertWeights."""
-    from epgen.moe import dense_moe
+    from epgen.layers.moe import dense_moe
 
     T = max(x.shape[0] for x in xs)
     step = max(1, DENSE_CHUNK_TOKENS // len(xs))
@@ -157,9 +157,9 @@ def _stage_graphs(calls: dict) -> tuple[dict, list]:
 
 
 def _run_gpu(cfg: EpConfig, model: str, intermediate: int, iters: int, console: Console, quiet: bool) -> dict:
-    from epgen.moe import ExpertWeights, MoELayer
+    from epgen.layers.moe import ExpertWeights, MoELayer
     from epgen.codegen.report import styled_table
-    from epgen.timing import time_pairs_queued
+    from epgen.harness.timing import time_pairs_queued
 
     W, L, H, T = cfg.world_size, cfg.experts_per_rank, cfg.hidden, cfg.max_tokens_per_rank
     virtual = W > 1
@@ -225,7 +225,7 @@ def _run_gpu(cfg: EpConfig, model: str, intermediate: int, iters: int, console: 
     table = styled_table(f"{model} MoE layer, {torch.cuda.get_device_name(device)}, {'virtual ' if virtual else ''}"
                          f"W={W}: GPU us per stage, all {W} ranks",
                          f"{T} tokens/rank, E={cfg.num_experts}, top-{cfg.topk}, H={H}, I={intermediate}; {method} "
-                         f"(epgen.timing.time_pairs_queued), {iters} iterations.\n"
+                         f"(epgen.harness.timing.time_pairs_queued), {iters} iterations.\n"
                          + "\n".join(f"{name}: {text}" for name, text in what.items()))
     for c in ("stage", "median us", "mean ± stdev us", "best us", "host-launched us", "% of forward"):
         table.add_column(c, justify="left" if c == "stage" else "right")
