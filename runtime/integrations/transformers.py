@@ -296,6 +296,9 @@ def _experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]
 def _check_experts(name: str, experts: torch.nn.Module, cfg: EpConfig) -> None:
     """ValueError naming the class and the reason when epgen cannot run ``experts``."""
     cls = type(experts).__name__
+    if getattr(experts, "_epgen_parallel", None) is not None:
+        raise ValueError(f"{name} ({cls}): already expert-parallel through epgen (its weights may be one rank's "
+                         "shard); convert a freshly loaded model")
     if getattr(experts, "_is_expert_parallel", False):
         raise ValueError(f"{name} ({cls}): already expert-parallel under transformers' own plan "
                          "(_is_expert_parallel); load the model without a tp_plan / distributed_config")
@@ -493,8 +496,8 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
             group's size; an EpConfig field refused (e.g. experts not a multiple of W: names the
             model_type); no experts module; an experts module epgen cannot run (names the module,
             its class and the reason: a per-expert ModuleList, a quantized or sharded weight, not
-            bf16, shapes that disagree with the config, already under transformers' expert
-            parallelism); grouped_mm=True where it cannot run.
+            bf16, shapes that disagree with the config, already expert-parallel through epgen or
+            under transformers' own expert parallelism); grouped_mm=True where it cannot run.
         RuntimeError: backend "epgen" without a GPU or CuPy, or W > 1 processes without
             torch.distributed (``EpDispatchCombine``); the model cannot select the "epgen" experts
             implementation.

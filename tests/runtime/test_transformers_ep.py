@@ -154,6 +154,10 @@ def test_refusals_name_the_class_and_the_reason(envelopes):
     experts.down_proj = torch.nn.Parameter(experts.down_proj.data.to(torch.float8_e4m3fn), requires_grad=False)
     with pytest.raises(ValueError, match=r"layers.1.mlp.experts \(MixtralExperts\): down_proj is torch.float8_e4m3fn"):
         expert_parallel(model16, virtual=True, world_size=2)
+    converted, _ = ep_model(model32, 2)
+    with pytest.raises(ValueError, match=r"layers.0.mlp.experts \(MixtralExperts\): already expert-parallel through "
+                                         r"epgen"):
+        expert_parallel(converted, virtual=True, world_size=2)
     dense = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(ValueError, match="Sequential: no experts module built on transformers' experts conventions"):
         expert_parallel(dense, virtual=True, world_size=2)
