@@ -95,6 +95,13 @@ def bf16_envelope(model32: torch.nn.Module, ids: torch.Tensor) -> tuple[float, t
     return max(errors), ref
 
 
+def eager_bf16(model32: torch.nn.Module) -> torch.nn.Module:
+    """A bf16 copy of the model running its own eager experts (the reference of the generation checks)."""
+    model = copy.deepcopy(model32).to(torch.bfloat16)
+    model.set_experts_implementation("eager")
+    return model
+
+
 @torch.no_grad()
 def greedy(model: torch.nn.Module, ids: torch.Tensor, tokens: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy continuation of exactly ``tokens`` tokens (no end-of-sequence stop): (sequences

@@ -406,11 +406,13 @@ class ExpertParallel:
         import torch.distributed as dist
 
         chunk = parts[0][1] - parts[0][0]
-        buf = out.new_zeros(chunk, out.shape[1])
+        # A gloo-only group (W processes sharing one GPU: epgen.ranks) gathers host tensors.
+        host = out.is_cuda and dist.get_backend(self.group) == "gloo"
+        buf = torch.zeros(chunk, out.shape[1], dtype=out.dtype, device="cpu" if host else out.device)
         buf[: out.shape[0]] = out
         gathered = [torch.empty_like(buf) for _ in parts]
         dist.all_gather(gathered, buf, group=self.group)
-        return torch.cat([g[: b - a] for g, (a, b) in zip(gathered, parts)])
+        return torch.cat([g[: b - a] for g, (a, b) in zip(gathered, parts)]).to(out.device)
 
     def synchronize(self) -> None:
         """The op's ``synchronize()``: raises ``epgen.op.EpError`` for a kernel fault of an earlier

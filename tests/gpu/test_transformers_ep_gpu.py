@@ -73,8 +73,7 @@ def test_virtual_ranks_logits_within_twice_the_models_own_bf16_error(envelopes, 
 @pytest.mark.parametrize("family", sorted(hf_models.FAMILIES))
 def test_virtual_ranks_greedy_generation(envelopes, family):
     model32, envelope, _ = envelopes[family]
-    eager = copy.deepcopy(model32).to(torch.bfloat16)
-    eager.set_experts_implementation("eager")
+    eager = hf_models.eager_bf16(model32)
     ids = PROMPT[:1, :8]
     model = copy.deepcopy(eager)
     ep = _ep(model, 4)
@@ -108,30 +107,27 @@ def _processes_body(rank, world_size):
         envelope, ref = hf_models.bf16_envelope(model32, PROMPT)
         own = hf_models.prompt(10 + rank, batch=1, length=10 + 3 * rank)  # each rank its own batch
         ref_own = hf_models.logits(model32, own)
-        eager = copy.deepcopy(model32).to(torch.bfloat16)
-        eager.set_experts_implementation("eager")
+        eager = hf_models.eager_bf16(model32)
         ids = {"replicated": PROMPT[:1, :8], "owned": own[:, :8]}
         for layout in ("replicated", "owned"):
             eager_gen = hf_models.greedy(eager, ids[layout])
             model = copy.deepcopy(model32).to(torch.bfloat16)
-            ep = _ep(model, layout=layout)
-            try:
-                assert (ep.virtual, ep.ranks, ep.config.world_size) == (False, [rank], world_size)
-                for name in ep.modules:  # this rank keeps its experts only
-                    assert model.get_submodule(name).down_proj.shape[0] == hf_models.EXPERTS // world_size
-                if layout == "replicated":
-                    out = hf_models.logits(model, PROMPT)
-                    every = [None] * world_size
-                    dist.all_gather_object(every, out)
-                    assert all(torch.equal(o, out) for o in every), "replicated tokens: the ranks' logits differ"
-                    error = relative_l2(out, ref)
-                else:
-                    error = relative_l2(hf_models.logits(model, own), ref_own)
-                verdict = hf_models.check_generation(hf_models.greedy(model, ids[layout]), eager_gen, envelope)
-                ep.synchronize()
-            finally:
-                dist.barrier()  # every peer is done with this rank's arena
-                ep.close()
+            ep = _ep(model, layout=layout)  # a failure raises at once: run_ranks then ends the peers
+            assert (ep.virtual, ep.ranks, ep.config.world_size) == (False, [rank], world_size)
+            for name in ep.modules:  # this rank keeps its experts only
+                assert model.get_submodule(name).down_proj.shape[0] == hf_models.EXPERTS // world_size
+            if layout == "replicated":
+                out = hf_models.logits(model, PROMPT)
+                every = [None] * world_size
+                dist.all_gather_object(every, out)
+                assert all(torch.equal(o, out) for o in every), "replicated tokens: the ranks' logits differ"
+                error = relative_l2(out, ref)
+            else:
+                error = relative_l2(hf_models.logits(model, own), ref_own)
+            verdict = hf_models.check_generation(hf_models.greedy(model, ids[layout]), eager_gen, envelope)
+            ep.synchronize()
+            dist.barrier()  # every peer is done with this rank's arena
+            ep.close()
             print(f"{family} W={world_size} processes, {layout} tokens, rank {rank}: relative L2 {error:.3e} "
                   f"(bound {2 * envelope:.3e}); generation {verdict}", flush=True)
             assert error <= 2 * envelope, f"{family} {layout} rank {rank}: {error:.3e} > 2 x {envelope:.3e}"

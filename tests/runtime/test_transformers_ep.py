@@ -59,8 +59,7 @@ def test_logits_within_twice_the_models_own_bf16_error(envelopes, family, world)
 @pytest.mark.parametrize("family", sorted(hf_models.FAMILIES))
 def test_greedy_generation_matches_the_eager_path(envelopes, family):
     model32, envelope, _ = envelopes[family]
-    eager = copy.deepcopy(model32).to(torch.bfloat16)
-    eager.set_experts_implementation("eager")
+    eager = hf_models.eager_bf16(model32)
     ids = PROMPT[:1, :8]
     model, _ = ep_model(model32, 4)
     verdict = hf_models.check_generation(hf_models.greedy(model, ids), hf_models.greedy(eager, ids), envelope)
