@@ -16,7 +16,10 @@ experts) on [1, T, 2048] bf16 activations, T tokens a rank, at decode (1, 8, 128
 * ``epgen owned`` / ``epgen replicated``: ``epgen.integrations.transformers.expert_parallel``
   (dispatch in the expert layout, the class's experts as grouped GEMMs, weighted combine), the op
   sized for the point (max_tokens_per_rank = T; ``replicated`` dispatches T / W a rank and
-  all-gathers, the same tokens as hf EP; at W = 1 both layouts are the same call).
+  all-gathers, the same tokens as hf EP; at W = 1 both layouts are the same call). The decode
+  points share one op of max_tokens_per_rank = 128, prefill has its own (4096): the experts'
+  row-wise stages run over the op's expert-layout rows (docs/moe.md), so the buffers follow the
+  batch as a server would size them.
 
 Timing (docs/measuring.md): each point is run eagerly as a user runs it; ``queued`` is the median
 GPU time per call of N calls enqueued behind a ``torch.cuda._sleep`` long enough for the host to
@@ -43,6 +46,8 @@ import torch
 import torch.distributed as dist
 
 TOKENS = (1, 8, 128, 4096)
+DECODE_BUFFER = 128
+"""max_tokens_per_rank of the op the decode points (T <= 128) share; a larger T gets an op of its own size."""
 SHAPE = dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
              num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144)
 
@@ -171,7 +176,7 @@ def main() -> int:
               "I 768); tokens: a rank's (hf grouped_mm, epgen owned) or all ranks' (hf EP, epgen replicated)")
         print(f"{'tokens':>6} {'candidate':<18} {'queued us':>10} {'mean+-sd':>14} {'best':>8} {'host us':>8} "
               f"{'rel L2 vs hf':>12}")
-    rows = []
+    rows, converted = [], {}
     g = torch.Generator(device="cuda").manual_seed(1 + rank)
     for T in args.tokens:
         x = torch.randn(1, T, SHAPE["hidden_size"], generator=g, device="cuda", dtype=torch.bfloat16)
@@ -180,11 +185,13 @@ def main() -> int:
         with torch.no_grad():
             ref, ref_shared = block(x), block(shared)
         candidates = [("hf grouped_mm", block, x, ref), ("hf EP", hf_ep, shared, ref_shared)]
-        handles = []
+        size = DECODE_BUFFER if T <= DECODE_BUFFER else T
         for layout in ("owned", "replicated") if world > 1 else ("owned",):
-            ep_model = copy.deepcopy(model)
-            handles.append(expert_parallel(ep_model, layout=layout, max_tokens_per_rank=T))
-            candidates.append((f"epgen {layout}" if world > 1 else "epgen", ep_model.model.layers[0].mlp,
+            if (layout, size) not in converted:
+                ep_model = copy.deepcopy(model)
+                converted[layout, size] = (ep_model, expert_parallel(ep_model, layout=layout, max_tokens_per_rank=size))
+            ep_block = converted[layout, size][0].model.layers[0].mlp
+            candidates.append((f"epgen {layout}" if world > 1 else "epgen", ep_block,
                                shared if layout == "replicated" else x, ref_shared if layout == "replicated" else ref))
         for name, fn, inp, expect in candidates:
             with torch.no_grad():
@@ -194,10 +201,10 @@ def main() -> int:
             if rank == 0:
                 print(f"{T:>6} {name:<18} {t['median']:>10.1f} {t['mean']:>7.1f}+-{t['stdev']:<6.1f} {t['best']:>8.1f} "
                       f"{t['host']:>8.1f} {error:>12.2e}", flush=True)
-        for h in handles:
-            h.synchronize()
-            dist.barrier()
-            h.close()
+    for _, handle in converted.values():
+        handle.synchronize()
+        dist.barrier()
+        handle.close()
     bad = [(T, name, e) for T, name, _, e in rows if e > 0.02]
     dist.destroy_process_group()
     if bad:
