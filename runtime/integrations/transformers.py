@@ -40,7 +40,6 @@ of steps everywhere); epgen's dispatch and combine have no backward: inference o
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import attrs
@@ -511,7 +510,6 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
     overrides["layout"] = "expert"
     modules = _experts_modules(model)
     first = modules[0][1]
-    dist = None
     if virtual:
         if world_size is None:
             raise ValueError("virtual=True: pass world_size (the ranks this process runs)")
