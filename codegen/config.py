@@ -281,6 +281,85 @@ class EpConfig:
         return cls(world_size=world_size, hidden=m.hidden, topk=m.topk, num_experts=m.num_experts,
                    max_tokens_per_rank=max_tokens_per_rank, **kw)
 
+    @classmethod
+    def from_hf_config(cls, source, *, world_size: int, max_tokens_per_rank: int, **kw) -> "EpConfig":
+        """Config for the MoE layers of a Hugging Face transformers model, read from its config
+        (no download: a local file, a dict, or a loaded ``transformers.PretrainedConfig``).
+
+        Fields read (the first name present wins; a multimodal config's ``text_config`` is read
+        when the top level has no ``hidden_size``):
+
+            hidden:       hidden_size
+            num_experts:  n_routed_experts (deepseek_v3, kimi_k2), num_local_experts (mixtral,
+                          gpt_oss; qwen3_moe from transformers 5.2x), num_experts (qwen3_moe,
+                          qwen3_next config.json)
+            topk:         num_experts_per_tok, experts_per_token (gpt_oss config.json)
+
+        Shared experts (``n_shared_experts``, ``shared_expert_intermediate_size``) are not routed
+        and not dispatched: they do not enter the config. Any model_type with these fields works;
+        the families checked are qwen3_moe, qwen3_next, mixtral, deepseek_v3, kimi_k2, gpt_oss.
+
+        Args:
+            source: a path (str or os.PathLike) to a config.json or to a directory holding one; a
+                dict of its contents; or an object with ``to_dict()`` (a PretrainedConfig).
+            world_size, max_tokens_per_rank, **kw: as ``EpConfig`` (hidden, topk and num_experts
+                come from the model and are refused here).
+
+        Raises:
+            FileNotFoundError: a path that is neither a file nor a directory holding config.json.
+            ValueError: the file is not a JSON object; source of another type; hidden, topk or
+                num_experts passed in kw; a field missing or not a positive int (the message names
+                the field, the names looked for and the model_type); FieldError (a ValueError) for
+                a field EpConfig refuses, e.g. num_experts not a multiple of world_size, prefixed
+                with the model_type.
+        """
+        import json
+        import os
+
+        if isinstance(source, (str, os.PathLike)):
+            path = os.fspath(source)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"EpConfig.from_hf_config({os.fspath(source)!r}): no such config.json")
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            if not isinstance(data, dict):
+                raise ValueError(f"EpConfig.from_hf_config({path!r}): the file holds a JSON {type(data).__name__}, "
+                                 "not an object")
+        elif isinstance(source, dict):
+            data = source
+        elif callable(getattr(source, "to_dict", None)):
+            data = source.to_dict()
+        else:
+            raise ValueError(f"EpConfig.from_hf_config: source must be a path, a dict or a PretrainedConfig, got "
+                             f"{type(source).__name__}")
+        model_type = data.get("model_type", "<no model_type>")
+        shape = {"hidden", "topk", "num_experts"} & set(kw)
+        if shape:
+            raise ValueError(f"EpConfig.from_hf_config ({model_type}): {', '.join(sorted(shape))} come from the "
+                             "model config; build EpConfig(...) directly for another shape")
+        if "hidden_size" not in data and isinstance(data.get("text_config"), dict):
+            data = data["text_config"]
+            model_type = f"{model_type}.text_config ({data.get('model_type', '<no model_type>')})"
+        fields = {}
+        for field, names in (("hidden", ("hidden_size",)),
+                             ("num_experts", ("n_routed_experts", "num_local_experts", "num_experts")),
+                             ("topk", ("num_experts_per_tok", "experts_per_token"))):
+            found = [n for n in names if data.get(n) is not None]
+            if not found:
+                raise ValueError(f"EpConfig.from_hf_config: model_type {model_type!r} has no {field} field (looked "
+                                 f"for {', '.join(names)}); a dense model has no expert layers to dispatch to")
+            value = data[found[0]]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"EpConfig.from_hf_config: model_type {model_type!r}: {found[0]}={value!r} must be "
+                                 f"a positive int (it gives EpConfig.{field})")
+            fields[field] = value
+        try:
+            return cls(world_size=world_size, max_tokens_per_rank=max_tokens_per_rank, **fields, **kw)
+        except FieldError as e:
+            raise FieldError(e.field, f"EpConfig.from_hf_config ({model_type}): {e}") from e
+
     @property
     def experts_per_rank(self) -> int:
         """L = E / W."""

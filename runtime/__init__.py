@@ -19,13 +19,16 @@ Package map (folder in the checkout -> import package):
   * the references, at the top too: ``reference`` and ``quant/`` (pure torch, no GPU);
   * ``layers/`` -> ``epgen.layers``: model layers on the op (``moe``, ``moe_a2a``,
     ``hierarchical``; ``epgen.moe`` and ``epgen.hierarchical`` re-export the public two);
+  * ``integrations/`` -> ``epgen.integrations``: epgen inside frameworks (``transformers``: expert
+    parallelism for Hugging Face models), on the layers' footing;
   * ``harness/`` -> ``epgen.harness``: verification, timing and rank processes;
   * ``cli/`` -> ``epgen.cli``: the command line (verbs, flags, options).
 
 The rules, one way (``tests/codegen/test_imports.py`` enforces each): ``epgen.codegen`` imports
 nothing else of ``epgen``; the core imports codegen and the core; the references import
-codegen and the references; the layers add the core and the references; the harness adds the
-layers; the command line may import everything and nothing imports it but ``epgen.__main__``.
+codegen and the references; the layers add the core and the references; the integrations and
+the harness each add the layers; the command line may import everything and nothing imports it
+but ``epgen.__main__``.
 This module and the re-export modules (``epgen.moe``, ``epgen.hierarchical``) are the public
 front: no module of the package imports them but ``epgen.cli`` (``__version__``). Every import
 names its module absolutely (``from epgen.codegen.spec import ...``). The op is imported on

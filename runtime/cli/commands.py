@@ -46,10 +46,29 @@ def _compilers_missing(arches, verb: str) -> bool:
     return bool(missing)
 
 
+def _shape_from_hf_config(args, parser) -> None:
+    """--hf-config: hidden size, top-k and routed experts of a transformers config
+    (``EpConfig.from_hf_config``), set as if given as --hidden/--topk/--num-experts."""
+    from epgen.codegen.config import EpConfig
+
+    given = [f for f, v in (("--model", args.model), ("--hidden", args.hidden), ("--topk", args.topk),
+                            ("--num-experts", args.num_experts)) if v is not None]
+    if given:
+        parser.error(f"--hf-config {args.hf_config} gives the shape: drop {' '.join(given)}")
+    try:  # W = 1 here: --world-size is checked against the experts with the other flags
+        cfg = EpConfig.from_hf_config(args.hf_config, world_size=1, max_tokens_per_rank=1)
+    except (OSError, ValueError) as e:
+        parser.error(f"--hf-config {args.hf_config}: {e}")
+    args.hidden, args.topk, args.num_experts = cfg.hidden, cfg.topk, cfg.num_experts
+
+
 def cmd_generate(args, parser, console) -> int:
     from epgen.codegen.catalogue import NotACatalogue, catalogue_specs, check, read_manifest, render_files, write
     from epgen.codegen.models import MODELS
     from epgen.codegen.offline import toolchain_status
+
+    if args.hf_config:
+        _shape_from_hf_config(args, parser)
 
     if args.list_models:
         if args.json:
@@ -553,6 +572,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "only its own files")
     g.add_argument("--check", action="store_true", help="exit 1 when the directory differs from a fresh render")
     g.add_argument("--list-models", action="store_true", help="list the catalogue models and exit")
+    g.add_argument("--hf-config", type=flags.path, help="a transformers config.json (or the directory holding it): "
+                   "the shape of its MoE layers (hidden_size, routed experts, experts per token; "
+                   "EpConfig.from_hf_config) instead of --model or --hidden/--topk/--num-experts")
 
     table = ("registers, AGPRs, SGPRs, scratch/spill, LDS/shared bytes and occupancy per variant and arch, with the "
              "exact offline compiler releases (clang 22 for gfx*, NVRTC for sm_90)")

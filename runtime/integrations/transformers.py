@@ -1,0 +1,570 @@
+"""Expert parallelism for Hugging Face transformers (v5) MoE models through epgen's dispatch and combine.
+
+``expert_parallel(model, ...)`` turns every experts module of a loaded model expert-parallel:
+
+* the router stays as the model computes it (the MoE block calls its experts module with the
+  block's tokens, the top-k expert ids and the top-k weights, as it always does);
+* the experts module's forward becomes epgen's: dispatch in the expert layout
+  (``EpConfig(layout="expert")``), the class's own expert math on this rank's L local experts
+  (``expert_rows``: its gate/up layout, transposition, biases, ``_apply_gate`` or activation, post
+  expert norm), then epgen's weighted combine;
+* shared experts, attention and everything else stay the model's.
+
+Extension point: transformers' ``ExpertsInterface`` (``transformers.integrations.moe``). Its v5 MoE
+classes are decorated with ``@use_experts_implementation``, whose forward looks up
+``config._experts_implementation`` in ``ALL_EXPERTS_FUNCTIONS`` and calls that function with the
+module and (tokens, top-k ids, top-k weights). This module registers ``"epgen"`` there (at import)
+and ``expert_parallel`` selects it with ``model.set_experts_implementation("epgen")``. Why this
+point: its signature is exactly epgen's contract (tokens in, top-k ids and weights, weighted sum
+out), the decorator also records each class's weight conventions (``has_gate``, ``has_bias``,
+``is_transposed``, ``is_concatenated``) so any class built on it runs unchanged, and it exists in
+5.17 and later alike. A tensor-parallel style (``MoeTensorParalellMegaMoeExperts``) is the route
+for sharding at load, but it ties the experts to DTensor device meshes and a load-time plan, and
+its signature differs across 5.x releases; module replacement would need per-family classes.
+
+Token layouts (``layout``), one process per GPU:
+
+* ``"owned"``: each rank passes its own tokens (data-parallel attention): it dispatches all of
+  them and gets their outputs back.
+* ``"replicated"``: every rank holds the same T tokens (tensor-parallel attention): rank r
+  dispatches rows [r c, (r + 1) c) of them, c = ceil(T / W), and the outputs are gathered
+  (``torch.distributed.all_gather`` over ``group``) so every rank returns all T rows.
+
+With ``virtual=True`` one process holds all W ranks (tests, one GPU): the block's T tokens are
+split the same way, virtual rank r dispatches rows [r c, (r + 1) c), and the outputs are
+concatenated; both layouts then compute the same thing.
+
+Every rank must run the same MoE layers in the same order (a generate loop with the same number
+of steps everywhere); epgen's dispatch and combine have no backward: inference only.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import attrs
+import torch
+
+from epgen import reference
+from epgen.codegen.config import EpConfig
+from epgen.layers.moe import grouped_mm_available
+
+__all__ = ["BACKENDS", "EXPERTS_IMPLEMENTATION", "LAYOUTS", "ExpertParallel", "ExpertShard", "ReferenceOp",
+           "epgen_experts_forward", "expert_parallel", "expert_rows"]
+
+EXPERTS_IMPLEMENTATION = "epgen"
+"""The name registered in transformers' ``ALL_EXPERTS_FUNCTIONS``."""
+
+LAYOUTS = ("owned", "replicated")
+"""``expert_parallel``'s token layouts."""
+
+BACKENDS = ("epgen", "reference")
+"""``expert_parallel``'s backends: the GPU op (``epgen.op.EpDispatchCombine``) or ``ReferenceOp``
+(``epgen.reference`` on the CPU)."""
+
+
+# --- the experts of one rank ---------------------------------------------------------------------
+
+
+@attrs.frozen
+class ExpertShard:
+    """The L local experts of one rank of one experts module, as grouped GEMM operands (views of
+    the module's parameters: no copy).
+
+    Attributes:
+        up: [L, H, N] the gate/up projection (``gate_up_proj``, N = 2I, or ``up_proj``, N = I, for
+            a class without a gate), input-major (a transposed view when the class stores
+            [L, N, H]).
+        up_bias: [L, N] or None.
+        down: [L, I, H] the down projection, input-major likewise.
+        down_bias: [L, H] or None.
+    """
+
+    up: torch.Tensor
+    up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+    @property
+    def num_experts(self) -> int:
+        return self.up.shape[0]
+
+    @classmethod
+    def of(cls, experts: torch.nn.Module, start: int, stop: int) -> "ExpertShard":
+        """Experts [start, stop) of a transformers experts module (its stored experts, indexed
+        from 0)."""
+        up_name = "gate_up_proj" if experts.has_gate else "up_proj"
+
+        def operand(name):
+            w = getattr(experts, name)[start:stop]
+            return w if experts.is_transposed else w.transpose(1, 2)
+
+        def bias(name):
+            return getattr(experts, name)[start:stop] if experts.has_bias else None
+
+        return cls(up=operand(up_name), up_bias=bias(f"{up_name}_bias"), down=operand("down_proj"),
+                   down_bias=bias("down_proj_bias"))
+
+
+def _row_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows] int64: the local expert of each row of the expert layout (rows past offsets[L] get
+    the last expert; their outputs are never read)."""
+    ends = offsets[1:].contiguous()
+    index = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)
+    return torch.searchsorted(ends, index, right=True).clamp_(max=ends.numel() - 1)
+
+
+def expert_rows(experts: torch.nn.Module, shard: ExpertShard, x: torch.Tensor, offsets: torch.Tensor, *,
+                grouped: bool) -> torch.Tensor:
+    """The experts module's own expert math on one rank's rows of the expert layout (no routing
+    weight: the weighted combine applies it).
+
+    Rows [offsets[e], offsets[e + 1]) of x belong to local expert e. Per row, as the class's
+    ``grouped_mm`` implementation computes it: h = x @ up[e] (+ up_bias[e]); h = the class's
+    ``_apply_gate(h)`` (or ``act_fn(h)`` for a class without a gate); y = h @ down[e]
+    (+ down_bias[e]); the class's ``post_expert_norm(y)`` where it has one. Each matmul
+    accumulates in float32 and rounds once to the weights' dtype.
+
+    Paths:
+        grouped: two ``torch._grouped_mm`` calls (group ends offsets[1:]) and row-wise bias, gate
+            and norm on every row of x; no host synchronization (CUDA-graph capturable). Rows
+            past offsets[L] hold whatever the kernels left there.
+        loop: reads offsets to the host (one synchronization), then per non-empty expert two
+            matmuls; rows past offsets[L] are zero.
+
+    Args:
+        experts: the transformers experts module (``has_gate``, ``has_bias``, ``_apply_gate`` or
+            ``act_fn``, optional ``has_post_expert_norm``).
+        shard: its local experts (``ExpertShard.of``), on x's device, x's dtype.
+        x: [R, H] the rank's expanded rows (``ExpertDispatchOutput.x`` or
+            ``epgen.reference.ExpertRows.x``).
+        offsets: [L + 1] int32 on x's device, offsets[0] = 0, non-decreasing, offsets[L] <= R.
+        grouped: the path.
+
+    Returns:
+        y [R, H], x's dtype.
+
+    Raises:
+        ValueError: (loop path) offsets not starting at 0, decreasing, or past R.
+    """
+    if grouped:
+        offs = offsets[1:]
+        h = torch._grouped_mm(x, shard.up, offs=offs)
+        rows = _row_experts(offsets, x.shape[0]) if shard.up_bias is not None or shard.down_bias is not None else None
+        if shard.up_bias is not None:
+            h = h + shard.up_bias[rows]
+        h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
+        y = torch._grouped_mm(h, shard.down, offs=offs)
+        if shard.down_bias is not None:
+            y = y + shard.down_bias[rows]
+    else:
+        bounds = offsets.tolist()
+        if bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])) or bounds[-1] > x.shape[0]:
+            raise ValueError(f"offsets={bounds}: must start at 0, never decrease and end at most at R={x.shape[0]}")
+        y = x.new_zeros(x.shape[0], shard.down.shape[-1])
+        for e in range(shard.num_experts):
+            lo, hi = bounds[e], bounds[e + 1]
+            if lo == hi:
+                continue
+            h = x[lo:hi] @ shard.up[e]
+            if shard.up_bias is not None:
+                h = h + shard.up_bias[e]
+            h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
+            out = h @ shard.down[e]
+            y[lo:hi] = out + shard.down_bias[e] if shard.down_bias is not None else out
+    if getattr(experts, "has_post_expert_norm", False):
+        y = experts.post_expert_norm(y)
+    return y
+
+
+# --- the CPU backend -------------------------------------------------------------------------------
+
+
+class ReferenceOp:
+    """``EpDispatchCombine``'s expert-layout calls computed by ``epgen.reference`` on the CPU: the
+    same semantics (dispatch, expansion per local expert, weighted fold and combine, the combine
+    wire), every rank simulated.
+
+    Modes: virtual (every rank in this process: lists of one tensor per rank), or one process per
+    rank over ``group`` (gloo), where each call gathers every rank's inputs
+    (``all_gather_object``), computes every rank and keeps this rank's part; W = 1 needs neither.
+
+    Args:
+        config: an EpConfig with layout "expert".
+        virtual: every rank in this process.
+        group: the process group of the W processes (not virtual, W > 1; default the world group).
+
+    Raises:
+        ValueError: config.layout is not "expert"; a group whose size is not W.
+        (dispatch) ValueError: a rank with more than max_tokens_per_rank tokens; as
+            ``epgen.reference.dispatch`` and ``expand`` (bad ids, receive cap); (combine) as
+            ``epgen.reference.combine_weighted``.
+    """
+
+    def __init__(self, config: EpConfig, *, virtual: bool = False, group=None):
+        if config.layout != "expert":
+            raise ValueError(f"EpConfig.layout={config.layout!r}: ReferenceOp runs the expert layout only")
+        self.config = config
+        self.virtual = virtual
+        self.device = torch.device("cpu")
+        W = config.world_size
+        self.group = None
+        if virtual or W == 1:
+            self.local_ranks = list(range(W)) if virtual else [0]
+        else:
+            import torch.distributed as dist
+
+            self.group = group if group is not None else dist.group.WORLD
+            if dist.get_world_size(self.group) != W:
+                raise ValueError(f"EpConfig.world_size={W}: the process group has {dist.get_world_size(self.group)} "
+                                 "ranks")
+            self.local_ranks = [dist.get_rank(self.group)]
+        self._pending = None
+
+    def _everyone(self, value) -> list:
+        if self.virtual:
+            return list(value)
+        if self.group is None:
+            return [value]
+        import torch.distributed as dist
+
+        gathered = [None] * self.config.world_size
+        dist.all_gather_object(gathered, value, group=self.group)
+        return gathered
+
+    def dispatch(self, x, weights, indices):
+        """x [T, H], weights [T, K] float32, indices [T, K] int32 (lists in virtual mode) ->
+        ``epgen.reference.ExpertRows`` of this rank (a list in virtual mode)."""
+        cfg = self.config
+        xs, ws, ids = (self._everyone(v) for v in (x, weights, indices))
+        for r, t in enumerate(xs):
+            if t.shape[0] > cfg.max_tokens_per_rank:
+                raise ValueError(f"x[rank {r}]: {t.shape[0]} tokens, more than EpConfig.max_tokens_per_rank="
+                                 f"{cfg.max_tokens_per_rank}")
+        recv = reference.dispatch(xs, ws, ids, experts_per_rank=cfg.experts_per_rank,
+                                  max_recv_tokens=cfg.max_recv_tokens)
+        expert = reference.expand(recv, experts_per_rank=cfg.experts_per_rank, alignment=cfg.expert_alignment)
+        self._pending = (recv, expert, [t.shape[0] for t in xs])
+        mine = [expert[r] for r in self.local_ranks]
+        return mine if self.virtual else mine[0]
+
+    def combine(self, y):
+        """y [n, H] bf16 in the layout of the last dispatch (a list in virtual mode) -> [T, H] bf16
+        (a list in virtual mode)."""
+        if self._pending is None:
+            raise RuntimeError("combine: needs a dispatch first")
+        recv, expert, tokens = self._pending
+        outs = reference.combine_weighted(self._everyone(y), expert, recv, tokens,
+                                          combine_quant=self.config.combine_quant)
+        return outs if self.virtual else outs[self.local_ranks[0]]
+
+    def synchronize(self):
+        """Nothing to wait for: every fault raises at its call."""
+
+    def close(self):
+        self._pending = None
+
+
+# --- the model-level switch ------------------------------------------------------------------------
+
+
+def _slices(tokens: int, world: int) -> list[tuple[int, int]]:
+    """Rank r's rows [r c, (r + 1) c) of ``tokens``, c = ceil(tokens / world), clipped."""
+    c = -(-tokens // world)
+    return [(min(r * c, tokens), min((r + 1) * c, tokens)) for r in range(world)]
+
+
+def _experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of every transformers experts module of ``model``; ValueError naming the
+    class for an experts container epgen cannot run."""
+    found = []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "experts" and isinstance(module, torch.nn.ModuleList):
+            raise ValueError(f"{type(model).__name__}: {name} is a ModuleList of per-expert modules "
+                             f"({type(module[0]).__name__ if len(module) else 'empty'}), not a transformers v5 experts "
+                             "module (3-D expert weights under @use_experts_implementation); epgen cannot run it")
+        if all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed")) and hasattr(module, "down_proj"):
+            found.append((name, module))
+    if not found:
+        raise ValueError(f"{type(model).__name__}: no experts module built on transformers' experts conventions "
+                         "(@use_experts_implementation: 3-D gate_up_proj/up_proj and down_proj); nothing to make "
+                         "expert-parallel")
+    return found
+
+
+def _check_experts(name: str, experts: torch.nn.Module, cfg: EpConfig) -> None:
+    """ValueError naming the class and the reason when epgen cannot run ``experts``."""
+    cls = type(experts).__name__
+    if getattr(experts, "_epgen_parallel", None) is not None:
+        raise ValueError(f"{name} ({cls}): already expert-parallel through epgen (its weights may be one rank's "
+                         "shard); convert a freshly loaded model")
+    if getattr(experts, "_is_expert_parallel", False):
+        raise ValueError(f"{name} ({cls}): already expert-parallel under transformers' own plan "
+                         "(_is_expert_parallel); load the model without a tp_plan / distributed_config")
+    up_name = "gate_up_proj" if experts.has_gate else "up_proj"
+    weights = [up_name, "down_proj"] + ([f"{up_name}_bias", "down_proj_bias"] if experts.has_bias else [])
+    for w in weights:
+        t = getattr(experts, w, None)
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} ({cls}): has no tensor {w} (its conventions: has_gate={experts.has_gate}, "
+                             f"has_bias={experts.has_bias}); a quantized experts class is not supported")
+        if type(t.data) is not torch.Tensor:
+            raise ValueError(f"{name} ({cls}): {w} is a {type(t.data).__name__} (a sharded or quantized tensor "
+                             "subclass); epgen needs plain tensors holding every expert")
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"{name} ({cls}): {w} is {t.dtype}; epgen dispatches bf16 rows and runs bf16 experts "
+                             "(load the model with dtype=torch.bfloat16; quantized experts are not supported)")
+    if experts.has_gate and not callable(getattr(experts, "_apply_gate", None)):
+        raise ValueError(f"{name} ({cls}): has_gate but no _apply_gate")
+    if not experts.has_gate and not callable(getattr(experts, "act_fn", None)):
+        raise ValueError(f"{name} ({cls}): no gate and no act_fn")
+    up = getattr(experts, up_name)
+    hidden = up.shape[1] if experts.is_transposed else up.shape[2]
+    if up.dim() != 3 or (up.shape[0], hidden) != (cfg.num_experts, cfg.hidden):
+        raise ValueError(f"{name} ({cls}): {up_name} {tuple(up.shape)} (is_transposed={experts.is_transposed}) holds "
+                         f"{up.shape[0]} experts of hidden {hidden}; the model config says {cfg.num_experts} experts of "
+                         f"hidden {cfg.hidden}")
+
+
+class ExpertParallel:
+    """What ``expert_parallel`` returns: the ops and the state every converted experts module
+    runs with. Use ``synchronize()`` where a step ends (a GPU kernel fault raises there) and
+    ``close()`` to release the ops (the model's experts then refuse to run).
+
+    Attributes:
+        config: the EpConfig of the layers (layout "expert").
+        op: the EpDispatchCombine (backend "epgen") or ReferenceOp (backend "reference").
+        backend: "epgen" or "reference".
+        layout: "owned" or "replicated".
+        virtual: every rank in this process.
+        ranks: the ranks this process drives.
+        grouped_mm: True when the experts run ``torch._grouped_mm``, False for the per-expert loop.
+        modules: the names of the converted experts modules.
+    """
+
+    def __init__(self, config, op, *, backend, layout, virtual, group, grouped_mm, modules):
+        self.config = config
+        self.op = op
+        self.backend = backend
+        self.layout = layout
+        self.virtual = virtual
+        self.group = group
+        self.ranks = list(op.local_ranks)
+        self.grouped_mm = grouped_mm
+        self.modules = modules
+
+    def _rank_tokens(self, tokens: list[int]) -> None:
+        most = max(tokens)
+        if most > self.config.max_tokens_per_rank:
+            r = tokens.index(most)
+            raise ValueError(f"epgen expert parallel ({self.layout} tokens, W={self.config.world_size}): rank "
+                             f"{self.ranks[r] if len(tokens) == len(self.ranks) else r} passes {most} tokens to one "
+                             f"dispatch, more than max_tokens_per_rank={self.config.max_tokens_per_rank} (raise it in "
+                             "expert_parallel)")
+
+    def _experts(self, experts, shards, dispatched):
+        return [expert_rows(experts, s, d.x, d.offsets, grouped=self.grouped_mm) for s, d in zip(shards, dispatched)]
+
+    def forward(self, experts, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        """One experts call of the model: hidden_states [T, H] bf16, top_k_index [T, K] (any int
+        dtype), top_k_weights [T, K] (any float dtype, converted to float32) -> [T, H] bf16, the
+        top-k weighted sum of the experts' outputs for this rank's tokens (all T in every layout).
+
+        Raises:
+            RuntimeError: gradients enabled on a tensor that needs them (no backward).
+            ValueError: hidden_states not 2-D bf16; a rank's share above max_tokens_per_rank.
+        """
+        if torch.is_grad_enabled() and hidden_states.requires_grad:
+            raise RuntimeError(f"{type(experts).__name__}: epgen's dispatch and combine have no backward; run the "
+                               "expert-parallel model under torch.no_grad() or torch.inference_mode()")
+        if hidden_states.dim() != 2 or hidden_states.dtype != torch.bfloat16:
+            raise ValueError(f"{type(experts).__name__}: hidden_states {tuple(hidden_states.shape)} "
+                             f"{hidden_states.dtype} must be [T, H] torch.bfloat16")
+        x = hidden_states.contiguous()
+        ids = top_k_index.to(torch.int32).contiguous()
+        w = top_k_weights.to(torch.float32).contiguous()
+        T, W = x.shape[0], self.config.world_size
+        shards = experts._epgen_shards
+        if self.virtual:
+            parts = _slices(T, W)
+            self._rank_tokens([b - a for a, b in parts])
+            d = self.op.dispatch([x[a:b] for a, b in parts], [w[a:b] for a, b in parts], [ids[a:b] for a, b in parts])
+            return torch.cat(self.op.combine(self._experts(experts, shards, d)))
+        if self.layout == "replicated" and W > 1:
+            parts = _slices(T, W)
+            a, b = parts[self.ranks[0]]
+            self._rank_tokens([parts[0][1] - parts[0][0]])
+            d = self.op.dispatch(x[a:b], w[a:b], ids[a:b])
+            return self._gather(self.op.combine(self._experts(experts, shards, [d])[0]), parts)
+        self._rank_tokens([T])
+        d = self.op.dispatch(x, w, ids)
+        return self.op.combine(self._experts(experts, shards, [d])[0])
+
+    def _gather(self, out: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
+        """Every rank's rows of a replicated block, in rank order (all_gather of equal-size chunks)."""
+        import torch.distributed as dist
+
+        chunk = parts[0][1] - parts[0][0]
+        # A gloo-only group (W processes sharing one GPU: epgen.harness.ranks) gathers host tensors.
+        host = out.is_cuda and dist.get_backend(self.group) == "gloo"
+        buf = torch.zeros(chunk, out.shape[1], dtype=out.dtype, device="cpu" if host else out.device)
+        buf[: out.shape[0]] = out
+        gathered = [torch.empty_like(buf) for _ in parts]
+        dist.all_gather(gathered, buf, group=self.group)
+        return torch.cat([g[: b - a] for g, (a, b) in zip(gathered, parts)]).to(out.device)
+
+    def synchronize(self) -> None:
+        """The op's ``synchronize()``: raises ``epgen.op.EpError`` for a kernel fault of an earlier
+        call (the reference raises at the call)."""
+        self.op.synchronize()
+
+    def close(self) -> None:
+        """Release the op's buffers."""
+        self.op.close()
+
+
+def epgen_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The function registered as ``experts_implementation="epgen"``: runs the experts module
+    ``self`` expert-parallel (``ExpertParallel.forward``).
+
+    Raises:
+        RuntimeError: the module was not converted by ``expert_parallel`` (e.g. a model loaded
+            with ``experts_implementation="epgen"`` alone).
+    """
+    handle = getattr(self, "_epgen_parallel", None)
+    if handle is None:
+        raise RuntimeError(f"{type(self).__name__}: experts_implementation='epgen' needs "
+                           "epgen.integrations.transformers.expert_parallel(model, ...) first (it builds the op and "
+                           "shards the experts)")
+    return handle.forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _register() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, epgen_experts_forward)
+
+
+_register()
+
+
+def _grouped_refusal(device: torch.device, cfg: EpConfig, intermediate: int) -> str | None:
+    if not grouped_mm_available(device):
+        return (f"torch {torch.__version__} on {device} has no device-side torch._grouped_mm (it needs CPU, or CUDA "
+                "compute capability 9.0 or 10.x)")
+    if cfg.hidden % 8 or intermediate % 8:
+        return f"H={cfg.hidden}, I={intermediate}: torch._grouped_mm needs multiples of 8 (16-byte rows)"
+    return None
+
+
+def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False, world_size: int | None = None,
+                    layout: str = "owned", backend: str | None = None, max_tokens_per_rank: int = 4096,
+                    grouped_mm: bool | None = None, **overrides) -> ExpertParallel:
+    """Make every MoE experts module of a loaded transformers v5 model expert-parallel through epgen.
+
+    Each rank keeps its L = E / W experts (global experts [rank L, (rank + 1) L)): with one process
+    per rank the other experts' weights are dropped from the module (the module's parameters
+    become [L, ...] copies; the full tensors are freed once nothing else holds them), with virtual
+    ranks every rank's experts stay in this process. Every experts module then runs
+    ``ExpertParallel.forward`` (``experts_implementation="epgen"``).
+
+    Args:
+        model: a transformers PreTrainedModel whose MoE blocks use experts modules built on
+            ``@use_experts_implementation`` (qwen3_moe, qwen3_next, mixtral, deepseek_v3 and kimi_k2,
+            gpt_oss, ...), expert weights bfloat16 on one device (CUDA for backend "epgen").
+        group: the process group of the W ranks (one process per GPU; default the world group
+            when torch.distributed is initialized, else W = 1).
+        virtual: run all ``world_size`` ranks in this process (tests; one GPU or the CPU).
+        world_size: W with virtual=True (required there); else the group's size (checked if given).
+        layout: "owned" (each rank its own tokens) or "replicated" (every rank the same tokens).
+        backend: "epgen" (``epgen.op.EpDispatchCombine``, CUDA) or "reference" (``ReferenceOp``,
+            ``epgen.reference`` on the CPU); default: "epgen" for CUDA weights, else "reference".
+        max_tokens_per_rank: the most tokens one rank dispatches in one call (sizes the buffers).
+        grouped_mm: the expert path: None = ``torch._grouped_mm`` where it runs without a host
+            synchronization (CPU, CUDA sm_90 / sm_100; H and I multiples of 8), else the
+            per-expert loop, with a warning that says why; True = grouped (refused where it
+            cannot run); False = loop.
+        **overrides: further EpConfig fields (e.g. expert_alignment, combine_quant,
+            max_recv_tokens, kernel_family, timeout_s); hidden, topk and num_experts come from
+            the model config (``EpConfig.from_hf_config``) and EpConfig's layout is "expert"
+            (``layout`` here is the token layout).
+
+    Returns:
+        ExpertParallel.
+
+    Raises:
+        ValueError: layout or backend unknown; virtual without world_size, or world_size not the
+            group's size; an EpConfig field refused (e.g. experts not a multiple of W: names the
+            model_type); no experts module; an experts module epgen cannot run (names the module,
+            its class and the reason: a per-expert ModuleList, a quantized or sharded weight, not
+            bf16, shapes that disagree with the config, already expert-parallel through epgen or
+            under transformers' own expert parallelism); grouped_mm=True where it cannot run.
+        RuntimeError: backend "epgen" without a GPU or CuPy, or W > 1 processes without
+            torch.distributed (``EpDispatchCombine``); the model cannot select the "epgen" experts
+            implementation.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: must be one of {', '.join(LAYOUTS)}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: must be None or one of {', '.join(BACKENDS)}")
+    overrides["layout"] = "expert"
+    modules = _experts_modules(model)
+    first = modules[0][1]
+    if virtual:
+        if world_size is None:
+            raise ValueError("virtual=True: pass world_size (the ranks this process runs)")
+        W, rank = world_size, None
+    else:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            group = group if group is not None else dist.group.WORLD
+            W, rank = dist.get_world_size(group), dist.get_rank(group)
+        else:
+            W, rank = 1, 0
+        if world_size is not None and world_size != W:
+            raise ValueError(f"world_size={world_size}: the process group has {W} ranks")
+    cfg = EpConfig.from_hf_config(first.config, world_size=W, max_tokens_per_rank=max_tokens_per_rank, **overrides)
+    for name, experts in modules:
+        _check_experts(name, experts, cfg)
+    device = first.down_proj.device
+    backend = backend or ("epgen" if device.type == "cuda" else "reference")
+    intermediate = first.down_proj.shape[2] if not first.is_transposed else first.down_proj.shape[1]
+    refused = _grouped_refusal(device, cfg, intermediate)
+    if grouped_mm and refused:
+        raise ValueError(f"grouped_mm=True: {refused}")
+    if grouped_mm is None:
+        grouped_mm = refused is None
+        if refused:
+            warnings.warn(f"epgen expert parallel: the experts run as a per-expert loop (one host synchronization per "
+                          f"layer, not capturable in a CUDA graph): {refused}", stacklevel=2)
+    if backend == "epgen":
+        from epgen.op import EpDispatchCombine
+
+        op = EpDispatchCombine(cfg, group=group, virtual=virtual, device=device.index)
+    else:
+        op = ReferenceOp(cfg, virtual=virtual, group=group)
+    L = cfg.experts_per_rank
+    for name, experts in modules:
+        if virtual:
+            shards = [ExpertShard.of(experts, r * L, (r + 1) * L) for r in range(W)]
+        else:
+            if W > 1:
+                for w in ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):
+                    p = getattr(experts, w, None)
+                    if isinstance(p, torch.nn.Parameter):
+                        setattr(experts, w, torch.nn.Parameter(p.data[rank * L:(rank + 1) * L].clone(),
+                                                               requires_grad=p.requires_grad))
+            shards = [ExpertShard.of(experts, 0, L)]
+        experts._epgen_shards = shards
+    handle = ExpertParallel(cfg, op, backend=backend, layout=layout, virtual=virtual, group=group,
+                            grouped_mm=bool(grouped_mm), modules=[n for n, _ in modules])
+    for _, experts in modules:
+        experts._epgen_parallel = handle
+    model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    wrong = [n for n, e in modules if e.config._experts_implementation != EXPERTS_IMPLEMENTATION]
+    if wrong:
+        raise RuntimeError(f"{type(model).__name__}: set_experts_implementation('epgen') left {wrong[0]} on "
+                           f"{modules[0][1].config._experts_implementation!r}; this model cannot select the epgen "
+                           "experts implementation")
+    return handle

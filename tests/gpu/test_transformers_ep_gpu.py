@@ -1,0 +1,141 @@
+"""transformers models expert-parallel through the real epgen op (``EpDispatchCombine``, expert
+layout, ``torch._grouped_mm`` experts) on the GPU.
+
+The tiny random-weight models of tests/hf_models.py (qwen3_moe, mixtral, deepseek_v3, gpt_oss; the
+bound is derived there): full-model logits of the bf16 expert-parallel model against the float32
+model within 2 x the model's own bf16 error (its eager, batched_mm and grouped_mm experts on this
+GPU), and greedy generation of 32 tokens against the model's own bf16 eager path (identical, or a
+near-tie the logits bound allows, ``hf_models.check_generation``):
+
+* virtual ranks, W = 2, 4, 8, on one GPU (every rank in this process, one grid);
+* W = 2 and 4 processes (``epgen.harness.ranks.run_ranks``: all on cuda:0 when there are fewer GPUs), in
+  both token layouts: "replicated" (every rank the same prompt; each dispatches its slice and the
+  outputs are gathered: every rank's logits identical) and "owned" (every rank its own prompt).
+"""
+
+import copy
+
+import pytest
+
+pytest.importorskip("transformers", reason="the optional transformers dependency (pip install -e '.[dev]') is missing")
+
+import torch  # noqa: E402
+
+import hf_models  # noqa: E402
+from epgen.moe import grouped_mm_available  # noqa: E402
+from epgen.reference import relative_l2  # noqa: E402
+
+SEED = 0
+PROMPT = hf_models.prompt(1, batch=4, length=64)
+TIMEOUT_S = 60.0
+"""EpConfig.timeout_s of these ops: a lost peer fails the test in a minute."""
+RUN_TIMEOUT_S = 500.0
+
+
+def _ep(model, world=None, **kw):
+    from epgen.integrations.transformers import expert_parallel
+
+    if world is not None:
+        kw.update(virtual=True, world_size=world)
+    return expert_parallel(model, max_tokens_per_rank=256, timeout_s=TIMEOUT_S, **kw)
+
+
+@pytest.fixture(scope="module")
+def envelopes():
+    """Per family: (float32 model on cuda, the model's own bf16 error envelope on this GPU, the
+    float32 logits of PROMPT)."""
+    out = {}
+    for family in hf_models.FAMILIES:
+        model = hf_models.tiny_model(family, SEED).to("cuda")
+        out[family] = (model, *hf_models.bf16_envelope(model, PROMPT))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("family", sorted(hf_models.FAMILIES))
+def test_virtual_ranks_logits_within_twice_the_models_own_bf16_error(envelopes, family, world):
+    model32, envelope, ref = envelopes[family]
+    model = copy.deepcopy(model32).to(torch.bfloat16)
+    ep = _ep(model, world)
+    try:
+        assert ep.backend == "epgen" and ep.grouped_mm is grouped_mm_available(model.device)
+        error = relative_l2(hf_models.logits(model, PROMPT), ref)
+        ep.synchronize()
+    finally:
+        ep.close()
+    print(f"{family} W={world} virtual: relative L2 {error:.3e}, model's own bf16 {envelope:.3e}, "
+          f"ratio {error / envelope:.2f}")
+    assert error <= 2 * envelope, f"{family} W={world}: {error:.3e} > 2 x {envelope:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(hf_models.FAMILIES))
+def test_virtual_ranks_greedy_generation(envelopes, family):
+    model32, envelope, _ = envelopes[family]
+    eager = hf_models.eager_bf16(model32)
+    ids = PROMPT[:1, :8]
+    model = copy.deepcopy(eager)
+    ep = _ep(model, 4)
+    try:
+        verdict = hf_models.check_generation(hf_models.greedy(model, ids), hf_models.greedy(eager, ids), envelope)
+        ep.synchronize()
+    finally:
+        ep.close()
+    print(f"{family} W=4 virtual generation: {verdict}")
+
+
+@pytest.mark.gpu
+def test_loop_path_on_the_gpu(envelopes):
+    model32, envelope, ref = envelopes["gpt_oss"]
+    model = copy.deepcopy(model32).to(torch.bfloat16)
+    ep = _ep(model, 4, grouped_mm=False)
+    try:
+        assert ep.grouped_mm is False
+        error = relative_l2(hf_models.logits(model, PROMPT), ref)
+    finally:
+        ep.close()
+    assert error <= 2 * envelope, f"loop path: {error:.3e} > 2 x {envelope:.3e}"
+
+
+def _processes_body(rank, world_size):
+    """Every family, both token layouts, as rank ``rank`` of ``world_size`` processes."""
+    import torch.distributed as dist
+
+    for family in sorted(hf_models.FAMILIES):
+        model32 = hf_models.tiny_model(family, SEED).to("cuda")
+        envelope, ref = hf_models.bf16_envelope(model32, PROMPT)
+        own = hf_models.prompt(10 + rank, batch=1, length=10 + 3 * rank)  # each rank its own batch
+        ref_own = hf_models.logits(model32, own)
+        eager = hf_models.eager_bf16(model32)
+        ids = {"replicated": PROMPT[:1, :8], "owned": own[:, :8]}
+        for layout in ("replicated", "owned"):
+            eager_gen = hf_models.greedy(eager, ids[layout])
+            model = copy.deepcopy(model32).to(torch.bfloat16)
+            ep = _ep(model, layout=layout)  # a failure raises at once: run_ranks then ends the peers
+            assert (ep.virtual, ep.ranks, ep.config.world_size) == (False, [rank], world_size)
+            for name in ep.modules:  # this rank keeps its experts only
+                assert model.get_submodule(name).down_proj.shape[0] == hf_models.EXPERTS // world_size
+            if layout == "replicated":
+                out = hf_models.logits(model, PROMPT)
+                every = [None] * world_size
+                dist.all_gather_object(every, out)
+                assert all(torch.equal(o, out) for o in every), "replicated tokens: the ranks' logits differ"
+                error = relative_l2(out, ref)
+            else:
+                error = relative_l2(hf_models.logits(model, own), ref_own)
+            verdict = hf_models.check_generation(hf_models.greedy(model, ids[layout]), eager_gen, envelope)
+            ep.synchronize()
+            dist.barrier()  # every peer is done with this rank's arena
+            ep.close()
+            print(f"{family} W={world_size} processes, {layout} tokens, rank {rank}: relative L2 {error:.3e} "
+                  f"(bound {2 * envelope:.3e}); generation {verdict}", flush=True)
+            assert error <= 2 * envelope, f"{family} {layout} rank {rank}: {error:.3e} > 2 x {envelope:.3e}"
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_processes_both_token_layouts(world_size):
+    from epgen.harness.ranks import run_ranks
+
+    run_ranks(world_size, _processes_body, timeout_s=RUN_TIMEOUT_S)

@@ -1,0 +1,184 @@
+"""Hugging Face transformers models made expert-parallel by ``epgen.integrations.transformers``, on
+the CPU: the backend is ``epgen.reference`` (dispatch, expansion per local expert, weighted fold and
+combine of all W ranks, run for real in torch), under the models' own code (router, attention,
+shared experts, the experts classes' own gate and biases).
+
+Tiny random-weight models of qwen3_moe, mixtral, deepseek_v3 and gpt_oss (tests/hf_models.py, where
+the bound is derived): full-model logits of the bf16 expert-parallel model against the float32
+model within 2 x the model's own bf16 error; greedy generation of 32 tokens against the model's own
+bf16 eager path; a lost expert exceeds the bound; the two token layouts as two processes (gloo);
+the refusals.
+"""
+
+import copy
+import os
+
+import pytest
+
+pytest.importorskip("transformers", reason="the optional transformers dependency (pip install -e '.[dev]') is missing")
+
+import torch  # noqa: E402
+
+import hf_models  # noqa: E402
+from epgen.integrations.transformers import ExpertShard, expert_parallel  # noqa: E402
+from epgen.reference import relative_l2  # noqa: E402
+
+SEED = 0
+PROMPT = hf_models.prompt(1, batch=4, length=64)
+"""256 tokens: a bf16 near-tie that flips a router's top-k moves a few tokens' logits far; over 256 tokens
+every bf16 path has a few such flips, so their relative L2 errors are comparable."""
+
+
+@pytest.fixture(scope="module")
+def envelopes():
+    """Per family: (float32 model, the model's own bf16 error envelope, the float32 logits of PROMPT)."""
+    out = {}
+    for family in hf_models.FAMILIES:
+        model = hf_models.tiny_model(family, SEED)
+        out[family] = (model, *hf_models.bf16_envelope(model, PROMPT))
+    return out
+
+
+def ep_model(model32, world, max_tokens_per_rank=256, **kw):
+    model = copy.deepcopy(model32).to(torch.bfloat16)
+    return model, expert_parallel(model, virtual=True, world_size=world, max_tokens_per_rank=max_tokens_per_rank, **kw)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("family", sorted(hf_models.FAMILIES))
+def test_logits_within_twice_the_models_own_bf16_error(envelopes, family, world):
+    model32, envelope, ref = envelopes[family]
+    model, ep = ep_model(model32, world)
+    assert (ep.backend, ep.grouped_mm, ep.config.experts_per_rank) == ("reference", True, hf_models.EXPERTS // world)
+    assert len(ep.modules) == 2  # every layer's experts
+    error = relative_l2(hf_models.logits(model, PROMPT), ref)
+    print(f"{family} W={world}: relative L2 {error:.3e}, model's own bf16 {envelope:.3e}, ratio {error / envelope:.2f}")
+    assert error <= 2 * envelope, f"{family} W={world}: {error:.3e} > 2 x {envelope:.3e}"
+
+
+@pytest.mark.parametrize("family", sorted(hf_models.FAMILIES))
+def test_greedy_generation_matches_the_eager_path(envelopes, family):
+    model32, envelope, _ = envelopes[family]
+    eager = hf_models.eager_bf16(model32)
+    ids = PROMPT[:1, :8]
+    model, _ = ep_model(model32, 4)
+    verdict = hf_models.check_generation(hf_models.greedy(model, ids), hf_models.greedy(eager, ids), envelope)
+    print(f"{family}: {verdict}")
+
+
+def test_loop_path_matches_grouped_path(envelopes):
+    model32, envelope, ref = envelopes["gpt_oss"]
+    loop, ep = ep_model(model32, 4, grouped_mm=False)
+    assert ep.grouped_mm is False
+    grouped, _ = ep_model(model32, 4, grouped_mm=True)
+    a, b = hf_models.logits(loop, PROMPT), hf_models.logits(grouped, PROMPT)
+    assert relative_l2(a, ref) <= 2 * envelope and relative_l2(b, ref) <= 2 * envelope
+    assert relative_l2(a, b) <= envelope
+
+
+def test_a_lost_expert_exceeds_the_bound(envelopes):
+    model32, envelope, ref = envelopes["qwen3_moe"]
+    model, ep = ep_model(model32, 4)
+    for name in ep.modules:  # rank 1's first expert answers zeros in every layer
+        experts = model.get_submodule(name)
+        shard = experts._epgen_shards[1]
+        down = shard.down.clone()
+        down[0] = 0
+        experts._epgen_shards[1] = ExpertShard(up=shard.up, up_bias=shard.up_bias, down=down, down_bias=shard.down_bias)
+    error = relative_l2(hf_models.logits(model, PROMPT), ref)
+    assert error > 2 * envelope, f"a lost expert gives {error:.3e}, within the bound 2 x {envelope:.3e}"
+
+
+# --- the two token layouts, one process per rank -----------------------------------------------
+
+
+def _layouts_body(rank, world, store, family, result_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        model32 = hf_models.tiny_model(family, SEED)
+        envelope, ref_shared = hf_models.bf16_envelope(model32, PROMPT)
+        own_prompt = hf_models.prompt(10 + rank, batch=1, length=10 + 3 * rank)  # each rank its own batch
+        ref_own = hf_models.logits(model32, own_prompt)
+        model16 = copy.deepcopy(model32).to(torch.bfloat16)
+        virtual, _ = ep_model(model32, world)
+        expected_shared = hf_models.logits(virtual, PROMPT)
+        lines = []
+        for layout in ("replicated", "owned"):
+            model = copy.deepcopy(model16)
+            ep = expert_parallel(model, layout=layout, max_tokens_per_rank=256)
+            assert (ep.virtual, ep.ranks, ep.config.world_size) == (False, [rank], world)
+            for name in ep.modules:  # this rank keeps its experts only
+                assert model.get_submodule(name).down_proj.shape[0] == hf_models.EXPERTS // world
+            if layout == "replicated":  # every rank the same tokens: its slice dispatched, all rows gathered
+                out = hf_models.logits(model, PROMPT)
+                assert torch.equal(out, expected_shared), "replicated tokens must equal the virtual ranks' run"
+                error = relative_l2(out, ref_shared)
+            else:  # every rank its own tokens
+                error = relative_l2(hf_models.logits(model, own_prompt), ref_own)
+            lines.append(f"{layout} rank {rank}: {error:.3e} (bound {2 * envelope:.3e})")
+            assert error <= 2 * envelope, lines[-1]
+        with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
+            f.write("\n".join(lines))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_both_token_layouts_as_two_processes(tmp_path):
+    world = 2
+    torch.multiprocessing.spawn(_layouts_body, args=(world, str(tmp_path / "store"), "deepseek_v3", str(tmp_path)),
+                                nprocs=world, join=True)
+    for rank in range(world):
+        print((tmp_path / f"rank{rank}").read_text())
+
+
+# --- refusals -------------------------------------------------------------------------------------
+
+
+def test_refusals_name_the_class_and_the_reason(envelopes):
+    model32 = envelopes["mixtral"][0]
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts \(MixtralExperts\): gate_up_proj is "
+                                         r"torch.float32; epgen dispatches bf16 rows"):
+        expert_parallel(copy.deepcopy(model32), virtual=True, world_size=2)
+    model16 = copy.deepcopy(model32).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"from_hf_config \(mixtral\): EpConfig.num_experts=8: must be a multiple of "
+                                         r"world_size=3"):
+        expert_parallel(model16, virtual=True, world_size=3)
+    with pytest.raises(ValueError, match="layout='expert': must be one of owned, replicated"):
+        expert_parallel(model16, virtual=True, world_size=2, layout="expert")
+    with pytest.raises(ValueError, match="virtual=True: pass world_size"):
+        expert_parallel(model16, virtual=True)
+    experts = model16.model.layers[1].mlp.experts
+    experts.down_proj = torch.nn.Parameter(experts.down_proj.data.to(torch.float8_e4m3fn), requires_grad=False)
+    with pytest.raises(ValueError, match=r"layers.1.mlp.experts \(MixtralExperts\): down_proj is torch.float8_e4m3fn"):
+        expert_parallel(model16, virtual=True, world_size=2)
+    converted, _ = ep_model(model32, 2)
+    with pytest.raises(ValueError, match=r"layers.0.mlp.experts \(MixtralExperts\): already expert-parallel through "
+                                         r"epgen"):
+        expert_parallel(converted, virtual=True, world_size=2)
+    dense = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="Sequential: no experts module built on transformers' experts conventions"):
+        expert_parallel(dense, virtual=True, world_size=2)
+    listed = torch.nn.Module()
+    listed.experts = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+    with pytest.raises(ValueError, match="experts is a ModuleList of per-expert modules \\(Linear\\)"):
+        expert_parallel(listed, virtual=True, world_size=2)
+
+
+def test_tokens_above_the_buffers_and_gradients_refused(envelopes):
+    model, ep = ep_model(envelopes["qwen3_moe"][0], 2, max_tokens_per_rank=4)
+    assert ep.config.max_tokens_per_rank == 4
+    with pytest.raises(ValueError, match=r"rank 0 passes 128 tokens to one dispatch, more than max_tokens_per_rank=4"):
+        hf_models.logits(model, PROMPT)
+    model, _ = ep_model(envelopes["qwen3_moe"][0], 2)
+    with pytest.raises(RuntimeError, match="no backward; run the expert-parallel model under torch.no_grad"):
+        model(PROMPT)
+
+
+def test_a_model_loaded_with_the_epgen_implementation_alone_is_refused(envelopes):
+    model = copy.deepcopy(envelopes["qwen3_moe"][0]).to(torch.bfloat16)
+    model.set_experts_implementation("epgen")
+    with pytest.raises(RuntimeError, match=r"Qwen3MoeExperts: experts_implementation='epgen' needs "
+                                           r"epgen.integrations.transformers.expert_parallel\(model, ...\) first"):
+        hf_models.logits(model, PROMPT)
