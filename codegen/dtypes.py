@@ -74,10 +74,15 @@ def dtype_info(name: str) -> DTypeInfo:
     Raises:
         ValueError: unknown dtype (the message lists the known ones).
     """
+    return _row(DTYPES, name, "dtype", "dtype")
+
+
+def _row(table: dict, name, argument: str, what: str):
+    """``table[name]``, or ValueError naming the argument, its value and the known names."""
     try:
-        return DTYPES[name]
+        return table[name]
     except (KeyError, TypeError):
-        raise ValueError(f"dtype={name!r}: unknown dtype; known: {', '.join(DTYPES)}") from None
+        raise ValueError(f"{argument}={name!r}: unknown {what}; known: {', '.join(table)}") from None
 
 
 @attrs.frozen
@@ -187,10 +192,7 @@ def fp8_flavour(name: str) -> Fp8Flavour:
     Raises:
         ValueError: unknown flavour (the message lists the known ones).
     """
-    try:
-        return FP8_FLAVOURS[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"fp8={name!r}: unknown fp8 flavour; known: {', '.join(FP8_FLAVOURS)}") from None
+    return _row(FP8_FLAVOURS, name, "fp8", "fp8 flavour")
 
 
 MINIFLOATS: dict[str, MiniFloat] = {
