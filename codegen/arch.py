@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import attrs
 
+from epgen.codegen.dtypes import fp8_flavour
+
 
 @attrs.frozen
 class ArchTraits:
@@ -42,7 +44,10 @@ class ArchTraits:
         vector_bytes: widest global load/store per lane, bytes.
         shared_bytes_per_block: shared memory / LDS a block may use, bytes.
         steady_clock_hz: frequency of the clock the bounded spin-waits read, Hz.
-        fp8_e4m3: fp8 flavour of the hardware conversions (``ocp`` = OCP e4m3fn).
+        fp8: the target's fp8 e4m3 flavour, a key of ``epgen.codegen.dtypes.FP8_FLAVOURS``
+            (``e4m3fn`` on all three; gfx942's would be ``e4m3fnuz``): the torch dtype of fp8
+            payloads there (``KernelSpec.dtype_info``) and the numbers its combine wire codec
+            prints (``KernelSpec.template_vars``'s ``wire_element``).
         hw_fp8_convert: the combine wire encodes and decodes fp8 e4m3 with the platform's
             ``ep_e4m3x2_hw`` / ``ep_e4m3x2_decode_hw`` (sm_90: ``cvt.rn.satfinite.e4m3x2.f32``,
             ``cvt.rn.f16x2.e4m3x2``); otherwise with the bit-exact software encoder and decoder
@@ -87,7 +92,7 @@ class ArchTraits:
     vector_bytes: int
     shared_bytes_per_block: int
     steady_clock_hz: int
-    fp8_e4m3: str
+    fp8: str = attrs.field(validator=lambda _inst, _attr, value: fp8_flavour(value))
     hw_fp8_convert: bool
     registers_per_simd: int
     max_threads_per_block: int
@@ -112,7 +117,7 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
             name="gfx950", vendor="amd", wave_size=64, platform_template="platform/amd.j2",
             suffix=".hip", code_object_suffix=".hsaco", elf_mach=0x04F, runtime_compiler="hiprtc",
             offload_arch="gfx950", vector_bytes=16,
-            shared_bytes_per_block=160 * 1024, steady_clock_hz=100_000_000, fp8_e4m3="ocp",
+            shared_bytes_per_block=160 * 1024, steady_clock_hz=100_000_000, fp8="e4m3fn",
             hw_fp8_convert=False, registers_per_simd=512, max_threads_per_block=1024, register_granule=8, max_waves_per_simd=8,
             simds_per_cu=4, shared_bytes_per_cu=160 * 1024, shared_reserved_per_block=0, max_blocks_per_cu=32,
             release_needs_explicit_wait=True,
@@ -121,7 +126,7 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
             name="gfx1250", vendor="amd", wave_size=32, platform_template="platform/amd.j2",
             suffix=".hip", code_object_suffix=".hsaco", elf_mach=0x049, runtime_compiler="hiprtc",
             offload_arch="gfx1250", vector_bytes=16,
-            shared_bytes_per_block=320 * 1024, steady_clock_hz=100_000_000, fp8_e4m3="ocp",
+            shared_bytes_per_block=320 * 1024, steady_clock_hz=100_000_000, fp8="e4m3fn",
             hw_fp8_convert=False, registers_per_simd=1024, max_threads_per_block=1024, register_granule=8, max_waves_per_simd=16,
             simds_per_cu=4, shared_bytes_per_cu=320 * 1024, shared_reserved_per_block=0, max_blocks_per_cu=32,
             release_needs_explicit_wait=False,
@@ -130,7 +135,7 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
             name="sm_90", vendor="nvidia", wave_size=32, platform_template="platform/nvidia.j2",
             suffix=".cu", code_object_suffix=".cubin", elf_mach=90, runtime_compiler="nvrtc",
             offload_arch="sm_90", vector_bytes=16,
-            shared_bytes_per_block=227 * 1024, steady_clock_hz=1_000_000_000, fp8_e4m3="ocp",
+            shared_bytes_per_block=227 * 1024, steady_clock_hz=1_000_000_000, fp8="e4m3fn",
             hw_fp8_convert=True, registers_per_simd=65536, max_threads_per_block=1024, register_granule=256, max_waves_per_simd=64,
             simds_per_cu=4, shared_bytes_per_cu=228 * 1024, shared_reserved_per_block=1024, max_blocks_per_cu=32,
             release_needs_explicit_wait=False,

@@ -17,12 +17,25 @@ class DTypeInfo:
         torch_name: attribute of ``torch`` naming the dtype of the tensors that carry it; for fp4
             that is uint8 holding two e2m1 codes (element 2i in the low nibble).
         description: what the bits mean.
+        arch_flavoured: the target's ``ArchTraits.fp8`` flavour (``FP8_FLAVOURS``) says which torch
+            dtype carries it (``on``); ``torch_name`` is the OCP e4m3fn flavour's.
     """
 
     name: str
     bits: int
     torch_name: str
     description: str
+    arch_flavoured: bool = False
+
+    def on(self, fp8: str) -> "DTypeInfo":
+        """This dtype on a target whose fp8 flavour is ``fp8`` (``ArchTraits.fp8``): for an
+        ``arch_flavoured`` dtype, the flavour's torch dtype; otherwise this row.
+
+        Raises:
+            ValueError: ``fp8`` is not a key of ``FP8_FLAVOURS``.
+        """
+        flavour = fp8_flavour(fp8)
+        return attrs.evolve(self, torch_name=flavour.torch_name) if self.arch_flavoured else self
 
     def row_bytes(self, hidden: int) -> int:
         """Bytes of one row of ``hidden`` elements."""
@@ -47,7 +60,8 @@ DTYPES: dict[str, DTypeInfo] = {
     for d in (
         DTypeInfo(name="bf16", bits=16, torch_name="bfloat16", description="bfloat16"),
         DTypeInfo(name="fp8", bits=8, torch_name="float8_e4m3fn",
-                  description="fp8 e4m3, OCP flavour (e4m3fn: bias 7, no infinities, max 448) on every arch"),
+                  description="fp8 e4m3 in the target's flavour (ArchTraits.fp8, a key of FP8_FLAVOURS; "
+                              "torch_name is the OCP flavour e4m3fn's)", arch_flavoured=True),
         DTypeInfo(name="fp4", bits=4, torch_name="uint8",
                   description="fp4 e2m1 (OCP MX), two codes per byte, element 2i in the low nibble"),
     )
@@ -60,10 +74,15 @@ def dtype_info(name: str) -> DTypeInfo:
     Raises:
         ValueError: unknown dtype (the message lists the known ones).
     """
+    return _row(DTYPES, name, "dtype", "dtype")
+
+
+def _row(table: dict, name, argument: str, what: str):
+    """``table[name]``, or ValueError naming the argument, its value and the known names."""
     try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype={name!r}: unknown dtype; known: {', '.join(DTYPES)}") from None
+        return table[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"{argument}={name!r}: unknown {what}; known: {', '.join(table)}") from None
 
 
 @attrs.frozen
@@ -138,13 +157,67 @@ class MiniFloat:
         return tuple(out)
 
 
+@attrs.frozen
+class Fp8Flavour:
+    """One flavour of fp8 e4m3, as a target's conversions read and write it (``ArchTraits.fp8``).
+
+    Attributes:
+        name: the flavour's name, as torch and the OCP / AMD documents spell it.
+        torch_name: attribute of ``torch`` naming the dtype of fp8 payload tensors on such a target.
+        numbers: the format's numbers, which the combine wire's codec prints.
+    """
+
+    name: str
+    torch_name: str
+    numbers: MiniFloat
+
+
+FP8_FLAVOURS: dict[str, Fp8Flavour] = {
+    f.name: f
+    for f in (
+        Fp8Flavour(name="e4m3fn", torch_name="float8_e4m3fn",
+                   numbers=MiniFloat(name="e4m3fn", ebits=4, mbits=3, bias=7, max=448.0, max_code=0x7E, has_nan=True,
+                                     nan_code=0x7F)),
+    )
+}
+"""fp8 flavours by name: e4m3fn, the OCP 8-bit floating point specification's E4M3 (bias 7, no
+infinities, ``S.1111.111`` NaN, max 448; sm_90, gfx950 and gfx1250). A target with another
+flavour (gfx942's e4m3fnuz: bias 8, max 240, NaN 0x80, no negative zero) needs its row here and
+the combine wire codec's branch for it (``templates/common/wire/_codec.j2`` refuses any other)."""
+
+
+def fp8_flavour(name: str) -> Fp8Flavour:
+    """Return the fp8 flavour ``name``.
+
+    Raises:
+        ValueError: unknown flavour (the message lists the known ones).
+    """
+    return _row(FP8_FLAVOURS, name, "fp8", "fp8 flavour")
+
+
 MINIFLOATS: dict[str, MiniFloat] = {
-    "fp8": MiniFloat(name="e4m3fn", ebits=4, mbits=3, bias=7, max=448.0, max_code=0x7E, has_nan=True,
-                     nan_code=0x7F),
+    "fp8": FP8_FLAVOURS["e4m3fn"].numbers,
     "fp4": MiniFloat(name="e2m1", ebits=2, mbits=1, bias=1, max=6.0, max_code=7, has_nan=False, nan_code=0),
 }
-"""Quantized wire element formats by dtype name (keys of ``DTYPES``): fp8 e4m3 in its OCP flavour
-e4m3fn (no infinities, ``S.1111.111`` NaN, max 448) and fp4 e2m1 (OCP MX: no NaN, max 6)."""
+"""Quantized wire element formats by dtype name (keys of ``DTYPES``), as the pure-torch reference
+(``epgen.quant``) computes with them: fp8 e4m3 in its OCP flavour e4m3fn (``FP8_FLAVOURS``) and
+fp4 e2m1 (OCP MX: no NaN, max 6). The kernels take fp8's from their target (``element_format``)."""
+
+
+def element_format(element: str, fp8: str) -> MiniFloat:
+    """The numbers of wire element dtype ``element`` on a target whose fp8 flavour is ``fp8``
+    (``ArchTraits.fp8``): fp8 in that flavour (``FP8_FLAVOURS``), another element from ``MINIFLOATS``.
+
+    Raises:
+        ValueError: ``element`` has no format there, or ``fp8`` is not a known flavour (naming
+            the argument and the known names).
+    """
+    if element == "fp8":
+        return fp8_flavour(fp8).numbers
+    try:
+        return MINIFLOATS[element]
+    except (KeyError, TypeError):
+        raise ValueError(f"element={element!r}: no minifloat format; known: {', '.join(MINIFLOATS)}") from None
 
 MX_BLOCK = 32
 """Elements sharing one e8m0 scale in the OCP MX formats (``fp4_mx``)."""
@@ -176,7 +249,7 @@ class CombineQuant:
     """
 
     name: str
-    element: str
+    element: str = attrs.field(validator=lambda _inst, _attr, value: dtype_info(value))
     block: int | None
     tag: str
 

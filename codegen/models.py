@@ -3,7 +3,7 @@
 Figures from the models' published configuration files (``hidden_size``, routed expert count,
 experts per token): DeepSeek-V3 and Kimi K2 (7168, 256/384 routed experts, top-8), Qwen3-235B-A22B
 (4096, 128, 8), Qwen3-30B-A3B (2048, 128, 8), gpt-oss-120b (2880, 128, 4), Mixtral 8x7B
-(4096, 8, 2), Llama 4 Maverick (5120, 128 routed, top-1).
+(4096, 8, 2), Llama 4 Maverick (5120, 128 routed, top-1), DeepSeek-V2 (5120, 160 routed experts, top-6).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ MODELS: dict[str, ModelShape] = {
         ModelShape("mixtral-8x7b", 4096, 8, 2),
         ModelShape("kimi-k2", 7168, 384, 8),
         ModelShape("llama4-maverick", 5120, 128, 1),
+        ModelShape("deepseek-v2", 5120, 160, 6),
     )
 }
 

@@ -21,13 +21,45 @@ to return ``hipErrorUnknown`` (``cupy_backends/hip/cupy_hip.h``).
 
 from __future__ import annotations
 
-from epgen.codegen.arch import traits
+from epgen.codegen.arch import ArchTraits, traits
 from epgen.codegen.offline import Resources
 from epgen.codegen.spec import KernelSpec
 
 
 def _roundup(n: int, k: int) -> int:
     return -(-n // k) * k
+
+
+def _amd_blocks(t: ArchTraits, warps_per_block: int, registers: int, shared_bytes: int, agprs: int) -> int:
+    per_simd = -(-warps_per_block // t.simds_per_cu)
+    vgprs = _roundup(max(registers + agprs, 1), t.register_granule)
+    by_vgpr = min(t.max_waves_per_simd, t.registers_per_simd // vgprs) // per_simd
+    by_lds = t.shared_bytes_per_cu // shared_bytes if shared_bytes else t.max_blocks_per_cu
+    return min(by_vgpr, by_lds, t.max_blocks_per_cu)
+
+
+def _nvidia_blocks(t: ArchTraits, warps_per_block: int, registers: int, shared_bytes: int, agprs: int) -> int:
+    per_warp = _roundup(max(registers, 1) * t.wave_size, t.register_granule)
+    # each sub-partition holds the warps its share of the register file allows
+    by_regs = t.simds_per_cu * (t.registers_per_simd // t.simds_per_cu // per_warp) // warps_per_block
+    by_threads = t.max_waves_per_simd // warps_per_block
+    by_smem = t.shared_bytes_per_cu // (_roundup(shared_bytes, 128) + t.shared_reserved_per_block)
+    return min(by_regs, by_threads, by_smem, t.max_blocks_per_cu)
+
+
+RULES = {
+    "amd": (_amd_blocks, lambda t, warps_per_block: -(-warps_per_block // t.simds_per_cu), "waves/SIMD"),
+    "nvidia": (_nvidia_blocks, lambda t, warps_per_block: 1, "blocks/SM"),
+}
+"""Vendor (``ArchTraits.vendor``) -> (its resident-blocks rule, the report's figure per resident
+block, the figure's unit)."""
+
+
+def _rule(t: ArchTraits):
+    try:
+        return RULES[t.vendor]
+    except KeyError:
+        raise ValueError(f"vendor={t.vendor!r} (arch {t.name!r}): no occupancy rule; known: {', '.join(RULES)}") from None
 
 
 def resident_blocks(arch: str, warps_per_block: int, registers: int, shared_bytes: int, agprs: int = 0) -> int:
@@ -41,27 +73,15 @@ def resident_blocks(arch: str, warps_per_block: int, registers: int, shared_byte
         agprs: AMD accumulation VGPRs per lane (0 where the target has none).
 
     Raises:
-        ValueError: unknown arch.
+        ValueError: unknown arch, or an arch whose vendor has no rule in ``RULES``.
     """
     t = traits(arch)
-    if t.vendor == "amd":
-        per_simd = -(-warps_per_block // t.simds_per_cu)
-        vgprs = _roundup(max(registers + agprs, 1), t.register_granule)
-        by_vgpr = min(t.max_waves_per_simd, t.registers_per_simd // vgprs) // per_simd
-        by_lds = t.shared_bytes_per_cu // shared_bytes if shared_bytes else t.max_blocks_per_cu
-        return min(by_vgpr, by_lds, t.max_blocks_per_cu)
-    per_warp = _roundup(max(registers, 1) * t.wave_size, t.register_granule)
-    # each sub-partition holds the warps its share of the register file allows
-    by_regs = t.simds_per_cu * (t.registers_per_simd // t.simds_per_cu // per_warp) // warps_per_block
-    by_threads = t.max_waves_per_simd // warps_per_block
-    by_smem = t.shared_bytes_per_cu // (_roundup(shared_bytes, 128) + t.shared_reserved_per_block)
-    return min(by_regs, by_threads, by_smem, t.max_blocks_per_cu)
+    return _rule(t)[0](t, warps_per_block, registers, shared_bytes, agprs)
 
 
 def occupancy(spec: KernelSpec, res: Resources) -> tuple[int, str]:
     """(value, unit) of the resource report: waves per SIMD on AMD, blocks per SM on NVIDIA."""
     t = traits(spec.arch)
     blocks = resident_blocks(spec.arch, spec.warps_per_block, res.registers, res.shared_bytes, res.agprs or 0)
-    if t.vendor == "amd":
-        return blocks * -(-spec.warps_per_block // t.simds_per_cu), "waves/SIMD"
-    return blocks, "blocks/SM"
+    _, per_block, unit = _rule(t)
+    return blocks * per_block(t, spec.warps_per_block), unit

@@ -42,11 +42,26 @@ class Source:
         return self.entry + self.spec.traits.suffix
 
 
+class RenderError(ValueError):
+    """A template met a value it has no branch for (``{{ refuse(...) }}`` in a template)."""
+
+
+def refuse(message: str):
+    """The templates' ``refuse(message)``: fail the render with ``message`` where a branch on a
+    name (wire element, fp8 flavour) meets a name it does not know, instead of falling through.
+
+    Raises:
+        RenderError: always.
+    """
+    raise RenderError(message)
+
+
 @functools.lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
-    """The one Jinja environment: package templates, StrictUndefined, stable whitespace."""
+    """The one Jinja environment: package templates, StrictUndefined, stable whitespace, and
+    ``refuse`` for the templates' branches on names."""
     root = importlib.resources.files("epgen.templates")
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(root)),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
@@ -54,6 +69,8 @@ def environment() -> jinja2.Environment:
         keep_trailing_newline=True,
         autoescape=False,
     )
+    env.globals["refuse"] = refuse
+    return env
 
 
 @functools.lru_cache(maxsize=4096)
@@ -62,6 +79,7 @@ def render(spec: KernelSpec) -> Source:
 
     Raises:
         jinja2.UndefinedError: a template names a variable ``template_vars()`` lacks.
+        RenderError: a template has no branch for one of the spec's names (``refuse``).
     """
     template = environment().get_template(f"ops/{spec.op.template}.j2")
     text = template.render(**spec.template_vars())

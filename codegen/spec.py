@@ -16,7 +16,7 @@ from epgen.codegen import SCHEMA_VERSION, abi
 from epgen.codegen.abi import LL_FLAG_SLOTS, SIGNAL_WORDS
 from epgen.codegen.arch import ARCH_TRAITS, ArchTraits, traits
 from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES, CombineQuant, DTypeInfo, combine_quant, dtype_info
-from epgen.codegen.dtypes import COMBINE_FLUSH_LOG2, MINIFLOATS
+from epgen.codegen.dtypes import COMBINE_FLUSH_LOG2, element_format
 from epgen.codegen.errors import FieldError
 
 MAX_TOKENS_LIMIT = 1 << 20
@@ -449,7 +449,8 @@ class KernelSpec:
 
     @property
     def dtype_info(self) -> DTypeInfo:
-        return dtype_info(self.dtype)
+        """The payload dtype's row on this spec's arch (fp8: its ``ArchTraits.fp8`` flavour's torch dtype)."""
+        return dtype_info(self.dtype).on(self.traits.fp8)
 
     @property
     def quant(self) -> CombineQuant:
@@ -625,11 +626,11 @@ class KernelSpec:
     def _combine_wire_vars(self) -> dict:
         """The combine wire's template variables (the same keys for every spec; unquantized: zeros
         and None): the wire format ``quant``, its row geometry in bytes, the lanes sharing one
-        scale, the element format's numbers (``MINIFLOATS``), whether the element codec is the
+        scale, the element format's numbers (``element_format``: fp8 in the arch's flavour), whether the element codec is the
         software one, the flush threshold's log2, and whether the kernel quantizes a rank's own rows
         where it sums them (``encode_own_rows``: adds them as they would decode)."""
         q = self.quant
-        element = MINIFLOATS.get(q.element) if q.quantized else None
+        element = element_format(q.element, self.traits.fp8) if q.quantized else None
         return {
             "quant": q,
             "wire_row_bytes": q.wire_row_bytes(self.hidden),

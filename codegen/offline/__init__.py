@@ -53,8 +53,13 @@ RUNTIME_ADDED_OPTIONS = {vendor: tc.RUNTIME_ADDED_OPTIONS for vendor, tc in _TOO
 
 
 def _toolchain(arch: str):
-    """The toolchain module of ``arch``'s vendor; ValueError for an unknown ``arch``."""
-    return _TOOLCHAINS[traits(arch).vendor]
+    """The toolchain module of ``arch``'s vendor; ValueError for an unknown ``arch`` or a vendor
+    without a toolchain."""
+    vendor = traits(arch).vendor
+    try:
+        return _TOOLCHAINS[vendor]
+    except KeyError:
+        raise ValueError(f"vendor={vendor!r} (arch {arch!r}): no offline toolchain; known: {', '.join(_TOOLCHAINS)}") from None
 
 
 def toolchain_status(arch: str) -> str | None:

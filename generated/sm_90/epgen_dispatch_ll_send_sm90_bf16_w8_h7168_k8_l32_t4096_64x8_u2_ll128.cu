@@ -577,12 +577,17 @@ EP_DEVICE void ep_dispatch_send(const EpArgs& a) {
   EP_SHARED int s_pos[kBlockTokens * kWorld];  // position of (token - t_begin, destination), or -1
   EP_SHARED ep_u32 s_self_base;  // receive row of this block's first row to this rank itself
   EP_SHARED ep_u32 s_fault[4];   // the rank's first bad id if a lane of this block reported it
+  // The sending half alone reads the generation from shared memory at each use: held in a register
+  // through the kernel, NVRTC 13.0 spilled it (W = 1, top-k 9 and 12: 16 bytes through an 8-byte
+  // stack frame); the whole op keeps it in a register, where shared memory made the call frame of
+  // its outlined receiving phase grow (top-k 2 and 3 at W = 8).
+  EP_SHARED ep_u32 s_gen;
   if (tid < kWorld) s_count[tid] = 0u;
   if (tid == 0) {
     s_self_base = 0u;
     s_fault[0] = 0u;
+    s_gen = *calls + 1u;  // this block's count of finished calls, plus one (its thread 0 writes it last)
   }
-  const ep_u32 gen = *calls + 1u;  // this block's count of finished calls (its thread 0 writes it last)
 
   const int per_block = (num_tokens + kBlocks - 1) / kBlocks;
   const int t_begin = ep_block_idx() * per_block < num_tokens ? ep_block_idx() * per_block : num_tokens;
@@ -624,7 +629,7 @@ EP_DEVICE void ep_dispatch_send(const EpArgs& a) {
       send_pos[(ep_u64)t * kWorld + lane] = mine;  // combine's receiving half reads it
       s_pos[(t - t_begin) * kWorld + lane] = mine;
     }
-    const ep_u64 rec = mine >= 0 && lane != rank ? (ep_u64)ep_ll_record(a.arena[lane], gen, rank, t_begin + mine)
+    const ep_u64 rec = mine >= 0 && lane != rank ? (ep_u64)ep_ll_record(a.arena[lane], s_gen, rank, t_begin + mine)
                                                  : 0ull;
     for (ep_mask m = ep_ballot(mine >= 0 && lane != rank); m; m &= m - 1) {
       ep_u8* const meta = (ep_u8*)ep_shfl64(rec, ep_ctz(m)) + kRowBytes;
@@ -641,7 +646,7 @@ EP_DEVICE void ep_dispatch_send(const EpArgs& a) {
     }
   }
   ep_sync_block();
-  if (warp == 0) ep_share_block_fault(a, rank, gen, s_fault, lane);  // before the barrier in front of the flags
+  if (warp == 0) ep_share_block_fault(a, rank, s_gen, s_fault, lane);  // before the barrier in front of the flags
 
   // Copy (token, chunk) items over the block's warps.
   for (int item = warp; item < items; item += kWarps) {
@@ -651,7 +656,7 @@ EP_DEVICE void ep_dispatch_send(const EpArgs& a) {
     const int pos = lane < kWorld ? s_pos[(t - t_begin) * kWorld + lane] : -1;
     const ep_u64 rec = pos < 0 ? 0ull
                        : lane == rank ? (ep_u64)(own + kOffRecvX) + (ep_u64)(self_base + pos) * kRowBytes
-                                      : (ep_u64)ep_ll_record(a.arena[lane], gen, rank, t_begin + pos);
+                                      : (ep_u64)ep_ll_record(a.arena[lane], s_gen, rank, t_begin + pos);
     ep_store_chunk_to_ranks(v, rec, ep_ballot(pos >= 0), lane, c);
   }
 
@@ -660,10 +665,10 @@ EP_DEVICE void ep_dispatch_send(const EpArgs& a) {
   ep_sync_block_for_release();
   if (tid < kWorld) {
     const ep_u64 info = ((ep_u64)t_begin << 16) | s_count[tid];
-    ep_store_release_system((ep_u64*)(ep_signals(a, tid) + kSigLlDispatchFrom + (int)(gen & 1u) * kSigLlDispatchFromParity) +
-                            rank * kBlocks + ep_block_idx(), (info << 32) | gen);
+    ep_store_release_system((ep_u64*)(ep_signals(a, tid) + kSigLlDispatchFrom + (int)(s_gen & 1u) * kSigLlDispatchFromParity) +
+                            rank * kBlocks + ep_block_idx(), (info << 32) | s_gen);
   }
-  if (tid == 0) *calls = gen;
+  if (tid == 0) *calls = s_gen;
 }
 
 // The whole op in one kernel (dispatch_ll: no second launch; every block of the grid must be resident

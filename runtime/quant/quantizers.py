@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from epgen.codegen.dtypes import COMBINE_QUANTS, MX_BLOCK
+from epgen.codegen.dtypes import COMBINE_QUANTS, MX_BLOCK, dtype_info
 from epgen.quant._common import (
     BLOCK_DTYPES,
     amax_scale,
@@ -70,6 +70,10 @@ MODES = {
 }
 """Wire mode -> default block size (None: no scales); the blockwise modes' blocks are the combine
 wire's (``epgen.codegen.dtypes.COMBINE_QUANTS``), fp4_mx's the OCP MX block."""
+
+MODE_SCALES = {"fp8_blockwise": ("fp8", 4), "fp8_direct_cast": ("fp8", 0), "fp4_mx": ("fp4", 1), "fp4_blockwise": ("fp4", 4)}
+"""Wire mode (a key of ``MODES``) -> (element dtype, a key of ``DTYPES``; bytes of one block's
+scale: float32 4, OCP MX e8m0 1, none 0)."""
 
 
 # --- validation ----------------------------------------------------------------------------------
@@ -348,14 +352,15 @@ def scale_bytes(mode: str, hidden: int, block: int | None = None) -> int:
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: must be one of {', '.join(repr(m) for m in MODES)}")
+    element, per_scale = MODE_SCALES[mode]
+    packed = 8 // dtype_info(element).bits  # codes a byte
     if not isinstance(hidden, int) or isinstance(hidden, bool) or hidden < 1:
         raise ValueError(f"hidden={hidden!r}: must be a positive int")
     if MODES[mode] is None:
         if block is not None:
             raise ValueError(f"block={block!r}: must be None for mode {mode!r}, which has no scales")
         return 0
-    block = check_block(MODES[mode] if block is None else block, even=mode.startswith("fp4"))
-    if mode.startswith("fp4") and hidden % 2:
-        raise ValueError(f"hidden={hidden}: must be even for mode {mode!r} (two fp4 codes a byte)")
-    per_scale = 1 if mode == "fp4_mx" else 4
+    block = check_block(MODES[mode] if block is None else block, even=packed == 2)
+    if hidden % packed:
+        raise ValueError(f"hidden={hidden}: must be even for mode {mode!r} (two {element} codes a byte)")
     return per_scale * -(-hidden // block)  # the last block may be shorter

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from epgen.codegen.dtypes import COMBINE_FLUSH_LOG2, MINIFLOATS, MiniFloat, combine_quant
+from epgen.codegen.dtypes import COMBINE_FLUSH_LOG2, MINIFLOATS, MiniFloat, combine_quant, dtype_info
 from epgen.quant._common import BLOCK_DTYPES, amax_scale, check_2d, first_bad, padded_blocks, unblock
 from epgen.quant.quantizers import (
     dequantize_fp4_blockwise,
@@ -24,15 +24,41 @@ from epgen.quant.quantizers import (
 __all__ = ["combine_error_bound", "combine_roundtrip", "combine_wire_rows"]
 
 
+WIRE_CODECS = {
+    "fp8_direct_cast": (lambda y, block: (fp8_direct_cast(y), None),
+                        lambda codes, scales, block: dequantize_fp8_direct(codes)),
+    "fp8_blockwise": (quantize_fp8_blockwise, dequantize_fp8_blockwise),
+    "fp4_blockwise": (quantize_fp4_blockwise, dequantize_fp4_blockwise),
+}
+"""Quantized combine wire (a key of ``COMBINE_QUANTS`` whose wire carries codes) -> (encode(y,
+block) -> (codes, scales or None), decode(codes, scales, block) -> float32): the quantizers the
+kernels match bit for bit; the wire's block (``CombineQuant.block``) is passed to both."""
+
+
+def _wire_codec(mode: str):
+    """(encode, decode) of quantized wire ``mode`` (``WIRE_CODECS``).
+
+    Raises:
+        ValueError: the wire has no reference codec (naming the mode and the known ones).
+    """
+    try:
+        return WIRE_CODECS[mode]
+    except KeyError:
+        raise ValueError(f"mode={mode!r}: the combine wire reference has no codec for this wire; known: "
+                         f"{', '.join(WIRE_CODECS)}") from None
+
+
 def _check_combine(mode: str, y) -> torch.Tensor:
     """Validate (mode, y) of a combine wire function; return y."""
     quant = combine_quant(mode)  # ValueError naming the known modes
+    if quant.quantized:
+        _wire_codec(mode)  # ValueError for a wire the reference cannot encode
     y = check_2d("y", y, BLOCK_DTYPES)
     if y.shape[1] == 0:
         raise ValueError(f"y: shape {tuple(y.shape)}: hidden size H must be positive")
-    if quant.element == "fp4" and y.shape[1] % 2:
+    if y.shape[1] * dtype_info(quant.element).bits % 8:
         raise ValueError(f"y: shape {tuple(y.shape)}: hidden size H={y.shape[1]} must be even for mode {mode!r} "
-                         "(two fp4 codes a byte)")
+                         f"(two {quant.element} codes a byte)")
     if quant.block:
         y32 = y.to(torch.float32)
         bad = ~torch.isfinite(y32)
@@ -88,10 +114,8 @@ def combine_wire_rows(mode: str, y: torch.Tensor) -> tuple[torch.Tensor, torch.T
     quant = combine_quant(mode)
     if not quant.quantized:
         raise ValueError("mode='none': the bf16 combine wire has no wire rows (peers read the bf16 rows themselves)")
-    if mode == "fp8_direct_cast":
-        return fp8_direct_cast(y), None
-    quantize = quantize_fp8_blockwise if mode == "fp8_blockwise" else quantize_fp4_blockwise
-    return quantize(_flush_tiny_blocks(y, quant.block), quant.block)
+    encode, _ = _wire_codec(mode)
+    return encode(_flush_tiny_blocks(y, quant.block) if quant.block else y, quant.block)
 
 
 def combine_roundtrip(mode: str, y: torch.Tensor) -> torch.Tensor:
@@ -115,18 +139,17 @@ def combine_roundtrip(mode: str, y: torch.Tensor) -> torch.Tensor:
         float32 [R, H].
 
     Raises:
-        ValueError: unknown mode, y not 2-D bfloat16 / float32 with H >= 1, or (blockwise) not
-            finite (naming the first bad element).
+        ValueError: unknown mode or a quantized mode without a reference codec (``WIRE_CODECS``),
+            y not 2-D bfloat16 / float32 with H >= 1, or (blockwise) not finite (naming the first
+            bad element).
     """
     y = _check_combine(mode, y)
-    if mode == "none":
+    quant = combine_quant(mode)
+    if not quant.quantized:
         return y.to(torch.float32, copy=True)
     codes, scales = combine_wire_rows(mode, y)
-    if mode == "fp8_direct_cast":
-        return dequantize_fp8_direct(codes)
-    block = combine_quant(mode).block
-    dequantize = dequantize_fp8_blockwise if mode == "fp8_blockwise" else dequantize_fp4_blockwise
-    return dequantize(codes, scales, block)
+    _, decode = _wire_codec(mode)
+    return decode(codes, scales, quant.block)
 
 
 def combine_error_bound(mode: str, y: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from epgen.codegen.arch import ARCHES, traits
-from epgen.codegen.dtypes import COMBINE_FLUSH_LOG2, COMBINE_QUANTS, MINIFLOATS, MX_BLOCK, dtype_info
+from epgen.codegen.dtypes import COMBINE_FLUSH_LOG2, COMBINE_QUANTS, MINIFLOATS, MX_BLOCK, CombineQuant, dtype_info
+from epgen.quant.quantizers import MODE_SCALES
+from epgen.quant.wire import WIRE_CODECS, combine_error_bound
 from epgen.quant import (
     FP4_E2M1,
     FP4_E2M1_MAX,
@@ -687,6 +689,24 @@ def test_numbers_come_from_the_codegen_table():
         if name in MODES:
             assert MODES[name] == q.block
     assert MODES["fp4_mx"] == MX_BLOCK
+    assert set(MODE_SCALES) == set(MODES)
+    assert all(mode.startswith(element) for mode, (element, _) in MODE_SCALES.items())
+
+
+def test_every_quantized_wire_has_a_reference_codec():
+    assert set(WIRE_CODECS) == {name for name, q in COMBINE_QUANTS.items() if q.quantized}
+
+
+@pytest.mark.parametrize("fn", [combine_roundtrip, combine_wire_rows, combine_error_bound])
+def test_a_wire_without_a_reference_codec_is_refused(monkeypatch, fn):
+    """A new wire in COMBINE_QUANTS is not quantized as another wire's format: every combine wire
+    function refuses it until WIRE_CODECS has its row."""
+    monkeypatch.setitem(COMBINE_QUANTS, "fp8_block32", CombineQuant(name="fp8_block32", element="fp8", block=32,
+                                                                    tag="qfp8b32"))
+    y = torch.ones(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"mode='fp8_block32': the combine wire reference has no codec for this wire; "
+                                         r"known: fp8_direct_cast, fp8_blockwise, fp4_blockwise"):
+        fn("fp8_block32", y)
 
 
 @pytest.mark.parametrize("mode", ["fp8_blockwise", "fp4_blockwise"])
