@@ -18,7 +18,7 @@ from epgen import faults
 from epgen.arena import Arenas, ErrorRecords
 from epgen.codegen import abi
 from epgen.codegen.arch import ARCH_TRAITS
-from epgen.codegen.dtypes import dtype_info
+from epgen.codegen.dtypes import DTypeInfo
 from epgen.codegen.occupancy import resident_blocks
 from epgen.codegen.render import render
 from epgen.codegen.spec import EXPERT_OPS, KernelSpec, Op
@@ -206,10 +206,13 @@ def _check_tensor(t, name: str, *, dtype, shape, device, vectors: bool = False):
                          f"accesses, so it must start on one (a view at an odd storage offset: pass .clone())")
 
 
-def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x, weights, indices, scales, tag: str = "") -> int:
+def check_dispatch_inputs(cfg: EpConfig, payload: DTypeInfo, device: torch.device, x, weights, indices, scales,
+                          tag: str = "") -> int:
     """Check one rank's dispatch inputs against ``cfg`` before any launch; returns T.
 
-    Rules: x [T, H] of the payload dtype ([T, H / 2] uint8 for fp4) with T <= max_tokens_per_rank;
+    ``payload`` is the payload dtype as the target takes it (``KernelSpec.dtype_info``: fp8 in the
+    arch's flavour, ``ArchTraits.fp8``; the table row ``dtype_info(cfg.dtype)`` on the CPU).
+    Rules: x [T, H] of ``payload``'s torch dtype ([T, H / 2] uint8 for fp4) with T <= max_tokens_per_rank;
     weights [T, K] float32;
     indices [T, K] int32; scales [T, S] uint8 iff S > 0; all on ``device`` and contiguous; x
     starts on a 16-byte boundary (its rows are read with 16-byte vector loads; the others are
@@ -219,8 +222,7 @@ def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x, weights, indic
         TypeError: an argument is not a tensor.
         ValueError: naming the argument (with ``tag``, e.g. "[rank 3]"), its value and the rule.
     """
-    info = dtype_info(cfg.dtype)
-    _check_tensor(x, f"x{tag}", dtype=info.torch_dtype, shape=(None, info.columns(cfg.hidden)), device=device,
+    _check_tensor(x, f"x{tag}", dtype=payload.torch_dtype, shape=(None, payload.columns(cfg.hidden)), device=device,
                   vectors=True)
     T = x.shape[0]
     if T > cfg.max_tokens_per_rank:
@@ -335,6 +337,7 @@ class EpDispatchCombine:
         self.plan = attrs.evolve(plan, variants={key: self._load_variants(key[0], variants)
                                                  for key, variants in plan.variants.items()})
         self.dispatch_spec = self.plan.dispatch_spec
+        self.payload = self.dispatch_spec.dtype_info  # the payload dtype on this arch (its fp8 flavour)
         self.low_latency_tokens = self.plan.low_latency_tokens  # T_ll: 0 without the low-latency family
         # A whole low-latency op in one kernel needs every block of its grid resident at once (a
         # block's receiving phase waits for every block's sending phase): it is launched
@@ -579,7 +582,7 @@ class EpDispatchCombine:
         tokens = []
         for i, rank in enumerate(self.local_ranks):
             tag = f"[rank {rank}]" if self.virtual else ""
-            tokens.append(check_dispatch_inputs(cfg, self.device, xs[i], ws[i], ids[i], ss[i], tag))
+            tokens.append(check_dispatch_inputs(cfg, self.payload, self.device, xs[i], ws[i], ids[i], ss[i], tag))
             self._check_dispatch_input_use(rank, xs[i], tag)
         family = self._family_for_call(max(tokens), async_recv, "dispatch")
         route = self.plan.route(Op.DISPATCH, family, self._transport(max(tokens), xs),

@@ -90,6 +90,7 @@ class ReferenceNodeOp:
         self.virtual = group is None
         self.local_ranks = list(range(config.world_size)) if group is None else [dist.get_rank(group)]
         self.device = torch.device("cpu")
+        self.payload = dtype_info(config.dtype)  # the reference's flavour (fp8: e4m3fn)
         self.capacity = config.max_recv_tokens or config.world_size * config.max_tokens_per_rank
         self._generator = torch.Generator().manual_seed(seed)
         self._combine_in = {}
@@ -131,7 +132,8 @@ class ReferenceNodeOp:
         xs, ws, ids = self._lists(x, "x"), self._lists(weights, "weights"), self._lists(indices, "indices")
         ss = self._lists(scales, "scales", optional=True)
         for i, r in enumerate(self.local_ranks):
-            check_dispatch_inputs(cfg, self.device, xs[i], ws[i], ids[i], ss[i], f"[rank {r}]" if self.virtual else "")
+            check_dispatch_inputs(cfg, self.payload, self.device, xs[i], ws[i], ids[i], ss[i],
+                                  f"[rank {r}]" if self.virtual else "")
         xs, ws, ids, ss = (self._everyone(v) for v in (xs, ws, ids, ss))
         try:
             recv = reference.dispatch(xs, ws, ids, experts_per_rank=cfg.experts_per_rank,
@@ -378,7 +380,7 @@ class HierarchicalEp:
         span = G * cfg.experts_per_rank  # experts a node holds
         xs, ws, ids = self._lists(x, "x"), self._lists(weights, "weights"), self._lists(indices, "indices")
         ss = self._lists(scales, "scales", optional=True)
-        tokens = [check_dispatch_inputs(cfg, self.device, xs[i], ws[i], ids[i], ss[i], f"[rank {r}]")
+        tokens = [check_dispatch_inputs(cfg, self.node_op.payload, self.device, xs[i], ws[i], ids[i], ss[i], f"[rank {r}]")
                   for i, r in enumerate(self.ranks)]
         self._mark()
         nodes = torch.arange(N, device=self.device)
@@ -442,7 +444,7 @@ class HierarchicalEp:
         for i in range(len(self.ranks)):
             fwd = torch.cat(per_rank[i])  # ascending source node, then source token
             gids = _columns(fwd, xb + 4 * cfg.topk, xb + 8 * cfg.topk).view(torch.int32)
-            fx.append(_columns(fwd, 0, xb).view(dtype_info(cfg.dtype).torch_dtype))
+            fx.append(_columns(fwd, 0, xb).view(self.node_op.payload.torch_dtype))
             fw.append(_columns(fwd, xb, xb + 4 * cfg.topk).view(torch.float32))
             fi.append(torch.where((gids >= lo) & (gids < hi), gids - lo, -1).to(torch.int32))
             fs.append(torch.cat([fwd[:, xb + 4 * cfg.topk:], fwd.new_zeros((fwd.shape[0], pad))], dim=1))

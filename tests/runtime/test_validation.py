@@ -1,11 +1,13 @@
 """Input validation of dispatch/combine runs before any launch and needs no GPU: every bad input
 raises naming the argument, its value and the rule."""
 
+import attrs
 import pytest
 import torch
 
 from epgen.codegen import tuning
 from epgen.codegen.config import EpConfig
+from epgen.codegen.dtypes import dtype_info
 from epgen.codegen.spec import Op
 from epgen.codegen.tuning import Geometry
 from epgen.op import check_combine_inputs, check_dispatch_inputs
@@ -26,10 +28,10 @@ def good(T=8, cfg=CFG):
 
 
 def test_good_inputs_pass_and_return_tokens():
-    assert check_dispatch_inputs(CFG, CPU, *good(8)) == 8
-    assert check_dispatch_inputs(CFG, CPU, *good(0)) == 0
-    assert check_dispatch_inputs(CFG, CPU, *good(64)) == 64  # T == max_tokens_per_rank passes
-    assert check_dispatch_inputs(SCALED, CPU, *good(3, SCALED)) == 3
+    assert check_dispatch_inputs(CFG, dtype_info(CFG.dtype), CPU, *good(8)) == 8
+    assert check_dispatch_inputs(CFG, dtype_info(CFG.dtype), CPU, *good(0)) == 0
+    assert check_dispatch_inputs(CFG, dtype_info(CFG.dtype), CPU, *good(64)) == 64  # T == max_tokens_per_rank passes
+    assert check_dispatch_inputs(SCALED, dtype_info(SCALED.dtype), CPU, *good(3, SCALED)) == 3
 
 
 @pytest.mark.parametrize("mutate,expect", [
@@ -47,40 +49,40 @@ def test_good_inputs_pass_and_return_tokens():
 def test_bad_dispatch_inputs(mutate, expect):
     args = mutate(*good(8))
     if not expect:
-        check_dispatch_inputs(CFG, CPU, *args)
+        check_dispatch_inputs(CFG, dtype_info(CFG.dtype), CPU, *args)
         return
     with pytest.raises(ValueError) as e:
-        check_dispatch_inputs(CFG, CPU, *args)
+        check_dispatch_inputs(CFG, dtype_info(CFG.dtype), CPU, *args)
     for part in expect:
         assert part in str(e.value)
 
 
 def test_too_many_tokens_names_the_limit():
     with pytest.raises(ValueError, match=r"x\.shape\[0\]=65: more tokens than max_tokens_per_rank=64"):
-        check_dispatch_inputs(CFG, CPU, *good(65))
+        check_dispatch_inputs(CFG, dtype_info(CFG.dtype), CPU, *good(65))
 
 
 def test_non_contiguous_is_rejected_with_a_hint():
     x, w, i, s = good(8)
     x2 = torch.randn(8, 2 * CFG.hidden).to(torch.bfloat16)[:, ::2]
     with pytest.raises(ValueError, match="contiguous"):
-        check_dispatch_inputs(CFG, CPU, x2, w, i, s)
+        check_dispatch_inputs(CFG, dtype_info(CFG.dtype), CPU, x2, w, i, s)
 
 
 def test_wrong_device_and_type():
     x, w, i, s = good(8)
     with pytest.raises(ValueError, match=r"x\.device=cpu: must be cuda:0"):
-        check_dispatch_inputs(CFG, torch.device("cuda", 0), x, w, i, s)
+        check_dispatch_inputs(CFG, dtype_info(CFG.dtype), torch.device("cuda", 0), x, w, i, s)
     with pytest.raises(TypeError, match="x: expected a torch.Tensor, got list"):
-        check_dispatch_inputs(CFG, CPU, x.tolist(), w, i, s)
+        check_dispatch_inputs(CFG, dtype_info(CFG.dtype), CPU, x.tolist(), w, i, s)
 
 
 def test_scales_required_with_their_shape():
     x, w, i, _ = good(3, SCALED)
     with pytest.raises(TypeError, match="scales"):
-        check_dispatch_inputs(SCALED, CPU, x, w, i, None)
+        check_dispatch_inputs(SCALED, dtype_info(SCALED.dtype), CPU, x, w, i, None)
     with pytest.raises(ValueError, match=r"scales\[rank 1\]\.shape=\[3, 89\]: must be \[3, 90\]"):
-        check_dispatch_inputs(SCALED, CPU, x, w, i, torch.zeros(3, 89, dtype=torch.uint8), "[rank 1]")
+        check_dispatch_inputs(SCALED, dtype_info(SCALED.dtype), CPU, x, w, i, torch.zeros(3, 89, dtype=torch.uint8), "[rank 1]")
 
 
 def test_combine_inputs():
@@ -107,11 +109,11 @@ def test_quantized_payload_shapes(dtype, columns, torch_dtype):
     ins = make_inputs(cfg, [5, 3], "uniform", seed=1)
     assert ins[0].x.shape == (5, columns) and ins[0].x.dtype == torch_dtype
     assert ins[0].scales.shape == (5, cfg.scale_bytes)
-    assert check_dispatch_inputs(cfg, CPU, ins[0].x, ins[0].weights, ins[0].indices, ins[0].scales) == 5
+    assert check_dispatch_inputs(cfg, dtype_info(cfg.dtype), CPU, ins[0].x, ins[0].weights, ins[0].indices, ins[0].scales) == 5
     with pytest.raises(ValueError, match=rf"x\.shape=\[5, 2880\]: must be \[\*, {columns}\]" if dtype == "fp4"
                        else r"x\.dtype=torch\.bfloat16"):
         bad = torch.zeros(5, 2880, dtype=torch.uint8 if dtype == "fp4" else torch.bfloat16)
-        check_dispatch_inputs(cfg, CPU, bad, ins[0].weights, ins[0].indices, ins[0].scales)
+        check_dispatch_inputs(cfg, dtype_info(cfg.dtype), CPU, bad, ins[0].weights, ins[0].indices, ins[0].scales)
     recv = reference_dispatch(cfg, ins)
     assert sum(r.num_rows for r in recv) >= 8 and recv[0].x.dtype == torch_dtype
 
@@ -131,12 +133,25 @@ def test_misaligned_x_is_rejected_naming_the_address():
     x, w, i, s = good(8)
     bad = _offset_view(x, 1, x.shape)  # bf16: 2 bytes past a 16-byte boundary
     with pytest.raises(ValueError) as e:
-        check_dispatch_inputs(CFG, CPU, bad, w, i, s, tag="[rank 1]")
+        check_dispatch_inputs(CFG, dtype_info(CFG.dtype), CPU, bad, w, i, s, tag="[rank 1]")
     msg = str(e.value)
     assert f"x[rank 1].data_ptr()={bad.data_ptr():#x}: 2 bytes past a 16-byte boundary" in msg
     assert "16-byte vector" in msg
-    assert check_dispatch_inputs(CFG, CPU, _offset_view(x, 8, x.shape), w, i, s) == 8  # 16 bytes in: aligned
-    assert check_dispatch_inputs(CFG, CPU, _offset_view(x, 1, (0, CFG.hidden)), w[:0], i[:0], None) == 0
+    assert check_dispatch_inputs(CFG, dtype_info(CFG.dtype), CPU, _offset_view(x, 8, x.shape), w, i, s) == 8  # 16 bytes in: aligned
+    assert check_dispatch_inputs(CFG, dtype_info(CFG.dtype), CPU, _offset_view(x, 1, (0, CFG.hidden)), w[:0], i[:0], None) == 0
+
+
+def test_fp8_x_is_checked_in_the_targets_flavour():
+    # The op passes its dispatch spec's dtype_info: fp8 in the arch's flavour (ArchTraits.fp8). A
+    # target of another flavour (e4m3fnuz, as gfx942 takes) refuses e4m3fn rows and takes its own.
+    cfg = EpConfig.for_model("gpt-oss-120b", world_size=2, max_tokens_per_rank=64, dtype="fp8")
+    fnuz = attrs.evolve(dtype_info("fp8"), torch_name="float8_e4m3fnuz")
+    _, w, i, s = good(8, cfg)
+    ocp = torch.zeros(8, cfg.hidden, dtype=torch.float8_e4m3fn)
+    assert check_dispatch_inputs(cfg, dtype_info("fp8"), CPU, ocp, w, i, s) == 8
+    with pytest.raises(ValueError, match=r"x\.dtype=torch\.float8_e4m3fn: must be torch\.float8_e4m3fnuz"):
+        check_dispatch_inputs(cfg, fnuz, CPU, ocp, w, i, s)
+    assert check_dispatch_inputs(cfg, fnuz, CPU, ocp.view(torch.float8_e4m3fnuz), w, i, s) == 8
 
 
 def test_misaligned_fp8_x_is_rejected():
@@ -144,7 +159,7 @@ def test_misaligned_fp8_x_is_rejected():
     x, w, i, s = good(8, cfg)
     x = _offset_view(torch.zeros(1, dtype=torch.float8_e4m3fn), 5, (8, cfg.hidden))
     with pytest.raises(ValueError, match=r"x\.data_ptr\(\)=0x[0-9a-f]+: 5 bytes past a 16-byte boundary"):
-        check_dispatch_inputs(cfg, CPU, x, w, i, s)
+        check_dispatch_inputs(cfg, dtype_info(cfg.dtype), CPU, x, w, i, s)
 
 
 def test_weights_indices_scales_need_only_their_element_alignment():
@@ -152,7 +167,7 @@ def test_weights_indices_scales_need_only_their_element_alignment():
     x, w, i, s = good(8, SCALED)
     w, i, s = _offset_view(w, 1, w.shape), _offset_view(i, 1, i.shape), _offset_view(s, 3, s.shape)
     assert (w.data_ptr() % 16, i.data_ptr() % 16, s.data_ptr() % 16) == (4, 4, 3)
-    assert check_dispatch_inputs(SCALED, CPU, x, w, i, s) == 8
+    assert check_dispatch_inputs(SCALED, dtype_info(SCALED.dtype), CPU, x, w, i, s) == 8
 
 
 def test_misaligned_out_is_rejected_and_y_is_not():
