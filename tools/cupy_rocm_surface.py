@@ -17,6 +17,9 @@ through function pointers that ``cupy_backends.cuda._softlink`` resolves by the 
 the ROCm extension exports itself (the header's inline ``cuModuleLoad`` calling ``hipModuleLoad``),
 so its functions start there.
 
+``runtime_links``: the libraries ``cupy.cuda.runtime``'s extension links (``readelf -d``), whose
+``libamdhip64`` soname names the ROCm major release the wheel runs on.
+
 Module names: a pure-Python module's top-level names (``ast``: assignments, defs, classes, imports,
 ``from m import *`` followed inside the wheel); a Cython module's names are its qualified-name
 strings (``cupy.cuda.memory.Memory``: every function and class), plus, for the runtime and driver,
@@ -109,6 +112,12 @@ def _demangle(symbol: str) -> str:
     return symbol[m.end():m.end() + int(m.group(1))] if m else symbol
 
 
+def _needed(path: Path) -> list[str]:
+    """The shared libraries ``path`` links (``readelf -d``: its ``NEEDED`` entries)."""
+    out = subprocess.run(["readelf", "-d", str(path)], check=True, capture_output=True, text=True).stdout
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
+
+
 def _hip_calls(path: Path, driver: bool) -> dict[str, list[str]]:
     """Python-level function name -> the HIP symbols its implementation reaches (sorted).
 
@@ -170,6 +179,8 @@ def derive(wheel_path: Path) -> dict:
                 enum = Path(wheel.extract(_extension(listing, enum_stem), tmp))
                 names |= {s for f in (so, enum) for s in _strings(f) if re.fullmatch(pattern, s)}
                 functions[module] = _hip_calls(so, driver=module == "cupy.cuda.driver")
+                if module == "cupy.cuda.runtime":
+                    links = _needed(so)
                 names |= set(functions[module])
             modules[module] = sorted(names)
     return {
@@ -177,6 +188,7 @@ def derive(wheel_path: Path) -> dict:
         "regenerate": f"pip download --no-deps {fields['Name']}=={fields['Version']} -d /tmp/wheel && python "
                       f"tools/cupy_rocm_surface.py /tmp/wheel/{wheel_path.name} > tests/runtime/cupy_rocm_surface.json",
         "error_path": list(ERROR_PATH),
+        "runtime_links": links,
         "functions": functions,
         "modules": modules,
     }

@@ -60,6 +60,7 @@ HIP_UNCACHED = 0x3  # hipDeviceMallocUncached, hip/hip_runtime_api.h
 HIP_IPC_LAZY = 0x1  # hipIpcMemLazyEnablePeerAccess, hip/hip_runtime_api.h
 HIP_HOST_MAPPED_PORTABLE = 0x2 | 0x1  # hipHostMallocMapped | hipHostMallocPortable
 SIGNAL_BYTES = 4 * abi.SIGNAL_WORDS
+HIP_VERSION = 70051831  # hipRuntimeGetVersion of ROCm 7.0 (HIP 7.0.51831, torch.version.hip below)
 
 
 
@@ -165,7 +166,9 @@ class _FakeCupyRocm:
             def get_function(self, entry):
                 return Kernel(self.path, entry)
 
+        self.hip_version = HIP_VERSION
         rt = _Recorded(log, "cupy.cuda.runtime", getDevice=lambda: torch.cuda.current_device(), memset=memset,
+                       runtimeGetVersion=lambda: self.hip_version,
                        deviceSynchronize=lambda: None, hostAlloc=host_alloc,
                        freeHost=lambda p: self.calls.append(["freeHost", p]), hostAllocPortable=1, hostAllocMapped=2,
                        ipcGetMemHandle=ipc_get, ipcOpenMemHandle=ipc_open,
@@ -397,6 +400,15 @@ def _rank(rank: int, world_size: int, store: str, cache: str, out: str):
         record["normal"] = _family_calls(fake, NORMAL_CFG, rank)
         record["pull"] = _pull_calls(fake, PULL_CFG, rank)
         record["loads"] = [c[1:] for c in fake.calls if c[0] == "RawModule"]
+        record["refusals"] = []  # refused before anything is compiled, allocated or launched
+        wide = attrs.evolve(CFG, world_size=48, num_experts=48)
+        for cfg, version in ((wide, HIP_VERSION), (CFG, 60443483)):  # W = 48; ROCm 6.4 (HIP 6.4.43483)
+            fake.hip_version, before = version, len(fake.calls)
+            try:
+                EpDispatchCombine(cfg, virtual=True)
+            except (ValueError, RuntimeError) as e:
+                record["refusals"].append([type(e).__name__, str(e), fake.calls[before:]])
+        fake.hip_version = HIP_VERSION
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -443,6 +455,18 @@ def test_only_calls_cupy_rocm_has_are_touched(records):
         assert not any(t.startswith("cupy.cuda.driver") for t in r["touched"])  # cupy_backends.cuda.api.driver
         assert r["modules"] == ["cupy"]  # the stand-in alone: nothing imported cupy_backends or a cupy submodule
         assert _calls(r, "hostAlloc") == [[2 * 4 * 4, HIP_HOST_MAPPED_PORTABLE]]  # flags HIP has
+
+
+def test_a_launch_argument_beyond_hips_limit_and_an_old_runtime_are_refused_before_any_work(records):
+    for r in records:
+        (wide, old) = r["refusals"]
+        assert wide == ["ValueError", "EpConfig.world_size=48: the launch argument (struct EpArgs, 88 x W + 24 = 4248 "
+                        "bytes) exceeds the 4096 bytes of kernel arguments epgen passes to a HIP launch; "
+                        "world_size <= 46 on ROCm", []]
+        kind, message, calls = old
+        assert (kind, calls) == ("RuntimeError", [])
+        assert message.startswith("HIP runtime 6.4.43483: epgen on gfx950 needs ROCm 7.0 or later (MI350X/MI355X: ")
+        assert "cupy.cuda.runtime.runtimeGetVersion" in r["touched"]
 
 
 def test_the_signal_words_are_a_separate_uncached_allocation_freed_at_close(records):
