@@ -14,7 +14,7 @@ import torch
 
 from epgen import reference
 from epgen.codegen.config import EpConfig
-from expert_rounds import GEO, _config, _dispatch, _inputs, _op, _reference, _round  # the same directory's helpers
+from epgen.harness.expert_verify import GEO, expert_config as _config, expert_dispatch as _dispatch, expert_inputs as _inputs, expert_op as _op, expert_reference as _reference, run_expert_round as _round
 
 
 CASES = [  # (W, L, K, alignment, token counts)
