@@ -1,7 +1,8 @@
-"""Rounds of the expert layout shared by the GPU tests (tests/gpu/test_expert_layout.py and the
-pull dispatch's expert-layout test) and ``epgen selftest``, virtual ranks: random inputs with -1 slots, repeated and same-rank experts,
-the dispatch and its expansion checked bit for bit against ``epgen.reference`` (sets, counts,
-offsets, zero padding), and the weighted combine against ``reference.combine_weighted``."""
+"""Rounds of the expert layout on virtual ranks, shared by the GPU tests
+(tests/gpu/test_expert_layout.py and the pull dispatch's expert-layout test) and ``epgen selftest``:
+random inputs with -1 slots, repeated and same-rank experts, the dispatch and its expansion checked
+bit for bit against ``epgen.reference`` (sets, counts, offsets, zero padding), and the weighted
+combine against ``reference.combine_weighted``."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ tests/codegen/test_hiprtc.py, stays the main check: it runs everywhere, at the r
 Debian 12 packages ROCm 5.2.3's HIP runtime (``apt-get install libamdhip64-5``: hiprtc lives in
 ``libamdhip64.so.5``, its headers built in through ``libhiprtc-builtins5``); ROCm 6+ ships
 ``libhiprtc.so``. Either is found by the loader (``ctypes.util.find_library``: ldconfig and
-``LD_LIBRARY_PATH``) or named by ``$EPGEN_HIPRTC_LIB`` (its dependencies on the loader path). Such an old hiprtc knows neither gfx950
-nor gfx1250, nor two builtins of the platform layer (``__builtin_amdgcn_ballot_w64``,
+``LD_LIBRARY_PATH``) or named by ``$EPGEN_HIPRTC_LIB`` (its dependencies on the loader path). Such
+an old hiprtc knows neither gfx950 nor gfx1250, nor two builtins of the platform layer (``__builtin_amdgcn_ballot_w64``,
 ``__builtin_readsteadycounter``), so the gfx950 sources (gfx9, wave64, the family of gfx90a) are
 compiled for gfx90a, which every hiprtc since ROCm 4 knows:
 

@@ -14,7 +14,13 @@ import torch
 
 from epgen import reference
 from epgen.codegen.config import EpConfig
-from epgen.harness.expert_verify import GEO, expert_config as _config, expert_dispatch as _dispatch, expert_inputs as _inputs, expert_op as _op, expert_reference as _reference, run_expert_round as _round
+from epgen.harness.expert_verify import GEO
+from epgen.harness.expert_verify import expert_config as _config
+from epgen.harness.expert_verify import expert_dispatch as _dispatch
+from epgen.harness.expert_verify import expert_inputs as _inputs
+from epgen.harness.expert_verify import expert_op as _op
+from epgen.harness.expert_verify import expert_reference as _reference
+from epgen.harness.expert_verify import run_expert_round as _round
 
 
 CASES = [  # (W, L, K, alignment, token counts)

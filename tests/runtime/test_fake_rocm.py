@@ -3,8 +3,8 @@
 Two processes (W = 2) joined by a gloo process group each build an ``EpDispatchCombine`` with
 torch's ROCm build faked (``torch.version.hip``, ``torch.cuda`` properties with a gfx950
 ``gcnArchName``), a fake ``cupy`` module in ``sys.modules`` that records every attribute the op
-touches (each checked against what the ``cupy-rocm-7-0`` wheel provides: ``rocm_surface``), and a fake ``libamdhip64.so`` behind
-``ctypes.CDLL``. Device memory is host memory here; no kernel runs (the fake kernel records its
+touches (each checked against what the ``cupy-rocm-7-0`` wheel provides: ``rocm_surface``), and a
+fake ``libamdhip64.so`` behind ``ctypes.CDLL``. Device memory is host memory here; no kernel runs (the fake kernel records its
 launch arguments). The ahead-of-time cache holds the gfx950 code objects (built here with the
 offline clang), so the op must load them with ``RawModule(path=...)`` and compile nothing.
 

@@ -49,8 +49,8 @@ def test_an_older_runtime_is_refused_naming_version_arch_release_and_reason(monk
     encoded["version"] = older[0] * 10_000_000 + older[1] * 100_000 + 12345
     with pytest.raises(RuntimeError) as info:
         rocm.check_runtime(arch)
-    assert str(info.value) == (f"HIP runtime {older[0]}.{older[1]}.12345: epgen on {arch} needs ROCm {need[0]}.{need[1]}"
-                               f" or later ({why}); install a newer ROCm (docs/rocm.md)")
+    assert str(info.value) == (f"HIP runtime {older[0]}.{older[1]}.12345: epgen on {arch} needs ROCm "
+                               f"{need[0]}.{need[1]} or later ({why}); install a newer ROCm (docs/rocm.md)")
     Platform(rocm=False).check_runtime(arch)  # CUDA: no HIP runtime to read
 
 
