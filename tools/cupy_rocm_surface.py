@@ -4,7 +4,7 @@
     python tools/cupy_rocm_surface.py /tmp/wheel/cupy_rocm_7_0-14.2.0-*.whl > tests/runtime/cupy_rocm_surface.json
 
 No GPU and no ROCm are needed: the wheel is read as a zip and its Cython extensions with binutils
-(``objdump``, ``strings``). CuPy builds its ROCm wheel from the CUDA sources through
+(``objdump``, ``strings``, ``readelf``). CuPy builds its ROCm wheel from the CUDA sources through
 ``cupy_backends/hip/cupy_hip_runtime.h`` and friends, which map each ``cudaX`` either to its HIP
 call or to an inline stub returning ``hipErrorUnknown`` (e.g. the occupancy calls); the headers
 are compiled in, not shipped, so a stub shows as a function that calls no HIP symbol. For each
