@@ -24,7 +24,7 @@ from epgen.codegen.render import render
 from epgen.codegen.spec import EXPERT_OPS, KernelSpec, Op
 from epgen.codegen.config import EpConfig
 from epgen.plan import Plan
-from epgen.platform import Platform
+from epgen.platform import HIP_KERNEL_ARGS_BYTES, Platform
 
 
 class EpError(RuntimeError):
@@ -150,6 +150,11 @@ class RecvHandle:
         self.done = True
         self._op._recv_handle = None
         return self._finish()  # even after a fault: the halves' call counts must stay in step
+
+
+def max_hip_world_size() -> int:
+    """The largest W whose ``struct EpArgs`` fits ``epgen.platform.HIP_KERNEL_ARGS_BYTES`` (46)."""
+    return max(W for W in range(1, abi.MAX_RANKS + 1) if _args_dtype(W).itemsize <= HIP_KERNEL_ARGS_BYTES)
 
 
 def _args_dtype(world_size: int) -> np.dtype:
@@ -286,11 +291,13 @@ class EpDispatchCombine:
 
     Raises:
         TypeError: ``config`` is not an EpConfig.
-        RuntimeError: no GPU, no CuPy, or W > 1 without a process group and without ``virtual``.
+        RuntimeError: no GPU, no CuPy, W > 1 without a process group and without ``virtual``, or
+            (ROCm) a HIP runtime older than the arch needs (``epgen.platform.MIN_ROCM``).
         ValueError: ``config.nodes`` > 1 (that layer runs as ``epgen.hierarchical.HierarchicalEp``),
             the process group size differs from ``config.world_size``, ranks hold
-            different configs, no kernels exist for this GPU's arch, or an explicit geometry
-            whose blocks must all be resident at once does not fit the GPU (virtual ranks).
+            different configs, no kernels exist for this GPU's arch, an explicit geometry
+            whose blocks must all be resident at once does not fit the GPU (virtual ranks), or
+            (ROCm) W > 46, whose launch argument exceeds ``epgen.platform.HIP_KERNEL_ARGS_BYTES``.
     """
 
     def __init__(self, config: EpConfig, *, group=None, virtual: bool = False, device: int | None = None,
@@ -331,6 +338,8 @@ class EpDispatchCombine:
         self.virtual = virtual
         self.platform = Platform.current()  # every vendor-specific host call goes through it
         self.arch = self.platform.arch(self.device.index)  # ValueError for an arch epgen has no kernels for
+        self.platform.check_runtime(self.arch)  # ROCm: RuntimeError for a HIP runtime older than the arch needs
+        self.platform.check_kernel_args(_args_dtype(W).itemsize, W, max_hip_world_size())
         # Every variant the op can pick is compiled here: dispatch() and combine() never compile.
         self._kernels = {}  # spec -> loaded kernel
         plan = Plan.build(config, self.arch, len(self.local_ranks))

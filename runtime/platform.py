@@ -39,6 +39,36 @@ stores and atomics from peers are seen while a kernel runs (fine-grained)."""
 HIP_SUCCESS = 0
 """``hipSuccess``: the ``hipError_t`` of a call that worked."""
 
+ROCM_FLOOR = (7, 0)
+"""The oldest ROCm any arch runs on: CuPy's ROCm wheel (``cupy-rocm-7-0``, the ``[rocm]`` extra)
+links ``libamdhip64.so.7`` (``readelf -d`` of its ``cupy_backends/cuda/api/runtime`` extension,
+recorded in tests/runtime/cupy_rocm_surface.json), which ROCm 7.0 is the first to ship."""
+
+MIN_ROCM = {
+    "gfx950": ((7, 0), "MI350X/MI355X: hipcc knows gfx950 from ROCm 6.4, the ROCm libraries add it in 7.0.0 "
+                       "(hipFFT 1.0.20 for ROCm 7.0.0, 'Added gfx950 support'), and the wheel needs 7.0"),
+    "gfx1250": ((7, 14), "MI450: the ROCm libraries add gfx1250 in ROCm 7.14 (hipRAND 3.4.0 for ROCm 7.14, "
+                         "'gfx1250 support'; PyTorch's ROCm build gates gfx1250 on ROCm 7.14+, ROCm/pytorch#3421)"),
+}
+"""arch -> (the oldest ROCm release, as (major, minor), that runs epgen's kernels there; why).
+Every AMD arch of ``epgen.codegen.arch.ARCH_TRAITS`` has an entry (tests/runtime/test_rocm_runtime.py)."""
+
+HIP_KERNEL_ARGS_BYTES = 4096
+"""The most bytes of kernel arguments epgen passes to a HIP launch. HIP documents no limit of its own
+(its C++ language extensions page lists what kernel parameters cannot be, not a size); CUDA documents
+4 KB for a ``__global__`` function's parameters (CUDA C++ Programming Guide, "Function Parameters";
+32,764 bytes from CUDA 12.1 on Volta and later), and HIP's runtime sized its kernel-argument buffer
+to that 4 KB to run ported CUDA code (ROCm/hcc#1377, "increase KERNARG_BUFFER_SIZE from 512 to
+4k"). epgen's one argument, ``struct EpArgs`` (``epgen.codegen.abi.ARGS``), takes 88 x W + 24
+bytes, so W <= 46 fits."""
+
+
+def hip_version(encoded: int) -> tuple[int, int, int]:
+    """(major, minor, patch) of a HIP version as ``hipRuntimeGetVersion`` returns it
+    (hip/hip_version.h: ``HIP_VERSION_MAJOR * 10000000 + HIP_VERSION_MINOR * 100000 +
+    HIP_VERSION_PATCH``); HIP's major.minor is the ROCm release (HIP 7.0 ships in ROCm 7.0)."""
+    return encoded // 10_000_000, encoded // 100_000 % 100, encoded % 100_000
+
 
 class HipError(RuntimeError):
     """A HIP runtime call made through ctypes returned an error (the message names the call, the
@@ -96,6 +126,41 @@ class Platform:
         return f"Platform({self.name})"
 
     # ---- device ------------------------------------------------------------------------------
+    def check_runtime(self, arch: str) -> None:
+        """Refuse a HIP runtime older than ``MIN_ROCM[arch]`` (ROCm only; CUDA: nothing to check).
+
+        Reads the version through CuPy-ROCm's ``cupy.cuda.runtime.runtimeGetVersion``
+        (``hipRuntimeGetVersion``).
+
+        Raises:
+            RuntimeError: the runtime is older than the arch needs (the message names the version
+                found, the arch, the release needed and why).
+        """
+        if not self.rocm:
+            return
+        import cupy
+
+        need, why = MIN_ROCM[arch]
+        found = hip_version(cupy.cuda.runtime.runtimeGetVersion())
+        if found[:2] < need:
+            raise RuntimeError(f"HIP runtime {'.'.join(map(str, found))}: epgen on {arch} needs ROCm "
+                               f"{need[0]}.{need[1]} or later ({why}); install a newer ROCm (docs/rocm.md)")
+
+    def check_kernel_args(self, nbytes: int, world_size: int, max_world_size: int) -> None:
+        """Refuse a launch argument larger than ``HIP_KERNEL_ARGS_BYTES`` (ROCm only).
+
+        Args:
+            nbytes: size of ``struct EpArgs`` for ``world_size`` ranks, bytes.
+            max_world_size: the largest W whose struct fits (named in the message).
+
+        Raises:
+            ValueError: on ROCm, ``nbytes`` > ``HIP_KERNEL_ARGS_BYTES``.
+        """
+        if self.rocm and nbytes > HIP_KERNEL_ARGS_BYTES:
+            raise ValueError(f"EpConfig.world_size={world_size}: the launch argument (struct EpArgs, 88 x W + 24 = "
+                             f"{nbytes} bytes) exceeds the {HIP_KERNEL_ARGS_BYTES} bytes of kernel arguments epgen "
+                             f"passes to a HIP launch; world_size <= {max_world_size} on ROCm")
+
     def arch(self, device_index: int) -> str:
         """Target name of the torch device (``sm_90``, ``gfx950``): ``epgen.device.device_arch``."""
         from epgen.device import device_arch

@@ -1,4 +1,4 @@
-"""The ``epgen`` command line: generate, check, report, diff, build, plan, demo, bench, tune, stress.
+"""The ``epgen`` command line: generate, check, report, diff, build, plan, demo, bench, tune, stress, selftest.
 
 Each verb parses, builds its config through ``epgen.cli.flags``, calls one library function and
 prints. Errors go to stderr, prefixed ``epgen VERB:``. ``epgen --help`` and the CPU verbs
@@ -647,7 +647,26 @@ def build_parser() -> argparse.ArgumentParser:
               "status non-zero on a failure", cmd_stress,
               output="it prints a line per failure and a summary; its exit status says whether every round passed")
     flags.add_stress_args(st)
+
+    se = verb("selftest", "the first command on new hardware: build, run and verify every kernel family, layout, "
+              "transport, dtype and combine wire at small shapes on virtual ranks (W = 2, 4) and across W = 2 "
+              "processes, time the main ones, print a table and write a report to attach to a bug report; exit "
+              "status non-zero on a failure; without a GPU, list the cases", cmd_selftest,
+              output="it prints a line per case and a table, and writes the report file (-o)")
+    se.add_argument("-o", "--output", type=flags.path, help="report file: JSON, or Markdown for a .md name (default "
+                    "selftest-<arch>.json in the working directory)")
+    se.add_argument("--seed", type=flags.non_negative, default=0, help="seed of the rounds' inputs (default 0)")
+    se.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
     return p
+
+
+def cmd_selftest(args, parser, console) -> int:
+    from epgen.cli import selftest
+
+    if args.list:
+        selftest.print_cases(console)
+        return 0
+    return selftest.run(args.output, args.seed, console)
 
 
 def main(argv=None) -> int:

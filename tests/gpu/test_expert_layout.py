@@ -14,7 +14,13 @@ import torch
 
 from epgen import reference
 from epgen.codegen.config import EpConfig
-from expert_rounds import GEO, _config, _dispatch, _inputs, _op, _reference, _round  # the same directory's helpers
+from epgen.harness.expert_verify import GEO
+from epgen.harness.expert_verify import expert_config as _config
+from epgen.harness.expert_verify import expert_dispatch as _dispatch
+from epgen.harness.expert_verify import expert_inputs as _inputs
+from epgen.harness.expert_verify import expert_op as _op
+from epgen.harness.expert_verify import expert_reference as _reference
+from epgen.harness.expert_verify import run_expert_round as _round
 
 
 CASES = [  # (W, L, K, alignment, token counts)

@@ -104,7 +104,9 @@ def test_pull_dispatch_then_the_quantized_combine(world_size, mode):
 def test_pull_dispatch_in_the_expert_layout_and_its_weighted_combine(W, L, K, A, rounds):
     """The expert layout's rounds of tests/gpu/test_expert_layout.py (expanded rows and the weighted
     combine bit-equal to the reference) on an op that pulls: the expansion runs after the pull."""
-    from expert_rounds import _config, _op as _expert_op, _round  # the same directory's helpers
+    from epgen.harness.expert_verify import expert_config as _config
+    from epgen.harness.expert_verify import expert_op as _expert_op
+    from epgen.harness.expert_verify import run_expert_round as _round
 
     cfg = _config(W, experts_per_rank=L, topk=K, alignment=A, kernel_family="normal", dispatch_transport="pull")
     op = _expert_op(cfg)

@@ -23,6 +23,7 @@ import torch
 
 from epgen.codegen.config import EpConfig
 from epgen.codegen.dtypes import dtype_info
+from epgen.platform import Platform
 
 
 class _Kernel:
@@ -46,6 +47,12 @@ class FakePlatform:
 
     def arch(self, device_index):
         return self._arch
+
+    def check_runtime(self, arch):  # the vendor's checks, as the real platform of this vendor makes them
+        Platform(rocm=self.rocm).check_runtime(arch)
+
+    def check_kernel_args(self, nbytes, world_size, max_world_size):
+        Platform(rocm=self.rocm).check_kernel_args(nbytes, world_size, max_world_size)
 
     def use_device(self, device_index):
         return contextlib.nullcontext()

@@ -21,7 +21,8 @@ def run(*argv):
     return subprocess.run([sys.executable, "-m", "epgen", *argv], capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("verb", ["generate", "check", "report", "diff", "build", "demo", "bench", "tune", "stress"])
+@pytest.mark.parametrize("verb", ["generate", "check", "report", "diff", "build", "demo", "bench", "tune", "stress",
+                                  "selftest"])
 def test_help_on_every_verb(verb):
     r = run(verb, "--help")
     assert r.returncode == 0 and "usage: epgen " + verb in r.stdout
@@ -1172,3 +1173,116 @@ def test_demo_explains_its_notation_and_what_to_run_next(monkeypatch):
     console = Console(width=100, record=True, file=io.StringIO())
     assert demo.run_demo(cfg, "mixtral-8x7b", 1, console, quiet=True) == 0
     assert console.export_text() == ""
+
+
+def test_selftest_cases_cover_every_family_layout_transport_dtype_and_wire_and_build_for_every_arch():
+    from epgen.aot import config_specs
+    from epgen.cli.selftest import CASES, _groups
+    from epgen.codegen.arch import ARCH_TRAITS
+    from epgen.codegen.config import DISPATCH_TRANSPORTS, KERNEL_FAMILIES, LAYOUTS
+    from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES
+
+    assert {c.family for c in CASES} == set(KERNEL_FAMILIES) - {"auto"}  # "auto" picks one of the two per call
+    assert {c.layout for c in CASES} == set(LAYOUTS)
+    assert {c.transport for c in CASES} == set(DISPATCH_TRANSPORTS) - {"auto"}
+    assert {c.dtype for c in CASES} == set(DTYPES) and {c.wire for c in CASES} == set(COMBINE_QUANTS)
+    where = {(c.where, c.world_size) for c in CASES}
+    assert where == {("virtual", 2), ("virtual", 4), ("processes", 2)}
+    for w in where:  # the low-latency family whole and split, and a timed case, in each setting
+        mine = [c for c in CASES if (c.where, c.world_size) == w]
+        assert {c.split for c in mine if c.family == "low_latency"} == {False, True}, w
+        assert any(c.timed for c in mine), w
+    assert len({c.name for c in CASES if c.where == "virtual" and c.world_size == 2}) == len(
+        [c for c in CASES if c.where == "virtual" and c.world_size == 2])
+    assert len(_groups(CASES)) == 19  # configs compiled: cases that differ in split/timing share an op
+    for cfg, _ in _groups(CASES):
+        for arch in ARCH_TRAITS:  # every config's kernels exist on every arch (its geometry defaults included)
+            assert config_specs(cfg, arch), (cfg, arch)
+
+
+def test_selftest_without_a_gpu_lists_its_cases_and_succeeds():
+    r = subprocess.run([sys.executable, "-m", "epgen", "selftest"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "COLUMNS": "200"})  # the table's rows whole
+    if r.returncode == 0 and "no GPU here" not in r.stdout:
+        pytest.skip("a GPU is present: the selftest ran (tests/gpu covers its kernels)")
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert "epgen selftest: no GPU here (torch.cuda.is_available() is False); on a GPU it would run these 22 cases, " \
+           "compiling 19 configs:" in text
+    assert "│ processes │ 2 │ low_latency split │ rank │ push │ bf16 │ none │" in text
+    listed = run("selftest", "--list")
+    assert listed.returncode == 0 and "epgen selftest cases" in listed.stdout
+    refused = run("selftest", "--json")
+    assert refused.returncode == 2 and "epgen selftest does not take it" in refused.stderr
+
+
+def test_selftest_reports_every_result_writes_the_report_and_fails_on_a_failure(monkeypatch, tmp_path):
+    """The GPU path's reporting with the GPU and the cases' runs replaced: the table, the JSON and
+    Markdown reports, and the exit status."""
+    from rich.console import Console
+
+    from epgen.cli import selftest
+
+    monkeypatch.setattr(selftest, "versions", lambda: {"epgen": "0.1.0", "cupy": "14.2.0", "runtime": 70051831})
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.current_device", lambda: 0)
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda device=None: "AMD Instinct MI355X")
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 8)
+    monkeypatch.setattr("epgen.device.device_arch", lambda index: "gfx950")
+
+    def fake_runs(fail):
+        def runs(cases, seed, report):
+            return [report(selftest._result(c, ok=not (fail and i == 0), rounds=2, bound_ratio=0.25,
+                                            combine_err=1e-3, error="rank 1: combine out[3, 5] above its bound"
+                                            if fail and i == 0 else None))
+                    for i, c in enumerate(cases)]
+        return runs
+
+    for fail, name, status in ((False, "report.json", 0), (True, "report.md", 1)):
+        monkeypatch.setattr(selftest, "_run_virtual", fake_runs(fail))
+        monkeypatch.setattr(selftest, "_run_processes", fake_runs(False))
+        console = Console(width=200, record=True, file=io.StringIO())
+        assert selftest.run(str(tmp_path / name), 0, console) == status
+        text = console.export_text()
+        assert "epgen selftest on 8 x AMD Instinct MI355X (gfx950); 22 cases" in text
+        assert f"{22 - fail} of 22 cases passed" in text and f"report: {tmp_path / name}" in text
+        written = (tmp_path / name).read_text()
+        if name.endswith(".json"):
+            report = json.loads(written)
+            assert report["arch"] == "gfx950" and report["versions"]["runtime"] == 70051831
+            assert len(report["results"]) == 22 and report["failures"] == []
+            assert {r["bound_ratio"] for r in report["results"]} == {0.25}
+        else:
+            assert written.startswith("# epgen selftest: 8 x AMD Instinct MI355X (gfx950)")
+            assert "- virtual W=2 normal rank push bf16 wire=none: rank 1: combine out[3, 5] above its bound" in written
+
+
+def test_selftest_merges_the_ranks_results_and_reports_a_failed_rank(monkeypatch):
+    """``_run_processes`` with ``run_ranks`` replaced: each rank's file merged (worst error, slowest
+    time); a rank that failed makes its case and the cases after it fail with the message."""
+    from epgen.cli import selftest
+    from epgen.harness import ranks
+
+    cases = [c for c in selftest.CASES if c.where == "processes"]
+
+    def fake_run_ranks(W, fn, group, seed, out_dir, timeout_s=None):
+        for r in range(W):
+            got = [selftest._result(c, ok=True, rounds=2, bound_ratio=0.1 * (r + 1), combine_err=0.01,
+                                    dispatch_us=10.0 + r if c.timed else None, combine_us=None) for c in group]
+            if fail:
+                got = got[:1] + [selftest._result(group[1], error="rank 1: a received row differs")] if r else got[:1]
+            (Path(out_dir) / f"rank{r}.json").write_text(json.dumps(got))
+        if fail:
+            raise RuntimeError("process 1 terminated with exit code 1")
+
+    from pathlib import Path
+
+    monkeypatch.setattr(ranks, "run_ranks", fake_run_ranks)
+    fail = False
+    got = selftest._run_processes(cases, 0, lambda r: r)
+    assert [r["ok"] for r in got] == [True] * 4 and got[0]["bound_ratio"] == 0.2 and got[0]["dispatch_us"] == 11.0
+    fail = True
+    got = selftest._run_processes(cases, 0, lambda r: r)
+    assert [r["ok"] for r in got] == [True, False, False, False]
+    assert got[1]["error"] == "rank 1: a received row differs"
+    assert got[2]["error"] == got[3]["error"] == "RuntimeError: process 1 terminated with exit code 1"

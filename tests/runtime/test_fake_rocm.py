@@ -3,8 +3,8 @@
 Two processes (W = 2) joined by a gloo process group each build an ``EpDispatchCombine`` with
 torch's ROCm build faked (``torch.version.hip``, ``torch.cuda`` properties with a gfx950
 ``gcnArchName``), a fake ``cupy`` module in ``sys.modules`` that records every attribute the op
-touches and offers only calls CuPy's ROCm build has, and a fake ``libamdhip64.so`` behind
-``ctypes.CDLL``. Device memory is host memory here; no kernel runs (the fake kernel records its
+touches (each checked against what the ``cupy-rocm-7-0`` wheel provides: ``rocm_surface``), and a
+fake ``libamdhip64.so`` behind ``ctypes.CDLL``. Device memory is host memory here; no kernel runs (the fake kernel records its
 launch arguments). The ahead-of-time cache holds the gfx950 code objects (built here with the
 offline clang), so the op must load them with ``RawModule(path=...)`` and compile nothing.
 
@@ -36,6 +36,9 @@ from epgen.codegen.config import EpConfig, Geometry
 from epgen.codegen.spec import Op
 from epgen.harness.ranks import start_and_join
 
+sys.path.insert(0, str(Path(__file__).parent))
+from rocm_surface import problem  # noqa: E402
+
 ARCH = "gfx950"
 GCN_ARCH_NAME = "gfx950:sramecc+:xnack-"
 CFG = EpConfig(world_size=2, hidden=2048, topk=4, num_experts=8, max_tokens_per_rank=16,
@@ -57,23 +60,8 @@ HIP_UNCACHED = 0x3  # hipDeviceMallocUncached, hip/hip_runtime_api.h
 HIP_IPC_LAZY = 0x1  # hipIpcMemLazyEnablePeerAccess, hip/hip_runtime_api.h
 HIP_HOST_MAPPED_PORTABLE = 0x2 | 0x1  # hipHostMallocMapped | hipHostMallocPortable
 SIGNAL_BYTES = 4 * abi.SIGNAL_WORDS
+HIP_VERSION = 70051831  # hipRuntimeGetVersion of ROCm 7.0 (HIP 7.0.51831, torch.version.hip below)
 
-# What the fake offers: CuPy names whose calls CuPy's ROCm build maps to HIP
-# (cupy_backends/hip/cupy_hip_runtime.h: cudaGetDevice, cudaMalloc, cudaMemset, cudaHostAlloc
-# -> hipHostMalloc with the flags passed through, cudaFreeHost, cudaDeviceSynchronize,
-# cudaIpcGetMemHandle / cudaIpcOpenMemHandle / cudaIpcCloseMemHandle; the rest is CuPy's own
-# Python-level memory, stream and module objects, cupy/_core/raw.pyx RawModule(path=...) loading
-# with Module.load_file). cupy.cuda.driver (cupy_backends.cuda.api.driver) is not offered.
-HIP_SURFACE = {
-    "cupy.uint8", "cupy.ndarray", "cupy.RawModule", "cupy.cuda",
-    "cupy.cuda.Device", "cupy.cuda.Memory", "cupy.cuda.MemoryPointer", "cupy.cuda.UnownedMemory",
-    "cupy.cuda.ExternalStream", "cupy.cuda.runtime", "cupy.cuda.function", "cupy.cuda.function.CPointer",
-    "cupy.cuda.runtime.getDevice", "cupy.cuda.runtime.memset", "cupy.cuda.runtime.deviceSynchronize",
-    "cupy.cuda.runtime.hostAlloc", "cupy.cuda.runtime.freeHost", "cupy.cuda.runtime.hostAllocMapped",
-    "cupy.cuda.runtime.hostAllocPortable", "cupy.cuda.runtime.ipcGetMemHandle",
-    "cupy.cuda.runtime.ipcOpenMemHandle", "cupy.cuda.runtime.ipcCloseMemHandle",
-    "cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess",
-}
 
 
 class _Recorded:
@@ -178,7 +166,9 @@ class _FakeCupyRocm:
             def get_function(self, entry):
                 return Kernel(self.path, entry)
 
+        self.hip_version = HIP_VERSION
         rt = _Recorded(log, "cupy.cuda.runtime", getDevice=lambda: torch.cuda.current_device(), memset=memset,
+                       runtimeGetVersion=lambda: self.hip_version,
                        deviceSynchronize=lambda: None, hostAlloc=host_alloc,
                        freeHost=lambda p: self.calls.append(["freeHost", p]), hostAllocPortable=1, hostAllocMapped=2,
                        ipcGetMemHandle=ipc_get, ipcOpenMemHandle=ipc_open,
@@ -410,6 +400,15 @@ def _rank(rank: int, world_size: int, store: str, cache: str, out: str):
         record["normal"] = _family_calls(fake, NORMAL_CFG, rank)
         record["pull"] = _pull_calls(fake, PULL_CFG, rank)
         record["loads"] = [c[1:] for c in fake.calls if c[0] == "RawModule"]
+        record["refusals"] = []  # refused before anything is compiled, allocated or launched
+        wide = attrs.evolve(CFG, world_size=48, num_experts=48)
+        for cfg, version in ((wide, HIP_VERSION), (CFG, 60443483)):  # W = 48; ROCm 6.4 (HIP 6.4.43483)
+            fake.hip_version, before = version, len(fake.calls)
+            try:
+                EpDispatchCombine(cfg, virtual=True)
+            except (ValueError, RuntimeError) as e:
+                record["refusals"].append([type(e).__name__, str(e), fake.calls[before:]])
+        fake.hip_version = HIP_VERSION
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -446,12 +445,28 @@ def test_the_rocm_platform_and_arch_are_chosen(records):
 
 
 def test_only_calls_cupy_rocm_has_are_touched(records):
+    """Every name the op touched exists in the cupy-rocm-7-0 wheel and reaches HIP there
+    (``rocm_surface``: derived from the wheel), the loads included: ``RawModule(path=...)`` is
+    ``driver.moduleLoad`` / ``moduleGetFunction`` (cupy/cuda/function.pyx ``Module.load_file``)."""
     for r in records:
         cupy_names = {t for t in r["touched"] if t.startswith("cupy.")}
-        assert cupy_names <= HIP_SURFACE, sorted(cupy_names - HIP_SURFACE)
+        assert not [problem(n) for n in sorted(cupy_names) if problem(n)]
+        assert not problem("cupy.cuda.driver.moduleLoad") and not problem("cupy.cuda.driver.moduleGetFunction")
         assert not any(t.startswith("cupy.cuda.driver") for t in r["touched"])  # cupy_backends.cuda.api.driver
         assert r["modules"] == ["cupy"]  # the stand-in alone: nothing imported cupy_backends or a cupy submodule
         assert _calls(r, "hostAlloc") == [[2 * 4 * 4, HIP_HOST_MAPPED_PORTABLE]]  # flags HIP has
+
+
+def test_a_launch_argument_beyond_hips_limit_and_an_old_runtime_are_refused_before_any_work(records):
+    for r in records:
+        (wide, old) = r["refusals"]
+        assert wide == ["ValueError", "EpConfig.world_size=48: the launch argument (struct EpArgs, 88 x W + 24 = 4248 "
+                        "bytes) exceeds the 4096 bytes of kernel arguments epgen passes to a HIP launch; "
+                        "world_size <= 46 on ROCm", []]
+        kind, message, calls = old
+        assert (kind, calls) == ("RuntimeError", [])
+        assert message.startswith("HIP runtime 6.4.43483: epgen on gfx950 needs ROCm 7.0 or later (MI350X/MI355X: ")
+        assert "cupy.cuda.runtime.runtimeGetVersion" in r["touched"]
 
 
 def test_the_signal_words_are_a_separate_uncached_allocation_freed_at_close(records):

@@ -1,7 +1,8 @@
-"""Rounds of the expert layout shared by the GPU tests (tests/gpu/test_expert_layout.py and the
-pull dispatch's expert-layout test): random inputs with -1 slots, repeated and same-rank experts,
-the dispatch and its expansion checked bit for bit against ``epgen.reference`` (sets, counts,
-offsets, zero padding), and the weighted combine against ``reference.combine_weighted``."""
+"""Rounds of the expert layout on virtual ranks, shared by the GPU tests
+(tests/gpu/test_expert_layout.py and the pull dispatch's expert-layout test) and ``epgen selftest``:
+random inputs with -1 slots, repeated and same-rank experts, the dispatch and its expansion checked
+bit for bit against ``epgen.reference`` (sets, counts, offsets, zero padding), and the weighted
+combine against ``reference.combine_weighted``."""
 
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ from epgen.codegen.config import EpConfig, Geometry
 GEO = Geometry(blocks=8, warps_per_block=8, unroll=2)  # W x 8 blocks resident at once on one H200
 
 
-def _config(world_size, *, hidden=256, topk=4, experts_per_rank=3, tmax=96, alignment=16, **kw):
+def expert_config(world_size, *, hidden=256, topk=4, experts_per_rank=3, tmax=96, alignment=16, **kw):
+    """An expert-layout EpConfig of ``world_size`` ranks (``GEO`` for dispatch and combine; ``kw``
+    more EpConfig fields)."""
     return EpConfig(world_size=world_size, hidden=hidden, topk=topk, num_experts=world_size * experts_per_rank,
                     max_tokens_per_rank=tmax, layout="expert", expert_alignment=alignment, timeout_s=10.0,
                     dispatch_geometry=GEO, combine_geometry=GEO, **kw)
 
 
-def _op(cfg, validate=True):
+def expert_op(cfg, validate=True):
+    """``EpDispatchCombine(cfg)`` over virtual ranks of this GPU (W > 1)."""
     from epgen.op import EpDispatchCombine
 
     return EpDispatchCombine(cfg, virtual=cfg.world_size > 1, validate=validate)
@@ -29,7 +33,7 @@ def _lists(op, values):
     return values if op.virtual else values[0]
 
 
-def _inputs(cfg, tokens, seed, *, invalid=0.15, duplicates=0.2, local_pairs=0.3):
+def expert_inputs(cfg, tokens, seed, *, invalid=0.15, duplicates=0.2, local_pairs=0.3):
     """Per rank (x, weights, indices, scales) on the CPU: random bf16 (or fp8 codes) rows, random
     weights, ids with -1 slots, a slot repeating an earlier slot's expert, and a slot naming another
     expert of an earlier slot's rank."""
@@ -56,14 +60,16 @@ def _inputs(cfg, tokens, seed, *, invalid=0.15, duplicates=0.2, local_pairs=0.3)
     return out
 
 
-def _dispatch(op, cfg, inputs):
+def expert_dispatch(op, cfg, inputs):
+    """``op.dispatch`` of ``expert_inputs`` on the op's device; a list of one output per rank."""
     dev = op.device
     cols = [[t[i].to(dev) if t[i] is not None else None for t in inputs] for i in range(4)]
     outs = op.dispatch(*(_lists(op, c) for c in cols[:3]), _lists(op, cols[3]) if cfg.scale_bytes else None)
     return outs if op.virtual else [outs]
 
 
-def _reference(cfg, inputs):
+def expert_reference(cfg, inputs):
+    """(``reference.dispatch``'s receive rows, ``reference.expand``'s expert layout) per rank."""
     recv = reference.dispatch([t[0] for t in inputs], [t[1] for t in inputs], [t[2] for t in inputs],
                               experts_per_rank=cfg.experts_per_rank,
                               scales=[t[3] for t in inputs] if cfg.scale_bytes else None)
@@ -121,10 +127,18 @@ def _ys(op, cfg, want, perms, seed, zero_copy):
     return ref, mine
 
 
-def _round(op, cfg, tokens, seed, *, zero_copy=True):
-    inputs = _inputs(cfg, tokens, seed)
-    got = _dispatch(op, cfg, inputs)
-    recv, want = _reference(cfg, inputs)
+def run_expert_round(op, cfg, tokens, seed, *, zero_copy=True):
+    """One verified expert-layout round on virtual ranks: ``tokens`` [W] per rank; the dispatch's
+    groups, counts, offsets and padding bit for bit against ``reference.expand``, the weighted
+    combine bit for bit against ``reference.combine_weighted`` (``zero_copy``: y written into
+    ``op.combine_input``).
+
+    Raises:
+        AssertionError: any mismatch (naming the rank).
+    """
+    inputs = expert_inputs(cfg, tokens, seed)
+    got = expert_dispatch(op, cfg, inputs)
+    recv, want = expert_reference(cfg, inputs)
     perms = _check_layout(cfg, got, want)
     ref_y, ys = _ys(op, cfg, want, perms, seed + 1000, zero_copy)
     out = op.combine(_lists(op, ys))
