@@ -105,8 +105,10 @@ def _processes_body(rank, world_size):
     for family in sorted(hf_models.FAMILIES):
         model32 = hf_models.tiny_model(family, SEED).to("cuda")
         envelope, ref = hf_models.bf16_envelope(model32, PROMPT)
-        own = hf_models.prompt(10 + rank, batch=1, length=10 + 3 * rank)  # each rank its own batch
-        ref_own = hf_models.logits(model32, own)
+        # Each rank its own batch, of its own size; the bound is the model's own bf16 error on that
+        # batch, over at least 224 tokens (tests/hf_models.py: fewer let one router near-tie dominate).
+        own = hf_models.prompt(10 + rank, batch=4, length=56 + 2 * rank)
+        envelope_own, ref_own = hf_models.bf16_envelope(model32, own)
         eager = hf_models.eager_bf16(model32)
         ids = {"replicated": PROMPT[:1, :8], "owned": own[:, :8]}
         for layout in ("replicated", "owned"):
@@ -124,13 +126,14 @@ def _processes_body(rank, world_size):
                 error = relative_l2(out, ref)
             else:
                 error = relative_l2(hf_models.logits(model, own), ref_own)
-            verdict = hf_models.check_generation(hf_models.greedy(model, ids[layout]), eager_gen, envelope)
+            bound = envelope if layout == "replicated" else envelope_own
+            verdict = hf_models.check_generation(hf_models.greedy(model, ids[layout]), eager_gen, bound)
             ep.synchronize()
             dist.barrier()  # every peer is done with this rank's arena
             ep.close()
             print(f"{family} W={world_size} processes, {layout} tokens, rank {rank}: relative L2 {error:.3e} "
-                  f"(bound {2 * envelope:.3e}); generation {verdict}", flush=True)
-            assert error <= 2 * envelope, f"{family} {layout} rank {rank}: {error:.3e} > 2 x {envelope:.3e}"
+                  f"(bound {2 * bound:.3e}); generation {verdict}", flush=True)
+            assert error <= 2 * bound, f"{family} {layout} rank {rank}: {error:.3e} > 2 x {bound:.3e}"
 
 
 @pytest.mark.processes

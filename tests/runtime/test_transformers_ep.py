@@ -99,8 +99,10 @@ def _layouts_body(rank, world, store, family, result_dir):
     try:
         model32 = hf_models.tiny_model(family, SEED)
         envelope, ref_shared = hf_models.bf16_envelope(model32, PROMPT)
-        own_prompt = hf_models.prompt(10 + rank, batch=1, length=10 + 3 * rank)  # each rank its own batch
-        ref_own = hf_models.logits(model32, own_prompt)
+        # Each rank its own batch, of its own size; the bound is the model's own bf16 error on that
+        # batch, over at least 224 tokens (tests/hf_models.py: fewer let one router near-tie dominate).
+        own_prompt = hf_models.prompt(10 + rank, batch=4, length=56 + 2 * rank)
+        envelope_own, ref_own = hf_models.bf16_envelope(model32, own_prompt)
         model16 = copy.deepcopy(model32).to(torch.bfloat16)
         virtual, _ = ep_model(model32, world)
         expected_shared = hf_models.logits(virtual, PROMPT)
@@ -115,10 +117,12 @@ def _layouts_body(rank, world, store, family, result_dir):
                 out = hf_models.logits(model, PROMPT)
                 assert torch.equal(out, expected_shared), "replicated tokens must equal the virtual ranks' run"
                 error = relative_l2(out, ref_shared)
+                bound = envelope
             else:  # every rank its own tokens
                 error = relative_l2(hf_models.logits(model, own_prompt), ref_own)
-            lines.append(f"{layout} rank {rank}: {error:.3e} (bound {2 * envelope:.3e})")
-            assert error <= 2 * envelope, lines[-1]
+                bound = envelope_own
+            lines.append(f"{layout} rank {rank}: {error:.3e} (bound {2 * bound:.3e})")
+            assert error <= 2 * bound, lines[-1]
         with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
             f.write("\n".join(lines))
     finally:
