@@ -15,7 +15,8 @@ from epgen.codegen.arch import ARCHES
 from epgen.codegen.atomic import write_atomically
 from epgen.codegen import report
 from epgen.codegen.models import MODELS, model
-from epgen.codegen.offline import ToolchainMissing, compile_many, compiler_identity, toolchain_status
+from epgen.codegen.offline import (ToolchainMissing, compile_many, compile_offline, compiler_identity,
+                                   toolchain_status)
 from epgen.codegen.render import Source, render
 from epgen.codegen.dtypes import COMBINE_QUANTS
 from epgen.codegen.spec import KernelSpec, Op
@@ -89,11 +90,11 @@ REPORT_CSV = "report.csv"
 
 
 def render_files(specs: list[KernelSpec], with_report: bool = True, title: str = "epgen catalogue",
-                 on_done=None) -> dict[str, str]:
+                 on_done=None, compile_fn=compile_offline) -> dict[str, str]:
     """{relative path: text} for the sources of ``specs``, their manifest and, with
     ``with_report``, the resource report (REPORT.md, report.csv) from the offline compilers, so a
-    template change shows its register/LDS/occupancy change in review; ``on_done`` is called
-    after each compile.
+    template change shows its register/LDS/occupancy change in review; ``on_done`` and
+    ``compile_fn`` as ``report_rows``'s.
 
     Raises:
         epgen.codegen.offline.ToolchainMissing: ``with_report`` and an offline compiler is absent.
@@ -102,16 +103,18 @@ def render_files(specs: list[KernelSpec], with_report: bool = True, title: str =
     files = {f"{s.spec.arch}/{s.filename}": s.text for s in sources}
     files[MANIFEST] = manifest(sources)
     if with_report:
-        rows = report_rows(specs, on_done=on_done)
+        rows = report_rows(specs, on_done=on_done, compile_fn=compile_fn)
         files[REPORT_MD] = report.to_markdown(rows, f"{title}: resources per variant (clang 22 for gfx*, NVRTC for sm_90)")
         files[REPORT_CSV] = report.to_csv(rows)
     return files
 
 
-def report_rows(specs: list[KernelSpec], max_workers: int | None = None, on_done=None) -> list[dict]:
+def report_rows(specs: list[KernelSpec], max_workers: int | None = None, on_done=None,
+                compile_fn=compile_offline) -> list[dict]:
     """Compile ``specs`` offline and return the report rows (``codegen.report.rows``, each with
     the exact release of the compiler that made it: ``compiler_identity``); ``on_done`` is called
-    after each compile.
+    after each compile; ``compile_fn`` compiles one source as ``compile_offline`` does (the tests
+    pass one that reuses the run's earlier compiles).
 
     Raises:
         epgen.codegen.offline.ToolchainMissing: an offline compiler of one of the arches is absent.
@@ -122,7 +125,7 @@ def report_rows(specs: list[KernelSpec], max_workers: int | None = None, on_done
             raise ToolchainMissing(f"{arch}: {reason}")
     sources = [render(s) for s in specs]
     results = compile_many([(src.text, s.arch, src.entry) for s, src in zip(specs, sources)], max_workers=max_workers,
-                           on_done=on_done)
+                           on_done=on_done, compile_fn=compile_fn)
     return report.rows(specs, results, {arch: compiler_identity(arch) for arch in sorted({s.arch for s in specs})})
 
 

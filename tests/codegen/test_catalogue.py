@@ -8,14 +8,13 @@ import pytest
 
 from epgen.codegen.arch import ARCHES
 from epgen.codegen.catalogue import MANIFEST, catalogue_specs, check, render_files, write
-from epgen.codegen.offline import compile_many, toolchain_status
-from epgen.codegen.render import render
+from epgen.codegen.offline import toolchain_status
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_generated_is_fresh():
-    problems = check(ROOT / "generated", render_files(catalogue_specs()))
+def test_generated_is_fresh(compiles):
+    problems = check(ROOT / "generated", render_files(catalogue_specs(), compile_fn=compiles.compile_offline))
     assert not problems, f"generated/ is stale, run `epgen generate`: {problems[:5]}"
 
 
@@ -54,14 +53,13 @@ def test_stale_file_detected(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-def test_catalogue_compiles_without_scratch(arch):
+def test_catalogue_compiles_without_scratch(arch, compiles):
     reason = toolchain_status(arch)
     if reason:
         pytest.skip(reason)
-    sources = [render(s) for s in catalogue_specs(arches=(arch,))]
-    results = compile_many([(s.text, s.spec.arch, s.entry) for s in sources])
-    bad = [(s.entry, str(r) if isinstance(r, Exception) else f"scratch {r.scratch_bytes} spill {r.spill_bytes}")
-           for s, r in zip(sources, results) if isinstance(r, Exception) or not r.ok]
+    specs = catalogue_specs(arches=(arch,))
+    bad = [(s.name, str(r) if isinstance(r, Exception) else f"scratch {r.scratch_bytes} spill {r.spill_bytes}")
+           for s, r in zip(specs, compiles.resources(specs)) if isinstance(r, Exception) or not r.ok]
     assert not bad, bad
 
 
