@@ -399,13 +399,13 @@ def _check_catalogue(compiles, arch: str) -> None:
 
 
 def test_gfx950_catalogue_releases_wait_for_their_writeback(compiles):
-    """Every gfx950 kernel of the catalogue (both kernel families, every payload dtype and combine
-    wire)."""
+    """Every gfx950 kernel of the catalogue (every template path: both kernel families, every
+    payload dtype, combine wire, layout and transport)."""
     _check_catalogue(compiles, "gfx950")
 
 
 def test_gfx1250_releases_wait_for_their_writeback(compiles):
-    """gfx1250's own waits, on every gfx1250 kernel of the catalogue."""
+    """gfx1250's own waits, on every gfx1250 kernel of the catalogue (every template path)."""
     _check_catalogue(compiles, "gfx1250")
 
 
@@ -422,8 +422,9 @@ def test_gfx950_spin_loops_never_invalidate(compiles):
 
 def test_gfx1250_cache_ops_wait_as_the_table_says(compiles):
     """On every path through every gfx1250 kernel of the catalogue (every payload dtype, combine
-    wire and both families), the wave's stores complete before each system writeback and each
-    system invalidate completes before the next access (``gfx1250_cache_op_findings``)."""
+    wire, layout, transport and both families), the wave's stores complete before each system
+    writeback and each system invalidate completes before the next access
+    (``gfx1250_cache_op_findings``)."""
     bad = {}
     for entry, asm in _catalogue_assembly(compiles, "gfx1250"):
         found = gfx1250_cache_op_findings(asm)
