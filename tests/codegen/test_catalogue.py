@@ -22,7 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_generated_is_fresh(compiles):
-    problems = check(ROOT / "generated", render_files(catalogue_specs(), compile_fn=compiles.compile_offline))
+    specs = catalogue_specs()
+    compiles.resources(specs)  # the report's compiles, said on the terminal, for the later tests too
+    problems = check(ROOT / "generated", render_files(specs, compile_fn=compiles.compile_offline))
     assert not problems, f"generated/ is stale, run `epgen generate`: {problems[:5]}"
 
 
