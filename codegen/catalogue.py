@@ -1,4 +1,5 @@
-"""The committed catalogue: every model x arch x op, rendered into ``generated/``.
+"""The committed catalogue (``catalogue_specs``: every template path on every arch and the headline
+models' main variants), rendered into ``generated/``.
 
 ``write`` updates the directory (writing only files whose bytes changed and removing files the
 catalogue no longer lists); it touches only a directory that is new, empty of the files it would
@@ -13,11 +14,11 @@ from pathlib import Path
 
 from epgen.codegen.arch import ARCHES
 from epgen.codegen.atomic import write_atomically
-from epgen.codegen import report
-from epgen.codegen.models import MODELS, model
-from epgen.codegen.offline import ToolchainMissing, compile_many, compiler_identity, toolchain_status
+from epgen.codegen import coverage, report
+from epgen.codegen.models import model
+from epgen.codegen.offline import (ToolchainMissing, compile_many, compile_offline, compiler_identity,
+                                   toolchain_status)
 from epgen.codegen.render import Source, render
-from epgen.codegen.dtypes import COMBINE_QUANTS
 from epgen.codegen.spec import KernelSpec, Op
 from epgen.codegen.tuning import Geometry
 
@@ -58,30 +59,35 @@ def model_specs(name: str, arches=ARCHES, topk: int | None = None, **kw) -> list
     return shape_specs(hidden=m.hidden, topk=topk or m.topk, num_experts=m.num_experts, arches=arches, **kw)
 
 
-CATALOGUE_DTYPES = ("bf16", "fp8", "fp4")
-CATALOGUE_EXPERT_LAYOUT = ("deepseek-v3", 16)
+HEADLINE_MODELS = ("deepseek-v3", "qwen3-235b-a22b", "gpt-oss-120b")
+"""The models whose main variant the catalogue holds (``EpConfig``'s defaults: bf16 payload and
+wire, the rank layout, both kernel families, the tuning table's transport): deepseek-v3, the shape
+of every measurement and GPU test, and the hidden sizes (4096; 2880, not a power of two) and top-k
+(8; 4) of the other large models users run."""
+COVERAGE_MODEL = "deepseek-v3"
+"""The model whose kernels cover the template paths the headline variants leave out."""
+CATALOGUE_EXPERT_LAYOUT = (COVERAGE_MODEL, 16)
 """The model and expert alignment whose expert-layout kernels the catalogue holds (16: what
 torch's grouped GEMM reads best, README "Expert layout")."""
 
 
-def catalogue_specs(models=None, arches=ARCHES, dtypes=CATALOGUE_DTYPES) -> list[KernelSpec]:
-    """The committed catalogue (W = 8, Tmax = 4096, table geometry, EpConfig's default
-    kernel_family "auto": both families' kernels): for every model and arch, dispatch of every
-    payload dtype, the bf16-wire combine and the combine of every quantized wire
-    (``COMBINE_QUANTS``; the combine kernels of both families), the pull dispatch's two kernels
-    (``dispatch_transport="pull"``) of every payload dtype, in a fixed order without repeats;
-    then the bf16 expert layout of ``CATALOGUE_EXPERT_LAYOUT`` (when that model is among ``models``)."""
-    specs = []
-    for name in models or MODELS:
-        specs += [s for d in dtypes for s in model_specs(name, arches, dtype=d)]
-        specs += [s for q in COMBINE_QUANTS if q != "none"
-                  for s in model_specs(name, arches, combine_quant=q) if s.op.transport is Op.COMBINE]
-        specs += [s for d in dtypes for s in model_specs(name, arches, dtype=d, dispatch_transport="pull")
-                  if s.op is Op.DISPATCH_PULL or s.transport == "pull"]
+def catalogue_specs(arches=ARCHES) -> list[KernelSpec]:
+    """The committed catalogue's kernels of ``arches`` (W = 8, Tmax = 4096, table geometry): the
+    main variant of each of ``HEADLINE_MODELS``, then the fewest kernels of ``COVERAGE_MODEL``'s
+    configurations (``coverage.space``, the expert layout at ``CATALOGUE_EXPERT_LAYOUT``'s
+    alignment) that add every template path the headline variants lack (``coverage.cover``), so
+    that on every arch each kernel kind takes each of its payload dtypes or combine wires, layouts
+    and transports at least once. Ordered by arch (``ARCHES``) and kind (``Op``), the headline
+    variants first; computed for every arch, then filtered, so a subset lists the same kernels as
+    the whole. Any other shape or variant is ``epgen generate --model/--hidden ... -o DIR``."""
+    headline = [s for name in HEADLINE_MODELS for s in model_specs(name)]
     name, alignment = CATALOGUE_EXPERT_LAYOUT
-    if name in (models or MODELS) and "bf16" in dtypes:
-        specs += model_specs(name, arches, layout="expert", expert_alignment=alignment)
-    return list(dict.fromkeys(specs))
+    space = coverage.space(name, world_size=CATALOGUE_WORLD_SIZE, max_tokens_per_rank=CATALOGUE_MAX_TOKENS,
+                           expert_alignment=alignment)
+    specs = list(dict.fromkeys(headline + coverage.cover(space, coverage.items(headline))))
+    kinds = list(Op)
+    specs.sort(key=lambda s: (ARCHES.index(s.arch), kinds.index(s.op)))
+    return [s for s in specs if s.arch in arches]
 
 
 REPORT_MD = "REPORT.md"
@@ -89,11 +95,11 @@ REPORT_CSV = "report.csv"
 
 
 def render_files(specs: list[KernelSpec], with_report: bool = True, title: str = "epgen catalogue",
-                 on_done=None) -> dict[str, str]:
+                 on_done=None, compile_fn=compile_offline) -> dict[str, str]:
     """{relative path: text} for the sources of ``specs``, their manifest and, with
     ``with_report``, the resource report (REPORT.md, report.csv) from the offline compilers, so a
-    template change shows its register/LDS/occupancy change in review; ``on_done`` is called
-    after each compile.
+    template change shows its register/LDS/occupancy change in review (REPORT.md opens with a
+    summary per kernel kind); ``on_done`` and ``compile_fn`` as ``report_rows``'s.
 
     Raises:
         epgen.codegen.offline.ToolchainMissing: ``with_report`` and an offline compiler is absent.
@@ -102,16 +108,18 @@ def render_files(specs: list[KernelSpec], with_report: bool = True, title: str =
     files = {f"{s.spec.arch}/{s.filename}": s.text for s in sources}
     files[MANIFEST] = manifest(sources)
     if with_report:
-        rows = report_rows(specs, on_done=on_done)
+        rows = report_rows(specs, on_done=on_done, compile_fn=compile_fn)
         files[REPORT_MD] = report.to_markdown(rows, f"{title}: resources per variant (clang 22 for gfx*, NVRTC for sm_90)")
         files[REPORT_CSV] = report.to_csv(rows)
     return files
 
 
-def report_rows(specs: list[KernelSpec], max_workers: int | None = None, on_done=None) -> list[dict]:
+def report_rows(specs: list[KernelSpec], max_workers: int | None = None, on_done=None,
+                compile_fn=compile_offline) -> list[dict]:
     """Compile ``specs`` offline and return the report rows (``codegen.report.rows``, each with
     the exact release of the compiler that made it: ``compiler_identity``); ``on_done`` is called
-    after each compile.
+    after each compile; ``compile_fn`` compiles one source as ``compile_offline`` does (the tests
+    pass one that reuses the run's earlier compiles).
 
     Raises:
         epgen.codegen.offline.ToolchainMissing: an offline compiler of one of the arches is absent.
@@ -122,7 +130,7 @@ def report_rows(specs: list[KernelSpec], max_workers: int | None = None, on_done
             raise ToolchainMissing(f"{arch}: {reason}")
     sources = [render(s) for s in specs]
     results = compile_many([(src.text, s.arch, src.entry) for s, src in zip(specs, sources)], max_workers=max_workers,
-                           on_done=on_done)
+                           on_done=on_done, compile_fn=compile_fn)
     return report.rows(specs, results, {arch: compiler_identity(arch) for arch in sorted({s.arch for s in specs})})
 
 

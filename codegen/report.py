@@ -40,16 +40,48 @@ def rows(specs: list[KernelSpec], results: list, compilers: dict[str, str] | Non
 
 
 def to_markdown(report_rows: list[dict], title: str) -> str:
-    """A Markdown table (stable text: committed beside the catalogue)."""
+    """Markdown (stable text: committed beside the catalogue): the title, a summary of one row per
+    kernel kind (``summary``), then a table of every kernel."""
     head = ("arch", "op", "entry", "VGPRs/regs", "AGPRs", "SGPRs", "scratch B", "spill B", "LDS/shared B",
             "occupancy", "status")
-    lines = [f"# {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [f"# {title}", "", *summary(report_rows), "", "## Every kernel", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report_rows:
         occ = f"{r['occupancy']} {r['occupancy_unit']}" if r["occupancy"] is not None else ""
         lines.append("| " + " | ".join("" if x is None else str(x) for x in (r["arch"], r["op"], f"`{r['entry']}`", r["registers"],
                                                         r["agprs"], r["sgprs"], r["scratch_bytes"], r["spill_bytes"],
                                                         r["shared_bytes"], occ, r["status"])) + " |")
     return "\n".join(lines) + "\n"
+
+
+def summary(report_rows: list[dict]) -> list[str]:
+    """Markdown lines: how many kernels are not ok, then a table of one row per kernel kind (in
+    ``Op`` order) and one column per arch (in the rows' order) whose cell reads ``N: R regs, S B,
+    occ O``: the kind's kernels on the arch, their VGPRs/registers (min-max), their most LDS/shared
+    bytes and their lowest occupancy, then how many are not ok."""
+    arches = list(dict.fromkeys(r["arch"] for r in report_rows))
+    kinds = [op.value for op in Op if any(r["op"] == op.value for r in report_rows)]
+    bad = [r for r in report_rows if r["status"] != "ok"]
+    lines = [f"{len(report_rows)} kernels, " + (f"{len(bad)} not ok (compile error, scratch or spill: status below)"
+                                              if bad else "every one ok (no compile error, scratch or spill)") + ". "
+             "Per kind and arch: kernels, VGPRs/registers, most LDS/shared bytes, lowest occupancy (waves per SIMD "
+             "on AMD, blocks per SM on NVIDIA).", "",
+             "| kind | " + " | ".join(arches) + " |", "|" + "---|" * (len(arches) + 1)]
+    for kind in kinds:
+        cells = []
+        for arch in arches:
+            rows = [r for r in report_rows if r["op"] == kind and r["arch"] == arch]
+            ok = [r for r in rows if r["registers"] is not None]
+            cell = f"{len(rows)}" if rows else ""
+            if ok:
+                regs = sorted(r["registers"] for r in ok)
+                span = f"{regs[0]}" if regs[0] == regs[-1] else f"{regs[0]}-{regs[-1]}"
+                occ = [r["occupancy"] for r in ok if r["occupancy"] is not None]
+                cell += f": {span} regs, {max(r['shared_bytes'] for r in ok)} B" + (f", occ {min(occ)}" if occ else "")
+            failed = sum(r["status"] != "ok" for r in rows)
+            cells.append(cell + (f", {failed} not ok" if failed else ""))
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def to_csv(report_rows: list[dict]) -> str:

@@ -14,7 +14,8 @@ Both compile with the runtime's options (``RUNTIME_OPTIONS`` plus what CuPy appe
 the ahead-of-time cache under ``code_object_key`` (text, options and ``compiler_identity``);
 ``code_object_problem`` (``elf``) checks one before it is cached or loaded; an AMD one must be
 code object version ``clang_amd.CODE_OBJECT_VERSION``. ``compile_as_hiprtc`` compiles an AMD source
-as CuPy-ROCm's hiprtc would (its default options first, the HIP runtime predefined).
+as CuPy-ROCm's hiprtc would (its default options first, the HIP runtime predefined);
+``compile_assembly`` returns an AMD compile's assembly with its resources.
 
 Sources must be self-contained: no GPU runtime headers are on the include path.
 """
@@ -35,7 +36,7 @@ from epgen.codegen.spec import sha256_key
 
 __all__ = [
     "RUNTIME_ADDED_OPTIONS", "CodeObject", "CompileError", "Resources", "ToolchainMissing", "code_object_key",
-    "code_object_options", "code_object_problem", "compile_as_hiprtc", "compile_code_object", "compile_many",
+    "code_object_options", "code_object_problem", "compile_as_hiprtc", "compile_assembly", "compile_code_object", "compile_many",
     "compile_offline", "compile_options", "compiler_identity", "toolchain_status",
 ]
 
@@ -213,6 +214,27 @@ def compile_offline(text: str, arch: str, entry: str) -> Resources:
     return _toolchain(arch).compile_kernel(text, traits(arch), entry, False)[0]
 
 
+def compile_assembly(text: str, arch: str, entry: str) -> tuple[Resources, str]:
+    """Compile AMD kernel source ``text`` for ``arch`` as ``compile_offline`` does and return
+    ``entry``'s resources with the assembly they are read from (one clang run for both).
+
+    Raises:
+        ValueError: ``arch`` is not a known AMD target.
+        ToolchainMissing: clang is not installed.
+        CompileError: clang rejected ``text``, or ``entry`` is not a kernel in its output.
+    """
+    t = _amd_traits(arch, "compile_assembly")
+    _require_toolchain(arch)
+    return clang_amd.compile_assembly(text, t, entry)
+
+
+def _amd_traits(arch: str, name: str):
+    t = traits(arch)
+    if t.vendor != "amd":
+        raise ValueError(f"arch={arch!r}: {name} needs an AMD target (vendor 'amd'), not {t.vendor!r}")
+    return t
+
+
 def compile_as_hiprtc(text: str, arch: str, entry: str) -> Resources:
     """Compile AMD kernel source ``text`` for ``arch`` as CuPy-ROCm's hiprtc would and report
     ``entry``'s resources: hiprtc's defaults (``clang_amd.HIPRTC_DEFAULTS``) before the runtime's
@@ -228,9 +250,7 @@ def compile_as_hiprtc(text: str, arch: str, entry: str) -> Resources:
             ``shared/vendor/hip-headers`` beside the checkout).
         CompileError: clang rejected ``text``, or ``entry`` is not a kernel in its output.
     """
-    t = traits(arch)
-    if t.vendor != "amd":
-        raise ValueError(f"arch={arch!r}: compile_as_hiprtc needs an AMD target (vendor 'amd'), not {t.vendor!r}")
+    t = _amd_traits(arch, "compile_as_hiprtc")
     _require_toolchain(arch)
     return clang_amd.compile_as_hiprtc(text, t, entry)
 

@@ -95,13 +95,23 @@ def compile_kernel(text: str, t: ArchTraits, entry: str, code_object: bool) -> t
     Raises:
         CompileError: a step failed, or ``entry`` is not a kernel of the assembly.
     """
-    return _compile(text, t, entry, compile_options(t), code_object)
+    return _compile(text, t, entry, compile_options(t), code_object)[:2]
+
+
+def compile_assembly(text: str, t: ArchTraits, entry: str) -> tuple[Resources, str]:
+    """``compile_kernel`` without the code object: the resources and the assembly they come from.
+
+    Raises:
+        CompileError: clang failed, or ``entry`` is not a kernel of the assembly.
+    """
+    resources, _, asm = _compile(text, t, entry, compile_options(t), False)
+    return resources, asm
 
 
 def _compile(text: str, t: ArchTraits, entry: str, options: tuple[str, ...], code_object: bool,
-             beside: dict[str, str] | None = None) -> tuple[Resources, bytes | None]:
-    """``compile_kernel`` with the compile step's ``options``; ``beside`` maps file names to the
-    texts written next to the source (the compile's working directory)."""
+             beside: dict[str, str] | None = None) -> tuple[Resources, bytes | None, str]:
+    """``compile_kernel`` with the compile step's ``options``, and the assembly; ``beside`` maps
+    file names to the texts written next to the source (the compile's working directory)."""
     arch = t.name
     image = None
     with tempfile.TemporaryDirectory(prefix="epgen-offline-") as tmp:
@@ -139,7 +149,7 @@ def _compile(text: str, t: ArchTraits, entry: str, options: tuple[str, ...], cod
         spill_bytes=4 * (int(meta[".vgpr_spill_count"]) + int(meta[".sgpr_spill_count"])),
         shared_bytes=int(meta[".group_segment_fixed_size"]),
         wave_size=int(meta[".wavefront_size"]),
-    ), image
+    ), image, asm
 
 
 HIPRTC_DEFAULTS = ("-O3", "-mcumode", "-std=c++14")

@@ -27,21 +27,14 @@ their successors, not just straight-line text).
 
 from __future__ import annotations
 
-import functools
 import re
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import attrs
 import pytest
 
 from epgen.codegen.catalogue import catalogue_specs
-from epgen.codegen.offline import compile_many, compile_options, toolchain_status
+from epgen.codegen.offline import compile_assembly, toolchain_status
 from epgen.codegen.render import render
-
-_CLANG = (sys.executable, "-m", "ziglang", "clang")
 
 # VMEM stores and atomics, the instructions a release orders after its writeback.
 _STORE_OR_ATOMIC = re.compile(r"^(?:global|flat|buffer|scratch)_(?:store|atomic)\w*$")
@@ -270,14 +263,8 @@ def gfx1250_cache_op_findings(asm: str) -> list[tuple[int, str]]:
 
 
 def assembly(text: str, arch: str, entry: str) -> str:
-    """Assembly of ``text`` for ``arch`` as the offline compile builds it (``compile_options``)."""
-    with tempfile.TemporaryDirectory(prefix="epgen-asm-") as tmp:
-        Path(tmp, "k.hip").write_text(text)
-        proc = subprocess.run([*_CLANG, *compile_options(arch), "-S", "k.hip", "-o", "k.s"],
-                              cwd=tmp, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(f"arch={arch} entry={entry}: clang failed: {proc.stderr[-2000:]}")
-        return Path(tmp, "k.s").read_text()
+    """Assembly of ``text`` for ``arch`` as the offline compile builds it (``compile_assembly``)."""
+    return compile_assembly(text, arch, entry)[1]
 
 
 def test_scanner_flags_a_store_before_the_wait():
@@ -388,21 +375,19 @@ def test_gfx1250_cache_op_scan():
     assert gfx1250_cache_op_findings(asm) == [(3, "writeback"), (9, "after invalidate"), (14, "writeback")]
 
 
-@functools.lru_cache(maxsize=None)
-def _catalogue_assembly(arch: str, models: tuple[str, ...] | None) -> tuple[tuple[str, str], ...]:
-    """``(entry, assembly)`` of every catalogue kernel of ``arch`` (of ``models``; None: all)."""
-    sources = [render(s) for s in catalogue_specs(models=None if models is None else list(models), arches=(arch,))]
-    assert sources, arch
-    results = compile_many([(src.text, arch, src.entry) for src in sources], compile_fn=assembly)
-    return tuple((src.entry, asm) for src, asm in zip(sources, results))
-
-
-def _check_catalogue(arch: str, models=None) -> None:
+def _catalogue_assembly(compiles, arch: str) -> list[tuple[str, str]]:
+    """``(entry, assembly)`` of every catalogue kernel of ``arch`` (compiled once a run: ``compiles``)."""
     reason = toolchain_status(arch)
     if reason:
         pytest.skip(reason)
+    specs = catalogue_specs(arches=(arch,))
+    assert specs, arch
+    return [(s.name, asm) for s, asm in zip(specs, compiles.assembly(specs))]
+
+
+def _check_catalogue(compiles, arch: str) -> None:
     bad = {}
-    for entry, asm in _catalogue_assembly(arch, None if models is None else tuple(models)):
+    for entry, asm in _catalogue_assembly(compiles, arch):
         covered, findings = scan(asm, RULES[arch])
         # every kernel but expand, fold and the combine's quantize kernel publishes at least one
         # flag or fault record with a release (those three run between kernels of one stream and
@@ -413,41 +398,35 @@ def _check_catalogue(arch: str, models=None) -> None:
     assert not bad, bad
 
 
-def test_gfx950_catalogue_releases_wait_for_their_writeback():
-    """Every gfx950 kernel of the catalogue (207 sources, both kernel families, about 21 s on 2 cores)."""
-    _check_catalogue("gfx950")
+def test_gfx950_catalogue_releases_wait_for_their_writeback(compiles):
+    """Every gfx950 kernel of the catalogue (every template path: both kernel families, every
+    payload dtype, combine wire, layout and transport)."""
+    _check_catalogue(compiles, "gfx950")
 
 
-def test_gfx1250_releases_wait_for_their_writeback():
-    """gfx1250's own waits, on one model's kernels (every payload dtype and combine wire; the
-    whole gfx1250 catalogue, 721 writebacks, passed when this test was written; with both kernel
-    families, 207 sources and 993 writebacks, it passed again with the low-latency poll fix)."""
-    _check_catalogue("gfx1250", models=["deepseek-v3"])
+def test_gfx1250_releases_wait_for_their_writeback(compiles):
+    """gfx1250's own waits, on every gfx1250 kernel of the catalogue (every template path)."""
+    _check_catalogue(compiles, "gfx1250")
 
 
-def test_gfx950_spin_loops_never_invalidate():
+def test_gfx950_spin_loops_never_invalidate(compiles):
     """No loop of a gfx950 catalogue kernel holds a ``buffer_inv``: the spin-waits poll with
     relaxed loads and acquire once after the loop (every kernel has a spin-wait loop)."""
-    reason = toolchain_status("gfx950")
-    if reason:
-        pytest.skip(reason)
     bad = {}
-    for entry, asm in _catalogue_assembly("gfx950", None):
+    for entry, asm in _catalogue_assembly(compiles, "gfx950"):
         found = invalidates_in_loops(asm)
         if found or not loops(asm):
             bad[entry] = dict(loops=len(loops(asm)), invalidates=found[:4])
     assert not bad, bad
 
 
-def test_gfx1250_cache_ops_wait_as_the_table_says():
-    """On every path through every gfx1250 kernel of one model (every payload dtype, combine wire
-    and both families), the wave's stores complete before each system writeback and each system
-    invalidate completes before the next access (``gfx1250_cache_op_findings``)."""
-    reason = toolchain_status("gfx1250")
-    if reason:
-        pytest.skip(reason)
+def test_gfx1250_cache_ops_wait_as_the_table_says(compiles):
+    """On every path through every gfx1250 kernel of the catalogue (every payload dtype, combine
+    wire, layout, transport and both families), the wave's stores complete before each system
+    writeback and each system invalidate completes before the next access
+    (``gfx1250_cache_op_findings``)."""
     bad = {}
-    for entry, asm in _catalogue_assembly("gfx1250", ("deepseek-v3",)):
+    for entry, asm in _catalogue_assembly(compiles, "gfx1250"):
         found = gfx1250_cache_op_findings(asm)
         if found:
             bad[entry] = dict(count=len(found), first=found[:4])
@@ -455,14 +434,11 @@ def test_gfx1250_cache_ops_wait_as_the_table_says():
 
 
 @pytest.mark.parametrize("arch,acquire", [("gfx950", r"buffer_inv sc0 sc1"), ("gfx1250", r"global_inv scope:SCOPE_SYS")])
-def test_the_pull_dispatch_acquires_at_system_scope_before_its_first_peer_load(arch, acquire):
+def test_the_pull_dispatch_acquires_at_system_scope_before_its_first_peer_load(compiles, arch, acquire):
     """The pull kernel reads its sources' rows, published before done flags that the kernel before
     it acquired: on AMD the kernel's start acquire is agent scope, so each wave acquires at system
     scope before its first 16-byte load (``ep_acquire_published_rows``)."""
-    reason = toolchain_status(arch)
-    if reason:
-        pytest.skip(reason)
-    pulls = [(entry, asm) for entry, asm in _catalogue_assembly(arch, ("deepseek-v3",))
+    pulls = [(entry, asm) for entry, asm in _catalogue_assembly(compiles, arch)
              if entry.startswith("epgen_dispatch_pull_")]
     assert pulls
     for entry, asm in pulls:

@@ -121,6 +121,19 @@ def test_entry_picked_among_several(arch: str) -> None:
     assert compile_offline(text, arch, "spilly").scratch_bytes > 0
 
 
+def test_assembly_of_an_amd_compile_with_its_resources(arch: str) -> None:
+    """``compile_assembly``: one clang run gives the resources ``compile_offline`` reports and the
+    assembly they are read from; AMD targets only."""
+    text = _valid(arch)
+    if traits(arch).vendor != "amd":
+        with pytest.raises(ValueError, match=rf"arch='{arch}': compile_assembly needs an AMD target"):
+            offline.compile_assembly(text, arch, "k")
+        return
+    resources, asm = offline.compile_assembly(text, arch, "k")
+    assert resources == compile_offline(text, arch, "k")
+    assert "\nk:" in asm and ".amdgpu_metadata" in asm
+
+
 def test_missing_entry_raises(arch: str) -> None:
     with pytest.raises(CompileError, match=rf"arch={arch} entry=absent: entry not found.*'k'"):
         compile_offline(_valid(arch), arch, "absent")
