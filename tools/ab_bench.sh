@@ -20,7 +20,7 @@ for r in $(seq 1 "${AB_ROUNDS:-2}"); do
     tag=$(echo "$t" | tr '/.' '__')
     for w in ${AB_WORLDS:-1 2}; do
       (cd /tmp && PYTHONPATH="/tmp/ab/$tag" timeout 300 python -m epgen bench --world-size $w $([ $w -gt 1 ] && echo --virtual) \
-        --tokens ${AB_TOKENS:-1 128 4096} --routing uniform --iters 50 -o "$OUT/ab-r$r$tag-w$w" --quiet) >/dev/null 2>>"$OUT/ab.err"
+        --tokens ${AB_TOKENS:-1 128 4096} --routing uniform --iters 50 -o "$OUT/ab-r$r$tag-w$w") >/dev/null 2>>"$OUT/ab.err"
       python - "$OUT/ab-r$r$tag-w$w.csv" "$r" "$t" "$w" <<'PY'
 import csv, sys
 path, r, t, w = sys.argv[1:]
