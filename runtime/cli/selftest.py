@@ -31,6 +31,7 @@ from pathlib import Path
 import attrs
 
 from epgen.codegen.config import EpConfig
+from epgen.codegen.dtypes import COMBINE_QUANTS
 
 HIDDEN, TOPK, EXPERTS_PER_RANK, MAX_TOKENS = 1024, 4, 4, 64
 """The shape of every rank-layout case: small, so compiles dominate and every case finishes in
@@ -100,8 +101,7 @@ def _cases() -> tuple[Case, ...]:
     rank = [Case("normal", "rank", "push", "bf16", "none", **v2, timed=True)]
     rank += [Case("normal", "rank", "push", d, "none", **v2) for d in ("fp8", "fp4")]
     rank += [Case("normal", "rank", "pull", d, "none", **v2) for d in ("bf16", "fp4")]
-    rank += [Case("normal", "rank", "push", "bf16", w, **v2) for w in ("fp8_direct_cast", "fp8_blockwise",
-                                                                       "fp4_blockwise")]
+    rank += [Case("normal", "rank", "push", "bf16", w, **v2) for w, q in COMBINE_QUANTS.items() if q.quantized]
     low = [Case("low_latency", "rank", "push", "bf16", "none", **v2, timed=True),
            Case("low_latency", "rank", "push", "bf16", "none", **v2, split=True),
            Case("low_latency", "rank", "push", "fp8", "none", **v2),
