@@ -52,6 +52,16 @@ def test_generated_covers_every_template_path():
     assert not missing, f"{len(missing)} template paths missing from generated/, e.g. {missing[:5]}"
 
 
+def test_generated_holds_only_what_its_manifest_lists():
+    """``epgen generate`` removes only the sources its old manifest listed (``catalogue.write``), so a
+    source left by another branch's manifest (a merge) would stay unseen by ``--check``: every file
+    of the committed arch folders must be one the manifest lists."""
+    listed = {row["file"] for row in json.loads((ROOT / "generated" / MANIFEST).read_text())["sources"]}
+    present = {f"{d.name}/{f.name}" for d in (ROOT / "generated").iterdir() if d.is_dir() for f in d.iterdir()}
+    assert not present - listed, f"{len(present - listed)} files in generated/ the manifest does not list, e.g. " \
+                                 f"{sorted(present - listed)[:3]}: remove them"
+
+
 def test_the_catalogue_adds_the_fewest_kernels_to_the_headline_variants():
     """Beyond the headline variants, each (arch, kind) takes one kernel per missing value of the
     feature with the most missing values: no cover can take fewer (a kernel adds one value of
