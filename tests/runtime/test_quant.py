@@ -157,6 +157,36 @@ def test_fp8_encode_saturates_and_maps_nan():
     assert fp8_e4m3_encode(x).shape == (2, 2)
 
 
+def test_fp8_e4m3fnuz_all_256_codes_decode_and_round_trip():
+    """gfx942's flavour (ArchTraits.fp8 = "e4m3fnuz"): every code decodes as torch.float8_e4m3fnuz
+    does, bit for bit, 0x80 alone is NaN, and encode(decode(c)) is c for every other code."""
+    ours = fp8_e4m3_decode(ALL_CODES, "e4m3fnuz")
+    ref = ALL_CODES.view(torch.float8_e4m3fnuz).float()
+    assert ours.isnan().nonzero().flatten().tolist() == [0x80] and ref.isnan().nonzero().flatten().tolist() == [0x80]
+    fin = ~ref.isnan()
+    assert torch.equal(bits(ours[fin]), bits(ref[fin]))
+    assert ours[0x7F].item() == 240.0 and ours[0xFF].item() == -240.0 and ours[0x01].item() == 2.0**-10
+    assert ours[0x40].item() == 1.0 and ours[0x08].item() == 2.0**-7
+    codes = ALL_CODES[fin]
+    assert torch.equal(fp8_e4m3_encode(ours[fin], "e4m3fnuz"), codes)
+    assert torch.equal(fp8_e4m3_encode(ours[fin].to(torch.bfloat16), "e4m3fnuz"), codes)
+
+
+def test_fp8_e4m3fnuz_encode_matches_torch_on_dense_sweep():
+    """Inside [-240, 240] the encoder is torch's cast to float8_e4m3fnuz (round to nearest even,
+    -0.0 and negatives rounding to zero give 0x00); past it, NaN and -0.0 as documented."""
+    top = bits(f32([240.0])).item()
+    pos = torch.arange(0, top + 1, 127, dtype=torch.int32).view(torch.float32)
+    x = torch.cat([pos, -pos, f32([240.0, -240.0, 0.0, -0.0, -1e-30])])
+    assert torch.equal(fp8_e4m3_encode(x, "e4m3fnuz"), x.to(torch.float8_e4m3fnuz).view(U8))
+    big = f32([240.0001, 247.9, 248.0, 1e6, math.inf])
+    assert fp8_e4m3_encode(big, "e4m3fnuz").tolist() == [0x7F] * 5
+    assert fp8_e4m3_encode(-big, "e4m3fnuz").tolist() == [0xFF] * 5
+    assert fp8_e4m3_encode(f32([math.nan, -math.nan, -0.0]), "e4m3fnuz").tolist() == [0x80, 0x80, 0x00]
+    with pytest.raises(ValueError, match=r"fp8='e5m2': unknown fp8 flavour; known: e4m3fn, e4m3fnuz"):
+        fp8_e4m3_encode(x, "e5m2")
+
+
 def test_fp8_element_error_bound():
     g = torch.Generator().manual_seed(7)
     x = torch.randn(200_000, generator=g) * 10 ** (torch.rand(200_000, generator=g) * 6 - 4)
