@@ -13,6 +13,15 @@ are leads, not measurements.
 The ELF target numbers (``elf_mach``) are LLVM's ``EF_AMDGPU_MACH_AMDGCN_GFX950`` (0x04f) and
 ``..._GFX1250`` (0x049) and the ``EF_CUDA_SM`` value 90 (llvm/BinaryFormat/ELF.h), as found in
 the code objects clang 22 and NVRTC 13.5 write.
+gfx942 (MI300X/MI325X, CDNA3): wave64; 64 KiB LDS per CU; 304 CUs on MI300X; 512 unified
+VGPRs per SIMD lane, architectural and accumulation registers together, allocated in units of 8,
+at most 8 waves per SIMD, 4 SIMDs per CU (AMD's "AMD Instinct MI300 series microarchitecture" page
+of the ROCm documentation and the AMD CDNA3 ISA reference guide; LLVM AMDGPUUsage's processor
+table lists gfx942 as a wave64 GFX9 target with the unified register file of gfx90a). Its fp8 is
+the CDNA3 ISA's e4m3fnuz (``FP8_FLAVOURS``), and its memory model is LLVM AMDGPUUsage's "Memory
+Model GFX942" table, the one gfx950 follows, so ``release_needs_explicit_wait`` holds there too.
+``EF_AMDGPU_MACH_AMDGCN_GFX942`` is 0x04c (llvm/BinaryFormat/ELF.h; tests/codegen/test_offline.py
+reads it from the code objects clang writes).
 The AMD steady counter (``s_memrealtime`` / ``__builtin_readsteadycounter``) runs at 100 MHz on
 CDNA3/CDNA4 and gfx12 parts (LLVM AMDGPU usage notes); sm_90 reads ``%globaltimer`` in ns.
 """
@@ -37,7 +46,7 @@ class ArchTraits:
         code_object_suffix: file suffix of compiled code objects in the ahead-of-time cache
             (``.hsaco`` for AMD code objects, ``.cubin`` for NVIDIA CUBINs).
         elf_mach: the target number an ELF code object for this arch carries in ``e_flags``
-            (AMD ``EF_AMDGPU_MACH_*``: 0x04f gfx950, 0x049 gfx1250; NVIDIA ``EF_CUDA_SM``: 90),
+            (AMD ``EF_AMDGPU_MACH_*``: 0x04c gfx942, 0x04f gfx950, 0x049 gfx1250; NVIDIA ``EF_CUDA_SM``: 90),
             checked before a cached code object is loaded.
         runtime_compiler: what CuPy uses at runtime (``hiprtc`` or ``nvrtc``).
         offload_arch: the name the compiler takes (``--offload-arch`` / ``--gpu-architecture``).
@@ -45,13 +54,13 @@ class ArchTraits:
         shared_bytes_per_block: shared memory / LDS a block may use, bytes.
         steady_clock_hz: frequency of the clock the bounded spin-waits read, Hz.
         fp8: the target's fp8 e4m3 flavour, a key of ``epgen.codegen.dtypes.FP8_FLAVOURS``
-            (``e4m3fn`` on all three; gfx942's would be ``e4m3fnuz``): the torch dtype of fp8
+            (``e4m3fnuz`` on gfx942, ``e4m3fn`` on the others): the torch dtype of fp8
             payloads there (``KernelSpec.dtype_info``) and the numbers its combine wire codec
             prints (``KernelSpec.template_vars``'s ``wire_element``).
         hw_fp8_convert: the combine wire encodes and decodes fp8 e4m3 with the platform's
             ``ep_e4m3x2_hw`` / ``ep_e4m3x2_decode_hw`` (sm_90: ``cvt.rn.satfinite.e4m3x2.f32``,
             ``cvt.rn.f16x2.e4m3x2``); otherwise with the bit-exact software encoder and decoder
-            of common/wire/_codec.j2. gfx950 and gfx1250
+            of common/wire/_codec.j2. gfx942, gfx950 and gfx1250
             have converts too, but their rounding and saturation were not verified on hardware
             here, so they take the software path. fp4 is software everywhere (sm_90 has no
             e2m1 convert).
@@ -73,7 +82,7 @@ class ArchTraits:
             GFX950 follows; rows "store atomic release", "fence release" and "fence acq_rel",
             system scope) requires ``buffer_wbl2 sc0 sc1``, then ``s_waitcnt vmcnt(0)``, then the
             store or ``buffer_inv sc0 sc1``; clang 22.1.8 omits the wait when the wave has
-            nothing else in flight (llvm/llvm-project#178316). True on gfx950; False on gfx1250,
+            nothing else in flight (llvm/llvm-project#178316). True on gfx942 and gfx950; False on gfx1250,
             whose ``global_wb scope:SCOPE_SYS`` clang follows with ``s_wait_storecnt 0`` itself
             (its platform branch writes out the other waits of the "Memory Model GFX125x"
             table, before that writeback and after ``global_inv``, which clang 22.1.8 omits;
@@ -113,6 +122,15 @@ class ArchTraits:
 ARCH_TRAITS: dict[str, ArchTraits] = {
     t.name: t
     for t in (
+        ArchTraits(
+            name="gfx942", vendor="amd", wave_size=64, platform_template="platform/amd.j2",
+            suffix=".hip", code_object_suffix=".hsaco", elf_mach=0x04C, runtime_compiler="hiprtc",
+            offload_arch="gfx942", vector_bytes=16,
+            shared_bytes_per_block=64 * 1024, steady_clock_hz=100_000_000, fp8="e4m3fnuz",
+            hw_fp8_convert=False, registers_per_simd=512, max_threads_per_block=1024, register_granule=8, max_waves_per_simd=8,
+            simds_per_cu=4, shared_bytes_per_cu=64 * 1024, shared_reserved_per_block=0, max_blocks_per_cu=32,
+            release_needs_explicit_wait=True,
+        ),
         ArchTraits(
             name="gfx950", vendor="amd", wave_size=64, platform_template="platform/amd.j2",
             suffix=".hip", code_object_suffix=".hsaco", elf_mach=0x04F, runtime_compiler="hiprtc",

@@ -102,8 +102,12 @@ class MiniFloat:
         max: largest finite magnitude; encoders saturate to it.
         max_code: magnitude code (sign bit clear) of ``max``.
         has_nan: whether the format has a NaN code.
-        nan_code: magnitude code of NaN when ``has_nan``; otherwise the code the kernels' encoder
-            gives a NaN input (0; the reference rejects NaN instead).
+        nan_code: magnitude code of NaN when ``has_nan`` (the input's sign bit joins it), or, in a
+            format without negative zero, NaN's whole code, the sign bit alone (e4m3fnuz: 0x80);
+            without ``has_nan``, the code the kernels' encoder gives a NaN input (0; the reference
+            rejects NaN instead).
+        negative_zero: whether the sign bit over magnitude 0 is negative zero (the OCP formats);
+            if not, that code is NaN and a value rounding to zero takes code 0 whatever its sign.
     """
 
     name: str
@@ -114,6 +118,7 @@ class MiniFloat:
     max_code: int
     has_nan: bool
     nan_code: int
+    negative_zero: bool
 
     @property
     def bits(self) -> int:
@@ -177,13 +182,17 @@ FP8_FLAVOURS: dict[str, Fp8Flavour] = {
     for f in (
         Fp8Flavour(name="e4m3fn", torch_name="float8_e4m3fn",
                    numbers=MiniFloat(name="e4m3fn", ebits=4, mbits=3, bias=7, max=448.0, max_code=0x7E, has_nan=True,
-                                     nan_code=0x7F)),
+                                     nan_code=0x7F, negative_zero=True)),
+        Fp8Flavour(name="e4m3fnuz", torch_name="float8_e4m3fnuz",
+                   numbers=MiniFloat(name="e4m3fnuz", ebits=4, mbits=3, bias=8, max=240.0, max_code=0x7F, has_nan=True,
+                                     nan_code=0x80, negative_zero=False)),
     )
 }
-"""fp8 flavours by name: e4m3fn, the OCP 8-bit floating point specification's E4M3 (bias 7, no
-infinities, ``S.1111.111`` NaN, max 448; sm_90, gfx950 and gfx1250). A target with another
-flavour (gfx942's e4m3fnuz: bias 8, max 240, NaN 0x80, no negative zero) needs its row here and
-the combine wire codec's branch for it (``templates/common/wire/_codec.j2`` refuses any other)."""
+"""fp8 flavours by name. e4m3fn, the OCP 8-bit floating point specification's E4M3 (bias 7, no
+infinities, ``S.1111.111`` NaN, max 448; sm_90, gfx950 and gfx1250). e4m3fnuz, the FP8 of AMD's
+CDNA3 ISA (gfx942) and of ``torch.float8_e4m3fnuz`` ("fn": finite, "uz": unsigned zero): bias 8,
+no infinities, no negative zero, 0x80 NaN, max 240 (0x7F = 2^7 * 1.875). Each flavour needs the
+combine wire codec's branch for it (``templates/common/wire/_codec.j2`` refuses any other)."""
 
 
 def fp8_flavour(name: str) -> Fp8Flavour:
@@ -197,7 +206,8 @@ def fp8_flavour(name: str) -> Fp8Flavour:
 
 MINIFLOATS: dict[str, MiniFloat] = {
     "fp8": FP8_FLAVOURS["e4m3fn"].numbers,
-    "fp4": MiniFloat(name="e2m1", ebits=2, mbits=1, bias=1, max=6.0, max_code=7, has_nan=False, nan_code=0),
+    "fp4": MiniFloat(name="e2m1", ebits=2, mbits=1, bias=1, max=6.0, max_code=7, has_nan=False, nan_code=0,
+                     negative_zero=True),
 }
 """Quantized wire element formats by dtype name (keys of ``DTYPES``), as the pure-torch reference
 (``epgen.quant``) computes with them: fp8 e4m3 in its OCP flavour e4m3fn (``FP8_FLAVOURS``) and

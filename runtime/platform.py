@@ -45,6 +45,8 @@ links ``libamdhip64.so.7`` (``readelf -d`` of its ``cupy_backends/cuda/api/runti
 recorded in tests/runtime/cupy_rocm_surface.json), which ROCm 7.0 is the first to ship."""
 
 MIN_ROCM = {
+    "gfx942": ((7, 0), "MI300X/MI325X: ROCm supports MI300 from 6.0 (6.0.2 is 'a point release with minor bug "
+                       "fixes to improve stability of MI300 GPU applications'), and the wheel needs 7.0"),
     "gfx950": ((7, 0), "MI350X/MI355X: hipcc knows gfx950 from ROCm 6.4, the ROCm libraries add it in 7.0.0 "
                        "(hipFFT 1.0.20 for ROCm 7.0.0, 'Added gfx950 support'), and the wheel needs 7.0"),
     "gfx1250": ((7, 14), "MI450: the ROCm libraries add gfx1250 in ROCm 7.14 (hipRAND 3.4.0 for ROCm 7.14, "

@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from epgen.codegen.dtypes import MINIFLOATS, MiniFloat
+from epgen.codegen.dtypes import FP8_FLAVOURS, MINIFLOATS, MiniFloat, fp8_flavour
 from epgen.quant._common import ELEMENT_DTYPES, check_codes, check_tensor, first_bad
 
 __all__ = [
@@ -79,7 +79,7 @@ def _minifloat_value(fmt: MiniFloat, code: int) -> float:
     """The value of ``code`` (sign bit included) in format ``fmt``, exact."""
     sign = -1.0 if (code >> fmt.sign_shift) & 1 else 1.0
     magnitude = code & ((1 << fmt.sign_shift) - 1)
-    if fmt.has_nan and magnitude == fmt.nan_code:
+    if fmt.has_nan and fmt.nan_code in (magnitude, code):  # e4m3fnuz's NaN is its whole code 0x80
         return math.copysign(math.nan, sign)
     exp, man = magnitude >> fmt.mbits, magnitude & ((1 << fmt.mbits) - 1)
     if exp == 0:  # subnormal: 2^(1 - bias) * man / 2^mbits
@@ -87,7 +87,8 @@ def _minifloat_value(fmt: MiniFloat, code: int) -> float:
     return sign * math.ldexp((1 << fmt.mbits) + man, exp - fmt.bias - fmt.mbits)  # 2^(exp - bias) (1 + m / 2^mbits)
 
 
-_FP8_TABLE = torch.tensor([_minifloat_value(FP8_E4M3, c) for c in range(1 << FP8_E4M3.bits)], dtype=torch.float32)
+_FP8_TABLES = {name: torch.tensor([_minifloat_value(f.numbers, c) for c in range(1 << f.numbers.bits)],
+                                  dtype=torch.float32) for name, f in FP8_FLAVOURS.items()}
 _FP4_TABLE = torch.tensor([_minifloat_value(FP4_E2M1, c) for c in range(1 << FP4_E2M1.bits)], dtype=torch.float32)
 _E8M0_TABLE = torch.tensor([math.ldexp(1.0, e - 127) for e in range(255)] + [math.nan], dtype=torch.float32)
 
@@ -125,14 +126,20 @@ def _encode_minifloat(x: torch.Tensor, fmt: MiniFloat) -> torch.Tensor:
     n = torch.round(a / _pow2(e - mbits)).to(torch.int32)  # torch.round: half to even
     mag = ((e - emin) << mbits) + n
     mag = torch.where(nan, fmt.nan_code, mag)
+    if not fmt.negative_zero:  # code 0 for a value rounding to zero; NaN's code holds the sign bit
+        sign &= mag != 0
     return (mag | torch.where(sign, sign_bit, 0)).to(torch.uint8)
 
 
-def fp8_e4m3_encode(x: torch.Tensor) -> torch.Tensor:
+def fp8_e4m3_encode(x: torch.Tensor, flavour: str = "e4m3fn") -> torch.Tensor:
     """Saturating float -> fp8 e4m3fn codes, round to nearest even.
 
     Args:
         x: any shape, float32 (bfloat16 and float16 are accepted, being exact in float32).
+        flavour: a key of ``epgen.codegen.dtypes.FP8_FLAVOURS``, the target's ``ArchTraits.fp8``.
+            ``"e4m3fnuz"`` (gfx942): max 240 (0x7F / 0xFF), NaN gives 0x80 whatever its sign, and
+            -0.0 and negatives rounding to zero give 0x00 (no negative zero); the bound below holds
+            with 240 for 448 and 2^-11 for 2^-10 (bias 8: subnormal step 2^-10).
 
     Returns:
         uint8, x's shape: e4m3fn codes. |x| > 448 and +-inf give +-448 (0x7E / 0xFE); NaN gives
@@ -146,26 +153,29 @@ def fp8_e4m3_encode(x: torch.Tensor) -> torch.Tensor:
     round to 448 anyway; saturation only changes what would overflow to NaN.
 
     Raises:
-        ValueError: x not a tensor, or not float32 / bfloat16 / float16.
+        ValueError: x not a tensor, or not float32 / bfloat16 / float16; unknown ``flavour``.
     """
     x = check_tensor("x", x, ELEMENT_DTYPES)
-    return _encode_minifloat(x, FP8_E4M3)
+    return _encode_minifloat(x, fp8_flavour(flavour).numbers)
 
 
-def fp8_e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
+def fp8_e4m3_decode(codes: torch.Tensor, flavour: str = "e4m3fn") -> torch.Tensor:
     """fp8 e4m3fn codes -> float32, exact (every e4m3fn value is a float32).
 
     Args:
         codes: uint8, any shape.
+        flavour: a key of ``FP8_FLAVOURS``; ``"e4m3fnuz"``: 0x80 decodes to NaN, 0x7F / 0xFF to
+            +-240; equals ``codes.view(torch.float8_e4m3fnuz).float()``.
 
     Returns:
         float32, codes' shape; 0x7F / 0xFF decode to NaN, 0x80 to -0.0. Equals
         ``codes.view(torch.float8_e4m3fn).float()``.
 
     Raises:
-        ValueError: codes not a uint8 tensor.
+        ValueError: codes not a uint8 tensor; unknown ``flavour``.
     """
-    return _lookup(_FP8_TABLE, check_codes("codes", codes))
+    fp8_flavour(flavour)
+    return _lookup(_FP8_TABLES[flavour], check_codes("codes", codes))
 
 
 def fp4_e2m1_encode(x: torch.Tensor) -> torch.Tensor:

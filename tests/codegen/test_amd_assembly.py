@@ -1,19 +1,19 @@
 """The system-scope releases of the AMD catalogue kernels, read from their assembly.
 
-LLVM's AMDGPU memory model (AMDGPUUsage, "Memory Model GFX942" table, which GFX950 follows,
+LLVM's AMDGPU memory model (AMDGPUUsage, "Memory Model GFX942" table, which gfx942 and GFX950 follow,
 rows "store atomic release / fence release / fence acq_rel - system") lowers a system-scope
 release to ``buffer_wbl2 sc0 sc1`` then ``s_waitcnt vmcnt(0)`` and only then the releasing
 store, atomic or (for an acq_rel or seq_cst fence) the ``buffer_inv sc0 sc1``; the GFX125x table,
 which gfx1250 follows, to ``global_wb scope:SCOPE_SYS`` then ``s_wait_storecnt 0``. clang
 22.1.8 drops the gfx950 wait when the wave has nothing else in flight (llvm-project#178316),
 so the platform layer adds it (``ArchTraits.release_needs_explicit_wait``); these tests compile
-every catalogue kernel of both AMD targets to assembly and check every writeback.
+every catalogue kernel of the AMD targets to assembly and check every writeback.
 
 The scan is straight-line: after a writeback, the wait must come before the next ordered
 instruction, label or branch (a wait placed in another basic block does not count).
 
 The spin-waits poll with relaxed system-scope loads and acquire once after the loop
-(``ep_wait_generation``), so no loop of a gfx950 kernel invalidates the caches: the loop scan
+(``ep_wait_generation``), so no loop of a gfx942 or gfx950 kernel invalidates the caches: the loop scan
 finds loops by their backward branches (``s_branch`` or ``s_cbranch_*`` to an earlier label) and
 checks that no ``buffer_inv`` lies between the label and the branch.
 
@@ -99,7 +99,8 @@ def _gfx12_ordered(mnemonic: str, operands: str) -> bool:
     return mnemonic == "global_inv" or bool(_STORE_OR_ATOMIC.match(mnemonic))
 
 
-RULES = {
+RULES = {  # gfx942 and gfx950 both follow AMDGPUUsage's "Memory Model GFX942" table
+    "gfx942": Rule("gfx942", ("buffer_wbl2", "sc0 sc1"), _gfx9_vmcnt_zero, _gfx9_ordered),
     "gfx950": Rule("gfx950", ("buffer_wbl2", "sc0 sc1"), _gfx9_vmcnt_zero, _gfx9_ordered),
     "gfx1250": Rule("gfx1250", ("global_wb", "scope:SCOPE_SYS"), _gfx12_storecnt_zero, _gfx12_ordered),
 }
@@ -398,10 +399,11 @@ def _check_catalogue(compiles, arch: str) -> None:
     assert not bad, bad
 
 
-def test_gfx950_catalogue_releases_wait_for_their_writeback(compiles):
-    """Every gfx950 kernel of the catalogue (every template path: both kernel families, every
-    payload dtype, combine wire, layout and transport)."""
-    _check_catalogue(compiles, "gfx950")
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_gfx9_catalogue_releases_wait_for_their_writeback(compiles, arch):
+    """Every gfx942 and gfx950 kernel of the catalogue (every template path: both kernel families,
+    every payload dtype, combine wire, layout and transport)."""
+    _check_catalogue(compiles, arch)
 
 
 def test_gfx1250_releases_wait_for_their_writeback(compiles):
@@ -409,11 +411,12 @@ def test_gfx1250_releases_wait_for_their_writeback(compiles):
     _check_catalogue(compiles, "gfx1250")
 
 
-def test_gfx950_spin_loops_never_invalidate(compiles):
-    """No loop of a gfx950 catalogue kernel holds a ``buffer_inv``: the spin-waits poll with
-    relaxed loads and acquire once after the loop (every kernel has a spin-wait loop)."""
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_gfx9_spin_loops_never_invalidate(compiles, arch):
+    """No loop of a gfx942 or gfx950 catalogue kernel holds a ``buffer_inv``: the spin-waits poll
+    with relaxed loads and acquire once after the loop (every kernel has a spin-wait loop)."""
     bad = {}
-    for entry, asm in _catalogue_assembly(compiles, "gfx950"):
+    for entry, asm in _catalogue_assembly(compiles, arch):
         found = invalidates_in_loops(asm)
         if found or not loops(asm):
             bad[entry] = dict(loops=len(loops(asm)), invalidates=found[:4])
@@ -433,7 +436,7 @@ def test_gfx1250_cache_ops_wait_as_the_table_says(compiles):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("arch,acquire", [("gfx950", r"buffer_inv sc0 sc1"), ("gfx1250", r"global_inv scope:SCOPE_SYS")])
+@pytest.mark.parametrize("arch,acquire", [("gfx942", r"buffer_inv sc0 sc1"), ("gfx950", r"buffer_inv sc0 sc1"), ("gfx1250", r"global_inv scope:SCOPE_SYS")])
 def test_the_pull_dispatch_acquires_at_system_scope_before_its_first_peer_load(compiles, arch, acquire):
     """The pull kernel reads its sources' rows, published before done flags that the kernel before
     it acquired: on AMD the kernel's start acquire is agent scope, so each wave acquires at system

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from epgen.codegen.arch import ARCHES, traits
-from epgen.codegen.dtypes import COMBINE_FLUSH_LOG2, COMBINE_QUANTS, MINIFLOATS
+from epgen.codegen.dtypes import COMBINE_FLUSH_LOG2, COMBINE_QUANTS, element_format
 from epgen.codegen.render import environment, render
 from epgen.codegen.spec import KernelSpec
 
@@ -53,7 +53,7 @@ def test_the_wire_format_renders_its_own_section(arch, mode):
 def test_printed_numbers_are_the_tables(arch, mode):
     s, text = _render(arch, mode)
     q = COMBINE_QUANTS[mode]
-    e = MINIFLOATS[q.element]
+    e = element_format(q.element, traits(arch).fp8)  # fp8 in the arch's flavour: gfx942's e4m3fnuz
     assert float(_one(r"^constexpr float kElementMax = ([0-9.]+)f;$", text).group(1)) == e.max
     assert int(_one(r"^constexpr int kSrcRowBytes = (\d+);$", text).group(1)) == q.wire_row_bytes(s.hidden)
     assert int(_one(r"^constexpr int kWireScaleOffset = (\d+);$", text).group(1)) == q.scale_offset(s.hidden)
@@ -81,7 +81,8 @@ def test_printed_numbers_are_the_tables(arch, mode):
     assert [int(g, 16) for g in t.groups()] == [(127 + e.emin) << 23, (23 - e.mbits) << 23]
     assert "rlo = ep_grid_round(lo);" in text
     # a scaled wire's grid rounding has no saturation (its quotients stay within the format)
-    rounded = _one(r"^  return ep_bits_to_float\(ep_float_to_bits\((.*)\) \| \(u & 0x80000000u\)\);$", text).group(1)
+    sign = r"\(u & 0x80000000u\)" if e.negative_zero else r"\(r != 0\.0f \? u & 0x80000000u : 0u\)"  # no -0 in fnuz
+    rounded = _one(rf"^  return ep_bits_to_float\(ep_float_to_bits\((.*)\) \| {sign}\);$", text).group(1)
     assert rounded == ("r" if q.block else f"ep_fabs(q) > {e.max}f ? {e.max}f : r")
     if q.element == "fp4":  # the lines' encoder and the integer decoder, no conversion
         hb = e.f16_high_bytes  # the decoder's binary16 table, both words printed
@@ -99,8 +100,14 @@ def test_printed_numbers_are_the_tables(arch, mode):
         assert "(p & 0x8080u) | (q & 0x80800000u) | (((p >> 20) | (q << 12)) & 0x08080808u)" in text
         assert "ep_u32 codes = 0u - 0x4b000000u * 17u;" in text
     else:
-        code = _one(r"return \(a > ([0-9.]+)f \? (0x[0-9a-f]+)u : a == a \? code : (0x[0-9a-f]+)u\) \| \(\(u >> 31\) << (\d+)\);",
-                    text)
+        if e.negative_zero:
+            code = _one(r"return \(a > ([0-9.]+)f \? (0x[0-9a-f]+)u : a == a \? code : (0x[0-9a-f]+)u\) \| \(\(u >> 31\) << (\d+)\);",
+                        text)
+        else:  # e4m3fnuz: magnitude 0 keeps no sign, NaN's code is 0x80 whatever the sign
+            code = _one(r"const ep_u32 mag = a > ([0-9.]+)f \? (0x[0-9a-f]+)u : a == a \? code : (0x[0-9a-f]+)u;\n"
+                        r"  return mag \| \(mag \? \(u >> 31\) << (\d+) : 0u\);", text)
+            nan = _one(r"lo = \(codes & 0xffu\) == (0x[0-9a-f]+)u \? ep_bits_to_float\(0x7fc00000u\)", text)
+            assert int(nan.group(1), 16) == e.nan_code == 0x80
         assert (float(code.group(1)), int(code.group(2), 16), int(code.group(3), 16), int(code.group(4))) == (
             e.max, e.max_code, e.nan_code, e.sign_shift)
         assert _one(r"const ep_u32 code = steps \+ \(\(t - (0x[0-9a-f]+)u\) >> (\d+)\);", text).groups() == (

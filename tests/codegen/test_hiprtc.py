@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from epgen.codegen import offline
-from epgen.codegen.arch import traits
+from epgen.codegen.arch import ARCH_TRAITS, traits
 from epgen.codegen.catalogue import catalogue_specs
 from epgen.codegen.offline import clang_amd
 from epgen.codegen.render import RUNTIME_OPTIONS, render
 
-AMD_ARCHES = ("gfx950", "gfx1250")
+AMD_ARCHES = tuple(name for name, t in ARCH_TRAITS.items() if t.vendor == "amd")
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -15,11 +15,10 @@ from epgen.codegen.occupancy import RULES, resident_blocks
 from epgen.codegen.offline import compile_options
 from epgen.codegen.render import RenderError, render
 
-# e4m3fnuz as torch and AMD's gfx942 define it (bias 8, max 240, 0x80 NaN, no negative zero):
-# a flavour the tables can hold and the codec does not implement.
-FNUZ = Fp8Flavour(name="e4m3fnuz", torch_name="float8_e4m3fnuz",
-                  numbers=MiniFloat(name="e4m3fnuz", ebits=4, mbits=3, bias=8, max=240.0, max_code=0x7F, has_nan=True,
-                                    nan_code=0x80))
+# e5m2 (OCP: bias 15, max 57344): a flavour the tables can hold and the codec does not implement.
+E5M2 = Fp8Flavour(name="e5m2", torch_name="float8_e5m2",
+                  numbers=MiniFloat(name="e5m2", ebits=5, mbits=2, bias=15, max=57344.0, max_code=0x7B, has_nan=True,
+                                    nan_code=0x7F, negative_zero=True))
 
 
 def _patched_arch(monkeypatch, name="sm_90", **changes):
@@ -33,10 +32,10 @@ def test_every_arch_names_a_known_fp8_flavour_and_vendor():
 
 
 def test_unknown_fp8_flavour_is_refused():
-    with pytest.raises(ValueError, match=r"fp8='e4m3fnuz': unknown fp8 flavour; known: e4m3fn"):
-        fp8_flavour("e4m3fnuz")
-    with pytest.raises(ValueError, match=r"fp8='e4m3fnuz': unknown fp8 flavour"):
-        attrs.evolve(ARCH_TRAITS["gfx950"], fp8="e4m3fnuz")
+    with pytest.raises(ValueError, match=r"fp8='e5m2': unknown fp8 flavour; known: e4m3fn, e4m3fnuz"):
+        fp8_flavour("e5m2")
+    with pytest.raises(ValueError, match=r"fp8='e5m2': unknown fp8 flavour"):
+        attrs.evolve(ARCH_TRAITS["gfx950"], fp8="e5m2")
     with pytest.raises(ValueError, match=r"fp8='x': unknown fp8 flavour"):
         DTYPES["fp8"].on("x")
 
@@ -48,15 +47,14 @@ def test_unknown_wire_element_is_refused():
         dtypes.CombineQuant(name="fp6_blockwise", element="fp6", block=32, tag="qfp6b")
 
 
-def test_payload_dtype_follows_the_arch_flavour(monkeypatch):
-    """The torch dtype of an fp8 payload is the arch's flavour's; bf16 and fp4 do not depend on it."""
+def test_payload_dtype_follows_the_arch_flavour():
+    """The torch dtype of an fp8 payload is the arch's flavour's (gfx942: e4m3fnuz); bf16 and fp4 do
+    not depend on it."""
     for spec in model_specs("deepseek-v3", dtype="fp8"):
         if spec.op.payload:
-            assert spec.dtype_info.torch_dtype == torch.float8_e4m3fn
-    monkeypatch.setitem(FP8_FLAVOURS, FNUZ.name, FNUZ)
-    _patched_arch(monkeypatch, fp8="e4m3fnuz")
-    fp8 = [s for s in model_specs("deepseek-v3", arches=("sm_90",), dtype="fp8") if s.op.payload]
-    assert fp8 and all(s.dtype_info.torch_dtype == torch.float8_e4m3fnuz for s in fp8)
+            want = torch.float8_e4m3fnuz if spec.arch == "gfx942" else torch.float8_e4m3fn
+            assert spec.dtype_info.torch_dtype == want
+    assert any(s.arch == "gfx942" and s.op.payload for s in model_specs("deepseek-v3", dtype="fp8"))
     assert DTYPES["fp4"].on("e4m3fnuz") is DTYPES["fp4"] and DTYPES["bf16"].on("e4m3fnuz") is DTYPES["bf16"]
 
 
@@ -64,11 +62,11 @@ def test_payload_dtype_follows_the_arch_flavour(monkeypatch):
 def test_codec_refuses_an_fp8_flavour_it_does_not_implement(monkeypatch, wire):
     """The wire codec's branches are (element, format) pairs; another flavour fails the render,
     naming it (not the e4m3fn code under another flavour's numbers)."""
-    monkeypatch.setitem(FP8_FLAVOURS, FNUZ.name, FNUZ)
-    _patched_arch(monkeypatch, fp8="e4m3fnuz", hw_fp8_convert=False)
+    monkeypatch.setitem(FP8_FLAVOURS, E5M2.name, E5M2)
+    _patched_arch(monkeypatch, fp8="e5m2", hw_fp8_convert=False)
     spec = next(s for s in model_specs("deepseek-v3", arches=("sm_90",), combine_quant=wire) if s.op.value == "combine")
-    with pytest.raises(RenderError, match=r"has no branch for element 'fp8' in format 'e4m3fnuz' \(arch sm_90, "
-                                          r"fp8='e4m3fnuz'\); known: fp8 as e4m3fn, fp4 as e2m1"):
+    with pytest.raises(RenderError, match=r"has no branch for element 'fp8' in format 'e5m2' \(arch sm_90, "
+                                          r"fp8='e5m2'\); known: fp8 as e4m3fn, fp8 as e4m3fnuz, fp4 as e2m1"):
         render.__wrapped__(spec)  # past the render cache, which holds the e4m3fn text
 
 

@@ -93,7 +93,7 @@ BAD_FIELDS = [
     (dict(unroll=17), ["KernelSpec.unroll=17", "[1, 16]"]),
     (dict(unroll=4.0), ["KernelSpec.unroll=4.0", "must be an int"]),
     # names
-    (dict(arch="gfx942"), ["KernelSpec.arch='gfx942'", *ARCHES]),
+    (dict(arch="gfx90a"), ["KernelSpec.arch='gfx90a'", *ARCHES]),
     (dict(arch="sm90"), ["KernelSpec.arch='sm90'", *ARCHES]),
     (dict(arch="GFX950"), ["KernelSpec.arch='GFX950'"]),
     (dict(dtype="fp16"), ["KernelSpec.dtype='fp16'", *DTYPES]),
@@ -187,8 +187,8 @@ def test_arch_table_rows_are_consistent():
         assert 1_000_000_000 % t.steady_clock_hz == 0, "clock_ns_per_tick must be exact"
         assert t.clock_ns_per_tick * t.steady_clock_hz == 1_000_000_000
         assert t.suffix == {"amd": ".hip", "nvidia": ".cu"}[t.vendor]
-    with pytest.raises(ValueError, match=r"gfx942.*gfx950"):
-        traits("gfx942")
+    with pytest.raises(ValueError, match=r"gfx90a.*gfx942.*gfx950"):
+        traits("gfx90a")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -796,11 +796,11 @@ def test_a_quantized_combine_runs_at_most_512_threads_a_block():
     assert bf16.geometry("sm_90", Op.COMBINE, 4096) == table["sm_90"]  # the bf16 wire keeps 32 warps
     with pytest.raises(ValueError, match=r"^EpConfig.combine_geometry=16x32u4: .* a combine with a quantized wire "
                                          r"\(fp8_blockwise\) runs at most 512 threads a block .*: warps at most 8 on "
-                                         r"gfx950, 16 on gfx1250, 16 on sm_90$"):
+                                         r"gfx942, 8 on gfx950, 16 on gfx1250, 16 on sm_90$"):
         attrs.evolve(c, combine_geometry=Geometry(blocks=16, warps_per_block=32, unroll=4))  # on no arch
     fits = attrs.evolve(c, combine_geometry=Geometry(blocks=16, warps_per_block=16, unroll=4))  # sm_90, gfx1250
     with pytest.raises(ValueError, match=r"^EpConfig.combine_geometry=16x16u4: 16 warps of 64 lanes are 1024 threads "
-                                         r"on gfx950; .* warps at most 8 on gfx950"):
+                                         r"on gfx950; .* warps at most 8 on gfx942, 8 on gfx950"):
         fits.variants("gfx950", Op.COMBINE)
     assert fits.variants("sm_90", Op.COMBINE)[0][1].warps_per_block == 16
     # the kernel's own rule: a spec built by hand (epgen diff --a/--b) cannot hold more either

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from epgen.cli import main
+from epgen.codegen.arch import ARCHES
 from epgen.codegen.spec import LOW_LATENCY_OPS, TRANSPORT_OPS
 from epgen.codegen.tuning import low_latency_default
 
@@ -86,7 +87,7 @@ def test_check_one_model_json():
     r = run("check", "--model", "mixtral-8x7b", "--json")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
-    assert len(rows) == 3 * len(OPS) and all(row["status"] == "ok" for row in rows)
+    assert len(rows) == len(ARCHES) * len(OPS) and all(row["status"] == "ok" for row in rows)
 
 
 def test_demo_without_gpu_says_so():
@@ -108,11 +109,11 @@ def test_report_json_has_occupancy_per_arch():
     r = run("report", "--model", "deepseek-v3", "--json")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
-    assert {(x["arch"], x["op"]) for x in rows} == {(a, o) for a in ("gfx950", "gfx1250", "sm_90")
+    assert {(x["arch"], x["op"]) for x in rows} == {(a, o) for a in ARCHES
                                                    for o in OPS}
     assert all(x["status"] == "ok" and x["occupancy"] >= 1 for x in rows)
     units = {x["arch"]: x["occupancy_unit"] for x in rows}
-    assert units == {"gfx950": "waves/SIMD", "gfx1250": "waves/SIMD", "sm_90": "blocks/SM"}
+    assert units == {"gfx942": "waves/SIMD", "gfx950": "waves/SIMD", "gfx1250": "waves/SIMD", "sm_90": "blocks/SM"}
 
 
 def test_report_writes_markdown_and_csv(tmp_path):
@@ -413,9 +414,9 @@ def test_whole_catalogue_table_reads_at_80_and_120_columns(width, capsys, monkey
     assert "every row: w8 t4096; scratch 0, spill 0, status ok" in " ".join(text.split())
     head = next(line for line in text.splitlines() if line.startswith("arch "))
     assert head.split() == ["arch", "op", "variant", "regs", "AGPR", "SGPR", "LDS", "occ"]
-    body = [line for line in text.splitlines() if line.startswith(("gfx950 ", "gfx1250 ", "sm_90 "))]
+    body = [line for line in text.splitlines() if line.startswith(tuple(a + " " for a in ARCHES))]
     assert len(body) == len(rows)
-    assert body[0].split()[:7] == ["gfx950", "dispatch", "bf16", "h7168", "k8", "l32", "2048x16u2"]
+    assert next(line for line in body if line.startswith("gfx950 ")).split()[:7] == ["gfx950", "dispatch", "bf16", "h7168", "k8", "l32", "2048x16u2"]
 
     rows[0] = {**rows[0], "spill_bytes": 8, "scratch_bytes": 16, "status": "scratch/spill"}
     console = Console(width=width, record=True, file=io.StringIO())
@@ -817,7 +818,7 @@ def test_build_table_honours_the_console_width(width, capsys, monkeypatch, tmp_p
     assert lines[head].split() == ["arch", "entry", "key", "bytes", "compile", "s", "status"]
     entries = "".join(line.split()[1] if line.startswith(("gfx", "sm_")) else line.split()[0]
                       for line in lines[head + 2:] if line.startswith(("gfx", "sm_", " ")) and line.split())
-    assert len(built) == 3 * len(OPS) and all(s.name in entries for s in built)
+    assert len(built) == len(ARCHES) * len(OPS) and all(s.name in entries for s in built)
     assert "00000000" in text and "compiles in parallel" in text and "expected a ';'" in " ".join(text.split())
 
 
@@ -1145,7 +1146,7 @@ def test_resource_table_fits_80_columns_when_a_row_spills(spill):
     head = next(i for i, line in enumerate(lines) if line.startswith("arch "))
     assert lines[head].split() == ["arch", "op", "variant", "regs", "AGPR", "SGPR", "LDS", "occ"]
     body = lines[head + 2:head + 2 + len(rows)]
-    assert all(line.startswith(("gfx950 ", "gfx1250 ", "sm_90 ")) for line in body)  # nothing folded
+    assert all(line.startswith(tuple(a + " " for a in ARCHES)) for line in body)  # nothing folded
     assert all(len(line) <= 80 for line in lines)
     caption = " ".join(" ".join(lines[head + 2 + len(rows):]).split())
     if spill:

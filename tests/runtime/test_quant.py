@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from epgen.codegen.arch import ARCHES, traits
-from epgen.codegen.dtypes import COMBINE_FLUSH_LOG2, COMBINE_QUANTS, MINIFLOATS, MX_BLOCK, CombineQuant, dtype_info
+from epgen.codegen.dtypes import (COMBINE_FLUSH_LOG2, COMBINE_QUANTS, FP8_FLAVOURS, MINIFLOATS, MX_BLOCK, CombineQuant,
+                                  MiniFloat, dtype_info)
 from epgen.quant.quantizers import MODE_SCALES
 from epgen.quant.wire import WIRE_CODECS, combine_error_bound
 from epgen.quant import (
@@ -155,6 +156,36 @@ def test_fp8_encode_saturates_and_maps_nan():
     assert fp8_e4m3_encode(torch.empty(0)).shape == (0,)
     x = f32([[1.0, -2.0], [0.3, 500.0]])
     assert fp8_e4m3_encode(x).shape == (2, 2)
+
+
+def test_fp8_e4m3fnuz_all_256_codes_decode_and_round_trip():
+    """gfx942's flavour (ArchTraits.fp8 = "e4m3fnuz"): every code decodes as torch.float8_e4m3fnuz
+    does, bit for bit, 0x80 alone is NaN, and encode(decode(c)) is c for every other code."""
+    ours = fp8_e4m3_decode(ALL_CODES, "e4m3fnuz")
+    ref = ALL_CODES.view(torch.float8_e4m3fnuz).float()
+    assert ours.isnan().nonzero().flatten().tolist() == [0x80] and ref.isnan().nonzero().flatten().tolist() == [0x80]
+    fin = ~ref.isnan()
+    assert torch.equal(bits(ours[fin]), bits(ref[fin]))
+    assert ours[0x7F].item() == 240.0 and ours[0xFF].item() == -240.0 and ours[0x01].item() == 2.0**-10
+    assert ours[0x40].item() == 1.0 and ours[0x08].item() == 2.0**-7
+    codes = ALL_CODES[fin]
+    assert torch.equal(fp8_e4m3_encode(ours[fin], "e4m3fnuz"), codes)
+    assert torch.equal(fp8_e4m3_encode(ours[fin].to(torch.bfloat16), "e4m3fnuz"), codes)
+
+
+def test_fp8_e4m3fnuz_encode_matches_torch_on_dense_sweep():
+    """Inside [-240, 240] the encoder is torch's cast to float8_e4m3fnuz (round to nearest even,
+    -0.0 and negatives rounding to zero give 0x00); past it, NaN and -0.0 as documented."""
+    top = bits(f32([240.0])).item()
+    pos = torch.arange(0, top + 1, 127, dtype=torch.int32).view(torch.float32)
+    x = torch.cat([pos, -pos, f32([240.0, -240.0, 0.0, -0.0, -1e-30])])
+    assert torch.equal(fp8_e4m3_encode(x, "e4m3fnuz"), x.to(torch.float8_e4m3fnuz).view(U8))
+    big = f32([240.0001, 247.9, 248.0, 1e6, math.inf])
+    assert fp8_e4m3_encode(big, "e4m3fnuz").tolist() == [0x7F] * 5
+    assert fp8_e4m3_encode(-big, "e4m3fnuz").tolist() == [0xFF] * 5
+    assert fp8_e4m3_encode(f32([math.nan, -math.nan, -0.0]), "e4m3fnuz").tolist() == [0x80, 0x80, 0x00]
+    with pytest.raises(ValueError, match=r"fp8='e5m2': unknown fp8 flavour; known: e4m3fn, e4m3fnuz"):
+        fp8_e4m3_encode(x, "e5m2")
 
 
 def test_fp8_element_error_bound():
@@ -806,11 +837,14 @@ def test_quantizers_take_a_partial_last_block(hidden):
         assert dequantize(codes, scales).shape == (5, hidden)
 
 
-def _kernel_grid(q: torch.Tensor, element: str, saturating: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _kernel_grid(q: torch.Tensor, element: str, saturating: bool,
+                 fmt: MiniFloat | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The software codec's rounding to the grid (templates/common/wire/_codec.j2) in float32 as the
     kernels compute it: (ep_grid_code(q) as int32, fp8's encoder; ep_grid_round(q), with the
-    saturation of an unscaled wire or without it, a scaled wire's)."""
-    fmt = MINIFLOATS[element]
+    saturation of an unscaled wire or without it, a scaled wire's), in ``element``'s format or
+    ``fmt`` (an fp8 flavour's numbers; without negative zero, the branch that drops the sign of a
+    zero code and of a zero rounding)."""
+    fmt = fmt or MINIFLOATS[element]
     u = q.view(torch.int32)
     a = q.abs()
     emin_bits, step_bits = (127 + fmt.emin) << 23, (23 - fmt.mbits) << 23
@@ -819,11 +853,31 @@ def _kernel_grid(q: torch.Tensor, element: str, saturating: bool) -> tuple[torch
     total = a + k
     sign = (u >> 31) & 1
     code = total.view(torch.int32) - (t + step_bits) + ((t - emin_bits) >> (23 - fmt.mbits))
-    code = torch.where(a > fmt.max, fmt.max_code, torch.where(a == a, code, fmt.nan_code)) | (sign << fmt.sign_shift)
+    mag = torch.where(a > fmt.max, fmt.max_code, torch.where(a == a, code, fmt.nan_code))
+    code = mag | (sign << fmt.sign_shift) if fmt.negative_zero else mag | torch.where(mag != 0, sign << fmt.sign_shift, 0)
     r = total - k
     m = torch.where(a > fmt.max, torch.tensor(fmt.max), r) if saturating else r
-    value = (m.view(torch.int32) | (u & torch.tensor(-0x80000000, dtype=torch.int32))).view(torch.float32)
+    sign_bits = u & torch.tensor(-0x80000000, dtype=torch.int32)
+    if not fmt.negative_zero:  # (r != 0.0f ? u & 0x80000000u : 0u)
+        sign_bits = torch.where(r != 0, sign_bits, 0)
+    value = (m.view(torch.int32) | sign_bits).view(torch.float32)
     return code, value
+
+
+def _kernel_decode_fp8(codes: torch.Tensor, fmt: MiniFloat) -> torch.Tensor:
+    """ep_decode_pair's software path (templates/common/wire/_codec.j2) per code, as the kernels
+    compute it: the NaN test of the flavour (e4m3fn: magnitude 0x7F; e4m3fnuz: the code 0x80), else
+    ep_decode_minifloat<mbits, ebits, bias>: the integer significand times a normal power of two,
+    then the sign bit OR-ed in."""
+    out = []
+    for c in codes.tolist():
+        nan = (c & 0x7F) == fmt.nan_code if fmt.negative_zero else c == fmt.nan_code
+        e, m = (c >> fmt.mbits) & ((1 << fmt.ebits) - 1), c & ((1 << fmt.mbits) - 1)
+        mag = float(m | (1 << fmt.mbits) if e else m) * 2.0 ** ((e or 1) - fmt.bias - fmt.mbits)
+        value = torch.tensor(math.nan if nan else mag, dtype=torch.float32)
+        bits_ = value.view(torch.int32).item() | (0 if nan else (c >> fmt.sign_shift) << 31)
+        out.append(torch.tensor(bits_ if bits_ < 2**31 else bits_ - 2**32, dtype=torch.int32).view(torch.float32))
+    return torch.stack(out)
 
 
 def _kernel_e2m1_magnitude(q: torch.Tensor) -> torch.Tensor:
@@ -877,6 +931,37 @@ def test_the_kernels_grid_rounding_equals_the_reference(element):
     code, value = _kernel_grid(torch.tensor([float("nan"), -float("nan")], dtype=torch.float32), element, True)
     fmt = MINIFLOATS[element]
     assert code.tolist() == [fmt.nan_code, fmt.nan_code | 1 << fmt.sign_shift] and torch.isnan(value).all()
+
+
+def test_the_kernels_e4m3fnuz_codec_is_exact_on_every_code():
+    """gfx942's branch of the software codec (e4m3fnuz, ArchTraits.fp8 there), as the kernels compute
+    it: every one of the 256 codes decodes to torch.float8_e4m3fnuz's value bit for bit (0x80 alone
+    NaN); ep_grid_code of each decoded finite value is its code (encode(decode(c)) = c; 0x80 comes
+    back only from NaN); and on every probe of the fnuz grid ep_grid_code is the reference's encode
+    and ep_grid_round its decode(encode(q)), with and without the saturation."""
+    fmt = FP8_FLAVOURS["e4m3fnuz"].numbers
+    decoded = _kernel_decode_fp8(ALL_CODES, fmt)
+    ref = ALL_CODES.view(torch.float8_e4m3fnuz).float()
+    assert decoded.isnan().nonzero().flatten().tolist() == [0x80] and torch.equal(ref.isnan(), decoded.isnan())
+    fin = ~ref.isnan()
+    assert torch.equal(bits(decoded[fin]), bits(ref[fin]))
+    code, value = _kernel_grid(decoded[fin], "fp8", True, fmt)
+    assert torch.equal(code.to(U8), ALL_CODES[fin]) and torch.equal(bits(value), bits(ref[fin]))
+    code, _ = _kernel_grid(f32([math.nan, -math.nan]), "fp8", True, fmt)
+    assert code.tolist() == [0x80, 0x80]
+    grid = ref[:0x80].double()
+    mids = ((grid[1:] + grid[:-1]) / 2).float()
+    b = torch.cat([grid.float(), mids, f32([2.0**e for e in range(-140, 128)])]).view(torch.int32)
+    near = torch.cat([b + d for d in (-2, -1, 0, 1, 2)])
+    near = near[(near >= 0) & (near <= 0x7F800000)].view(torch.float32)
+    q = torch.cat([near, -near, torch.linspace(-2 * fmt.max, 2 * fmt.max, 200001, dtype=torch.float32)])
+    want = fp8_e4m3_encode(q, "e4m3fnuz")
+    code, value = _kernel_grid(q, "fp8", True, fmt)
+    assert torch.equal(code.to(U8), want)
+    assert torch.equal(bits(value), bits(fp8_e4m3_decode(want, "e4m3fnuz")))
+    scaled = q[q.abs() <= fmt.max * (1 + 2.0**-22)]
+    _, value = _kernel_grid(scaled, "fp8", False, fmt)
+    assert torch.equal(bits(value), bits(fp8_e4m3_decode(fp8_e4m3_encode(scaled, "e4m3fnuz"), "e4m3fnuz")))
 
 
 def _kernel_e2m1_signs(words: list[int]) -> int:

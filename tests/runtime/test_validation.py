@@ -1,7 +1,6 @@
 """Input validation of dispatch/combine runs before any launch and needs no GPU: every bad input
 raises naming the argument, its value and the rule."""
 
-import attrs
 import pytest
 import torch
 
@@ -142,10 +141,11 @@ def test_misaligned_x_is_rejected_naming_the_address():
 
 
 def test_fp8_x_is_checked_in_the_targets_flavour():
-    # The op passes its dispatch spec's dtype_info: fp8 in the arch's flavour (ArchTraits.fp8). A
-    # target of another flavour (e4m3fnuz, as gfx942 takes) refuses e4m3fn rows and takes its own.
+    # The op passes its dispatch spec's dtype_info: fp8 in the arch's flavour (ArchTraits.fp8).
+    # gfx942's (e4m3fnuz) refuses e4m3fn rows and takes its own.
     cfg = EpConfig.for_model("gpt-oss-120b", world_size=2, max_tokens_per_rank=64, dtype="fp8")
-    fnuz = attrs.evolve(dtype_info("fp8"), torch_name="float8_e4m3fnuz")
+    fnuz = cfg.spec("gfx942", Op.DISPATCH, cfg.geometry("gfx942", Op.DISPATCH, 64)).dtype_info
+    assert fnuz.torch_dtype == torch.float8_e4m3fnuz
     _, w, i, s = good(8, cfg)
     ocp = torch.zeros(8, cfg.hidden, dtype=torch.float8_e4m3fn)
     assert check_dispatch_inputs(cfg, dtype_info("fp8"), CPU, ocp, w, i, s) == 8
