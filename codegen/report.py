@@ -105,8 +105,8 @@ def variant_labels(specs: list[dict]) -> tuple[list[str], str]:
     kernels of both families and fold: the wire, bf16 or a quant tag such as qfp8b), the shape fields that differ between the specs (w, h, k, l, t, s as in the entry
     name) and the launch geometry BLOCKSxWARPSuUNROLL. The shape fields every spec shares form the
     second value, e.g. ``"w8 h7168 k8 l32 t4096"``; a receive cap and the expert layout's
-    alignment (``_OPTIONAL_PARTS``) are named where set, and "pull" ends the label of the pull
-    dispatch's first kernel (``transport``)."""
+    alignment (``_OPTIONAL_PARTS``) are named where set. The transport is not in the label:
+    ``op_label`` names the pull dispatch's first kernel."""
     def payload(s: dict) -> str:
         return s["dtype"] if Op(s["op"]).payload else combine_quant(s["combine_quant"]).tag or "bf16"
 
@@ -114,8 +114,7 @@ def variant_labels(specs: list[dict]) -> tuple[list[str], str]:
     varying = [(f, tag) for f, tag in _SHAPE_PARTS if (f, tag) not in shared]
     labels = [" ".join([payload(s), *(f"{tag}{s[f]}" for f, tag in varying),
                         *(f"{tag}{s[f]}" for f, tag in _OPTIONAL_PARTS if s.get(f)),
-                        f"{s['blocks']}x{s['warps_per_block']}u{s['unroll']}",
-                        *(["pull"] if s.get("transport") == "pull" else [])]) for s in specs]
+                        f"{s['blocks']}x{s['warps_per_block']}u{s['unroll']}"]) for s in specs]
     common = " ".join(f"{tag}{specs[0][f]}" for f, tag in shared if not (f == "scale_bytes" and not specs[0][f]))
     return labels, common
 
@@ -141,6 +140,12 @@ _FOLDABLE = (("AGPR", "agprs", "AGPRs"), ("SGPR", "sgprs", "SGPRs"))
 _NUMBERS = ("regs", "AGPR", "SGPR", "LDS", "occ")
 
 
+def op_label(row: dict) -> str:
+    """The op of a report row, "dispatch (pull)" for the pull dispatch's first kernel (its spec's
+    ``transport``): as long as the longest op name, so the table keeps its width."""
+    return row["op"] + (" (pull)" if row["spec"].get("transport") == "pull" else "")
+
+
 def resource_table(report_rows: list[dict], title: str):
     """A rich table of ``rows`` that reads at 80 columns, one line a row: a short variant label
     (``variant_labels``) instead of the entry name (which ``--json`` and the CSV carry); the shape
@@ -158,7 +163,7 @@ def resource_table(report_rows: list[dict], title: str):
     failed = [(r, label) for r, label in zip(report_rows, labels) if r["status"] != "ok"]
     ok = "scratch 0, spill 0, status ok" + (", except these (red in the table):" if failed else "")
     caption = [f"every row: {', '.join(every)}; {ok}" if every else ok]
-    caption += [escape(f"  {r['arch']} {r['op']} {label}: scratch {r['scratch_bytes']}, spill {r['spill_bytes']}, "
+    caption += [escape(f"  {r['arch']} {op_label(r)} {label}: scratch {r['scratch_bytes']}, spill {r['spill_bytes']}, "
                        f"status {r['status']}") for r, label in failed]
     caption += ["scratch, spill, LDS (AMD) or shared memory (NVIDIA) in bytes; occupancy in waves per SIMD (AMD) "
                 "or blocks per SM (NVIDIA)"]
@@ -171,6 +176,7 @@ def resource_table(report_rows: list[dict], title: str):
         # a long op name (dispatch_ll_send) or label folds only where the console is narrower than 80 columns
         t.add_column(c, overflow="fold", no_wrap=c not in ("variant", "op"), justify="right" if c in _NUMBERS else "left")
     for r, label in zip(report_rows, labels):
-        t.add_row(*(label if c == "variant" else "" if r[key] is None else str(r[key]) for c, key in columns),
+        t.add_row(*(label if c == "variant" else op_label(r) if c == "op" else "" if r[key] is None else str(r[key])
+                    for c, key in columns),
                   style="red" if r["status"] != "ok" else None)
     return t
