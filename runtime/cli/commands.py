@@ -81,12 +81,13 @@ def cmd_generate(args, parser, console) -> int:
     if args.output:
         flags.check_path_name("-o", args.output, parser)
     specs = flags.specs_from(args, parser)
-    if specs is None:  # the committed catalogue: every model, every arch
+    if specs is None:  # the committed catalogue: every template path on every arch (epgen.codegen.coverage)
         if args.arch:
             parser.error("--arch selects arches of one shape (--model/--hidden); the catalogue covers every arch")
         specs, out = catalogue_specs(), flags.catalogue_dir(args, parser)
     elif not args.output:
-        parser.error("-o/--output is required with --model, --hidden or a selector (the catalogue lives in generated/)")
+        parser.error("-o/--output is required with --model, --hidden, --hf-config or a selector "
+                     "(the catalogue lives in generated/)")
     else:
         out = Path(args.output)
     problem = flags.not_a_directory(out)

@@ -472,8 +472,8 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
         model: a transformers PreTrainedModel whose MoE blocks use experts modules built on
             ``@use_experts_implementation`` (qwen3_moe, qwen3_next, mixtral, deepseek_v3 and kimi_k2,
             gpt_oss, ...), expert weights bfloat16 on one device (CUDA for backend "epgen").
-        group: the process group of the W ranks (one process per GPU; default the world group
-            when torch.distributed is initialized, else W = 1).
+        group: the process group of the W ranks (one process per GPU; default the world group of
+            an initialized torch.distributed; without one, only virtual ranks or world_size=1).
         virtual: run all ``world_size`` ranks in this process (tests; one GPU or the CPU).
         world_size: W with virtual=True (required there); else the group's size (checked if given).
         layout: "owned" (each rank its own tokens) or "replicated" (every rank the same tokens).
@@ -494,7 +494,8 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
 
     Raises:
         ValueError: layout or backend unknown; virtual without world_size, or world_size not the
-            group's size; an EpConfig field refused (e.g. experts not a multiple of W: names the
+            group's size; neither a process group (torch.distributed initialized), virtual ranks nor
+            world_size=1; an EpConfig field refused (e.g. experts not a multiple of W: names the
             model_type); no experts module; an experts module epgen cannot run (names the module,
             its class and the reason: a per-expert ModuleList, a quantized or sharded weight, not
             bf16, shapes that disagree with the config, already expert-parallel through epgen or
@@ -520,8 +521,12 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
         if dist.is_available() and dist.is_initialized():
             group = group if group is not None else dist.group.WORLD
             W, rank = dist.get_world_size(group), dist.get_rank(group)
-        else:
+        elif world_size == 1 and group is None:
             W, rank = 1, 0
+        else:  # a forgotten init_process_group would otherwise run every rank alone, holding every expert
+            raise ValueError(f"world_size={world_size}, group={group!r}: torch.distributed is not initialized; call "
+                             "torch.distributed.init_process_group (one process per GPU), or pass virtual=True, "
+                             "world_size=W (W ranks in this process), or world_size=1 (one rank, no process group)")
         if world_size is not None and world_size != W:
             raise ValueError(f"world_size={world_size}: the process group has {W} ranks")
     cfg = EpConfig.from_hf_config(first.config, world_size=W, max_tokens_per_rank=max_tokens_per_rank, **overrides)

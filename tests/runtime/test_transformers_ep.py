@@ -153,6 +153,12 @@ def test_refusals_name_the_class_and_the_reason(envelopes):
         expert_parallel(model16, virtual=True, world_size=2, layout="expert")
     with pytest.raises(ValueError, match="virtual=True: pass world_size"):
         expert_parallel(model16, virtual=True)
+    for kw in ({}, {"world_size": 2}):  # no process group: a forgotten init_process_group is not W = 1
+        with pytest.raises(ValueError, match=r"torch.distributed is not initialized; call "
+                                             r"torch.distributed.init_process_group"):
+            expert_parallel(copy.deepcopy(model16), backend="reference", **kw)
+    one = copy.deepcopy(model16)
+    assert expert_parallel(one, backend="reference", world_size=1).config.world_size == 1
     experts = model16.model.layers[1].mlp.experts
     experts.down_proj = torch.nn.Parameter(experts.down_proj.data.to(torch.float8_e4m3fn), requires_grad=False)
     with pytest.raises(ValueError, match=r"layers.1.mlp.experts \(MixtralExperts\): down_proj is torch.float8_e4m3fn"):
