@@ -346,7 +346,6 @@ class EpDispatchCombine:
         self.plan = attrs.evolve(plan, variants={key: self._load_variants(key[0], variants)
                                                  for key, variants in plan.variants.items()})
         self.dispatch_spec = self.plan.dispatch_spec
-        self.payload = self.dispatch_spec.dtype_info  # the payload dtype on this arch (its fp8 flavour)
         self.low_latency_tokens = self.plan.low_latency_tokens  # T_ll: 0 without the low-latency family
         # A whole low-latency op in one kernel needs every block of its grid resident at once (a
         # block's receiving phase waits for every block's sending phase): it is launched
@@ -388,6 +387,12 @@ class EpDispatchCombine:
     def _view(self, rank: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         return self.arenas.local[rank][offset:offset + n].view(dtype).view(shape)
+
+    @property
+    def payload(self) -> DTypeInfo:
+        """The dispatch payload dtype as this arch takes it (``KernelSpec.dtype_info``: fp8 in the
+        arch's flavour, ``ArchTraits.fp8``)."""
+        return self.dispatch_spec.dtype_info
 
     def recv_buffers(self, rank: int | None = None) -> DispatchOutput:
         """The receive-side views of ``rank`` (default: this process's rank)."""
