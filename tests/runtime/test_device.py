@@ -28,6 +28,7 @@ def _fake_gpu(monkeypatch, hip, **props):
     ("gfx1250", "gfx1250"),
     ("gfx1250:xnack-", "gfx1250"),
     ("amdgcn-amd-amdhsa--gfx950:sramecc+:xnack-", "gfx950"),
+    ("gfx942:sramecc+:xnack-", "gfx942"),
 ])
 def test_rocm_names_drop_their_target_features(monkeypatch, name, arch):
     seen = _fake_gpu(monkeypatch, "7.0.51831", gcnArchName=name, major=9, minor=5)
@@ -41,7 +42,7 @@ def test_cuda_takes_the_compute_capability(monkeypatch):
 
 
 @pytest.mark.parametrize("hip,props,arch,reported", [
-    ("7.0.51831", dict(gcnArchName="gfx942:sramecc+:xnack-", major=9, minor=4), "gfx942", "gfx942:sramecc+:xnack-"),
+    ("7.0.51831", dict(gcnArchName="gfx90a:sramecc+:xnack-", major=9, minor=0), "gfx90a", "gfx90a:sramecc+:xnack-"),
     ("7.0.51831", dict(gcnArchName="gfx95", major=9, minor=5), "gfx95", "gfx95"),
     (None, dict(major=8, minor=0), "sm_80", "compute capability 8.0"),
 ])
