@@ -667,6 +667,8 @@ def cmd_selftest(args, parser, console) -> int:
     if args.list:
         selftest.print_cases(console)
         return 0
+    if args.output:  # refused now, not after the cases ran
+        flags.check_output_files([("-o", Path(args.output))], parser)
     return selftest.run(args.output, args.seed, console)
 
 

@@ -1218,6 +1218,12 @@ def test_selftest_without_a_gpu_lists_its_cases_and_succeeds():
     assert refused.returncode == 2 and "epgen selftest does not take it" in refused.stderr
 
 
+def test_selftest_refuses_an_unwritable_report_before_any_case(tmp_path, capsys):
+    err = _usage_error(["selftest", "-o", str(tmp_path / "missing" / "report.json")], capsys)
+    assert f"-o {tmp_path / 'missing' / 'report.json'}: parent directory {tmp_path / 'missing'} does not exist" in err
+    assert "is a directory" in _usage_error(["selftest", "-o", str(tmp_path)], capsys)
+
+
 def test_selftest_reports_every_result_writes_the_report_and_fails_on_a_failure(monkeypatch, tmp_path):
     """The GPU path's reporting with the GPU and the cases' runs replaced: the table, the JSON and
     Markdown reports, and the exit status."""
