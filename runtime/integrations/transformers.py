@@ -47,7 +47,7 @@ import torch
 
 from epgen import reference
 from epgen.codegen.config import EpConfig
-from epgen.layers.moe import grouped_mm_available
+from epgen.layers.moe import _host_offsets, grouped_mm_refusal
 
 __all__ = ["BACKENDS", "EXPERTS_IMPLEMENTATION", "LAYOUTS", "ExpertParallel", "ExpertShard", "ReferenceOp",
            "epgen_experts_forward", "expert_parallel", "expert_rows"]
@@ -158,9 +158,7 @@ def expert_rows(experts: torch.nn.Module, shard: ExpertShard, x: torch.Tensor, o
         if shard.down_bias is not None:
             y = y + shard.down_bias[rows]
     else:
-        bounds = offsets.tolist()
-        if bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])) or bounds[-1] > x.shape[0]:
-            raise ValueError(f"offsets={bounds}: must start at 0, never decrease and end at most at R={x.shape[0]}")
+        bounds = _host_offsets(offsets, x.shape[0])
         y = x.new_zeros(x.shape[0], shard.down.shape[-1])
         for e in range(shard.num_experts):
             lo, hi = bounds[e], bounds[e + 1]
@@ -448,15 +446,6 @@ def _register() -> None:
 _register()
 
 
-def _grouped_refusal(device: torch.device, cfg: EpConfig, intermediate: int) -> str | None:
-    if not grouped_mm_available(device):
-        return (f"torch {torch.__version__} on {device} has no device-side torch._grouped_mm (it needs CPU, or CUDA "
-                "compute capability 9.0 or 10.x)")
-    if cfg.hidden % 8 or intermediate % 8:
-        return f"H={cfg.hidden}, I={intermediate}: torch._grouped_mm needs multiples of 8 (16-byte rows)"
-    return None
-
-
 def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False, world_size: int | None = None,
                     layout: str = "owned", backend: str | None = None, max_tokens_per_rank: int = 4096,
                     grouped_mm: bool | None = None, **overrides) -> ExpertParallel:
@@ -535,7 +524,7 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
     device = first.down_proj.device
     backend = backend or ("epgen" if device.type == "cuda" else "reference")
     intermediate = first.down_proj.shape[2] if not first.is_transposed else first.down_proj.shape[1]
-    refused = _grouped_refusal(device, cfg, intermediate)
+    refused = grouped_mm_refusal(device, cfg.hidden, intermediate)
     if grouped_mm and refused:
         raise ValueError(f"grouped_mm=True: {refused}")
     if grouped_mm is None:

@@ -29,8 +29,8 @@ from epgen.codegen.config import EpConfig
 from epgen.codegen.dtypes import COMBINE_QUANTS
 from epgen.quant import FP8_E4M3_MAX, combine_error_bound, combine_roundtrip
 
-__all__ = ["ExpertWeights", "MoELayer", "dense_moe", "grouped_mm_available", "route_topk", "swiglu_experts",
-           "swiglu_reference"]
+__all__ = ["ExpertWeights", "MoELayer", "dense_moe", "grouped_mm_available", "grouped_mm_refusal", "route_topk",
+           "swiglu_experts", "swiglu_reference"]
 
 U_BF16 = 2.0**-8
 """Unit roundoff of bfloat16 (8 significant bits, round to nearest even): |bf16(p) - p| <= 2^-8 |p|
@@ -211,16 +211,26 @@ def grouped_mm_available(device) -> bool:
     return (major, minor) == (9, 0) or major == 10
 
 
-def _grouped_refusal(x: torch.Tensor, w: ExpertWeights, out) -> str | None:
-    """Why the grouped path cannot take these operands (None when it can)."""
-    if not grouped_mm_available(x.device):
+def grouped_mm_refusal(device, hidden: int, intermediate: int) -> str | None:
+    """Why ``torch._grouped_mm`` cannot run experts of hidden size ``hidden`` and intermediate size
+    ``intermediate`` on ``device`` (None when it can): no device-side grouped GEMM there
+    (``grouped_mm_available``), or a size that is not a multiple of 8 (16-byte rows)."""
+    if not grouped_mm_available(device):
         have = "has no torch._grouped_mm" if not hasattr(torch, "_grouped_mm") else \
             "runs torch._grouped_mm as a host-synchronizing fallback"
-        return (f"torch {torch.__version__} on {x.device} {have} (it needs CPU, or CUDA compute "
+        return (f"torch {torch.__version__} on {device} {have} (it needs CPU, or CUDA compute "
                 "capability 9.0 or 10.x)")
-    if w.hidden % 8 or w.intermediate % 8:
-        return (f"H={w.hidden}, I={w.intermediate}: torch._grouped_mm needs both to be multiples of 8 "
+    if hidden % 8 or intermediate % 8:
+        return (f"H={hidden}, I={intermediate}: torch._grouped_mm needs both to be multiples of 8 "
                 "(16-byte rows)")
+    return None
+
+
+def _grouped_refusal(x: torch.Tensor, w: ExpertWeights, out) -> str | None:
+    """Why the grouped path cannot take these operands (None when it can)."""
+    refusal = grouped_mm_refusal(x.device, w.hidden, w.intermediate)
+    if refusal:
+        return refusal
     if x.device.type == "cuda":
         for name, t in (("x", x), ("w.gate", w.gate), ("w.up", w.up), ("w.down", w.down), ("out", out)):
             if t is not None and t.data_ptr() % 16:
