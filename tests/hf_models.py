@@ -28,6 +28,7 @@ against an envelope of 0.024 taken on other tokens). A lost expert or a wrong we
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -113,7 +114,96 @@ def greedy(model: torch.nn.Module, ids: torch.Tensor, tokens: int = 32) -> tuple
     return out.sequences.cpu(), torch.stack(out.logits).float().cpu()
 
 
-def check_generation(ep: tuple, eager: tuple, envelope: float) -> str:
+@contextlib.contextmanager
+def routing(model: torch.nn.Module, forced: dict | None = None):
+    """Record the routing of every routed experts module of ``model`` (named ``*.experts``), call by
+    call: yields {module name: [{"index": [N, K] int64, "weights": [N, K] float32, "router": [N, E]
+    float32 router logits of the call's hidden states (the block's ``gate`` or ``router`` linear,
+    before any bias, sigmoid or group limit)}, ...]}. With ``forced`` (such a record of another run
+    making the same calls), each call runs on the forced call's top-k indices and weights instead
+    of its own; what is recorded stays the routing the model computed."""
+    record, handles = {}, []
+    for name, module in model.named_modules():
+        if not name.endswith(".experts"):
+            continue
+        block = model.get_submodule(name.rpartition(".")[0])
+        router = getattr(block, "gate", None) or getattr(block, "router")
+        calls = record.setdefault(name, [])
+
+        def pre(_module, args, calls=calls, name=name, router=router):
+            hidden, index, weights, *rest = args
+            z = torch.nn.functional.linear(hidden.float(), router.weight.float())
+            calls.append({"index": index.cpu(), "weights": weights.float().cpu(), "router": z.cpu()})
+            if forced is None:
+                return None
+            want = forced[name][len(calls) - 1]
+            assert want["index"].shape == index.shape, f"{name} call {len(calls) - 1}: not the same calls"
+            return (hidden, want["index"].to(index.device), want["weights"].to(weights.device, weights.dtype), *rest)
+
+        handles.append(module.register_forward_pre_hook(pre))
+    try:
+        yield record
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def routing_ties(ep: dict, eager: dict, calls: int, envelope: float) -> list[str]:
+    """The tokens of the first ``calls`` calls of each experts module (the calls both runs made on the
+    same tokens) whose top-k expert sets differ between two routing records: one line each, with
+    the eager router's logit gap between the experts only it chose and those only the EP run chose,
+    and how far the two runs' router logits of that token are apart (max abs), the drift that
+    flipped it. A near-tie only: AssertionError where a token's drift exceeds 2 ``envelope`` times
+    its router logits' L2 norm (the bound the model's logits obey), i.e. where the runs' routers saw
+    inputs further apart than bf16 rounding explains."""
+    lines = []
+    for name, ep_calls in ep.items():
+        for call, (a, b) in enumerate(zip(ep_calls[:calls], eager[name][:calls])):
+            for row in (a["index"].sort(-1).values != b["index"].sort(-1).values).any(-1).nonzero().flatten().tolist():
+                only_eager = sorted(set(b["index"][row].tolist()) - set(a["index"][row].tolist()))
+                only_ep = sorted(set(a["index"][row].tolist()) - set(b["index"][row].tolist()))
+                z = b["router"][row]
+                gap = float(z[only_eager].min() - z[only_ep].max()) if only_eager and only_ep else float("nan")
+                drift = float((a["router"][row] - z).abs().max())
+                assert drift <= 2 * envelope * float(z.norm()), (
+                    f"{name} call {call} token {row}: routed to {only_ep} instead of {only_eager} with router logits "
+                    f"{drift:.3g} apart (max abs), beyond a rounding drift of 2 x {envelope:.3g} x {float(z.norm()):.3g}")
+                lines.append(f"{name} call {call} token {row}: eager {only_eager} / EP {only_ep}, router logit "
+                             f"gap {gap:.3g}, drift {drift:.3g}")
+    return lines
+
+
+def check_generation(ep_model: torch.nn.Module, eager_model: torch.nn.Module, ids: torch.Tensor,
+                     envelope: float, tokens: int = 32) -> str:
+    """Greedy generation of ``tokens`` tokens from ``ids`` by the expert-parallel model against the
+    model's bf16 eager path: identical, or explained by ``_check_flip`` (a near-tie the logits
+    bound allows), or explained by routing near-ties. A routing near-tie: the two runs' router
+    inputs differ by bf16 rounding, and where two experts' router scores tie within that drift the
+    runs pick different experts for a token, which moves its logits far beyond a rounding (every
+    bf16 path of the model has such flips). Then the eager model is run again on the EP run's
+    routing (``routing(forced=...)``): it must reproduce the EP generation the same way. Returns
+    a verdict naming the routing ties (how many tokens of the calls before the flip, and the worst
+    gap); AssertionError otherwise."""
+    with routing(ep_model) as ep_routes:
+        ep = greedy(ep_model, ids, tokens)
+    with routing(eager_model) as eager_routes:
+        eager = greedy(eager_model, ids, tokens)
+    try:
+        return _check_flip(ep, eager, envelope)
+    except AssertionError as plain:
+        if torch.equal(ep[0], eager[0]):
+            raise
+        pos = int((ep[0] != eager[0]).any(0).nonzero()[0])
+        ties = routing_ties(ep_routes, eager_routes, pos - (ids.shape[1] - 1), envelope)
+        assert ties, f"{plain}; and no token was routed differently before the flip"
+        with routing(eager_model, forced=ep_routes):
+            forced = greedy(eager_model, ids, tokens)
+        verdict = _check_flip(ep, forced, envelope)
+        return (f"{len(ties)} routing near-tie token(s) before generated step {pos - ids.shape[1]} "
+                f"({ties[0]}{'; ...' if len(ties) > 1 else ''}); eager on the EP routing: {verdict}")
+
+
+def _check_flip(ep: tuple, eager: tuple, envelope: float) -> str:
     """Greedy generation of the expert-parallel model (``ep``: ``greedy``'s pair) against the
     model's eager path (``eager``): identical, or the first differing token is a near-tie that the
     logits bound allows to flip. At that step both ran on the same context; the bound puts the EP

@@ -5,7 +5,7 @@
 # turn for $AB_ROUNDS rounds (alternating, so drift over the call hits every tree alike):
 # epgen bench W=1 and virtual W (each of $AB_WORLDS, default "1 2") at $AB_TOKENS tokens, uniform,
 # 50 queued replays a point.
-# One line per (round, tree, W, tokens, op) at the end: queued and host-launched medians, us.
+# One line per (round, tree, W, tokens, op) at the end: queued median and stdev, host-launched median, us.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -26,7 +26,8 @@ import csv, sys
 path, r, t, w = sys.argv[1:]
 for row in csv.DictReader(open(path)):
     if row["rank"] == "0":
-        print(f"ab round {r} tree {t:>12} W={w} T={row['tokens']:>5} {row['op']:<8} queued {row['time_us']:>8} host {row['host_launched_us']:>8}")
+        print(f"ab round {r} tree {t:>12} W={w} T={row['tokens']:>5} {row['op']:<8} queued {row['time_us']:>8} "
+              f"sd {row['stdev_us']:>6} host {row['host_launched_us']:>8}")
 PY
     done
   done

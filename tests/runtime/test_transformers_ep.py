@@ -62,7 +62,7 @@ def test_greedy_generation_matches_the_eager_path(envelopes, family):
     eager = hf_models.eager_bf16(model32)
     ids = PROMPT[:1, :8]
     model, _ = ep_model(model32, 4)
-    verdict = hf_models.check_generation(hf_models.greedy(model, ids), hf_models.greedy(eager, ids), envelope)
+    verdict = hf_models.check_generation(model, eager, ids, envelope)
     print(f"{family}: {verdict}")
 
 
@@ -192,3 +192,25 @@ def test_a_model_loaded_with_the_epgen_implementation_alone_is_refused(envelopes
     with pytest.raises(RuntimeError, match=r"Qwen3MoeExperts: experts_implementation='epgen' needs "
                                            r"epgen.integrations.transformers.expert_parallel\(model, ...\) first"):
         hf_models.logits(model, PROMPT)
+
+
+def test_forced_routing_reproduces_the_other_run_and_a_wrong_router_is_no_tie(envelopes):
+    """``hf_models.routing(forced=...)`` runs a model on another run's routing: a model whose first
+    router is negated (every token routed elsewhere) generates differently, and the original model
+    forced onto its routing generates exactly what it did. ``check_generation`` refuses that
+    difference as a routing near-tie: the routers' logits are far apart, not a rounding."""
+    model32, envelope, _ = envelopes["qwen3_moe"]
+    eager = hf_models.eager_bf16(model32)
+    wrong = copy.deepcopy(eager)
+    with torch.no_grad():
+        wrong.model.layers[0].mlp.gate.weight.neg_()
+    ids = PROMPT[:1, :8]
+    with hf_models.routing(wrong) as routes:
+        seq_wrong, _ = hf_models.greedy(wrong, ids)
+    assert not torch.equal(seq_wrong, hf_models.greedy(eager, ids)[0])
+    with hf_models.routing(eager, forced=routes) as seen:
+        seq_forced, _ = hf_models.greedy(eager, ids)
+    assert torch.equal(seq_forced, seq_wrong)
+    assert not torch.equal(seen["model.layers.0.mlp.experts"][0]["index"], routes["model.layers.0.mlp.experts"][0]["index"])
+    with pytest.raises(AssertionError, match="beyond a rounding drift"):
+        hf_models.check_generation(wrong, eager, ids, envelope)
