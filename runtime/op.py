@@ -555,7 +555,7 @@ class EpDispatchCombine:
             raise ValueError(f"x{tag}.data_ptr()={p:#x}: {p - start} bytes into dispatch_input(); an x in "
                              "dispatch_input must start at its first row (pass op.dispatch_input()[:T])")
 
-    def dispatch(self, x, weights, indices, scales=None, async_recv: bool = False):
+    def dispatch(self, x, weights, indices, scales=None, family: str | None = None, *, async_recv: bool = False):
         """Send each token to every distinct rank that holds one of its top-k experts.
 
         Args (one rank; in virtual mode each is a list with one entry per rank):
@@ -564,7 +564,12 @@ class EpDispatchCombine:
             weights: [T, K] float32 routing weights (forwarded unchanged).
             indices: [T, K] int32 expert ids in [0, E) or -1 (no expert).
             scales: [T, S] uint8 opaque per-token scale bytes, required iff S > 0.
-            async_recv: launch only the low-latency family's sending half and return a
+            family: the kernel family of this call, "low_latency" or "normal", the same on every
+                rank (docs/contract.md). None: ``EpConfig.kernel_family``, where "auto" picks by
+                ``family(T)`` only when the op sees every rank's T (virtual ranks, or W = 1); with
+                one process a rank of W > 1 an "auto" op needs it stated, e.g.
+                ``family=op.family(max T over the ranks)`` or by phase (prefill / decode).
+            async_recv: (keyword) launch only the low-latency family's sending half and return a
                 ``RecvHandle`` whose ``wait()`` launches the receiving half (and the expert
                 layout's expansion) and returns the outputs. Needs T <= ``low_latency_tokens``.
 
@@ -583,8 +588,9 @@ class EpDispatchCombine:
 
         Raises:
             TypeError, ValueError: an input breaks the rules above (before any launch), an x that
-                overlaps ``dispatch_input`` but does not start at it, or ``async_recv`` without a
-                low-latency family for T.
+                overlaps ``dispatch_input`` but does not start at it, ``async_recv`` without a
+                low-latency family for T, a ``family`` the op has no kernels for or that cannot
+                take T, or no ``family`` where an "auto" op cannot see its peers' T.
             RuntimeError: an async_recv call's handle has not been waited for.
             EpError: an earlier call timed out in a kernel (recoverable faults are raised by synchronize).
         """
@@ -598,7 +604,7 @@ class EpDispatchCombine:
             tag = f"[rank {rank}]" if self.virtual else ""
             tokens.append(check_dispatch_inputs(cfg, self.payload, self.device, xs[i], ws[i], ids[i], ss[i], tag))
             self._check_dispatch_input_use(rank, xs[i], tag)
-        family = self._family_for_call(max(tokens), async_recv, "dispatch")
+        family = self._family_for_call(max(tokens), async_recv, family)
         route = self.plan.route(Op.DISPATCH, family, self._transport(max(tokens), xs),
                                 async_recv or not self._fused[Op.DISPATCH])
         io = []
@@ -621,21 +627,41 @@ class EpDispatchCombine:
 
         return self._finish_or_handle(finish, async_recv)
 
-    def _family_for_call(self, tokens: int, async_recv: bool, name: str) -> str:
-        """``family(tokens)``, or with ``async_recv`` the low-latency family (ValueError when it
-        cannot take ``tokens``)."""
+    def _family_for_call(self, tokens: int, async_recv: bool, family: str | None) -> str:
+        """The family of a dispatch of ``tokens`` (the most of the ranks this process drives): the
+        caller's ``family``, the low-latency one for ``async_recv``, else ``family(tokens)`` where
+        every rank is bound to pick the same. ValueError where it cannot (before any launch)."""
         if not isinstance(async_recv, bool):
             raise TypeError(f"async_recv={async_recv!r}: must be a bool")
-        if not async_recv:
-            return self.family(tokens)
-        if not self.low_latency_tokens or tokens > self.low_latency_tokens:
+        if family not in (None, "low_latency", "normal"):
+            raise ValueError(f"family={family!r}: must be 'low_latency', 'normal' or None (the op's kernel_family)")
+        kind = self.config.kernel_family
+        if async_recv and family == "normal":
+            raise ValueError("dispatch(async_recv=True, family='normal'): the split needs the low-latency family")
+        if family is None and async_recv:
+            family = "low_latency"
+        if family is None:
+            if kind == "auto" and not self.virtual and self.config.world_size > 1:
+                raise ValueError(
+                    f"dispatch: EpConfig.kernel_family='auto' with one process a rank (W={self.config.world_size}) "
+                    f"needs the call's family stated: each rank sees only its own {tokens} tokens, and ranks on "
+                    f"both sides of low_latency_tokens={self.low_latency_tokens} would take different kernels and "
+                    "wait for each other until timeout_s. Pass family=op.family(T) with T the most tokens of any "
+                    "rank, or a family by phase ('normal' for prefill, 'low_latency' for decode), the same on "
+                    "every rank; or build the op with kernel_family='normal' or 'low_latency'")
+            family = self.family(tokens)
+        if family == "normal" and kind == "low_latency":
+            raise ValueError("dispatch(family='normal'): this op builds only the low-latency kernels "
+                             "(EpConfig.kernel_family='low_latency'); build it with 'auto' or 'normal'")
+        if family == "low_latency" and (not self.low_latency_tokens or tokens > self.low_latency_tokens):
             why = ("this op builds no low-latency kernels (EpConfig.kernel_family='normal', or 'auto' where the "
                    "tuning table's threshold is 0)" if not self.low_latency_tokens
                    else f"the low-latency family takes at most low_latency_tokens={self.low_latency_tokens} tokens "
                    "a rank (EpConfig.kernel_family='low_latency' sizes it for max_tokens_per_rank)")
-            raise ValueError(f"{name}(async_recv=True) with {tokens} tokens: the split needs the low-latency "
-                             f"family, and {why}")
-        return "low_latency"
+            how = "async_recv=True" if async_recv else "family='low_latency'"
+            need = "the split needs the low-latency family, and " if async_recv else ""
+            raise ValueError(f"dispatch({how}) with {tokens} tokens: {need}{why}")
+        return family
 
     def _finish_or_handle(self, finish, async_recv: bool):
         if not async_recv:

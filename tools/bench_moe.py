@@ -112,7 +112,11 @@ def bench_rank(rank: int, world_size: int, opts: Options) -> None:
         parts[name] = [torch.empty_like(t) for _ in range(world_size)]
         dist.all_gather(parts[name], t)
     every = [ExpertWeights(gate=g, up=u, down=d) for g, u, d in zip(parts["gate"], parts["up"], parts["down"])]
-    layers = {"epgen": MoELayer(cfg, own, virtual=False, device=rank),
+    epgen_layer = MoELayer(cfg, own, virtual=False, device=rank)
+    # every rank passes the same T at each point: the family its T picks is every rank's
+    stated = type("StatedFamily", (), {"forward": staticmethod(
+        lambda x, w, ids: epgen_layer.forward(x, w, ids, epgen_layer.op.family(x.shape[0])))})
+    layers = {"epgen": stated,
               "all_to_all": AllToAllMoE(own, num_experts=E, topk=cfg.topk)}
     env = None
     if rank == 0:
@@ -155,7 +159,7 @@ def bench_rank(rank: int, world_size: int, opts: Options) -> None:
                 f"{n} {r['median_us']} us (check {'passed' if r['passed'] else 'FAILED'}, {r['bound_ratio']} of "
                 f"the bound)" for n, r in summary.items()), flush=True)
             write_results(rows, opts.output, env, quiet=True)
-    layers["epgen"].close()
+    epgen_layer.close()
     if rank == 0:
         write_results(rows, opts.output, env)
         if world_size == 1:

@@ -61,10 +61,12 @@ def expert_inputs(cfg, tokens, seed, *, invalid=0.15, duplicates=0.2, local_pair
 
 
 def expert_dispatch(op, cfg, inputs):
-    """``op.dispatch`` of ``expert_inputs`` on the op's device; a list of one output per rank."""
+    """``op.dispatch`` of ``expert_inputs`` (every rank's) on the op's device, in the family the
+    most tokens of any rank pick; a list of one output per rank."""
     dev = op.device
     cols = [[t[i].to(dev) if t[i] is not None else None for t in inputs] for i in range(4)]
-    outs = op.dispatch(*(_lists(op, c) for c in cols[:3]), _lists(op, cols[3]) if cfg.scale_bytes else None)
+    outs = op.dispatch(*(_lists(op, c) for c in cols[:3]), _lists(op, cols[3]) if cfg.scale_bytes else None,
+                       op.family(max(t[0].shape[0] for t in inputs)))
     return outs if op.virtual else [outs]
 
 

@@ -54,9 +54,12 @@ def zero_copy_inputs(op, inputs: list[RankInputs]) -> list[RankInputs]:
 
 
 def op_inputs(op, inputs: list[RankInputs]) -> tuple:
-    """(x, weights, indices, scales) of the ranks ``op`` drives, ready for ``op.dispatch``."""
+    """(x, weights, indices, scales, family) of the ranks ``op`` drives, ready for ``op.dispatch``:
+    ``inputs`` holds every rank's, so the family is the one the most tokens of any rank pick, the
+    same on every rank (``EpDispatchCombine.dispatch``'s ``family``)."""
     mine = [inputs[r] for r in op.local_ranks]
-    return tuple(op_arg(op, [getattr(i, f) for i in mine]) for f in ("x", "weights", "indices", "scales"))
+    family = op.family(max(i.x.shape[0] for i in inputs))
+    return (*(op_arg(op, [getattr(i, f) for i in mine]) for f in ("x", "weights", "indices", "scales")), family)
 
 
 def routing(num_tokens: int, cfg: EpConfig, kind: str, gen: torch.Generator, rank: int = 0) -> torch.Tensor:

@@ -230,9 +230,10 @@ class ReferenceOp:
         dist.all_gather_object(gathered, value, group=self.group)
         return gathered
 
-    def dispatch(self, x, weights, indices):
+    def dispatch(self, x, weights, indices, family=None):
         """x [T, H], weights [T, K] float32, indices [T, K] int32 (lists in virtual mode) ->
-        ``epgen.reference.ExpertRows`` of this rank (a list in virtual mode)."""
+        ``epgen.reference.ExpertRows`` of this rank (a list in virtual mode). ``family`` is taken
+        as the GPU op takes it and changes nothing here (the reference has one path)."""
         cfg = self.config
         xs, ws, ids = (self._everyone(v) for v in (x, weights, indices))
         for r, t in enumerate(xs):
@@ -350,6 +351,22 @@ class ExpertParallel:
         self.ranks = list(op.local_ranks)
         self.grouped_mm = grouped_mm
         self.modules = modules
+        self.phase = "prefill"  # the model's forward: "decode" when it runs one position a sequence
+        self.phase_hook = None  # the model's forward pre-hook that sets it (expert_parallel)
+
+    def family(self, tokens: int) -> str | None:
+        """The kernel family of a dispatch of ``tokens`` on this rank, the same on every rank
+        without exchanging counts: None (the op's own pick) where the op sees every rank's count
+        (virtual ranks, W = 1), the config fixes the family, or the backend is the reference; in the replicated layout the
+        family of the largest slice (every rank slices the same T); in the owned layout the
+        phase's: "normal" for a prefill, "low_latency" for a decode where the op has that family
+        (a rank's decode batch must then fit ``op.low_latency_tokens``)."""
+        W = self.config.world_size
+        if self.backend != "epgen" or self.virtual or W == 1 or self.config.kernel_family != "auto":
+            return None
+        if self.layout == "replicated":
+            return self.op.family(-(-tokens // W))
+        return "low_latency" if self.phase == "decode" and self.op.low_latency_tokens else "normal"
 
     def _rank_tokens(self, tokens: list[int]) -> None:
         most = max(tokens)
@@ -370,7 +387,9 @@ class ExpertParallel:
 
         Raises:
             RuntimeError: gradients enabled on a tensor that needs them (no backward).
-            ValueError: hidden_states not 2-D bf16; a rank's share above max_tokens_per_rank.
+            ValueError: hidden_states not 2-D bf16; a rank's share above max_tokens_per_rank; in
+                the owned layout with one process a rank, a decode step above the op's
+                low_latency_tokens (``family``).
         """
         if torch.is_grad_enabled() and hidden_states.requires_grad:
             raise RuntimeError(f"{type(experts).__name__}: epgen's dispatch and combine have no backward; run the "
@@ -392,10 +411,16 @@ class ExpertParallel:
             parts = _slices(T, W)
             a, b = parts[self.ranks[0]]
             self._rank_tokens([parts[0][1] - parts[0][0]])
-            d = self.op.dispatch(x[a:b], w[a:b], ids[a:b])
+            d = self.op.dispatch(x[a:b], w[a:b], ids[a:b], family=self.family(T))
             return self._gather(self.op.combine(self._experts(experts, shards, [d])[0]), parts)
         self._rank_tokens([T])
-        d = self.op.dispatch(x, w, ids)
+        family = self.family(T)
+        if family == "low_latency" and T > self.op.low_latency_tokens:
+            raise ValueError(f"epgen expert parallel (owned tokens, W={W}): a decode step of {T} tokens on rank "
+                             f"{self.ranks[0]}, more than the low-latency family takes (low_latency_tokens="
+                             f"{self.op.low_latency_tokens}); decode at most that many sequences a rank, or pass "
+                             "kernel_family='normal' to expert_parallel")
+        d = self.op.dispatch(x, w, ids, family=family)
         return self.op.combine(self._experts(experts, shards, [d])[0])
 
     def _gather(self, out: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
@@ -417,7 +442,9 @@ class ExpertParallel:
         self.op.synchronize()
 
     def close(self) -> None:
-        """Release the op's buffers."""
+        """Release the op's buffers and the model's phase hook."""
+        if self.phase_hook is not None:
+            self.phase_hook.remove()
         self.op.close()
 
 
@@ -553,6 +580,13 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
         experts._epgen_shards = shards
     handle = ExpertParallel(cfg, op, backend=backend, layout=layout, virtual=virtual, group=group,
                             grouped_mm=bool(grouped_mm), modules=[n for n, _ in modules])
+
+    def phase(_model, args, kwargs):  # every rank runs the same phase: prefill and decode take their families
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        ids = ids if ids is not None else kwargs.get("inputs_embeds")
+        handle.phase = "decode" if ids is not None and ids.dim() >= 2 and ids.shape[1] == 1 else "prefill"
+
+    handle.phase_hook = model.register_forward_pre_hook(phase, with_kwargs=True)
     for _, experts in modules:
         experts._epgen_parallel = handle
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)

@@ -776,10 +776,11 @@ class MoELayer(torch.nn.Module):
         self.weights = ws
         self.grouped_mm = bool(grouped_mm)
 
-    def dispatch(self, x, topk_weights, topk_ids):
+    def dispatch(self, x, topk_weights, topk_ids, family=None):
         """``op.dispatch``: x [T, H] bf16, topk_weights [T, K] float32, topk_ids [T, K] int32 (lists
-        in virtual mode) -> the op's ExpertDispatchOutput (a list in virtual mode)."""
-        return self.op.dispatch(x, topk_weights, topk_ids)
+        in virtual mode), ``family`` as the op's (the same on every rank) -> the op's
+        ExpertDispatchOutput (a list in virtual mode)."""
+        return self.op.dispatch(x, topk_weights, topk_ids, family=family)
 
     def experts(self, dispatched):
         """Run each rank's experts on its dispatched rows.
@@ -815,19 +816,21 @@ class MoELayer(torch.nn.Module):
         (a list in virtual mode)."""
         return self.op.combine(y)
 
-    def forward(self, x, topk_weights, topk_ids):
+    def forward(self, x, topk_weights, topk_ids, family=None):
         """dispatch, experts, combine: out [T, H] bf16 per rank (a list in virtual mode).
 
         Args:
             x: [T, H] bf16 tokens, T <= config.max_tokens_per_rank.
             topk_weights: [T, K] float32 routing weights (e.g. ``route_topk``).
             topk_ids: [T, K] int32 expert ids in [0, E) or -1.
+            family: the call's kernel family, the same on every rank (``EpDispatchCombine.dispatch``:
+                needed with one process a rank of W > 1 and kernel_family "auto").
         (Lists with one entry per rank in virtual mode.)
 
         Raises:
             As ``EpDispatchCombine.dispatch`` / ``combine`` and ``swiglu_experts``.
         """
-        return self.combine(self.experts(self.dispatch(x, topk_weights, topk_ids)))
+        return self.combine(self.experts(self.dispatch(x, topk_weights, topk_ids, family)))
 
     def close(self):
         """Release the op (``EpDispatchCombine.close``)."""

@@ -142,3 +142,29 @@ def test_processes_both_token_layouts(world_size):
     from epgen.harness.ranks import run_ranks
 
     run_ranks(world_size, _processes_body, timeout_s=RUN_TIMEOUT_S)
+
+
+def _straddle_body(rank, world_size):
+    """Owned tokens whose prefill counts straddle the low-latency threshold (T_ll - 1 on rank 0,
+    T_ll + 1 on rank 1, ...), then a decode: each phase one family on every rank, no hang, the
+    generation as the eager model's (``check_generation``)."""
+    model32 = hf_models.tiny_model("qwen3_moe", SEED).to("cuda")
+    eager = hf_models.eager_bf16(model32)
+    model = copy.deepcopy(eager)
+    ep = _ep(model, layout="owned")
+    t_ll = ep.op.low_latency_tokens
+    assert 1 < t_ll < 255, t_ll
+    ids = hf_models.prompt(20 + rank, batch=1, length=t_ll - 1 + 2 * rank)
+    envelope, _ = hf_models.bf16_envelope(model32, hf_models.prompt(30, batch=4, length=64))
+    verdict = hf_models.check_generation(model, eager, ids, envelope, tokens=4)
+    ep.synchronize()
+    torch.distributed.barrier()
+    ep.close()
+    print(f"rank {rank}: prefill of {ids.shape[1]} tokens (T_ll {t_ll}), 4 decode steps: {verdict}", flush=True)
+
+
+@pytest.mark.processes
+def test_owned_prefill_on_both_sides_of_the_threshold_then_decode():
+    from epgen.harness.ranks import run_ranks
+
+    run_ranks(2, _straddle_body, timeout_s=RUN_TIMEOUT_S)

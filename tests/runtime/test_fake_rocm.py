@@ -297,28 +297,64 @@ def _family_calls(fake, cfg: EpConfig, rank: int) -> list[dict]:
         y = torch.full((6, H), float(value), dtype=torch.bfloat16)
         return step(name, lambda: op.combine(y, **kw), y)
 
-    step("dispatch small", lambda: op.dispatch(*inputs(SMALL)))
+    step("dispatch small", lambda: op.dispatch(*inputs(SMALL), family=op.family(SMALL)))
     combine("combine", 1)
     if cfg.kernel_family == "normal":  # no low-latency kernels: the split is refused before any launch
         step("dispatch small async", lambda: op.dispatch(*inputs(SMALL), async_recv=True))
-        step("dispatch small", lambda: op.dispatch(*inputs(SMALL)))
+        step("dispatch small", lambda: op.dispatch(*inputs(SMALL), family=op.family(SMALL)))
         combine("combine async", 2, async_recv=True)
         combine("combine", 3)
         op.close()
         return steps
-    step("dispatch large", lambda: op.dispatch(*inputs(LARGE)))
+    step("dispatch large", lambda: op.dispatch(*inputs(LARGE), family=op.family(LARGE)))
     combine("combine", 2)
     handle = step("dispatch small async", lambda: op.dispatch(*inputs(SMALL), async_recv=True))
-    step("dispatch before wait", lambda: op.dispatch(*inputs(SMALL)))
+    step("dispatch before wait", lambda: op.dispatch(*inputs(SMALL), family=op.family(SMALL)))
     combine("combine before wait", 3)
     step("wait", lambda: handle.wait())
     step("wait again", lambda: handle.wait())
     handle = combine("combine async", 4, async_recv=True)
     step("wait", lambda: handle.wait())
     step("dispatch large async", lambda: op.dispatch(*inputs(LARGE), async_recv=True))
-    step("dispatch large", lambda: op.dispatch(*inputs(LARGE)))
+    step("dispatch large", lambda: op.dispatch(*inputs(LARGE), family=op.family(LARGE)))
     combine("combine async", 5, async_recv=True)
     combine("combine", 6)
+    op.close()
+    return steps
+
+
+STRADDLE = [(0, T_LL + 1), (T_LL - 1, T_LL + 1), (T_LL, T_LL + 1), (T_LL + 1, T_LL), (T_LL + 1, 0)]
+"""(rank 0's tokens, rank 1's): counts on both sides of the low-latency threshold in one call."""
+
+
+def _straddle_calls(fake, cfg: EpConfig, rank: int) -> list[dict]:
+    """For each pair of STRADDLE, this rank's dispatch of its own count: with no family (an "auto"
+    op with one process a rank: refused before any launch), then with the family of the most
+    tokens of either rank (``op.family``), and its combine; each as {"step", "ops", "error"}."""
+    from epgen.op import EpDispatchCombine
+
+    op = EpDispatchCombine(cfg)
+    op.device = torch.device("cpu")
+    H, K, E = cfg.hidden, cfg.topk, cfg.num_experts
+    kernel_op = {spec.name: o.value for (o, _), variants in op.plan.variants.items() for _, spec in variants}
+    steps = []
+
+    def step(name, call):
+        before = len(fake.launches)
+        try:
+            call()
+            error = None
+        except (TypeError, ValueError, RuntimeError) as e:
+            error = f"{type(e).__name__}: {e}"
+        steps.append({"step": name, "ops": [kernel_op[x["entry"]] for x in fake.launches[before:]], "error": error})
+
+    for pair in STRADDLE:
+        T = pair[rank]
+        x, w, i = (torch.zeros(T, H, dtype=torch.bfloat16), torch.ones(T, K),
+                   torch.arange(T * K, dtype=torch.int32).view(T, K) % E)
+        step(f"{pair} unstated", lambda: op.dispatch(x, w, i))
+        step(f"{pair} dispatch", lambda: op.dispatch(x, w, i, family=op.family(max(pair))))
+        step(f"{pair} combine", lambda: op.combine(torch.zeros(op.layout.capacity_rows, H, dtype=torch.bfloat16)))
     op.close()
     return steps
 
@@ -342,7 +378,7 @@ def _pull_calls(fake, cfg: EpConfig, rank: int) -> list[dict]:
         before = len(fake.launches)
         w, i = torch.ones(x.shape[0], K), torch.arange(x.shape[0] * K, dtype=torch.int32).view(-1, K) % E
         try:
-            op.dispatch(x, w, i)
+            op.dispatch(x, w, i, family="normal")
             error = None
         except (TypeError, ValueError, RuntimeError) as e:
             error = f"{type(e).__name__}: {e}"
@@ -398,6 +434,7 @@ def _rank(rank: int, world_size: int, store: str, cache: str, out: str):
         record["halves"] = _family_calls(fake, FAMILY_CFG, rank)
         props.multi_processor_count = 256
         record["normal"] = _family_calls(fake, NORMAL_CFG, rank)
+        record["straddle"] = _straddle_calls(fake, FAMILY_CFG, rank)
         record["pull"] = _pull_calls(fake, PULL_CFG, rank)
         record["loads"] = [c[1:] for c in fake.calls if c[0] == "RawModule"]
         record["refusals"] = []  # refused before anything is compiled, allocated or launched
@@ -576,6 +613,23 @@ def test_only_the_whole_low_latency_ops_launch_cooperatively_through_hip(records
             launches = [(op, coop) for x in r[mode] for op, coop in zip(x["ops"], x["cooperative"])]
             assert launches and all(coop == (op in ("dispatch_ll", "combine_ll")) for op, coop in launches), launches
             assert any(coop for _, coop in launches) == (mode == "fused")
+
+
+def test_ranks_on_both_sides_of_the_threshold_take_one_family_or_are_refused_before_any_launch(records):
+    """One process a rank, kernel_family "auto": a dispatch that does not state its family is
+    refused on every rank, whatever its own count (0, T_ll - 1, T_ll, T_ll + 1), before a launch
+    (choosing by its own count would split the ranks between the families: a hang); stated as the
+    family of the most tokens of any rank, both ranks launch the same kernels for every pair."""
+    mine = [[(x["step"], x["ops"], x["error"]) for x in r["straddle"]] for r in records]
+    for rank, steps in enumerate(mine):
+        for pair, (unstated, dispatch, combine) in zip(STRADDLE, zip(*[iter(steps)] * 3)):
+            assert unstated[1] == [] and unstated[2].startswith(
+                "ValueError: dispatch: EpConfig.kernel_family='auto' with one process a rank (W=2) needs the call's "
+                f"family stated: each rank sees only its own {pair[rank]} tokens"), unstated
+            want = ("dispatch_ll", "combine_ll") if max(pair) <= T_LL else ("dispatch", "combine")
+            assert (dispatch[1], combine[1], dispatch[2], combine[2]) == ([want[0]], [want[1]], None, None), (pair, rank)
+    assert [[(s, ops) for s, ops, _ in steps if "unstated" not in s] for steps in mine][0] == \
+        [[(s, ops) for s, ops, _ in steps if "unstated" not in s] for steps in mine][1]
 
 
 def test_the_normal_family_refuses_the_split_before_any_launch(records):

@@ -383,7 +383,7 @@ class ReferenceOp:
         self.inputs = {r: torch.zeros(capacity, config.hidden, dtype=torch.bfloat16) for r in self.local_ranks}
         self.closed = False
 
-    def dispatch(self, x, weights, indices):
+    def dispatch(self, x, weights, indices, family=None):
         xs, ws, ids = (x, weights, indices) if self.virtual else ([x], [weights], [indices])
         cfg = self.config
         self.recv = reference.dispatch(list(xs), list(ws), list(ids), experts_per_rank=cfg.experts_per_rank)

@@ -12,6 +12,7 @@ the refusals.
 
 import copy
 import os
+import types
 
 import pytest
 
@@ -214,3 +215,40 @@ def test_forced_routing_reproduces_the_other_run_and_a_wrong_router_is_no_tie(en
     assert not torch.equal(seen["model.layers.0.mlp.experts"][0]["index"], routes["model.layers.0.mlp.experts"][0]["index"])
     with pytest.raises(AssertionError, match="beyond a rounding drift"):
         hf_models.check_generation(wrong, eager, ids, envelope)
+
+
+def test_prefill_and_decode_take_their_families_by_phase(envelopes):
+    """One process a rank, owned tokens, kernel_family "auto": no rank sees its peers' counts, so
+    the family comes from the phase every rank runs alike: the model's forward with one position a
+    sequence is a decode (the low-latency family), any other a prefill (the normal family); the
+    replicated layout takes the family of the largest slice, the same on every rank. The phase
+    is read by a pre-hook on the model, removed at close."""
+    from epgen.integrations.transformers import ExpertParallel
+
+    model32, _, _ = envelopes["qwen3_moe"]
+    model = copy.deepcopy(model32).to(torch.bfloat16)
+    hooks = len(model._forward_pre_hooks)
+    ep = expert_parallel(model, backend="reference", world_size=1)
+    seen = []
+    model.register_forward_hook(lambda *_: seen.append(ep.phase))
+    hf_models.greedy(model, PROMPT[:2, :8], tokens=3)
+    assert seen == ["prefill", "decode", "decode"]
+    assert len(model._forward_pre_hooks) == hooks + 1
+    ep.close()
+    assert len(model._forward_pre_hooks) == hooks
+
+    op = types.SimpleNamespace(local_ranks=[1], low_latency_tokens=128,
+                               family=lambda t: "low_latency" if t <= 128 else "normal")
+    cfg = types.SimpleNamespace(world_size=2, kernel_family="auto")
+    owned = ExpertParallel(cfg, op, backend="epgen", layout="owned", virtual=False, group=None, grouped_mm=True,
+                           modules=[])
+    for phase, want in (("prefill", "normal"), ("decode", "low_latency")):
+        owned.phase = phase
+        assert [owned.family(t) for t in (0, 127, 128, 129)] == [want] * 4
+    op.low_latency_tokens = 0  # an op without the low-latency family decodes with the normal one
+    assert owned.family(1) == "normal"
+    replicated = ExpertParallel(cfg, op, backend="epgen", layout="replicated", virtual=False, group=None,
+                                grouped_mm=True, modules=[])
+    assert [replicated.family(t) for t in (255, 256, 257)] == ["low_latency", "low_latency", "normal"]
+    cfg.kernel_family = "normal"  # a fixed family: the op's own
+    assert owned.family(5) is None and replicated.family(5) is None

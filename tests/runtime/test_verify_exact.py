@@ -20,6 +20,9 @@ class ZeroCopyOp:
 
     virtual = True
 
+    def family(self, tokens):
+        return "normal"
+
     def __init__(self, cfg: EpConfig, fault: str | None = None):
         self.cfg, self.fault = cfg, fault
         self.device = torch.device("cpu")
@@ -38,7 +41,7 @@ class ZeroCopyOp:
     def combine_input(self, rank):
         return self._combine_in[rank]
 
-    def dispatch(self, xs, ws, ids, ss=None):
+    def dispatch(self, xs, ws, ids, ss=None, family=None):
         ref = reference.dispatch(list(xs), list(ws), list(ids), experts_per_rank=self.cfg.experts_per_rank)
         self._src, self._tokens = [], [x.shape[0] for x in xs]
         for d, rows in enumerate(ref):

@@ -39,7 +39,7 @@ class ContractOp:
     def recv_buffers(self, rank):
         return self._bufs[rank]
 
-    def dispatch(self, xs, ws, ids, ss):
+    def dispatch(self, xs, ws, ids, ss, family=None):
         ref = reference.dispatch(xs, ws, ids, experts_per_rank=self.cfg.experts_per_rank)
         for r, rows in enumerate(ref):
             n, b = rows.num_rows, self._bufs[r]
