@@ -195,13 +195,14 @@ no infinities, no negative zero, 0x80 NaN, max 240 (0x7F = 2^7 * 1.875). Each fl
 combine wire codec's branch for it (``templates/common/wire/_codec.j2`` refuses any other)."""
 
 
-def fp8_flavour(name: str) -> Fp8Flavour:
-    """Return the fp8 flavour ``name``.
+def fp8_flavour(name: str, argument: str = "fp8") -> Fp8Flavour:
+    """Return the fp8 flavour ``name``; ``argument`` is the name of the caller's argument that
+    held it, which an error names.
 
     Raises:
-        ValueError: unknown flavour (the message lists the known ones).
+        ValueError: unknown flavour (``argument=name``, and the known ones).
     """
-    return _row(FP8_FLAVOURS, name, "fp8", "fp8 flavour")
+    return _row(FP8_FLAVOURS, name, argument, "fp8 flavour")
 
 
 MINIFLOATS: dict[str, MiniFloat] = {
