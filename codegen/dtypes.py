@@ -211,8 +211,10 @@ MINIFLOATS: dict[str, MiniFloat] = {
                      negative_zero=True),
 }
 """Quantized wire element formats by dtype name (keys of ``DTYPES``), as the pure-torch reference
-(``epgen.quant``) computes with them: fp8 e4m3 in its OCP flavour e4m3fn (``FP8_FLAVOURS``) and
-fp4 e2m1 (OCP MX: no NaN, max 6). The kernels take fp8's from their target (``element_format``)."""
+(``epgen.quant``) computes with them by default: fp8 e4m3 in its OCP flavour e4m3fn
+(``FP8_FLAVOURS``) and fp4 e2m1 (OCP MX: no NaN, max 6). The kernels take fp8's from their target
+(``element_format``), and so does the reference given the target's flavour (``fp8_flavour=`` /
+``flavour=``, e4m3fnuz on gfx942)."""
 
 
 def element_format(element: str, fp8: str) -> MiniFloat:
