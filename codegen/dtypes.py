@@ -195,13 +195,14 @@ no infinities, no negative zero, 0x80 NaN, max 240 (0x7F = 2^7 * 1.875). Each fl
 combine wire codec's branch for it (``templates/common/wire/_codec.j2`` refuses any other)."""
 
 
-def fp8_flavour(name: str) -> Fp8Flavour:
-    """Return the fp8 flavour ``name``.
+def fp8_flavour(name: str, argument: str = "fp8") -> Fp8Flavour:
+    """Return the fp8 flavour ``name``; ``argument`` is the name of the caller's argument that
+    held it, which an error names.
 
     Raises:
-        ValueError: unknown flavour (the message lists the known ones).
+        ValueError: unknown flavour (``argument=name``, and the known ones).
     """
-    return _row(FP8_FLAVOURS, name, "fp8", "fp8 flavour")
+    return _row(FP8_FLAVOURS, name, argument, "fp8 flavour")
 
 
 MINIFLOATS: dict[str, MiniFloat] = {
@@ -210,8 +211,10 @@ MINIFLOATS: dict[str, MiniFloat] = {
                      negative_zero=True),
 }
 """Quantized wire element formats by dtype name (keys of ``DTYPES``), as the pure-torch reference
-(``epgen.quant``) computes with them: fp8 e4m3 in its OCP flavour e4m3fn (``FP8_FLAVOURS``) and
-fp4 e2m1 (OCP MX: no NaN, max 6). The kernels take fp8's from their target (``element_format``)."""
+(``epgen.quant``) computes with them by default: fp8 e4m3 in its OCP flavour e4m3fn
+(``FP8_FLAVOURS``) and fp4 e2m1 (OCP MX: no NaN, max 6). The kernels take fp8's from their target
+(``element_format``), and so does the reference given the target's flavour (``fp8_flavour=`` /
+``flavour=``, e4m3fnuz on gfx942)."""
 
 
 def element_format(element: str, fp8: str) -> MiniFloat:

@@ -109,8 +109,9 @@ class CombineWireInput:
     no quantize pass runs. Views into the rank's arena (rows strided by the wire row's bytes).
 
     Row i < num_recv must hold receive row i's expert output encoded as
-    ``epgen.quant.combine_wire_rows(mode, y)`` encodes it (the bytes the quantize kernel would
-    write; rows >= num_recv are not read), and stay unchanged until the combine has run.
+    ``epgen.quant.combine_wire_rows(mode, y, fp8_flavour=epgen.quant.arch_fp8_flavour(op.arch))``
+    encodes it (the bytes the quantize kernel would write: fp8 in the arch's flavour, e4m3fnuz on
+    gfx942; rows >= num_recv are not read), and stay unchanged until the combine has run.
 
     Attributes:
         rank: the rank whose rows these are.
@@ -747,7 +748,8 @@ class EpDispatchCombine:
         Returns:
             [T, H] bf16 per rank (a list in virtual mode): the expert outputs as the combine wire
             delivers them (``EpConfig.combine_quant``; bit-equal to
-            ``epgen.quant.combine_roundtrip``), summed in fp32 in ascending rank and rounded once;
+            ``epgen.quant.combine_roundtrip`` with ``fp8_flavour`` the arch's,
+            ``epgen.quant.arch_fp8_flavour(self.arch)``), summed in fp32 in ascending rank and rounded once;
             a token that reached no rank gets zeros. In the expert layout each rank first folds
             a token's rows: bf16(sum in ascending first top-k slot of weight x y, fp32, each product
             rounded before its sum), and that folded row travels (``epgen.reference.combine_weighted``).

@@ -28,7 +28,8 @@ differ; ``align_rows`` on the (source rank, source token, slot) triples maps the
 Weighted combine (``fold``, ``combine_weighted``): per receive row, ``acc = 0.0`` and for each of
 its expanded rows in ascending first slot ``acc = acc + (w * float32(y))`` (product and sum each
 rounded to float32, no fused multiply-add), rounded to bf16 once: ``F``. The combine wire's
-``epgen.quant.combine_roundtrip`` of ``F`` is then summed over ranks exactly like ``combine``.
+``epgen.quant.combine_roundtrip`` of ``F`` (an fp8 wire in the arch's flavour, ``fp8_flavour``) is
+then summed over ranks exactly like ``combine``.
 
 Nodes (``combine_hierarchical``, docs/multinode.md): with the W ranks on N nodes of G (rank d on
 node d // G), the hierarchical op delivers exactly ``dispatch``'s rows (each token once to every
@@ -387,14 +388,15 @@ def combine_hierarchical(
     *,
     gpus_per_node: int,
     combine_quant: str = "none",
+    fp8_flavour: str = "e4m3fn",
 ) -> list[torch.Tensor]:
     """Simulate the hierarchical combine (N nodes of G ranks) on all ranks; W = len(ys) = N x G.
 
-    With wire_d = ``epgen.quant.combine_roundtrip(combine_quant, ys[d])`` (what the node-local
-    combine delivers from rank d): P_n(r, t) = bf16 of the fp32 sum, in ascending d over node n's
-    ranks [n G, (n + 1) G), of wire_d's row for (r, t) (0 where t reached no rank of n); out_r[t] =
-    bf16 of the fp32 sum of P_n(r, t) in ascending n. A token that reached no rank gets zeros. With
-    N = 1 (G = W) this is ``combine`` of the wire rows.
+    With wire_d = ``epgen.quant.combine_roundtrip(combine_quant, ys[d], fp8_flavour=fp8_flavour)``
+    (what the node-local combine delivers from rank d): P_n(r, t) = bf16 of the fp32 sum, in
+    ascending d over node n's ranks [n G, (n + 1) G), of wire_d's row for (r, t) (0 where t reached
+    no rank of n); out_r[t] = bf16 of the fp32 sum of P_n(r, t) in ascending n. A token that
+    reached no rank gets zeros. With N = 1 (G = W) this is ``combine`` of the wire rows.
 
     Args:
         ys: per rank d, [R_d, H] bfloat16 expert outputs, row i for received row i of ``recv[d]``.
@@ -404,14 +406,16 @@ def combine_hierarchical(
         gpus_per_node: G (>= 1), dividing W.
         combine_quant: the combine wire (``epgen.codegen.dtypes.COMBINE_QUANTS``), applied by the
             node-local leg to each rank's rows.
+        fp8_flavour: the fp8 flavour of an fp8 wire's codes, the node-local op's arch's
+            (``epgen.quant.arch_fp8_flavour``; "e4m3fnuz" on gfx942); default "e4m3fn".
 
     Returns:
         Per rank r, [T_r, H] bfloat16.
 
     Raises:
         ValueError: G not a positive int dividing W; ys[d] not 2-D bfloat16; an unknown
-            combine_quant, or a non-finite y for a blockwise mode (``combine_roundtrip``); as
-            ``combine``.
+            combine_quant or fp8_flavour, or a non-finite y for a blockwise mode
+            (``combine_roundtrip``); as ``combine``.
     """
     if not isinstance(ys, (list, tuple)) or len(ys) == 0:
         raise ValueError("ys: must be a non-empty list with one [R_d, H] tensor per rank")
@@ -422,7 +426,7 @@ def combine_hierarchical(
     for d, y in enumerate(ys):
         if _check_2d(f"ys[rank {d}]", y).dtype != torch.bfloat16:
             raise ValueError(f"ys[rank {d}]: dtype {y.dtype} must be torch.bfloat16")
-    wire = [combine_roundtrip(combine_quant, y) for y in ys]
+    wire = [combine_roundtrip(combine_quant, y, fp8_flavour=fp8_flavour) for y in ys]
     acc = None
     for n in range(world // gpus_per_node):
         mine = range(n * gpus_per_node, (n + 1) * gpus_per_node)
@@ -706,11 +710,13 @@ def combine_weighted(
     num_tokens: list[int],
     *,
     combine_quant: str = "none",
+    fp8_flavour: str = "e4m3fn",
 ) -> list[torch.Tensor]:
     """Simulate the weighted combine of the expert-major layout on all ranks; W = len(ys).
 
     Per rank d: F_d = ``fold(ys[d], expert[d], recv[d].num_rows)``; G_d =
-    ``epgen.quant.combine_roundtrip(combine_quant, F_d)``, the wire (F_d itself for "none");
+    ``epgen.quant.combine_roundtrip(combine_quant, F_d, fp8_flavour=fp8_flavour)``, the wire (F_d
+    itself for "none");
     out_r[t] = bf16 of the fp32 sum, in ascending d, of G_d's row for (r, t) (``combine``). A token
     that reached no rank gets zeros.
 
@@ -721,6 +727,8 @@ def combine_weighted(
         recv: per rank d, the RecvRows expert[d] was expanded from.
         num_tokens: per rank r, T_r.
         combine_quant: the combine wire mode (``epgen.codegen.dtypes.COMBINE_QUANTS``).
+        fp8_flavour: the fp8 flavour of an fp8 wire's codes, the op's arch's
+            (``epgen.quant.arch_fp8_flavour``; "e4m3fnuz" on gfx942); default "e4m3fn".
 
     Returns:
         Per rank r, [T_r, H] bfloat16.
@@ -728,8 +736,8 @@ def combine_weighted(
     Raises:
         ValueError: list lengths differ; as ``fold`` (naming ys[rank d] and expert[rank d]); an
             expanded row whose (source rank, source token) differs from that of its receive row;
-            an unknown combine_quant, or a non-finite F for a blockwise mode (``combine_roundtrip``);
-            as ``combine``.
+            an unknown combine_quant or fp8_flavour, or a non-finite F for a blockwise mode
+            (``combine_roundtrip``); as ``combine``.
     """
     if not isinstance(ys, (list, tuple)) or len(ys) == 0:
         raise ValueError("ys: must be a non-empty list with one [n_d, H] tensor per rank")
@@ -755,7 +763,7 @@ def combine_weighted(
             i = int(expert[d].recv_row[j])
             raise ValueError(f"expert[rank {d}].src[{j}]={expert[d].src[j].tolist()}: (source rank, source token) "
                              f"must be recv[rank {d}].src[{i}]={recv[d].src[i].tolist()}, its receive row's")
-        wire.append(combine_roundtrip(combine_quant, folded))
+        wire.append(combine_roundtrip(combine_quant, folded, fp8_flavour=fp8_flavour))
     return [out.to(torch.bfloat16) for out in combine(wire, recv, num_tokens)]
 
 

@@ -110,11 +110,13 @@ def rank_inputs(cfg: EpConfig, tokens: int, gen: torch.Generator) -> tuple[torch
     return x, w, ids
 
 
-def dense_error(outs: list, xs: list, ws: list, ids: list, weights: list, combine_quant: str) -> tuple[float, float]:
+def dense_error(outs: list, xs: list, ws: list, ids: list, weights: list, combine_quant: str, *,
+                fp8_flavour: str = "e4m3fn") -> tuple[float, float]:
     """(worst error / bound ratio, worst error) of the per-rank outputs ``outs`` against
     ``epgen.layers.moe.dense_moe`` of the per-rank inputs (one entry per rank; a rank's entry may hold 0
     tokens, then it costs nothing), computed DENSE_CHUNK_TOKENS tokens at a time (every rank's
-    tokens of a chunk together); ``weights`` is every rank's ExpertWeights."""
+    tokens of a chunk together); ``weights`` is every rank's ExpertWeights; an fp8 wire in
+    ``fp8_flavour``, the layer's arch's (``epgen.quant.arch_fp8_flavour``)."""
     from epgen.layers.moe import dense_moe
 
     T = max(x.shape[0] for x in xs)
@@ -123,7 +125,7 @@ def dense_error(outs: list, xs: list, ws: list, ids: list, weights: list, combin
     for a in range(0, T, step):
         b = a + step
         refs, bounds = dense_moe([x[a:b] for x in xs], [w[a:b] for w in ws], [i[a:b] for i in ids], weights,
-                                 combine_quant=combine_quant)
+                                 combine_quant=combine_quant, fp8_flavour=fp8_flavour)
         for out, ref, bound in zip(outs, refs, bounds):
             ratio, err = error_ratio(out[a:b], ref, bound)
             worst_ratio, worst_err = max(worst_ratio, ratio), max(worst_err, err)
@@ -131,11 +133,15 @@ def dense_error(outs: list, xs: list, ws: list, ids: list, weights: list, combin
 
 
 def _check(layer, cfg: EpConfig, weights: list, virtual: bool, device: torch.device) -> dict:
-    """One forward of every rank on fresh inputs against ``dense_moe`` (``dense_error``)."""
+    """One forward of every rank on fresh inputs against ``dense_moe`` (``dense_error``; an fp8
+    wire in the layer's arch's flavour)."""
+    from epgen.quant import arch_fp8_flavour
+
     gen = torch.Generator(device=device).manual_seed(1)
     xs, ws, ids = zip(*(rank_inputs(cfg, cfg.max_tokens_per_rank, gen) for _ in range(cfg.world_size)))
     outs = layer.forward(_per_rank(virtual, xs), _per_rank(virtual, ws), _per_rank(virtual, ids))
-    ratio, err = dense_error(outs if virtual else [outs], xs, ws, ids, weights, cfg.combine_quant)
+    ratio, err = dense_error(outs if virtual else [outs], xs, ws, ids, weights, cfg.combine_quant,
+                             fp8_flavour=arch_fp8_flavour(layer.op.arch))
     return {"bound_ratio": ratio, "max_err": err, "passed": ratio <= 1.0}
 
 

@@ -10,6 +10,7 @@ import torch
 
 from epgen import reference
 from epgen.codegen.config import EpConfig, Geometry
+from epgen.harness.verify import wire_fp8_flavour
 
 GEO = Geometry(blocks=8, warps_per_block=8, unroll=2)  # W x 8 blocks resident at once on one H200
 
@@ -133,7 +134,7 @@ def run_expert_round(op, cfg, tokens, seed, *, zero_copy=True):
     """One verified expert-layout round on virtual ranks: ``tokens`` [W] per rank; the dispatch's
     groups, counts, offsets and padding bit for bit against ``reference.expand``, the weighted
     combine bit for bit against ``reference.combine_weighted`` (``zero_copy``: y written into
-    ``op.combine_input``).
+    ``op.combine_input``); an fp8 wire in the op's arch's flavour (``verify.wire_fp8_flavour``).
 
     Raises:
         AssertionError: any mismatch (naming the rank).
@@ -145,6 +146,7 @@ def run_expert_round(op, cfg, tokens, seed, *, zero_copy=True):
     ref_y, ys = _ys(op, cfg, want, perms, seed + 1000, zero_copy)
     out = op.combine(_lists(op, ys))
     out = out if op.virtual else [out]
-    expect = reference.combine_weighted(ref_y, want, recv, list(tokens), combine_quant=cfg.combine_quant)
+    expect = reference.combine_weighted(ref_y, want, recv, list(tokens), combine_quant=cfg.combine_quant,
+                                        fp8_flavour=wire_fp8_flavour(op))
     for r, (o, e) in enumerate(zip(out, expect)):
         assert torch.equal(o.cpu(), e), (r, (o.cpu().float() - e.float()).abs().max())

@@ -13,6 +13,7 @@ import torch
 from epgen import reference
 from epgen.codegen.config import EpConfig
 from epgen.codegen.dtypes import dtype_info
+from epgen.harness.verify import wire_fp8_flavour
 
 __all__ = ["CASES", "ROUTINGS", "VARIANTS", "RankInputs", "check_round", "expert_stage", "make_inputs", "run_cases",
            "small_config"]
@@ -91,7 +92,8 @@ def check_round(op, inputs: list[RankInputs]) -> dict:
     (``epgen.layers.hierarchical.HierarchicalEp``) and compare them with the reference bit for bit:
     every received row (payload, weights, global ids, scales; keyed by global (source rank,
     source token)) against ``reference.dispatch`` of W ranks, and combine's output against
-    ``reference.combine_hierarchical``.
+    ``reference.combine_hierarchical`` (an fp8 wire in the node-local op's arch's flavour,
+    ``verify.wire_fp8_flavour``).
 
     Returns:
         {"recv": rows received per local rank}.
@@ -130,7 +132,8 @@ def check_round(op, inputs: list[RankInputs]) -> dict:
     out = out if op.node_op.virtual else [out]
     ref_y = [expert_stage(ref[d].x, ref[d].src, d) for d in range(cfg.world_size)]
     want = reference.combine_hierarchical(ref_y, ref, [i.x.shape[0] for i in inputs],
-                                          gpus_per_node=cfg.ranks_per_node, combine_quant=cfg.combine_quant)
+                                          gpus_per_node=cfg.ranks_per_node, combine_quant=cfg.combine_quant,
+                                          fp8_flavour=wire_fp8_flavour(op.node_op))
     for o, r in zip(out, op.ranks):
         o = o.cpu()
         assert o.shape == want[r].shape and o.dtype == torch.bfloat16, f"rank {r}: combine output {o.shape} {o.dtype}"

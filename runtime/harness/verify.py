@@ -166,9 +166,9 @@ class CombineReference:
             what a kernel that quantizes exactly like ``epgen.quant`` returns bit for bit.
         exact: [T, H] float32, the float32 sum of the unquantized expert outputs.
         bound: [T, H] float32, the allowed |out - exact| per element: the sum of the wire's
-            element bounds (``quant.combine_error_bound``, 0 for "none") of the rows summed, plus
-            the bf16 rounding of the output (2^-8 of the sum) and the float32 sum's error
-            (W x 2^-24 of the sum of magnitudes).
+            element bounds (``quant.combine_error_bound``, 0 for "none"; an fp8 wire in the op's
+            flavour) of the rows summed, plus the bf16 rounding of the output (2^-8 of the sum) and
+            the float32 sum's error (W x 2^-24 of the sum of magnitudes).
     """
 
     wire: torch.Tensor
@@ -176,19 +176,35 @@ class CombineReference:
     bound: torch.Tensor
 
 
+def wire_fp8_flavour(op) -> str:
+    """The fp8 flavour of ``op``'s combine wire, which its reference must compute: its arch's
+    (``epgen.quant.arch_fp8_flavour(op.arch)``: "e4m3fnuz" on gfx942, "e4m3fn" elsewhere); "e4m3fn"
+    for a stand-in without ``arch`` (a CPU op that computes the reference itself).
+
+    Raises:
+        ValueError: ``op.arch`` is not a known arch.
+    """
+    arch = getattr(op, "arch", None)
+    return "e4m3fn" if arch is None else quant.arch_fp8_flavour(arch)
+
+
 def combine_reference(mode: str, ys: list[torch.Tensor], recv: list[reference.RecvRows],
-                      tokens: list[int]) -> list[CombineReference]:
+                      tokens: list[int], *, fp8_flavour: str = "e4m3fn") -> list[CombineReference]:
     """Per rank, the CombineReference of combine wire ``mode`` for expert outputs ``ys`` (one [R_d, H]
-    tensor per rank, on any one device)."""
+    bf16 tensor per rank, on any one device), an fp8 wire in ``fp8_flavour`` (the op's arch's,
+    ``wire_fp8_flavour``; a key of ``epgen.codegen.dtypes.FP8_FLAVOURS``).
+
+    Raises:
+        ValueError: as ``epgen.quant.combine_roundtrip`` (an unknown mode or fp8_flavour)."""
     world = len(ys)
 
     def summed(per_rank):
         return reference.combine(per_rank, recv, tokens)
 
-    wire = [quant.combine_roundtrip(mode, y) for y in ys]
+    wire = [quant.combine_roundtrip(mode, y, fp8_flavour=fp8_flavour) for y in ys]
     sums = summed(wire)
     exact = summed([y.float() for y in ys])
-    bounds = summed([quant.combine_error_bound(mode, y) for y in ys])
+    bounds = summed([quant.combine_error_bound(mode, y, fp8_flavour=fp8_flavour) for y in ys])
     mags = summed([w.abs() for w in wire])
     return [CombineReference(s.to(torch.bfloat16), e, b + 2.0**-8 * s.abs() + world * 2.0**-24 * m)
             for s, e, b, m in zip(sums, exact, bounds, mags)]
@@ -259,7 +275,8 @@ def run_round(op, cfg: EpConfig, tokens: list[int], kind: str, seed: int, busy=N
     poisoned = [torch.full((tokens[r], cfg.hidden), float("nan"), dtype=torch.bfloat16, device=device) for r in local]
     combined = _call(op.combine, busy, op_arg(op, ys), out=op_arg(op, poisoned))
     combined = combined if op.virtual else [combined]
-    ref_out = combine_reference(cfg.combine_quant, ys_dev, ref, tokens)  # on the GPU, like the inputs
+    ref_out = combine_reference(cfg.combine_quant, ys_dev, ref, tokens,  # on the GPU, like the inputs
+                                fp8_flavour=wire_fp8_flavour(op))
     stats = [check_combine(r, c, ref_out[r]) for r, c in zip(local, combined)]
     op.check()
     return {"recv": [ref[r].num_rows for r in local], "combine_err": max(s["max_err"] for s in stats),

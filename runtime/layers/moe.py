@@ -26,8 +26,9 @@ import attrs
 import torch
 
 from epgen.codegen.config import EpConfig
-from epgen.codegen.dtypes import COMBINE_QUANTS
-from epgen.quant import FP8_E4M3_MAX, combine_error_bound, combine_roundtrip
+from epgen.codegen.dtypes import COMBINE_QUANTS, element_format
+from epgen.codegen.dtypes import fp8_flavour as fp8_flavour_row
+from epgen.quant import combine_error_bound, combine_roundtrip
 
 __all__ = ["ExpertWeights", "MoELayer", "dense_moe", "grouped_mm_available", "grouped_mm_refusal", "route_topk",
            "swiglu_experts", "swiglu_reference"]
@@ -415,15 +416,17 @@ def swiglu_reference(x: torch.Tensor, offsets: torch.Tensor, w: ExpertWeights):
     return torch.cat(ys), 2 * torch.cat(es)
 
 
-def _wire_bound(mode: str, envelope: torch.Tensor) -> torch.Tensor:
+def _wire_bound(mode: str, envelope: torch.Tensor, fp8_flavour: str) -> torch.Tensor:
     """A bound on |G - F| for every F with |F| <= envelope element-wise (float64 [N, H]): the
-    wire's ``combine_error_bound`` at the envelope (rounded up to float32), which grows with |F|
-    and with the block amax; the saturating cast's bound drops past the fp8 maximum (|F| - 448
-    against 2^-4 |F| just below), so there its value at the envelope clamped to 448 counts too."""
+    wire's ``combine_error_bound`` in ``fp8_flavour`` at the envelope (rounded up to float32),
+    which grows with |F| and with the block amax; the saturating cast's bound drops past the fp8
+    maximum m (448 in e4m3fn, 240 in e4m3fnuz: |F| - m against 2^-4 |F| just below), so there its
+    value at the envelope clamped to m counts too."""
     env = torch.nextafter(envelope.float(), torch.tensor(float("inf"), device=envelope.device))
-    bound = combine_error_bound(mode, env)
+    bound = combine_error_bound(mode, env, fp8_flavour=fp8_flavour)
     if COMBINE_QUANTS[mode].block is None:
-        bound = torch.maximum(bound, combine_error_bound(mode, env.clamp(max=FP8_E4M3_MAX)))
+        fp8_max = element_format(COMBINE_QUANTS[mode].element, fp8_flavour).max
+        bound = torch.maximum(bound, combine_error_bound(mode, env.clamp(max=fp8_max), fp8_flavour=fp8_flavour))
     return bound.double()
 
 
@@ -469,7 +472,7 @@ def _check_dense_inputs(xs, topk_weights, topk_ids, weights, combine_quant):
 
 
 def dense_moe(xs: list[torch.Tensor], topk_weights: list[torch.Tensor], topk_ids: list[torch.Tensor],
-              weights: list[ExpertWeights], *, combine_quant: str = "none"):
+              weights: list[ExpertWeights], *, combine_quant: str = "none", fp8_flavour: str = "e4m3fn"):
     """The MoE layer with every expert in one process, and a bound on its distance to the layer.
 
     Semantics (the weighted combine of the expert-major layout; W = len(weights) ranks, L local
@@ -479,9 +482,10 @@ def dense_moe(xs: list[torch.Tensor], topk_weights: list[torch.Tensor], topk_ids
     rounding points of ``swiglu_experts``. On each destination rank d the token reached:
     F_d = bf16(acc), acc = 0.0 (float32), then for each distinct expert of rank d in ascending
     first-slot order acc = acc + (w_e * float32(y_e)) (product and sum each rounded to float32);
-    G_d = ``epgen.quant.combine_roundtrip(combine_quant, F_d)``; out = bf16 of the float32 sum of
-    G_d in ascending d. A token with no valid expert gets zeros. The GEMMs run as float32 GEMMs
-    of the bf16 operands (exact products, float32 accumulation) on the inputs' device.
+    G_d = ``epgen.quant.combine_roundtrip(combine_quant, F_d, fp8_flavour=fp8_flavour)``; out =
+    bf16 of the float32 sum of G_d in ascending d. A token with no valid expert gets zeros. The
+    GEMMs run as float32 GEMMs of the bf16 operands (exact products, float32 accumulation) on the
+    inputs' device.
 
     Bound. Notation: v* is the exact (real-number) value of an intermediate from exact inputs, v_C
     what a computation C following the rounding points above produces (C = the layer, any path,
@@ -511,11 +515,12 @@ def dense_moe(xs: list[torch.Tensor], topk_weights: list[torch.Tensor], topk_ids
                (at most 2K - 1 float32 roundings: products and sums; w_e is the same float32
                number in every computation)
         wire   G_d:                E_G = E_F + wb(|F_D| + 2 E_F) + 2^-80, where wb =
-               ``epgen.quant.combine_error_bound`` of combine_quant, which grows with |F| and
-               with the block amax, so wb(|F_D| + 2 E_F) >= wb(F_C) (for the saturating cast,
-               whose bound drops past 448, the larger of wb at the envelope and at the envelope
-               clamped to 448); the 2^-80 covers blocks below 2^-80 sent as zeros. For "none"
-               E_G = E_F (the wire is the identity). |G_C - F*| <= |G_C - F_C| + |F_C - F*|.
+               ``epgen.quant.combine_error_bound`` of combine_quant in fp8_flavour, which grows
+               with |F| and with the block amax, so wb(|F_D| + 2 E_F) >= wb(F_C) (for the
+               saturating cast, whose bound drops past the fp8 maximum, 448 or 240, the larger of
+               wb at the envelope and at the envelope clamped to it); the 2^-80 covers blocks
+               below 2^-80 sent as zeros. For "none" E_G = E_F (the wire is the identity).
+               |G_C - F*| <= |G_C - F_C| + |F_C - F*|.
         out    out = bf16(sum_d G_d): e_out = sum_d E_G,d + gamma_W sum_d (|F_D,d| + E_F,d + E_G,d)
 
     Finally |out_layer - out_D| <= |out_layer - out*| + |out_D - out*| <= 2 E_out: the returned
@@ -537,6 +542,8 @@ def dense_moe(xs: list[torch.Tensor], topk_weights: list[torch.Tensor], topk_ids
         topk_ids: per rank, [T_r, K] int32 in [0, W * L) or -1 (no expert); duplicates allowed.
         weights: per rank d, its ExpertWeights (L, H, I and device the same on every rank).
         combine_quant: the combine wire (``epgen.codegen.dtypes.COMBINE_QUANTS``).
+        fp8_flavour: the fp8 flavour of an fp8 wire's codes, the layer's arch's
+            (``epgen.quant.arch_fp8_flavour``; "e4m3fnuz" on gfx942); default "e4m3fn".
 
     Returns:
         (outs, bounds): per rank r, out [T_r, H] bfloat16 and bound [T_r, H] float64 with
@@ -546,9 +553,11 @@ def dense_moe(xs: list[torch.Tensor], topk_weights: list[torch.Tensor], topk_ids
         TypeError: a weights entry not an ExpertWeights, a tensor argument not a tensor.
         ValueError: list lengths differ from W; shapes, dtypes or devices inconsistent (naming
             the argument and rank); an expert id neither -1 nor in [0, W * L) (naming rank, token,
-            slot and value); an unknown combine_quant; float32 matmul precision not 'highest'.
+            slot and value); an unknown combine_quant or fp8_flavour; float32 matmul precision not
+            'highest'.
     """
     world, topk = _check_dense_inputs(xs, topk_weights, topk_ids, weights, combine_quant)
+    fp8_flavour_row(fp8_flavour, "fp8_flavour")
     _check_fp32_matmul_precision()
     L, H = weights[0].num_experts, weights[0].hidden
     device = weights[0].device
@@ -595,10 +604,10 @@ def dense_moe(xs: list[torch.Tensor], topk_weights: list[torch.Tensor], topk_ids
             reached |= sel
         F = acc.to(torch.bfloat16)
         E_F = _round_bound(F, e_fold + _gamma(2 * topk) * mag)
-        G = combine_roundtrip(combine_quant, F)
+        G = combine_roundtrip(combine_quant, F, fp8_flavour=fp8_flavour)
         E_G = E_F
         if combine_quant != "none":
-            E_G = E_F + _wire_bound(combine_quant, F.double().abs() + 2 * E_F) + FOLD_ZERO_BLOCK
+            E_G = E_F + _wire_bound(combine_quant, F.double().abs() + 2 * E_F, fp8_flavour) + FOLD_ZERO_BLOCK
         total = total + torch.where(reached, G, 0.0)
         e_out += torch.where(reached, E_G, 0.0)
         mag_out += torch.where(reached, F.double().abs() + E_F + E_G, 0.0)

@@ -13,7 +13,7 @@ Modules (every public name is re-exported here, ``epgen.quant.X``):
   (``fp8_blockwise``, ``fp8_direct_cast``, ``fp4_mx``, ``fp4_blockwise``), ``scale_bytes``, and
   their error bounds.
 * ``epgen.quant.wire``: the combine leg's wire, ``combine_wire_rows``, ``combine_roundtrip`` and
-  ``combine_error_bound``.
+  ``combine_error_bound``, in the target's fp8 flavour (``fp8_flavour``, ``arch_fp8_flavour``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from epgen.quant.quantizers import (
     quantize_fp8_blockwise,
     scale_bytes,
 )
-from epgen.quant.wire import combine_error_bound, combine_roundtrip, combine_wire_rows
+from epgen.quant.wire import arch_fp8_flavour, combine_error_bound, combine_roundtrip, combine_wire_rows
 
 __all__ = [
     "E8M0_MAX_EXP",
@@ -56,6 +56,7 @@ __all__ = [
     "FP8_E4M3",
     "FP8_E4M3_MAX",
     "MODES",
+    "arch_fp8_flavour",
     "combine_error_bound",
     "combine_roundtrip",
     "combine_wire_rows",

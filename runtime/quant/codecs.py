@@ -156,7 +156,7 @@ def fp8_e4m3_encode(x: torch.Tensor, flavour: str = "e4m3fn") -> torch.Tensor:
         ValueError: x not a tensor, or not float32 / bfloat16 / float16; unknown ``flavour``.
     """
     x = check_tensor("x", x, ELEMENT_DTYPES)
-    return _encode_minifloat(x, fp8_flavour(flavour).numbers)
+    return _encode_minifloat(x, fp8_flavour(flavour, "flavour").numbers)
 
 
 def fp8_e4m3_decode(codes: torch.Tensor, flavour: str = "e4m3fn") -> torch.Tensor:
@@ -174,7 +174,7 @@ def fp8_e4m3_decode(codes: torch.Tensor, flavour: str = "e4m3fn") -> torch.Tenso
     Raises:
         ValueError: codes not a uint8 tensor; unknown ``flavour``.
     """
-    fp8_flavour(flavour)
+    fp8_flavour(flavour, "flavour")
     return _lookup(_FP8_TABLES[flavour], check_codes("codes", codes))
 
 

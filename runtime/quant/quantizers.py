@@ -15,6 +15,8 @@ Error-bound summary (derivations in the docstrings; s = the block's stored scale
 * fp8_blockwise: ``|x - dq| <= 2^-4 |x| + 2^-10 s``, s = fl(amax / 448), for blocks with
   amax >= 2^-100.
 * fp8_direct_cast: ``|x - dq| <= max(2^-4 |x|, 2^-10)`` for |x| <= 448, ``|x| - 448`` above.
+* The fp8 quantizers take ``flavour`` (``epgen.codegen.dtypes.FP8_FLAVOURS``, default the OCP
+  e4m3fn above); with gfx942's "e4m3fnuz" the fp8 numbers are 240 for 448 and 2^-11 for 2^-10.
 * fp4_mx: ``|x - dq| <= 2^-2 max(|x|, s)``, s = 2^(floor(log2 amax) - 2) clamped to e8m0; exact
   arithmetic, no condition.
 * fp4_blockwise: ``|x - dq| <= 2^-2 |x| + 2^-2 s``, s = fl(amax / 6), for blocks with
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from epgen.codegen.dtypes import COMBINE_QUANTS, MX_BLOCK, dtype_info
+from epgen.codegen.dtypes import COMBINE_QUANTS, MX_BLOCK, dtype_info, fp8_flavour
 from epgen.quant._common import (
     BLOCK_DTYPES,
     amax_scale,
@@ -39,7 +41,6 @@ from epgen.quant.codecs import (
     E8M0_MAX_EXP,
     E8M0_MIN_EXP,
     FP4_E2M1_MAX,
-    FP8_E4M3_MAX,
     e8m0_decode,
     fp4_e2m1_decode,
     fp4_e2m1_encode,
@@ -113,7 +114,8 @@ def _check_scaled(codes_name, codes, scales, scale_dtype, block, *, packed: bool
     return tokens, hidden
 
 
-def quantize_fp8_blockwise(x: torch.Tensor, block: int = MODES["fp8_blockwise"]) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_blockwise(x: torch.Tensor, block: int = MODES["fp8_blockwise"], *,
+                           flavour: str = "e4m3fn") -> tuple[torch.Tensor, torch.Tensor]:
     """Per-block scaled fp8 e4m3 ("fp8_blockwise" wire mode).
 
     For each block of ``block`` consecutive elements of a row: amax = max |x| (computed in
@@ -124,9 +126,14 @@ def quantize_fp8_blockwise(x: torch.Tensor, block: int = MODES["fp8_blockwise"])
     Args:
         x: [T, H] bfloat16 or float32, finite; any H (even for fp4; the last block may be shorter, its amax over its own elements; T = 0 allowed).
         block: elements per scale (positive int, default 128).
+        flavour: the fp8 flavour of the codes, a key of ``epgen.codegen.dtypes.FP8_FLAVOURS`` (the
+            target's ``ArchTraits.fp8``). "e4m3fnuz" (gfx942): s = fl(amax / 240), codes
+            ``fp8_e4m3_encode(fl(x / s), "e4m3fnuz")``, and the bound below with 240 for 448 and
+            2^-11 for 2^-10.
 
     Returns:
-        (codes, scales): codes uint8 [T, H] e4m3fn; scales float32 [T, ceil(H / block)].
+        (codes, scales): codes uint8 [T, H] in ``flavour`` (e4m3fn by default); scales float32
+        [T, ceil(H / block)].
 
     Error bound, for blocks with amax >= 2^-100 (so s and every product below are normal float32):
         ``|x - dq| <= 2^-4 |x| + 2^-10 s``, element-wise, dq = dequantize_fp8_blockwise(...) and
@@ -149,43 +156,53 @@ def quantize_fp8_blockwise(x: torch.Tensor, block: int = MODES["fp8_blockwise"])
 
     Raises:
         ValueError: x not a 2-D bfloat16 / float32 tensor, block not a
-            positive int, or x holding a NaN / infinity (names the first one).
+            positive int, or x holding a NaN / infinity (names the first one); an unknown
+            ``flavour`` (naming it and the known ones).
     """
+    fmt = fp8_flavour(flavour, "flavour").numbers
     xb, hidden = _blocks(x, block, even=False)
-    scales = amax_scale(xb, FP8_E4M3_MAX)
-    codes = fp8_e4m3_encode(xb / scales[..., None])
+    scales = amax_scale(xb, fmt.max)
+    codes = fp8_e4m3_encode(xb / scales[..., None], flavour)
     return unblock(codes, hidden), scales
 
 
 def dequantize_fp8_blockwise(codes: torch.Tensor, scales: torch.Tensor,
-                             block: int = MODES["fp8_blockwise"]) -> torch.Tensor:
-    """Inverse of ``quantize_fp8_blockwise``: dq = fl(fp8_e4m3_decode(codes) * s), one float32 rounding.
+                             block: int = MODES["fp8_blockwise"], *, flavour: str = "e4m3fn") -> torch.Tensor:
+    """Inverse of ``quantize_fp8_blockwise``: dq = fl(fp8_e4m3_decode(codes, flavour) * s), one
+    float32 rounding.
 
     Args:
-        codes: uint8 [T, H] e4m3fn codes.
+        codes: uint8 [T, H] codes in ``flavour``.
         scales: float32 [T, ceil(H / block)].
         block: elements per scale (positive int, default 128).
+        flavour: a key of ``epgen.codegen.dtypes.FP8_FLAVOURS``, default "e4m3fn" (as
+            ``quantize_fp8_blockwise``).
 
     Returns:
-        float32 [T, H]. NaN codes (0x7F / 0xFF) decode to NaN.
+        float32 [T, H]. NaN codes (e4m3fn: 0x7F / 0xFF; e4m3fnuz: 0x80) decode to NaN.
 
     Raises:
-        ValueError: wrong dtypes, not 2-D, or scales not [T, ceil(H / block)].
+        ValueError: wrong dtypes, not 2-D, or scales not [T, ceil(H / block)]; an unknown
+            ``flavour``.
     """
+    fp8_flavour(flavour, "flavour")
     tokens, hidden = _check_scaled("codes", codes, scales, torch.float32, block, packed=False)
-    vals = padded_blocks(fp8_e4m3_decode(codes), block)
+    vals = padded_blocks(fp8_e4m3_decode(codes, flavour), block)
     return unblock(vals * scales[..., None], hidden)
 
 
-def fp8_direct_cast(x: torch.Tensor) -> torch.Tensor:
+def fp8_direct_cast(x: torch.Tensor, *, flavour: str = "e4m3fn") -> torch.Tensor:
     """Unscaled saturating cast to fp8 e4m3 ("fp8_direct_cast" wire mode): fp8_e4m3_encode of a [T, H] tensor.
 
     Args:
         x: [T, H] bfloat16 or float32 (NaN / infinities allowed: NaN -> 0x7F / 0xFF, +-inf ->
             +-448).
+        flavour: a key of ``epgen.codegen.dtypes.FP8_FLAVOURS`` (the target's ``ArchTraits.fp8``).
+            "e4m3fnuz" (gfx942): ``fp8_e4m3_encode(x, "e4m3fnuz")`` (NaN -> 0x80, +-inf -> +-240),
+            and the bound below with 240 for 448 and 2^-11 for 2^-10.
 
     Returns:
-        uint8 [T, H] e4m3fn codes.
+        uint8 [T, H] codes in ``flavour`` (e4m3fn by default).
 
     Error bound (decode is exact, so this is fp8_e4m3_encode's): for finite x,
         ``|x - dq| <= max(2^-4 |x|, 2^-10)`` when |x| <= 448, and ``|x - dq| = |x| - 448`` above
@@ -194,19 +211,22 @@ def fp8_direct_cast(x: torch.Tensor) -> torch.Tensor:
         arithmetic besides the cast, so the bound is exact, max form included.
 
     Raises:
-        ValueError: x not a 2-D bfloat16 / float32 tensor.
+        ValueError: x not a 2-D bfloat16 / float32 tensor; an unknown ``flavour``.
     """
+    fp8_flavour(flavour, "flavour")
     x = check_2d("x", x, BLOCK_DTYPES)
-    return fp8_e4m3_encode(x)
+    return fp8_e4m3_encode(x, flavour)
 
 
-def dequantize_fp8_direct(codes: torch.Tensor) -> torch.Tensor:
-    """Decode of ``fp8_direct_cast``: [T, H] uint8 e4m3fn codes -> float32 [T, H], exact.
+def dequantize_fp8_direct(codes: torch.Tensor, *, flavour: str = "e4m3fn") -> torch.Tensor:
+    """Decode of ``fp8_direct_cast``: [T, H] uint8 codes in ``flavour`` (a key of
+    ``epgen.codegen.dtypes.FP8_FLAVOURS``, default "e4m3fn") -> float32 [T, H], exact.
 
     Raises:
-        ValueError: codes not a 2-D uint8 tensor.
+        ValueError: codes not a 2-D uint8 tensor; an unknown ``flavour``.
     """
-    return fp8_e4m3_decode(check_2d("codes", codes, (torch.uint8,)))
+    fp8_flavour(flavour, "flavour")
+    return fp8_e4m3_decode(check_2d("codes", codes, (torch.uint8,)), flavour)
 
 
 def quantize_fp4_mx(x: torch.Tensor, block: int = MODES["fp4_mx"]) -> tuple[torch.Tensor, torch.Tensor]:

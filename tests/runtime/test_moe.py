@@ -253,7 +253,7 @@ def expert_row_float64(x_row, w: ExpertWeights, e: int) -> torch.Tensor:
     return bf16(h.double() @ w.down[e].double())
 
 
-def naive_moe(xs, topk_weights, topk_ids, weights, combine_quant="none"):
+def naive_moe(xs, topk_weights, topk_ids, weights, combine_quant="none", fp8_flavour="e4m3fn"):
     """The weighted-combine definition token by token (common semantics of the expert layout)."""
     world, experts_per_rank = len(weights), weights[0].num_experts
     outs = []
@@ -278,7 +278,8 @@ def naive_moe(xs, topk_weights, topk_ids, weights, combine_quant="none"):
                             w = w + topk_weights[r][t, k]
                     y = expert_row_float64(xs[r][t], weights[d], e % experts_per_rank)
                     acc = acc + w * y.float()
-                total = total + combine_roundtrip(combine_quant, acc.to(torch.bfloat16)[None])[0]
+                wire = combine_roundtrip(combine_quant, acc.to(torch.bfloat16)[None], fp8_flavour=fp8_flavour)
+                total = total + wire[0]
             out[t] = total.to(torch.bfloat16)
         outs.append(out)
     return outs
@@ -305,13 +306,15 @@ def rank_weights(world, seed, hidden=H, intermediate=I):
     return [ExpertWeights.random(L, hidden, intermediate, generator=g) for _ in range(world)]
 
 
+@pytest.mark.parametrize("fp8_flavour", ["e4m3fn", "e4m3fnuz"])
 @pytest.mark.parametrize("combine_quant", ["none", "fp8_direct_cast", "fp8_blockwise", "fp4_blockwise"])
-def test_dense_moe_matches_a_naive_token_loop(combine_quant):
+def test_dense_moe_matches_a_naive_token_loop(combine_quant, fp8_flavour):
+    """In either fp8 flavour of the wire (e4m3fnuz: gfx942's)."""
     world = 3
     weights = rank_weights(world, 10)
     xs, ws, ids = routed_inputs([23, 0, 31], world, 11)
-    outs, bounds = dense_moe(xs, ws, ids, weights, combine_quant=combine_quant)
-    naive = naive_moe(xs, ws, ids, weights, combine_quant)
+    outs, bounds = dense_moe(xs, ws, ids, weights, combine_quant=combine_quant, fp8_flavour=fp8_flavour)
+    naive = naive_moe(xs, ws, ids, weights, combine_quant, fp8_flavour)
     for r in range(world):
         assert outs[r].shape == bounds[r].shape == xs[r].shape
         assert outs[r].dtype == torch.bfloat16 and bounds[r].dtype == torch.float64
@@ -342,6 +345,8 @@ def test_dense_moe_validation():
         dense_moe(xs[:1], ws, ids, weights)
     with pytest.raises(ValueError, match=r"combine_quant='fp8': must be one of none, "):
         dense_moe(xs, ws, ids, weights, combine_quant="fp8")
+    with pytest.raises(ValueError, match=r"fp8_flavour='fnuz': unknown fp8 flavour; known: e4m3fn, e4m3fnuz"):
+        dense_moe(xs, ws, ids, weights, combine_quant="fp8_blockwise", fp8_flavour="fnuz")
     bad = [i.clone() for i in ids]
     bad[1][2, 1] = 8
     with pytest.raises(ValueError, match=r"topk_ids\[rank 1\]\[token 2, slot 1\]=8: expert ids must be -1 or in \[0, 8\)"):

@@ -10,7 +10,7 @@ import torch
 
 from epgen.codegen.arch import ARCHES, traits
 from epgen.codegen.dtypes import (COMBINE_FLUSH_LOG2, COMBINE_QUANTS, FP8_FLAVOURS, MINIFLOATS, MX_BLOCK, CombineQuant,
-                                  MiniFloat, dtype_info)
+                                  MiniFloat, dtype_info, element_format)
 from epgen.quant.quantizers import MODE_SCALES
 from epgen.quant.wire import WIRE_CODECS, combine_error_bound
 from epgen.quant import (
@@ -19,6 +19,7 @@ from epgen.quant import (
     FP8_E4M3,
     FP8_E4M3_MAX,
     MODES,
+    arch_fp8_flavour,
     combine_roundtrip,
     combine_wire_rows,
     dequantize_fp4_blockwise,
@@ -184,7 +185,7 @@ def test_fp8_e4m3fnuz_encode_matches_torch_on_dense_sweep():
     assert fp8_e4m3_encode(big, "e4m3fnuz").tolist() == [0x7F] * 5
     assert fp8_e4m3_encode(-big, "e4m3fnuz").tolist() == [0xFF] * 5
     assert fp8_e4m3_encode(f32([math.nan, -math.nan, -0.0]), "e4m3fnuz").tolist() == [0x80, 0x80, 0x00]
-    with pytest.raises(ValueError, match=r"fp8='e5m2': unknown fp8 flavour; known: e4m3fn, e4m3fnuz"):
+    with pytest.raises(ValueError, match=r"flavour='e5m2': unknown fp8 flavour; known: e4m3fn, e4m3fnuz"):
         fp8_e4m3_encode(x, "e5m2")
 
 
@@ -1150,10 +1151,11 @@ def _kernel_wire_rows(arch: str, mode: str, y: torch.Tensor) -> tuple[torch.Tens
     where the arch has one (cvt.rn.satfinite.e4m3x2.f32, taken as the reference encoder: round to
     nearest even, saturating, the sign copied, as PTX and cuda_fp8.hpp's own conversion of the
     same operation have it) or ``_kernel_grid`` (ep_grid_code), fp4 by ``_kernel_e2m1_magnitude``
-    and the bf16 element's sign bit (ep_e2m1_signs gathers exactly those)."""
+    and the bf16 element's sign bit (ep_e2m1_signs gathers exactly those). fp8 is the arch's
+    flavour (``ArchTraits.fp8``: the scale amax / 240 and the e4m3fnuz branch on gfx942)."""
     t = traits(arch)
     q = COMBINE_QUANTS[mode]
-    fmt = MINIFLOATS[q.element]
+    fmt = element_format(q.element, t.fp8)
     div = _sm90_div_rn if t.vendor == "nvidia" else _amd_div_rn
     x = y.float()
     if q.block:
@@ -1168,21 +1170,22 @@ def _kernel_wire_rows(arch: str, mode: str, y: torch.Tensor) -> tuple[torch.Tens
         codes = (_kernel_e2m1_magnitude(quotients) | torch.signbit(x).to(torch.int32) << 3).to(U8)
         return pack_fp4(codes), scales
     if t.hw_fp8_convert:
-        return fp8_e4m3_encode(quotients), scales
-    return _kernel_grid(quotients, "fp8", saturating=True)[0].to(U8), scales
+        return fp8_e4m3_encode(quotients, t.fp8), scales
+    return _kernel_grid(quotients, "fp8", saturating=True, fmt=fmt)[0].to(U8), scales
 
 
 @pytest.mark.parametrize("mode", ["fp8_direct_cast", "fp8_blockwise", "fp4_blockwise"])
 @pytest.mark.parametrize("arch", ARCHES)
 def test_every_arch_writes_the_reference_zero_codes(arch, mode):
     """The rule of epgen.quant.codecs, the sign bit copied from the input always, on every arch's
-    encoder (emulated: ``_kernel_wire_rows``) and in the reference alike, byte for byte: a block
-    of -0.0 and a flushed block of negatives give the negative-zero code (0x80, fp4 8) with scale
-    1, a block of +0.0 the code 0, and in a block of normal values a -0.0 or a negative rounding to
-    zero gives the negative-zero code, a +0.0 the code 0."""
+    encoder (emulated: ``_kernel_wire_rows``) and in the reference in the arch's fp8 flavour alike,
+    byte for byte: a block of -0.0 and a flushed block of negatives give the negative-zero code
+    (0x80, fp4 8) with scale 1, a block of +0.0 the code 0, and in a block of normal values a -0.0
+    or a negative rounding to zero gives the negative-zero code, a +0.0 the code 0. e4m3fnuz
+    (gfx942's fp8) has no negative zero: there every zero is the code 0."""
     y = _zero_sign_rows()
     codes, scales = _kernel_wire_rows(arch, mode, y)
-    want_codes, want_scales = combine_wire_rows(mode, y)
+    want_codes, want_scales = combine_wire_rows(mode, y, fp8_flavour=arch_fp8_flavour(arch))
     assert torch.equal(codes, want_codes)
     if want_scales is None:
         assert scales is None
@@ -1190,8 +1193,190 @@ def test_every_arch_writes_the_reference_zero_codes(arch, mode):
         assert torch.equal(scales.view(torch.int32), want_scales.view(torch.int32))
         assert bool((scales[:3] == 1).all())
     element = unpack_fp4(codes) if mode == "fp4_blockwise" else codes
-    negative_zero = 8 if mode == "fp4_blockwise" else 0x80
+    negative_zero = 8 if mode == "fp4_blockwise" else 0x80 if FP8_FLAVOURS[traits(arch).fp8].numbers.negative_zero else 0
     assert bool((element[0] == negative_zero).all()) and bool((element[1] == 0).all())
     assert bool((element[2] == negative_zero).all())
     assert bool((element[3, 0::8] == negative_zero).all()) and bool((element[3, 1::8] == 0).all())
     assert bool((element[3, 2::8] == negative_zero).all()) and bool((element[3, 3::8] == negative_zero).all())
+
+
+# --- the combine wire in the arch's fp8 flavour --------------------------------------------------
+
+
+def _near_saturation_rows(seed: int, hidden: int = 512) -> torch.Tensor:
+    """bf16 [12, hidden] fresh random rows (seed) around both fp8 flavours' saturation points and
+    subnormal ranges: normal samples scaled by 10^[-3, 3]; every bf16 value in [200, 520] (240 and
+    448 with their bf16 neighbours, the midpoints 232 and 248 and 464 among them); each sign; rows
+    of one block whose amax is 240 or 448 exactly; and values in the subnormal ranges (2^-12 to
+    2^-6)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randn(hidden, generator=g) * 10.0 ** float(torch.empty(()).uniform_(-3, 3, generator=g))
+            for _ in range(4)]
+    grid = torch.arange(200.0, 520.0, 0.5).to(torch.bfloat16).unique().float()
+    pick = grid[torch.randint(len(grid), (hidden,), generator=g)]
+    rows += [pick, -pick, pick * torch.where(torch.rand(hidden, generator=g) < 0.5, -1.0, 1.0)]
+    for peak in (240.0, 448.0):
+        row = torch.randn(hidden, generator=g) * peak / 8
+        row[torch.randint(hidden, (4,), generator=g)] = torch.tensor([peak, -peak, peak * (1 - 2.0**-8), peak])
+        rows.append(row)
+    tiny = torch.ldexp(torch.rand(hidden, generator=g) + 0.5, torch.randint(-12, -5, (hidden,), generator=g))
+    rows += [tiny * torch.where(torch.rand(hidden, generator=g) < 0.5, -1.0, 1.0), tiny * 2.0**-3]
+    rest = hidden - len(grid)  # every grid value once, then powers of two 2^-14 .. 2^-5
+    rows.append(torch.cat([grid, torch.ldexp(torch.ones(rest), torch.randint(-14, -4, (rest,), generator=g))]))
+    return torch.stack(rows).to(torch.bfloat16)
+
+
+def _kernel_wire_decode(arch: str, mode: str, codes: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """What ``arch``'s readers add for wire rows (codes, scales) (ep_wire_add of
+    templates/common/wire/_wire_rows.j2): ep_decode_pair's software path per code in the arch's fp8
+    flavour (``_kernel_decode_fp8``), times the block's scale, one float32 rounding (1 without scales)."""
+    q = COMBINE_QUANTS[mode]
+    fmt = element_format(q.element, traits(arch).fp8)
+    table = _kernel_decode_fp8(torch.arange(256, dtype=U8), fmt)
+    vals = table[codes.to(torch.int64)]
+    if scales is None:
+        return vals
+    return vals * scales.repeat_interleave(q.block, dim=1)[:, : vals.shape[1]]
+
+
+def _kernel_own_rows(arch: str, mode: str, y: torch.Tensor) -> torch.Tensor:
+    """What ``arch`` adds for a rank's own row where it is summed (ep_wire_add_roundtrip): the
+    grid rounding of each quotient (``_kernel_grid``'s value, saturating only for the unscaled
+    wire) in the arch's fp8 flavour, times the scale; the quotients and scales as
+    ``_kernel_wire_rows`` forms them."""
+    q = COMBINE_QUANTS[mode]
+    fmt = element_format(q.element, traits(arch).fp8)
+    _, scales = _kernel_wire_rows(arch, mode, y)
+    if scales is None:
+        return _kernel_grid(y.float(), "fp8", saturating=True, fmt=fmt)[1]
+    per = scales.repeat_interleave(q.block, dim=1)
+    quotients = torch.tensor([[_amd_div_rn(e, s) for e, s in zip(xr, sr)]
+                              for xr, sr in zip(y.float().tolist(), per.tolist())])
+    return _kernel_grid(quotients, "fp8", saturating=False, fmt=fmt)[1] * per
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("mode", ["fp8_direct_cast", "fp8_blockwise"])
+def test_gfx942_wire_rows_decode_to_the_e4m3fnuz_reference(mode, seed):
+    """gfx942's fp8 combine wire as its kernels write it (``_kernel_wire_rows``: scale amax / 240,
+    the software codec's e4m3fnuz branch) and read it (``_kernel_wire_decode``; a rank's own rows
+    ``_kernel_own_rows``), on fresh random rows around both flavours' saturation points: codes and
+    scales are combine_wire_rows(fp8_flavour="e4m3fnuz")'s and the decoded values
+    combine_roundtrip(fp8_flavour="e4m3fnuz")'s, bit for bit, and within its error bound; the
+    e4m3fn reference (the default) describes another wire."""
+    y = _near_saturation_rows(1000 + seed)
+    flavour = arch_fp8_flavour("gfx942")
+    assert flavour == "e4m3fnuz"
+    codes, scales = _kernel_wire_rows("gfx942", mode, y)
+    want_codes, want_scales = combine_wire_rows(mode, y, fp8_flavour=flavour)
+    assert torch.equal(codes, want_codes)
+    if mode == "fp8_blockwise":
+        assert torch.equal(bits(scales), bits(want_scales))
+        amax = y.float().abs().reshape(y.shape[0], -1, 128).amax(dim=-1)
+        assert torch.equal(bits(scales), bits(amax / torch.full_like(amax, 240.0)))  # amax / 240, float32
+    else:
+        assert want_scales is None and scales is None
+    got = _kernel_wire_decode("gfx942", mode, codes, scales)
+    want = combine_roundtrip(mode, y, fp8_flavour=flavour)
+    assert torch.equal(bits(got), bits(want))
+    assert torch.equal(bits(_kernel_own_rows("gfx942", mode, y)), bits(want))
+    assert bool(((y.float() - want).abs() <= combine_error_bound(mode, y, fp8_flavour=flavour)).all())
+    assert want.abs().max() <= 240 * float(scales.max()) if scales is not None else want.abs().max() == 240
+    assert not torch.equal(combine_wire_rows(mode, y)[0], codes)  # e4m3fn codes: not gfx942's wire
+    assert not torch.equal(bits(combine_roundtrip(mode, y)), bits(got))
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_fp4_wire_is_the_same_in_every_fp8_flavour(arch):
+    """fp4_blockwise has no fp8 in it: on every arch the kernels' rows (``_kernel_wire_rows``) are
+    the reference's in either flavour, bit for bit, and so are the roundtrip and the bound."""
+    y = _near_saturation_rows(7)
+    codes, scales = _kernel_wire_rows(arch, "fp4_blockwise", y)
+    for flavour in FP8_FLAVOURS:
+        want_codes, want_scales = combine_wire_rows("fp4_blockwise", y, fp8_flavour=flavour)
+        assert torch.equal(codes, want_codes) and torch.equal(bits(scales), bits(want_scales))
+        assert torch.equal(bits(combine_roundtrip("fp4_blockwise", y, fp8_flavour=flavour)),
+                           bits(combine_roundtrip("fp4_blockwise", y)))
+        assert torch.equal(combine_error_bound("fp4_blockwise", y, fp8_flavour=flavour),
+                           combine_error_bound("fp4_blockwise", y))
+        assert torch.equal(combine_roundtrip("none", y, fp8_flavour=flavour), y.float())
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_the_two_flavours_wires_differ_where_they_must(seed):
+    """e4m3fn (max 448, subnormal step 2^-9) and e4m3fnuz (max 240, 2^-10) on fresh random rows
+    near both saturation points, each against torch's own fp8 cast as an independent oracle:
+
+    * fp8_direct_cast: within +-240 both flavours' roundtrips are torch's casts of y (e4m3fnuz
+      with no negative zero); in (240, 448] e4m3fn keeps the value to 2^-4 and e4m3fnuz saturates
+      to +-240 (its bound |y| - 240 there, e4m3fn's 2^-4 |y|); past 448 e4m3fn gives +-448; the
+      subnormal floor of the bound is 2^-10 against 2^-11.
+    * fp8_blockwise: scales fl(amax / 448) against fl(amax / 240) bit for bit, codes torch's cast
+      of fl(y / s), the roundtrips fl(decode * s); bounds 2^-4 |y| + 2^-10 s against 2^-4 |y| +
+      2^-11 s.
+    Each roundtrip lies inside its own bound, and e4m3fnuz's direct cast falls outside e4m3fn's."""
+    y = _near_saturation_rows(seed)
+    a = y.float().abs()
+    fn, fnuz = FP8_FLAVOURS["e4m3fn"], FP8_FLAVOURS["e4m3fnuz"]
+
+    rt = {f: combine_roundtrip("fp8_direct_cast", y, fp8_flavour=f) for f in FP8_FLAVOURS}
+    bound = {f: combine_error_bound("fp8_direct_cast", y, fp8_flavour=f) for f in FP8_FLAVOURS}
+    for f in (fn, fnuz):
+        oracle = y.float().clamp(-f.numbers.max, f.numbers.max).to(getattr(torch, f.torch_name)).float()
+        assert torch.equal(bits(rt[f.name]), bits(oracle)), f.name
+        assert bool(((y.float() - rt[f.name]).abs() <= bound[f.name]).all()), f.name
+    mid = (a > 240) & (a <= 448)
+    assert int(mid.sum()) > 100 and int((a > 448).sum()) > 10
+    assert bool((rt["e4m3fnuz"][mid].abs() == 240).all())
+    assert torch.equal(bound["e4m3fnuz"][mid], a[mid] - 240) and torch.equal(bound["e4m3fn"][mid], a[mid] / 16)
+    assert bool((rt["e4m3fn"][a > 448].abs() == 448).all())
+    assert bool(((y.float() - rt["e4m3fnuz"]).abs() > bound["e4m3fn"])[a > 260].all())
+    low = a < 2.0**-12
+    assert int(low.sum()) > 10
+    assert bool((bound["e4m3fn"][low] == 2.0**-10).all()) and bool((bound["e4m3fnuz"][low] == 2.0**-11).all())
+    inside = a <= 240
+    assert not torch.equal(bits(rt["e4m3fn"][inside]), bits(rt["e4m3fnuz"][inside]))  # subnormals, -0.0
+    assert not bool(torch.signbit(rt["e4m3fnuz"][rt["e4m3fnuz"] == 0]).any())
+
+    amax = a.reshape(a.shape[0], -1, 128).amax(dim=-1)
+    for f in (fn, fnuz):
+        codes, scales = combine_wire_rows("fp8_blockwise", y, fp8_flavour=f.name)
+        s = amax / torch.full_like(amax, f.numbers.max)
+        s = torch.where(amax < 2.0**COMBINE_FLUSH_LOG2, torch.ones_like(s), s)
+        assert torch.equal(bits(scales), bits(s)), f.name
+        per = s.repeat_interleave(128, dim=1)
+        q = (y.float() / per).clamp(-f.numbers.max, f.numbers.max)
+        assert torch.equal(codes, q.to(getattr(torch, f.torch_name)).view(U8)), f.name
+        dq = combine_roundtrip("fp8_blockwise", y, fp8_flavour=f.name)
+        assert torch.equal(bits(dq), bits(q.to(getattr(torch, f.torch_name)).float() * per)), f.name
+        b = combine_error_bound("fp8_blockwise", y, fp8_flavour=f.name)
+        half_sub = 2.0**-10 if f is fn else 2.0**-11
+        assert torch.equal(b, a / 16 + half_sub * per), f.name
+        assert bool(((y.float() - dq).abs() <= b).all()), f.name
+    fn_scales = combine_wire_rows("fp8_blockwise", y)[1]
+    fnuz_scales = combine_wire_rows("fp8_blockwise", y, fp8_flavour="e4m3fnuz")[1]
+    assert bool((fnuz_scales > fn_scales).all())  # amax / 240 > amax / 448 on every (nonzero) block
+
+
+def test_an_unknown_fp8_flavour_is_refused_by_every_wire_function():
+    """Every combine wire function and fp8 quantizer refuses a flavour that is not a key of
+    FP8_FLAVOURS, naming its argument, the value and the known flavours, on every mode (fp4 and
+    "none" included: a misspelt flavour never passes unseen)."""
+    y = torch.ones(2, 128, dtype=torch.bfloat16)
+    for fn in (combine_roundtrip, combine_wire_rows, combine_error_bound):
+        for mode in ("fp8_direct_cast", "fp8_blockwise", "fp4_blockwise") + (() if fn is combine_wire_rows else ("none",)):
+            with pytest.raises(ValueError, match=r"^fp8_flavour='e4m3': unknown fp8 flavour; known: e4m3fn, e4m3fnuz$"):
+                fn(mode, y, fp8_flavour="e4m3")
+    codes = torch.zeros(2, 128, dtype=U8)
+    for call in (lambda: fp8_direct_cast(y, flavour="fnuz"), lambda: dequantize_fp8_direct(codes, flavour="fnuz"),
+                 lambda: quantize_fp8_blockwise(y, flavour="fnuz"),
+                 lambda: dequantize_fp8_blockwise(codes, torch.ones(2, 1), flavour="fnuz")):
+        with pytest.raises(ValueError, match=r"^flavour='fnuz': unknown fp8 flavour; known: e4m3fn, e4m3fnuz$"):
+            call()
+
+
+def test_arch_fp8_flavour_is_the_traits_row():
+    assert {a: arch_fp8_flavour(a) for a in ARCHES} == {a: traits(a).fp8 for a in ARCHES}
+    assert arch_fp8_flavour("gfx942") == "e4m3fnuz" and arch_fp8_flavour("sm_90") == "e4m3fn"
+    with pytest.raises(ValueError, match=r"arch='gfx90a': unknown target; known: "):
+        arch_fp8_flavour("gfx90a")

@@ -9,13 +9,16 @@ import pytest
 import torch
 
 from epgen import quant, reference
-from epgen.harness.verify import run_round
+from epgen.harness.verify import run_round, wire_fp8_flavour
+from epgen.codegen.arch import ARCHES, traits
 from epgen.codegen.config import EpConfig
 from epgen.op import DispatchOutput
 
 
 class ContractOp:
-    """Virtual-rank op on the CPU: the reference's rows in a random order in capacity-sized buffers."""
+    """Virtual-rank op on the CPU: the reference's rows in a random order in capacity-sized buffers.
+    ``arch``: the arch it stands for (none: a stand-in without one); its combine wire quantizes fp8
+    in ``wire_flavour``, by default that arch's (``ArchTraits.fp8``), else e4m3fn."""
 
     virtual = True
     low_latency_tokens = 0  # one kernel family: every stress round is a normal one
@@ -23,8 +26,13 @@ class ContractOp:
     def family(self, tokens):
         return "normal"
 
-    def __init__(self, cfg: EpConfig, break_rows: bool = False, combine_nudge: float = 0.0):
+    def __init__(self, cfg: EpConfig, break_rows: bool = False, combine_nudge: float = 0.0, arch: str | None = None,
+                 wire_flavour: str | None = None):
         self.cfg, self.break_rows, self.combine_nudge = cfg, break_rows, combine_nudge
+        self.config = cfg
+        if arch is not None:
+            self.arch = arch
+        self.wire_flavour = wire_flavour or (traits(arch).fp8 if arch else "e4m3fn")
         self.device = torch.device("cpu")
         self.local_ranks = list(range(cfg.world_size))
         cap = cfg.world_size * cfg.max_tokens_per_rank
@@ -57,7 +65,8 @@ class ContractOp:
     def combine(self, ys, out):
         inverse = [torch.argsort(self._perm[r]) for r in self.local_ranks]
         # what the wire carries: each rank's rows quantized and decoded as the kernels do
-        ys_ref = [quant.combine_roundtrip(self.cfg.combine_quant, y[: len(inv)][inv]) for y, inv in zip(ys, inverse)]
+        ys_ref = [quant.combine_roundtrip(self.cfg.combine_quant, y[: len(inv)][inv], fp8_flavour=self.wire_flavour)
+                  for y, inv in zip(ys, inverse)]
         tokens = [o.shape[0] for o in out]
         for o, r in zip(out, reference.combine(ys_ref, self._ref, tokens)):
             o.copy_(r * (1 + self.combine_nudge))
@@ -115,3 +124,52 @@ def test_shared_routing_pins_the_last_slot_to_the_own_rank():
     for rank, inp in enumerate(make_inputs(cfg, [64] * 8, "shared", seed=2)):
         assert bool((inp.indices[:, -1] // cfg.experts_per_rank == rank).all())
         assert bool((inp.indices[:, :-1] >= 0).all())  # the routed slots stay uniform
+
+
+def test_the_wire_flavour_is_the_ops_arch():
+    """An op on a GPU names its arch (``EpDispatchCombine.arch``): its fp8 wire is that arch's
+    ``ArchTraits.fp8`` (e4m3fnuz on gfx942); a stand-in without one computes e4m3fn."""
+    assert {a: wire_fp8_flavour(ContractOp(CFG, arch=a)) for a in ARCHES} == {a: traits(a).fp8 for a in ARCHES}
+    assert wire_fp8_flavour(ContractOp(CFG, arch="gfx942")) == "e4m3fnuz"
+    assert wire_fp8_flavour(ContractOp(CFG)) == "e4m3fn"
+    with pytest.raises(ValueError, match=r"arch='gfx90a': unknown target"):
+        wire_fp8_flavour(ContractOp(CFG, arch="gfx90a"))
+
+
+@pytest.mark.parametrize("mode", ["fp8_direct_cast", "fp8_blockwise", "fp4_blockwise"])
+def test_harness_checks_a_gfx942_wire_in_e4m3fnuz(mode):
+    """run_round compares a gfx942 op's combine with the e4m3fnuz wire reference: an op whose wire
+    is e4m3fnuz (scale amax / 240) is bit-equal to it; one that sends e4m3fn codes on gfx942 (or
+    e4m3fnuz on sm_90) is caught, by bits or by the bound (e4m3fn's subnormal error 2^-10 is
+    twice e4m3fnuz's), while fp4 is the same wire in both flavours."""
+    cfg = attrs.evolve(CFG, combine_quant=mode)
+    tokens = [32, 5, 0, 17]
+    stats = run_round(ContractOp(cfg, arch="gfx942"), cfg, tokens, "uniform", seed=5)
+    assert stats["wire_mismatches"] == 0 and 0 < stats["bound_ratio"] <= 1
+
+    def caught(op):
+        try:
+            return run_round(op, cfg, tokens, "uniform", seed=5)["wire_mismatches"] > 0
+        except AssertionError as e:
+            assert "above its bound" in str(e)
+            return True
+
+    assert caught(ContractOp(cfg, arch="gfx942", wire_flavour="e4m3fn")) == mode.startswith("fp8")
+    assert caught(ContractOp(cfg, arch="sm_90", wire_flavour="e4m3fnuz")) == mode.startswith("fp8")
+
+
+def test_selftest_fp8_wire_cases_on_gfx942_compare_against_e4m3fnuz():
+    """``epgen selftest``'s fp8 combine wire cases of the rank layout (``_run_case``, the rounds
+    the CLI runs on each op), on a stand-in gfx942 op whose wire is e4m3fnuz as its kernels': every
+    round passes with no wire mismatch; the same op sending e4m3fn codes fails the case or is
+    reported as mismatched."""
+    from epgen.cli.selftest import CASES, _run_case
+
+    cases = [c for c in CASES if c.wire.startswith("fp8") and c.layout == "rank" and not c.split]
+    assert {c.wire for c in cases} == {"fp8_direct_cast", "fp8_blockwise"}
+    for case in cases:
+        got = _run_case(ContractOp(case.config, arch="gfx942"), case, seed=3)
+        assert got["ok"] and got["error"] is None and got["wire_mismatches"] == 0, got
+        assert got["rounds"] == 2 and 0 < got["bound_ratio"] <= 1
+        wrong = _run_case(ContractOp(case.config, arch="gfx942", wire_flavour="e4m3fn"), case, seed=3)
+        assert not wrong["ok"] or wrong["wire_mismatches"] > 0, wrong
