@@ -12,7 +12,14 @@ vendors and only their memory differs:
 * signal words (``epgen.codegen.abi.SIGNALS``), which peers store to and add to while the kernels
   run: on CUDA the ``signals`` region of the arena; on ROCm a separate allocation made with
   ``hipExtMallocWithFlags(..., hipDeviceMallocUncached)`` through ctypes on ``libamdhip64.so``
-  (CuPy has no binding for it), as mori allocates its symmetric buffers;
+  (CuPy has no binding for it). mori's choice depends on how it is run (ROCm/mori at 624002c,
+  2026-08-21): its default symmetric heap (``MORI_SHMEM_MODE`` unset: one static heap) is one
+  uncached ``hipExtMallocWithFlags`` allocation (``hipMalloc`` with ``MORI_SHMEM_HEAP_TYPE=normal``),
+  src/shmem/init.cpp ``InitializeStaticHeap``; its dispatch/combine op asks for uncached buffers
+  (``ShmemExtMallocWithFlags(size, hipDeviceMallocUncached)``), a flag that only the isolation mode
+  honours; and a plain ``ShmemMalloc`` there is ``hipMalloc`` unless the SDMA transport is on
+  (``MORI_ENABLE_SDMA``: src/application/memory/symmetric_memory.cpp ``SymmMemManager::Malloc``).
+  epgen makes the signal words uncached whatever mori does;
 * error records: host-mapped pinned memory (``hostAllocMapped | hostAllocPortable``, the same
   bits as ``hipHostMallocMapped | hipHostMallocPortable``).
 
@@ -56,13 +63,19 @@ MIN_ROCM = {
 Every AMD arch of ``epgen.codegen.arch.ARCH_TRAITS`` has an entry (tests/runtime/test_rocm_runtime.py)."""
 
 HIP_KERNEL_ARGS_BYTES = 4096
-"""The most bytes of kernel arguments epgen passes to a HIP launch. HIP documents no limit of its own
-(its C++ language extensions page lists what kernel parameters cannot be, not a size); CUDA documents
-4 KB for a ``__global__`` function's parameters (CUDA C++ Programming Guide, "Function Parameters";
-32,764 bytes from CUDA 12.1 on Volta and later), and HIP's runtime sized its kernel-argument buffer
-to that 4 KB to run ported CUDA code (ROCm/hcc#1377, "increase KERNARG_BUFFER_SIZE from 512 to
-4k"). epgen's one argument, ``struct EpArgs`` (``epgen.codegen.abi.ARGS``), takes 88 x W + 24
-bytes, so W <= 46 fits."""
+"""The most bytes of kernel arguments epgen passes to a HIP launch: a bound epgen chose, not a
+limit the ROCm runtime states. HIP documents none (its C++ language extensions page lists what
+kernel parameters cannot be, not a size), and today's runtime has no fixed buffer either: ROCclr
+copies each dispatch's arguments into a block of the kernel's own ``kernarg_segment_byte_size``
+(from its code object, the hidden arguments included) carved from the queue's kernarg pool
+(ROCm/clr rocclr/device/rocm/rocvirtual.cpp ``VirtualGPU::submitKernelInternal`` ->
+``allocKernArg``, at f9f995c; the pool is ``HSA_KERNARG_POOL_SIZE``: 1 MiB used in 4 chunks
+there, 4 MiB in ROCm/rocm-systems projects/clr/rocclr/utils/flags.hpp, where ROCclr lives now).
+The 4,096 bytes are CUDA's classic limit for a ``__global__`` function's parameters (CUDA C++
+Programming Guide, "Function Parameters"; 32,764 bytes from CUDA 12.1 on Volta and later), the size
+ported CUDA code assumes; no larger struct has run on AMD hardware. (The 4 KB kernel-argument
+buffer of the retired hcc runtime, ROCm/hcc#1377, no longer applies.) epgen's one argument,
+``struct EpArgs`` (``epgen.codegen.abi.ARGS``), takes 88 x W + 24 bytes, so W <= 46 fits."""
 
 
 def hip_version(encoded: int) -> tuple[int, int, int]:
