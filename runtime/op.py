@@ -349,10 +349,11 @@ class EpDispatchCombine:
         self.low_latency_tokens = self.plan.low_latency_tokens  # T_ll: 0 without the low-latency family
         # A whole low-latency op in one kernel needs every block of its grid resident at once (a
         # block's receiving phase waits for every block's sending phase): it is launched
-        # cooperatively, and where the GPU cannot hold its grid at all, each call launches the two
-        # halves instead.
+        # cooperatively where the vendor's rule allows it (Plan.whole_low_latency: not on ROCm);
+        # there, and where the GPU cannot hold its grid at all, each call launches the two halves
+        # instead.
         ranks = len(self.local_ranks)
-        self._fused = {call: self.low_latency_tokens > 0 and all(
+        self._fused = {call: self.plan.whole_low_latency and self.low_latency_tokens > 0 and all(
             self._resident_blocks(self._kernels[spec], spec) // ranks >= spec.blocks
             for spec in self.plan.whole_grid_specs(call)) for call in (Op.DISPATCH, Op.COMBINE)}
         self.layout = self.dispatch_spec.layout

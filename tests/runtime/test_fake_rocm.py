@@ -11,7 +11,9 @@ offline clang), so the op must load them with ``RawModule(path=...)`` and compil
 The calls of ``FAMILY_CFG`` run ``dispatch()`` and ``combine()`` on host tensors (the ops' device
 set to the CPU after construction: device memory is host memory here) and record which kernels
 each call launches: the kernel family per call, the whole low-latency op or its halves, the
-async_recv split and its refusals.
+async_recv split and its refusals. ROCm takes the halves by default (``epgen.plan.WHOLE_LOW_LATENCY``);
+with that rule flipped the calls run again: the whole op through ``hipModuleLaunchCooperativeKernel``,
+and the halves where the grid does not fit.
 """
 
 from __future__ import annotations
@@ -392,11 +394,18 @@ def _rank(rank: int, world_size: int, store: str, cache: str, out: str):
         op.close()
         dist.barrier()
         record.update(calls=list(fake.calls), launches=list(fake.launches))  # CFG's op alone
-        record["fused"] = _family_calls(fake, FAMILY_CFG, rank)
-        props = torch.cuda.get_device_properties(rank)
-        props.multi_processor_count = 1  # a GPU too small for a whole low-latency op's grid at once
-        record["halves"] = _family_calls(fake, FAMILY_CFG, rank)
-        props.multi_processor_count = 256
+        record["default"] = _family_calls(fake, FAMILY_CFG, rank)  # ROCm's rule: the halves
+        import epgen.plan
+
+        epgen.plan.WHOLE_LOW_LATENCY["amd"] = True  # the rule flipped, as a measurement of the whole op would
+        try:
+            record["fused"] = _family_calls(fake, FAMILY_CFG, rank)
+            props = torch.cuda.get_device_properties(rank)
+            props.multi_processor_count = 1  # a GPU too small for a whole low-latency op's grid at once
+            record["halves"] = _family_calls(fake, FAMILY_CFG, rank)
+            props.multi_processor_count = 256
+        finally:
+            epgen.plan.WHOLE_LOW_LATENCY["amd"] = False
         record["normal"] = _family_calls(fake, NORMAL_CFG, rank)
         record["pull"] = _pull_calls(fake, PULL_CFG, rank)
         record["loads"] = [c[1:] for c in fake.calls if c[0] == "RawModule"]
@@ -549,14 +558,28 @@ def _family_steps(whole: bool) -> list[tuple[str, list[str], str | None, str]]:
     ]
 
 
-@pytest.mark.parametrize("mode", ["fused", "halves"])
+MODES = ("default", "fused", "halves")
+"""The FAMILY_CFG runs: ROCm's default; with the whole op allowed (``WHOLE_LOW_LATENCY["amd"]``
+flipped): its grid fitting and not fitting."""
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_each_call_takes_the_family_its_tokens_pick_and_async_recv_splits_it(records, mode):
     for r in records:
         got = [(x["step"], x["ops"], x["error"], x["result"]) for x in r[mode]]
         assert got == _family_steps(whole=mode == "fused")
 
 
-@pytest.mark.parametrize("mode", ["fused", "halves"])
+def test_rocm_takes_the_halves_by_default(records):
+    """ROCm's default launches what a whole-op grid that does not fit launches: the halves."""
+    def launched(run):
+        return [(x["step"], x["ops"], x["cooperative"], x["error"], x["result"]) for x in run]
+
+    for r in records:
+        assert launched(r["default"]) == launched(r["halves"])
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_the_low_latency_combine_reads_y_in_place_and_the_normal_one_copies_it(records, mode):
     for r in records:
         assert next(x for x in r[mode] if "y" in x)["combine_in"] == "zero"  # the first combine: low-latency
@@ -568,11 +591,12 @@ def test_the_low_latency_combine_reads_y_in_place_and_the_normal_one_copies_it(r
 
 
 def test_only_the_whole_low_latency_ops_launch_cooperatively_through_hip(records):
-    """One rank a process: the whole low-latency op's blocks wait for each other, so it launches
-    through hipModuleLaunchCooperativeKernel (CuPy-ROCm's cooperative launch is a stub); its halves
-    and the normal family's kernels wait only for peers and launch as any kernel."""
+    """One rank a process: the whole low-latency op's blocks wait for each other, so where it runs
+    (the rule flipped) it launches through hipModuleLaunchCooperativeKernel (CuPy-ROCm's cooperative
+    launch is a stub); its halves and the normal family's kernels wait only for peers and launch as
+    any kernel. By default nothing launches cooperatively on ROCm."""
     for r in records:
-        for mode in ("fused", "halves", "normal"):
+        for mode in MODES + ("normal",):
             launches = [(op, coop) for x in r[mode] for op, coop in zip(x["ops"], x["cooperative"])]
             assert launches and all(coop == (op in ("dispatch_ll", "combine_ll")) for op, coop in launches), launches
             assert any(coop for _, coop in launches) == (mode == "fused")

@@ -151,5 +151,23 @@ def test_epgen_plan_json_and_flag_errors(capsys):
     assert "--transport" in capsys.readouterr().err
 
 
+def test_the_whole_low_latency_op_is_the_default_on_nvidia_and_never_on_amd():
+    """One rule per vendor (``epgen.plan.WHOLE_LOW_LATENCY``): the plan carries it and its table
+    says when each low-latency route runs."""
+    from epgen.plan import WHOLE_LOW_LATENCY
+
+    assert WHOLE_LOW_LATENCY == {"nvidia": True, "amd": False}
+    for arch, whole in (("sm_90", True), ("gfx942", False), ("gfx950", False), ("gfx1250", False)):
+        plan = Plan.build(SMALL, arch)
+        assert plan.whole_low_latency is whole
+        when = {(r["op"], r["when"]) for r in plan.table() if r["family"] == "low_latency"}
+        assert when == ({("dispatch_ll", ""), ("combine_ll", "")}
+                        | {(op, "async_recv or grid too large") for op in ("dispatch_ll_send", "dispatch_ll_recv",
+                                                                            "combine_ll_send", "combine_ll_recv")}
+                        if whole else {("dispatch_ll", "not on amd"), ("combine_ll", "not on amd")}
+                        | {(op, "") for op in ("dispatch_ll_send", "dispatch_ll_recv", "combine_ll_send",
+                                               "combine_ll_recv")}), arch
+
+
 if __name__ == "__main__":  # rewrite RECORDS from the op as it is now (see the module docstring)
     RECORDS.write_text(json.dumps({name: _record(name) for name in CASES}, indent=1) + "\n")
