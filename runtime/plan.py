@@ -29,7 +29,8 @@ fold reads)."""
 
 WHOLE_LOW_LATENCY = {"nvidia": True, "amd": False}
 """Per vendor (``ArchTraits.vendor``): whether a low-latency call without ``async_recv`` runs the
-whole op as one cooperative launch (where its grid fits the GPU at once) or, when False, always as its two halves, which need no co-residency.
+whole op as one cooperative launch (where its grid fits the GPU at once, and until the runtime
+refuses it as too large) or, when False, always as its two halves, which need no co-residency.
 
 NVIDIA: a cooperative launch starts no block until all fit beside whatever else runs (measured on
 an H200: docs/measurements/deployment.md). AMD: not shown on hardware, and the ROCm runtime funnels

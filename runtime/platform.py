@@ -85,9 +85,25 @@ def hip_version(encoded: int) -> tuple[int, int, int]:
     return encoded // 10_000_000, encoded // 100_000 % 100, encoded % 100_000
 
 
+HIP_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE = 720
+"""``hipErrorCooperativeLaunchTooLarge`` (hip/hip_runtime_api.h)."""
+
+CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE = 720
+"""``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE`` (cuda.h), the ``status`` of CuPy's ``CUDADriverError``."""
+
+
 class HipError(RuntimeError):
     """A HIP runtime call made through ctypes returned an error (the message names the call, the
     ``hipError_t`` code and ``hipGetErrorString``'s text)."""
+
+
+class CooperativeLaunchTooLarge(RuntimeError):
+    """The runtime refused a cooperative launch because, by its own occupancy estimate, the grid
+    cannot be resident at once (CUDA ``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE``, HIP
+    ``hipErrorCooperativeLaunchTooLarge``); nothing was enqueued. HIP checks before it creates the
+    command: the grid's blocks against ``ihipOccupancyMaxActiveBlocksPerMultiprocessor``'s blocks a
+    grid (ROCm/clr hipamd/src/hip_module.cpp ``ihipLaunchKernel_validate``, f9f995c). The message
+    names the grid, the block and the vendor's error."""
 
 
 class DeviceAllocation:
@@ -106,12 +122,12 @@ class DeviceAllocation:
         self.ptr = mem.ptr
 
     def __del__(self):
-        if _capturing():
+        if capturing():
             DeviceAllocation.deferred.append(self.mem)
         self.mem = None
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
     """This thread's current stream is capturing a CUDA/HIP graph."""
     try:
         return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -204,7 +220,7 @@ class Platform:
         """
         import cupy
 
-        if not _capturing():
+        if not capturing():
             DeviceAllocation.deferred.clear()  # frees a capture put off
         mem = cupy.cuda.Memory(nbytes)
         cupy.cuda.runtime.memset(mem.ptr, 0, nbytes)
@@ -316,8 +332,11 @@ class Platform:
                 ``tools/residency_probe.py``), and a graph captures it like any launch.
 
         Raises:
-            HipError: the cooperative launch failed on ROCm (e.g. a grid larger than the device
-                holds at once); CUDA raises CuPy's ``CUDADriverError`` likewise.
+            CooperativeLaunchTooLarge: the runtime refused a cooperative grid as larger than the
+                device holds at once (by its occupancy estimate, which may differ from
+                ``epgen.codegen.occupancy``'s); the op then launches the kernel's halves.
+            HipError: another failure of the cooperative launch on ROCm; CUDA raises CuPy's
+                ``CUDADriverError`` likewise.
         """
         import cupy
 
@@ -329,12 +348,22 @@ class Platform:
                 fn(grid, block, (cupy.cuda.function.CPointer(args_address),), stream=stream)
                 return
             params = (ctypes.c_void_p * 1)(args_address)  # void* kernelParams[]: the struct's address
+            too_large = f"cooperative grid {grid[0]}x{grid[1]}x{grid[2]} of {block[0]}x{block[1]}x{block[2]} threads"
             if self.rocm:
-                self._check("hipModuleLaunchCooperativeKernel", self._hip_library().hipModuleLaunchCooperativeKernel(
-                    ctypes.c_void_p(fn.kernel.ptr), *grid, *block, 0, ctypes.c_void_p(stream.ptr), params))
+                status = self._hip_library().hipModuleLaunchCooperativeKernel(
+                    ctypes.c_void_p(fn.kernel.ptr), *grid, *block, 0, ctypes.c_void_p(stream.ptr), params)
+                if status == HIP_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE:
+                    raise CooperativeLaunchTooLarge(f"{too_large} refused by the HIP runtime "
+                                                    f"(hipErrorCooperativeLaunchTooLarge, {status})")
+                self._check("hipModuleLaunchCooperativeKernel", status)
             else:
-                cupy.cuda.driver.launchCooperativeKernel(fn.kernel.ptr, *grid, *block, 0, stream.ptr,
-                                                         ctypes.addressof(params))
+                try:
+                    cupy.cuda.driver.launchCooperativeKernel(fn.kernel.ptr, *grid, *block, 0, stream.ptr,
+                                                             ctypes.addressof(params))
+                except RuntimeError as e:  # CuPy's CUDADriverError, whose status is the CUresult
+                    if getattr(e, "status", None) != CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE:
+                        raise
+                    raise CooperativeLaunchTooLarge(f"{too_large} refused by the CUDA driver ({e})") from e
 
     # ---- HIP through ctypes ------------------------------------------------------------------
     def _hip_library(self):

@@ -13,7 +13,8 @@ set to the CPU after construction: device memory is host memory here) and record
 each call launches: the kernel family per call, the whole low-latency op or its halves, the
 async_recv split and its refusals. ROCm takes the halves by default (``epgen.plan.WHOLE_LOW_LATENCY``);
 with that rule flipped the calls run again: the whole op through ``hipModuleLaunchCooperativeKernel``,
-and the halves where the grid does not fit.
+the halves where the grid does not fit, and the halves after the stand-in refuses a cooperative
+launch with ``hipErrorCooperativeLaunchTooLarge``.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ HIP_IPC_LAZY = 0x1  # hipIpcMemLazyEnablePeerAccess, hip/hip_runtime_api.h
 HIP_HOST_MAPPED_PORTABLE = 0x2 | 0x1  # hipHostMallocMapped | hipHostMallocPortable
 SIGNAL_BYTES = 4 * abi.SIGNAL_WORDS
 HIP_VERSION = 70051831  # hipRuntimeGetVersion of ROCm 7.0 (HIP 7.0.51831, torch.version.hip below)
+HIP_COOPERATIVE_TOO_LARGE = 720  # hipErrorCooperativeLaunchTooLarge, hip/hip_runtime_api.h
 
 
 
@@ -96,6 +98,7 @@ class _FakeCupyRocm:
 
     def __init__(self):
         self.touched, self.calls, self.buffers, self.launches, self.functions = [], [], {}, [], {}
+        self.refuse_cooperative = False  # hipModuleLaunchCooperativeKernel returns hipErrorCooperativeLaunchTooLarge
         log, fake = self.touched, self
 
         def memset(ptr, value, nbytes):
@@ -201,6 +204,9 @@ class _FakeHip:
 
     def __init__(self, fake: _FakeCupyRocm):
         def cooperative(f, gx, gy, gz, bx, by, bz, shared, stream, params):
+            if fake.refuse_cooperative:  # the runtime's occupancy estimate says the grid cannot be resident
+                fake.calls.append(["cooperative refused", fake.functions[f.value], [gx, gy, gz], [bx, by, bz]])
+                return HIP_COOPERATIVE_TOO_LARGE
             fake.launches.append({"entry": fake.functions[f.value], "grid": [gx, gy, gz], "block": [bx, by, bz],
                                   "address": params[0], "stream": stream.value, "cooperative": True,
                                   "shared": shared})
@@ -404,7 +410,14 @@ def _rank(rank: int, world_size: int, store: str, cache: str, out: str):
             props.multi_processor_count = 1  # a GPU too small for a whole low-latency op's grid at once
             record["halves"] = _family_calls(fake, FAMILY_CFG, rank)
             props.multi_processor_count = 256
+            fake.refuse_cooperative, before = True, len(fake.calls)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                record["refused"] = _family_calls(fake, FAMILY_CFG, rank)
+            record["refused_warnings"] = [[w.category.__name__, str(w.message)] for w in caught]
+            record["refused_attempts"] = [c[1:] for c in fake.calls[before:] if c[0] == "cooperative refused"]
         finally:
+            fake.refuse_cooperative = False
             epgen.plan.WHOLE_LOW_LATENCY["amd"] = False
         record["normal"] = _family_calls(fake, NORMAL_CFG, rank)
         record["pull"] = _pull_calls(fake, PULL_CFG, rank)
@@ -558,9 +571,9 @@ def _family_steps(whole: bool) -> list[tuple[str, list[str], str | None, str]]:
     ]
 
 
-MODES = ("default", "fused", "halves")
+MODES = ("default", "fused", "halves", "refused")
 """The FAMILY_CFG runs: ROCm's default; with the whole op allowed (``WHOLE_LOW_LATENCY["amd"]``
-flipped): its grid fitting and not fitting."""
+flipped): its grid fitting, not fitting, and refused by the runtime as too large."""
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -570,13 +583,28 @@ def test_each_call_takes_the_family_its_tokens_pick_and_async_recv_splits_it(rec
         assert got == _family_steps(whole=mode == "fused")
 
 
-def test_rocm_takes_the_halves_by_default(records):
-    """ROCm's default launches what a whole-op grid that does not fit launches: the halves."""
+def test_rocm_takes_the_halves_by_default_and_a_refused_cooperative_grid_falls_back_to_them_once(records):
+    """ROCm's default launches what a whole-op grid that does not fit launches (the halves); with
+    the whole op allowed, a runtime that refuses its grid as too large costs one refused attempt a
+    call kind and a warning naming the kernel and the grid, and every call, the refused ones
+    included, completes with the launches of the halves route (test_plan.py compares the launch
+    arguments too, on the CUDA stand-in)."""
     def launched(run):
         return [(x["step"], x["ops"], x["cooperative"], x["error"], x["result"]) for x in run]
 
     for r in records:
-        assert launched(r["default"]) == launched(r["halves"])
+        assert launched(r["default"]) == launched(r["halves"]) == launched(r["refused"])
+        assert [entry.split("_gfx950")[0] for entry, _, _ in r["refused_attempts"]] == [
+            "epgen_dispatch_ll", "epgen_combine_ll"]  # remembered: one attempt each, never again
+        assert [grid for _, grid, _ in r["refused_attempts"]] == [[64, 1, 1], [64, 1, 1]]  # tuning.py: 64 x 256 threads
+        assert [w[0] for w in r["refused_warnings"]] == ["RuntimeWarning", "RuntimeWarning"]
+        for (_, message), (entry, _, _), call in zip(r["refused_warnings"], r["refused_attempts"],
+                                                     ("dispatch", "combine")):
+            assert message.startswith(f"{call}: the runtime refused the whole low-latency kernel {entry} (64 x 1 blocks "
+                                      "of 256 threads, one cooperative launch) as too large: cooperative grid 64x1x1 of "
+                                      "256x1x1 threads refused by the HIP runtime (hipErrorCooperativeLaunchTooLarge, "
+                                      "720)"), message
+            assert message.endswith(f"This op launches {call}'s two halves instead from now on"), message
 
 
 @pytest.mark.parametrize("mode", MODES)
