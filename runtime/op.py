@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import warnings
 
 import attrs
 import numpy as np
@@ -24,7 +25,7 @@ from epgen.codegen.render import render
 from epgen.codegen.spec import EXPERT_OPS, KernelSpec, Op
 from epgen.codegen.config import EpConfig
 from epgen.plan import Plan
-from epgen.platform import HIP_KERNEL_ARGS_BYTES, Platform
+from epgen.platform import HIP_KERNEL_ARGS_BYTES, CooperativeLaunchTooLarge, Platform, capturing
 
 
 class EpError(RuntimeError):
@@ -350,10 +351,11 @@ class EpDispatchCombine:
         self.low_latency_tokens = self.plan.low_latency_tokens  # T_ll: 0 without the low-latency family
         # A whole low-latency op in one kernel needs every block of its grid resident at once (a
         # block's receiving phase waits for every block's sending phase): it is launched
-        # cooperatively, and where the GPU cannot hold its grid at all, each call launches the two
-        # halves instead.
+        # cooperatively where the vendor's rule allows it (Plan.whole_low_latency: not on ROCm);
+        # there, and where the GPU cannot hold its grid at all, or once the runtime has refused
+        # its grid as too large (_halves_after_refusal), each call launches the two halves instead.
         ranks = len(self.local_ranks)
-        self._fused = {call: self.low_latency_tokens > 0 and all(
+        self._fused = {call: self.plan.whole_low_latency and self.low_latency_tokens > 0 and all(
             self._resident_blocks(self._kernels[spec], spec) // ranks >= spec.blocks
             for spec in self.plan.whole_grid_specs(call)) for call in (Op.DISPATCH, Op.COMBINE)}
         self.layout = self.dispatch_spec.layout
@@ -592,7 +594,9 @@ class EpDispatchCombine:
                 overlaps ``dispatch_input`` but does not start at it, ``async_recv`` without a
                 low-latency family for T, a ``family`` the op has no kernels for or that cannot
                 take T, or no ``family`` where an "auto" op cannot see its peers' T.
-            RuntimeError: an async_recv call's handle has not been waited for.
+            RuntimeError: an async_recv call's handle has not been waited for, or the runtime refused
+                the whole low-latency op's cooperative grid as too large while a graph was being
+                captured (later calls take the halves; eagerly, the call takes them at once).
             EpError: an earlier call timed out in a kernel (recoverable faults are raised by synchronize).
         """
         self._raise_if_faulted()
@@ -756,8 +760,9 @@ class EpDispatchCombine:
             With ``async_recv``, a RecvHandle whose ``wait()`` returns that.
 
         Raises:
-            RuntimeError: no dispatch precedes this combine, or an async_recv call's handle has not
-                been waited for.
+            RuntimeError: no dispatch precedes this combine, an async_recv call's handle has not
+                been waited for, or the runtime refused the whole low-latency op's cooperative grid
+                as too large while a graph was being captured (as in ``dispatch``).
             TypeError, ValueError: bad y (before any launch), or ``async_recv`` after a dispatch
                 that took the normal family.
             EpError: an earlier call timed out in a kernel (recoverable faults are raised by synchronize).
@@ -977,7 +982,38 @@ class EpDispatchCombine:
             a = self._args[step.op]
             for i, fields in enumerate(records.get(step.io, ())):
                 a["io"][i] = _rank_io(quantize=int(step.quantize), **fields)
-            self._launch(step.op, tokens, a, step.transport, step.sync)
+            try:
+                self._launch(step.op, tokens, a, step.transport, step.sync)
+            except CooperativeLaunchTooLarge as e:
+                if not step.op.low_latency:  # a normal kernel of virtual ranks: no halves to take
+                    raise
+                self._run(self._halves_after_refusal(step.op, tokens, e), tokens, records)
+
+    def _halves_after_refusal(self, op: Op, tokens: int, error: CooperativeLaunchTooLarge) -> list:
+        """The runtime refused the whole low-latency ``op``'s cooperative grid as too large (its
+        occupancy estimate, not ``epgen.codegen.occupancy``'s; nothing was enqueued): from now on
+        every call of ``op.transport`` takes the halves (warned once). Returns the steps that
+        replace ``op`` in this call: the sending and the receiving half, as the split route
+        launches them.
+
+        Raises:
+            RuntimeError: the stream is capturing a graph, where a failed launch may leave the
+                capture unusable; the op still takes the halves from now on, so capturing again
+                works (an eager call before a capture settles this outside it).
+        """
+        call = op.transport
+        self._fused[call] = False
+        spec = self.variant(op, tokens)
+        what = (f"{call.value}: the runtime refused the whole low-latency kernel {spec.name} ({spec.blocks} x "
+                f"{len(self.local_ranks)} blocks of {spec.threads} threads, one cooperative launch) as too large: {error}")
+        if capturing():
+            raise RuntimeError(f"{what}; this happened while the stream was capturing a graph, which the failed "
+                               f"launch may have left unusable. The op launches {call.value}'s two halves from now "
+                               "on: capture again (run one call eagerly before capturing to settle this outside a "
+                               "capture)") from error
+        warnings.warn(f"{what}. This op launches {call.value}'s two halves instead from now on", RuntimeWarning,
+                      stacklevel=4)
+        return [s for s in self.plan.route(call, "low_latency", "push", True).steps if s.op.low_latency]
 
     def _launch(self, op: Op, tokens: int, args: np.ndarray, transport: str = "push", sync: bool = True):
         """Launch the variant of ``op`` (of ``transport``) for ``tokens`` (local ops have one) over

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import attrs
 
+from epgen.codegen.arch import ARCH_TRAITS
 from epgen.codegen.config import EpConfig
 from epgen.codegen.dtypes import combine_quant
 from epgen.codegen.spec import KernelSpec, Op
@@ -25,6 +26,24 @@ IO_KINDS = ("none", "call", "fold")
 """What a step's launch argument carries per rank: "none" (the arena alone), "call" (the call's
 inputs, outputs and token counts: ``epgen.codegen.abi.RANK_IO``), "fold" (the expert outputs the
 fold reads)."""
+
+WHOLE_LOW_LATENCY = {"nvidia": True, "amd": False}
+"""Per vendor (``ArchTraits.vendor``): whether a low-latency call without ``async_recv`` runs the
+whole op as one cooperative launch (where its grid fits the GPU at once, and until the runtime
+refuses it as too large) or, when False, always as its two halves, which need no co-residency.
+
+NVIDIA: a cooperative launch starts no block until all fit beside whatever else runs (measured on
+an H200: docs/measurements/deployment.md). AMD: not shown on hardware, and the ROCm runtime funnels
+every cooperative launch of the process, from any stream, onto one device-internal queue, ordered
+against the launching stream by barriers both ways (ROCm/clr rocclr/device/rocm/rocvirtual.cpp
+``VirtualGPU::submitKernel``, f9f995c; its GWS-init dispatch runs only where ``gwsInitSupported_``,
+which ROCm/rocm-systems projects/clr rocsettings.cpp clears from gfx9.4 on: not on epgen's AMD
+arches); nothing on that path holds compute units against kernels of other queues, and the grid is
+admitted by the runtime's own occupancy estimate (hipamd/src/hip_module.cpp
+``ihipLaunchKernel_validate``). ROCm/rocm-systems pull requests 8959 and 10124 describe the
+serialization (every cooperative dispatch with the AQL barrier bit and a barrier packet after it).
+So ROCm takes the halves until a run on MI300-class hardware shows the cooperative path's residency
+and cost; flip this entry to measure it (the op reads it when it is built)."""
 
 Y_SOURCES = ("copy", "in_place", "folded")
 """Where a combine's kernels read the expert outputs: "copy" (y copied into combine_in, where
@@ -129,6 +148,8 @@ class Plan:
             compiles (``EpConfig.variants``; empty where the config builds none of that kernel).
         routes: {(call, family, transport, split): Route} of the routes the config builds.
         low_latency_tokens: T_ll, the most tokens a call takes the low-latency family with (0: never).
+        whole_low_latency: a low-latency call without async_recv may run the whole op in one
+            cooperative launch (``WHOLE_LOW_LATENCY`` of the arch's vendor); False: always the halves.
         transports: ((max_tokens, transport), ...) of the normal dispatch's buckets: "push",
             "pull", or "zero_copy" (pull when x is ``dispatch_input`` on every rank this process
             drives, else push).
@@ -141,6 +162,7 @@ class Plan:
     routes: dict[tuple[Op, str, str, bool], Route]
     low_latency_tokens: int
     transports: tuple[tuple[int, str], ...]
+    whole_low_latency: bool
 
     @classmethod
     def build(cls, config: EpConfig, arch: str, grid_ranks: int = 1) -> "Plan":
@@ -174,7 +196,8 @@ class Plan:
             transports = tuple((t, "zero_copy" if tr == "pull" else tr)
                                for t, tr in bucket_transports(config.tuning_key(arch, Op.DISPATCH)))
         return cls(config=config, arch=arch, grid_ranks=grid_ranks, variants=variants, routes=routes,
-                   low_latency_tokens=config.low_latency_tokens(arch), transports=transports)
+                   low_latency_tokens=config.low_latency_tokens(arch), transports=transports,
+                   whole_low_latency=WHOLE_LOW_LATENCY[ARCH_TRAITS[arch].vendor])
 
     @property
     def dispatch_spec(self) -> KernelSpec:
@@ -237,7 +260,8 @@ class Plan:
         """One row per kernel each call launches, per token bucket (``buckets``): tokens (first,
         last), family, call, transport, split, stage ("call" or "finish"), op, spec name, geometry
         (BLOCKSxWARPSuUNROLL), threads, grid (blocks x grid_ranks), cooperative, and ``when`` (the
-        route's condition: "", "x in dispatch_input", "async_recv or the whole grid does not fit")."""
+        route's condition: "", "x in dispatch_input", "async_recv or grid too large"; where the
+        vendor takes the halves, "not on <vendor>" for the whole low-latency op and "" for its halves)."""
         rows = []
         for lo, hi in self.buckets():
             family = self.family(hi)
@@ -245,7 +269,9 @@ class Plan:
                 if route.family != family or (route.call is Op.DISPATCH and route.family == "normal"
                                               and route.transport not in {self.transport(hi, z) for z in (False, True)}):
                     continue
-                when = ("async_recv or grid too large" if route.split else
+                halves_only = route.family == "low_latency" and not self.whole_low_latency
+                when = (("" if halves_only else "async_recv or grid too large") if route.split else
+                        f"not on {ARCH_TRAITS[self.arch].vendor}" if halves_only else
                         "x in dispatch_input" if route.transport == "pull" and self.transport(hi, False) == "push" else "")
                 for stage, steps in (("call", route.send), ("finish", route.recv)):
                     for s in steps:

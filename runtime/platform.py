@@ -12,7 +12,14 @@ vendors and only their memory differs:
 * signal words (``epgen.codegen.abi.SIGNALS``), which peers store to and add to while the kernels
   run: on CUDA the ``signals`` region of the arena; on ROCm a separate allocation made with
   ``hipExtMallocWithFlags(..., hipDeviceMallocUncached)`` through ctypes on ``libamdhip64.so``
-  (CuPy has no binding for it), as mori allocates its symmetric buffers;
+  (CuPy has no binding for it). mori's choice depends on how it is run (ROCm/mori at 624002c,
+  2026-08-21): its default symmetric heap (``MORI_SHMEM_MODE`` unset: one static heap) is one
+  uncached ``hipExtMallocWithFlags`` allocation (``hipMalloc`` with ``MORI_SHMEM_HEAP_TYPE=normal``),
+  src/shmem/init.cpp ``InitializeStaticHeap``; its dispatch/combine op asks for uncached buffers
+  (``ShmemExtMallocWithFlags(size, hipDeviceMallocUncached)``), a flag that only the isolation mode
+  honours; and a plain ``ShmemMalloc`` there is ``hipMalloc`` unless the SDMA transport is on
+  (``MORI_ENABLE_SDMA``: src/application/memory/symmetric_memory.cpp ``SymmMemManager::Malloc``).
+  epgen makes the signal words uncached whatever mori does;
 * error records: host-mapped pinned memory (``hostAllocMapped | hostAllocPortable``, the same
   bits as ``hipHostMallocMapped | hipHostMallocPortable``).
 
@@ -56,13 +63,19 @@ MIN_ROCM = {
 Every AMD arch of ``epgen.codegen.arch.ARCH_TRAITS`` has an entry (tests/runtime/test_rocm_runtime.py)."""
 
 HIP_KERNEL_ARGS_BYTES = 4096
-"""The most bytes of kernel arguments epgen passes to a HIP launch. HIP documents no limit of its own
-(its C++ language extensions page lists what kernel parameters cannot be, not a size); CUDA documents
-4 KB for a ``__global__`` function's parameters (CUDA C++ Programming Guide, "Function Parameters";
-32,764 bytes from CUDA 12.1 on Volta and later), and HIP's runtime sized its kernel-argument buffer
-to that 4 KB to run ported CUDA code (ROCm/hcc#1377, "increase KERNARG_BUFFER_SIZE from 512 to
-4k"). epgen's one argument, ``struct EpArgs`` (``epgen.codegen.abi.ARGS``), takes 88 x W + 24
-bytes, so W <= 46 fits."""
+"""The most bytes of kernel arguments epgen passes to a HIP launch: a bound epgen chose, not a
+limit the ROCm runtime states. HIP documents none (its C++ language extensions page lists what
+kernel parameters cannot be, not a size), and today's runtime has no fixed buffer either: ROCclr
+copies each dispatch's arguments into a block of the kernel's own ``kernarg_segment_byte_size``
+(from its code object, the hidden arguments included) carved from the queue's kernarg pool
+(ROCm/clr rocclr/device/rocm/rocvirtual.cpp ``VirtualGPU::submitKernelInternal`` ->
+``allocKernArg``, at f9f995c; the pool is ``HSA_KERNARG_POOL_SIZE``: 1 MiB used in 4 chunks
+there, 4 MiB in ROCm/rocm-systems projects/clr/rocclr/utils/flags.hpp, where ROCclr lives now).
+The 4,096 bytes are CUDA's classic limit for a ``__global__`` function's parameters (CUDA C++
+Programming Guide, "Function Parameters"; 32,764 bytes from CUDA 12.1 on Volta and later), the size
+ported CUDA code assumes; no larger struct has run on AMD hardware. (The 4 KB kernel-argument
+buffer of the retired hcc runtime, ROCm/hcc#1377, no longer applies.) epgen's one argument,
+``struct EpArgs`` (``epgen.codegen.abi.ARGS``), takes 88 x W + 24 bytes, so W <= 46 fits."""
 
 
 def hip_version(encoded: int) -> tuple[int, int, int]:
@@ -72,9 +85,25 @@ def hip_version(encoded: int) -> tuple[int, int, int]:
     return encoded // 10_000_000, encoded // 100_000 % 100, encoded % 100_000
 
 
+HIP_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE = 720
+"""``hipErrorCooperativeLaunchTooLarge`` (hip/hip_runtime_api.h)."""
+
+CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE = 720
+"""``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE`` (cuda.h), the ``status`` of CuPy's ``CUDADriverError``."""
+
+
 class HipError(RuntimeError):
     """A HIP runtime call made through ctypes returned an error (the message names the call, the
     ``hipError_t`` code and ``hipGetErrorString``'s text)."""
+
+
+class CooperativeLaunchTooLarge(RuntimeError):
+    """The runtime refused a cooperative launch because, by its own occupancy estimate, the grid
+    cannot be resident at once (CUDA ``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE``, HIP
+    ``hipErrorCooperativeLaunchTooLarge``); nothing was enqueued. HIP checks before it creates the
+    command: the grid's blocks against ``ihipOccupancyMaxActiveBlocksPerMultiprocessor``'s blocks a
+    grid (ROCm/clr hipamd/src/hip_module.cpp ``ihipLaunchKernel_validate``, f9f995c). The message
+    names the grid, the block and the vendor's error."""
 
 
 class DeviceAllocation:
@@ -93,12 +122,12 @@ class DeviceAllocation:
         self.ptr = mem.ptr
 
     def __del__(self):
-        if _capturing():
+        if capturing():
             DeviceAllocation.deferred.append(self.mem)
         self.mem = None
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
     """This thread's current stream is capturing a CUDA/HIP graph."""
     try:
         return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -191,7 +220,7 @@ class Platform:
         """
         import cupy
 
-        if not _capturing():
+        if not capturing():
             DeviceAllocation.deferred.clear()  # frees a capture put off
         mem = cupy.cuda.Memory(nbytes)
         cupy.cuda.runtime.memset(mem.ptr, 0, nbytes)
@@ -303,8 +332,11 @@ class Platform:
                 ``tools/residency_probe.py``), and a graph captures it like any launch.
 
         Raises:
-            HipError: the cooperative launch failed on ROCm (e.g. a grid larger than the device
-                holds at once); CUDA raises CuPy's ``CUDADriverError`` likewise.
+            CooperativeLaunchTooLarge: the runtime refused a cooperative grid as larger than the
+                device holds at once (by its occupancy estimate, which may differ from
+                ``epgen.codegen.occupancy``'s); the op then launches the kernel's halves.
+            HipError: another failure of the cooperative launch on ROCm; CUDA raises CuPy's
+                ``CUDADriverError`` likewise.
         """
         import cupy
 
@@ -316,12 +348,22 @@ class Platform:
                 fn(grid, block, (cupy.cuda.function.CPointer(args_address),), stream=stream)
                 return
             params = (ctypes.c_void_p * 1)(args_address)  # void* kernelParams[]: the struct's address
+            too_large = f"cooperative grid {grid[0]}x{grid[1]}x{grid[2]} of {block[0]}x{block[1]}x{block[2]} threads"
             if self.rocm:
-                self._check("hipModuleLaunchCooperativeKernel", self._hip_library().hipModuleLaunchCooperativeKernel(
-                    ctypes.c_void_p(fn.kernel.ptr), *grid, *block, 0, ctypes.c_void_p(stream.ptr), params))
+                status = self._hip_library().hipModuleLaunchCooperativeKernel(
+                    ctypes.c_void_p(fn.kernel.ptr), *grid, *block, 0, ctypes.c_void_p(stream.ptr), params)
+                if status == HIP_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE:
+                    raise CooperativeLaunchTooLarge(f"{too_large} refused by the HIP runtime "
+                                                    f"(hipErrorCooperativeLaunchTooLarge, {status})")
+                self._check("hipModuleLaunchCooperativeKernel", status)
             else:
-                cupy.cuda.driver.launchCooperativeKernel(fn.kernel.ptr, *grid, *block, 0, stream.ptr,
-                                                         ctypes.addressof(params))
+                try:
+                    cupy.cuda.driver.launchCooperativeKernel(fn.kernel.ptr, *grid, *block, 0, stream.ptr,
+                                                             ctypes.addressof(params))
+                except RuntimeError as e:  # CuPy's CUDADriverError, whose status is the CUresult
+                    if getattr(e, "status", None) != CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE:
+                        raise
+                    raise CooperativeLaunchTooLarge(f"{too_large} refused by the CUDA driver ({e})") from e
 
     # ---- HIP through ctypes ------------------------------------------------------------------
     def _hip_library(self):

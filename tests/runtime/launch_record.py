@@ -23,7 +23,7 @@ import torch
 
 from epgen.codegen.config import EpConfig
 from epgen.codegen.dtypes import dtype_info
-from epgen.platform import Platform
+from epgen.platform import CooperativeLaunchTooLarge, Platform
 
 
 class _Kernel:
@@ -41,6 +41,10 @@ class FakePlatform:
     """The calls ``EpDispatchCombine`` makes of ``epgen.platform.Platform``, on host memory."""
 
     rocm = False
+    refuse_cooperative = False
+    """Refuse every cooperative launch as the CUDA driver refuses a grid it cannot hold at once
+    (``Platform.launch`` turns CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE into this); the refusal is
+    logged as ("refused", entry, grid, block), the launch not."""
 
     def __init__(self, log: list, names: dict, arch: str, regs: int):
         self.log, self.names, self._arch, self.regs, self.host = log, names, arch, regs, []
@@ -81,6 +85,9 @@ class FakePlatform:
         return _Kernel(entry, self.regs)
 
     def launch(self, fn, grid, block, args_address, device, cooperative=False):
+        if cooperative and self.refuse_cooperative:
+            self.log.append(("refused", fn.entry, tuple(grid), tuple(block)))
+            raise CooperativeLaunchTooLarge(f"cooperative grid {grid[0]}x{grid[1]}x{grid[2]} refused by the stand-in")
         self.log.append(("launch", fn.entry, tuple(grid), tuple(block), cooperative,
                          ctypes.string_at(args_address, self.args_bytes)))
 
@@ -137,14 +144,17 @@ def fake_gpu(op_module, log: list, names: dict, arch: str, sms: int, regs: int):
 
 
 def record(op_module, cfg: EpConfig, *, virtual: bool, arch: str = "sm_90", sms: int = 132, regs: int = 64,
-           validate: bool = False, tokens: tuple[int, ...] = ()) -> list:
+           validate: bool = False, tokens: tuple[int, ...] = (), refuse_cooperative: bool = False) -> list:
     """The events of the call sequence on an ``op_module.EpDispatchCombine(cfg)``: for each token
     count of ``tokens`` (default: 5, and the largest count when it exceeds the low-latency
     threshold) a dispatch and a combine; then, where the op has the low-latency family, the
     async_recv split of both; with a quantized wire in the rank layout, a combine of
-    ``combine_wire_input()`` rows; with a pull path, a dispatch of ``dispatch_input()`` rows."""
+    ``combine_wire_input()`` rows; with a pull path, a dispatch of ``dispatch_input()`` rows.
+    ``refuse_cooperative``: the stand-in refuses every cooperative launch as too large
+    (``FakePlatform.refuse_cooperative``)."""
     log, names, keep = [], {}, []
     with fake_gpu(op_module, log, names, arch, sms, regs) as platform:
+        platform.refuse_cooperative = refuse_cooperative
         from epgen.op import _args_dtype
 
         dtype = _args_dtype(cfg.world_size)

@@ -11,7 +11,10 @@ offline clang), so the op must load them with ``RawModule(path=...)`` and compil
 The calls of ``FAMILY_CFG`` run ``dispatch()`` and ``combine()`` on host tensors (the ops' device
 set to the CPU after construction: device memory is host memory here) and record which kernels
 each call launches: the kernel family per call, the whole low-latency op or its halves, the
-async_recv split and its refusals.
+async_recv split and its refusals. ROCm takes the halves by default (``epgen.plan.WHOLE_LOW_LATENCY``);
+with that rule flipped the calls run again: the whole op through ``hipModuleLaunchCooperativeKernel``,
+the halves where the grid does not fit, and the halves after the stand-in refuses a cooperative
+launch with ``hipErrorCooperativeLaunchTooLarge``.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ HIP_IPC_LAZY = 0x1  # hipIpcMemLazyEnablePeerAccess, hip/hip_runtime_api.h
 HIP_HOST_MAPPED_PORTABLE = 0x2 | 0x1  # hipHostMallocMapped | hipHostMallocPortable
 SIGNAL_BYTES = 4 * abi.SIGNAL_WORDS
 HIP_VERSION = 70051831  # hipRuntimeGetVersion of ROCm 7.0 (HIP 7.0.51831, torch.version.hip below)
+HIP_COOPERATIVE_TOO_LARGE = 720  # hipErrorCooperativeLaunchTooLarge, hip/hip_runtime_api.h
 
 
 
@@ -94,6 +98,7 @@ class _FakeCupyRocm:
 
     def __init__(self):
         self.touched, self.calls, self.buffers, self.launches, self.functions = [], [], {}, [], {}
+        self.refuse_cooperative = False  # hipModuleLaunchCooperativeKernel returns hipErrorCooperativeLaunchTooLarge
         log, fake = self.touched, self
 
         def memset(ptr, value, nbytes):
@@ -199,6 +204,9 @@ class _FakeHip:
 
     def __init__(self, fake: _FakeCupyRocm):
         def cooperative(f, gx, gy, gz, bx, by, bz, shared, stream, params):
+            if fake.refuse_cooperative:  # the runtime's occupancy estimate says the grid cannot be resident
+                fake.calls.append(["cooperative refused", fake.functions[f.value], [gx, gy, gz], [bx, by, bz]])
+                return HIP_COOPERATIVE_TOO_LARGE
             fake.launches.append({"entry": fake.functions[f.value], "grid": [gx, gy, gz], "block": [bx, by, bz],
                                   "address": params[0], "stream": stream.value, "cooperative": True,
                                   "shared": shared})
@@ -428,11 +436,25 @@ def _rank(rank: int, world_size: int, store: str, cache: str, out: str):
         op.close()
         dist.barrier()
         record.update(calls=list(fake.calls), launches=list(fake.launches))  # CFG's op alone
-        record["fused"] = _family_calls(fake, FAMILY_CFG, rank)
-        props = torch.cuda.get_device_properties(rank)
-        props.multi_processor_count = 1  # a GPU too small for a whole low-latency op's grid at once
-        record["halves"] = _family_calls(fake, FAMILY_CFG, rank)
-        props.multi_processor_count = 256
+        record["default"] = _family_calls(fake, FAMILY_CFG, rank)  # ROCm's rule: the halves
+        import epgen.plan
+
+        epgen.plan.WHOLE_LOW_LATENCY["amd"] = True  # the rule flipped, as a measurement of the whole op would
+        try:
+            record["fused"] = _family_calls(fake, FAMILY_CFG, rank)
+            props = torch.cuda.get_device_properties(rank)
+            props.multi_processor_count = 1  # a GPU too small for a whole low-latency op's grid at once
+            record["halves"] = _family_calls(fake, FAMILY_CFG, rank)
+            props.multi_processor_count = 256
+            fake.refuse_cooperative, before = True, len(fake.calls)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                record["refused"] = _family_calls(fake, FAMILY_CFG, rank)
+            record["refused_warnings"] = [[w.category.__name__, str(w.message)] for w in caught]
+            record["refused_attempts"] = [c[1:] for c in fake.calls[before:] if c[0] == "cooperative refused"]
+        finally:
+            fake.refuse_cooperative = False
+            epgen.plan.WHOLE_LOW_LATENCY["amd"] = False
         record["normal"] = _family_calls(fake, NORMAL_CFG, rank)
         record["straddle"] = _straddle_calls(fake, FAMILY_CFG, rank)
         record["pull"] = _pull_calls(fake, PULL_CFG, rank)
@@ -586,14 +608,43 @@ def _family_steps(whole: bool) -> list[tuple[str, list[str], str | None, str]]:
     ]
 
 
-@pytest.mark.parametrize("mode", ["fused", "halves"])
+MODES = ("default", "fused", "halves", "refused")
+"""The FAMILY_CFG runs: ROCm's default; with the whole op allowed (``WHOLE_LOW_LATENCY["amd"]``
+flipped): its grid fitting, not fitting, and refused by the runtime as too large."""
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_each_call_takes_the_family_its_tokens_pick_and_async_recv_splits_it(records, mode):
     for r in records:
         got = [(x["step"], x["ops"], x["error"], x["result"]) for x in r[mode]]
         assert got == _family_steps(whole=mode == "fused")
 
 
-@pytest.mark.parametrize("mode", ["fused", "halves"])
+def test_rocm_takes_the_halves_by_default_and_a_refused_cooperative_grid_falls_back_to_them_once(records):
+    """ROCm's default launches what a whole-op grid that does not fit launches (the halves); with
+    the whole op allowed, a runtime that refuses its grid as too large costs one refused attempt a
+    call kind and a warning naming the kernel and the grid, and every call, the refused ones
+    included, completes with the launches of the halves route (test_plan.py compares the launch
+    arguments too, on the CUDA stand-in)."""
+    def launched(run):
+        return [(x["step"], x["ops"], x["cooperative"], x["error"], x["result"]) for x in run]
+
+    for r in records:
+        assert launched(r["default"]) == launched(r["halves"]) == launched(r["refused"])
+        assert [entry.split("_gfx950")[0] for entry, _, _ in r["refused_attempts"]] == [
+            "epgen_dispatch_ll", "epgen_combine_ll"]  # remembered: one attempt each, never again
+        assert [grid for _, grid, _ in r["refused_attempts"]] == [[64, 1, 1], [64, 1, 1]]  # tuning.py: 64 x 256 threads
+        assert [w[0] for w in r["refused_warnings"]] == ["RuntimeWarning", "RuntimeWarning"]
+        for (_, message), (entry, _, _), call in zip(r["refused_warnings"], r["refused_attempts"],
+                                                     ("dispatch", "combine")):
+            assert message.startswith(f"{call}: the runtime refused the whole low-latency kernel {entry} (64 x 1 blocks "
+                                      "of 256 threads, one cooperative launch) as too large: cooperative grid 64x1x1 of "
+                                      "256x1x1 threads refused by the HIP runtime (hipErrorCooperativeLaunchTooLarge, "
+                                      "720)"), message
+            assert message.endswith(f"This op launches {call}'s two halves instead from now on"), message
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_the_low_latency_combine_reads_y_in_place_and_the_normal_one_copies_it(records, mode):
     for r in records:
         assert next(x for x in r[mode] if "y" in x)["combine_in"] == "zero"  # the first combine: low-latency
@@ -605,11 +656,12 @@ def test_the_low_latency_combine_reads_y_in_place_and_the_normal_one_copies_it(r
 
 
 def test_only_the_whole_low_latency_ops_launch_cooperatively_through_hip(records):
-    """One rank a process: the whole low-latency op's blocks wait for each other, so it launches
-    through hipModuleLaunchCooperativeKernel (CuPy-ROCm's cooperative launch is a stub); its halves
-    and the normal family's kernels wait only for peers and launch as any kernel."""
+    """One rank a process: the whole low-latency op's blocks wait for each other, so where it runs
+    (the rule flipped) it launches through hipModuleLaunchCooperativeKernel (CuPy-ROCm's cooperative
+    launch is a stub); its halves and the normal family's kernels wait only for peers and launch as
+    any kernel. By default nothing launches cooperatively on ROCm."""
     for r in records:
-        for mode in ("fused", "halves", "normal"):
+        for mode in MODES + ("normal",):
             launches = [(op, coop) for x in r[mode] for op, coop in zip(x["ops"], x["cooperative"])]
             assert launches and all(coop == (op in ("dispatch_ll", "combine_ll")) for op, coop in launches), launches
             assert any(coop for _, coop in launches) == (mode == "fused")

@@ -151,5 +151,112 @@ def test_epgen_plan_json_and_flag_errors(capsys):
     assert "--transport" in capsys.readouterr().err
 
 
+def test_the_whole_low_latency_op_is_the_default_on_nvidia_and_never_on_amd():
+    """One rule per vendor (``epgen.plan.WHOLE_LOW_LATENCY``): the plan carries it and its table
+    says when each low-latency route runs."""
+    from epgen.plan import WHOLE_LOW_LATENCY
+
+    assert WHOLE_LOW_LATENCY == {"nvidia": True, "amd": False}
+    for arch, whole in (("sm_90", True), ("gfx942", False), ("gfx950", False), ("gfx1250", False)):
+        plan = Plan.build(SMALL, arch)
+        assert plan.whole_low_latency is whole
+        when = {(r["op"], r["when"]) for r in plan.table() if r["family"] == "low_latency"}
+        assert when == ({("dispatch_ll", ""), ("combine_ll", "")}
+                        | {(op, "async_recv or grid too large") for op in ("dispatch_ll_send", "dispatch_ll_recv",
+                                                                            "combine_ll_send", "combine_ll_recv")}
+                        if whole else {("dispatch_ll", "not on amd"), ("combine_ll", "not on amd")}
+                        | {(op, "") for op in ("dispatch_ll_send", "dispatch_ll_recv", "combine_ll_send",
+                                               "combine_ll_recv")}), arch
+
+
+def _refusals(events) -> list:
+    return [e[1].split("_sm90")[0] for e in events if e[0] == "refused"]
+
+
+@pytest.mark.parametrize("validate", [False, True])
+def test_a_cooperative_grid_the_driver_refuses_falls_back_to_the_halves_once(validate):
+    """The CUDA stand-in refuses every cooperative launch as too large: the first call of each
+    kind tries the whole low-latency op once, warns naming the kernel and the grid, and completes
+    with the halves; every call launches what an op whose whole grid does not fit launches (same
+    kernels, grids and arguments)."""
+    import epgen.op
+
+    cfg = attrs.evolve(SMALL, world_size=1)
+    halves = launch_record.record(epgen.op, cfg, virtual=False, sms=1, validate=validate)  # the grid never fits
+    assert not _refusals(halves) and any(e[0] == "launch" and "_ll_send" in e[1] for e in halves)
+    with pytest.warns(RuntimeWarning) as caught:
+        refused = launch_record.record(epgen.op, cfg, virtual=False, validate=validate, refuse_cooperative=True)
+    assert _refusals(refused) == ["epgen_dispatch_ll", "epgen_combine_ll"]  # once each: remembered
+    assert [e for e in refused if e[0] != "refused"] == halves
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2 and all(m.startswith(f"{call}: the runtime refused the whole low-latency kernel "
+                                                   f"epgen_{call}_ll_sm90")
+                                      for m, call in zip(messages, ("dispatch", "combine")))
+    assert all(" (64 x 1 blocks of 256 threads, one cooperative launch) as too large: cooperative grid 64x1x1 refused "
+               "by the stand-in. This op launches " in m for m in messages), messages
+
+
+def test_a_refusal_while_capturing_a_graph_raises_and_the_next_call_takes_the_halves(monkeypatch):
+    """A refused cooperative launch inside a graph capture may have broken the capture: the call
+    raises, saying so, and the op takes the halves from then on (capture again)."""
+    import epgen.op
+
+    monkeypatch.setattr(epgen.op, "capturing", lambda: True)
+    events = launch_record.record(epgen.op, attrs.evolve(SMALL, world_size=1), virtual=False, tokens=(5, 5),
+                                  refuse_cooperative=True)
+    steps, label = {}, None
+    for e in events:
+        if e[0] == "step":
+            label = e[1] + f" #{sum(k.startswith(e[1]) for k in steps)}"
+            steps[label] = []
+        elif e[0] in ("launch", "error", "refused"):
+            steps[label].append(e[1].split("_sm90")[0] if e[0] != "error" else e[1])
+    first, second = steps["dispatch 5 #0"], steps["combine 5 #1"]
+    for got, call in ((first, "dispatch"), (second, "combine")):
+        refused, error = got
+        assert refused == f"epgen_{call}_ll" and error.startswith(f"RuntimeError: {call}: the runtime refused the whole "
+                                                                  f"low-latency kernel epgen_{call}_ll_sm90"), got
+        assert error.endswith(f"which the failed launch may have left unusable. The op launches {call}'s two halves "
+                              "from now on: capture again (run one call eagerly before capturing to settle this "
+                              "outside a capture)"), error
+    assert steps["dispatch 5 #1"] == ["epgen_dispatch_ll_send", "epgen_dispatch_ll_recv"]
+
+
+def test_the_platform_turns_the_drivers_too_large_into_cooperative_launch_too_large(monkeypatch):
+    """CUDA: CuPy's CUDADriverError with status CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE (720)
+    becomes ``CooperativeLaunchTooLarge``; any other status is raised as it came."""
+    import contextlib
+    import types
+
+    import torch
+
+    import epgen.device
+    from epgen.platform import CooperativeLaunchTooLarge, Platform
+
+    class CUDADriverError(RuntimeError):  # cupy_backends.cuda.api.driver: _CudaErrorBase keeps the status
+        def __init__(self, status):
+            self.status = status
+            super().__init__({720: "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE: too many blocks in cooperative launch",
+                              1: "CUDA_ERROR_INVALID_VALUE: invalid argument"}[status])
+
+    status = {"value": 720}
+
+    def launch(*args):
+        raise CUDADriverError(status["value"])
+
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda index: contextlib.nullcontext(),
+                                                            driver=types.SimpleNamespace(launchCooperativeKernel=launch)))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(epgen.device, "cupy_stream", lambda device: types.SimpleNamespace(ptr=0))
+    fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0x1000))
+    cuda = Platform(rocm=False)
+    with pytest.raises(CooperativeLaunchTooLarge, match=r"^cooperative grid 300x1x1 of 256x1x1 threads refused by the "
+                                                        r"CUDA driver \(CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE: "):
+        cuda.launch(fn, (300, 1, 1), (256, 1, 1), 0, torch.device("cpu"), cooperative=True)
+    status["value"] = 1
+    with pytest.raises(CUDADriverError, match="CUDA_ERROR_INVALID_VALUE"):
+        cuda.launch(fn, (300, 1, 1), (256, 1, 1), 0, torch.device("cpu"), cooperative=True)
+
+
 if __name__ == "__main__":  # rewrite RECORDS from the op as it is now (see the module docstring)
     RECORDS.write_text(json.dumps({name: _record(name) for name in CASES}, indent=1) + "\n")
