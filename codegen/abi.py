@@ -142,14 +142,18 @@ LL_FLAG_SLOTS = 1024
 low-latency blocks is at most this (``KernelSpec`` checks it)."""
 
 FAULT_RECORD = ("generation", "code", "a", "b", "c")
-"""The words of a fault record a rank writes into every peer's signal region when one of its
-kernels records a recoverable fault (``ERRORS``): the generation of the call (of the record's
-kernel family and op), then the error record's words. A peer that has acquired this rank's flags
-of that call reads it and copies the fault into its own error records, so every rank raises it."""
+"""The words of a fault record a rank writes into every rank's signal region, its own included,
+when one of its kernels finds a recoverable fault of the call (``ERRORS``; the call's first, one
+writer a call): the generation of the call (of the record's kernel family and op), then the error
+record's words. Every rank's receiving kernel of that call, after acquiring the writer's flags,
+copies the fault into its process's error record of the writer and zeroes the record, so every
+rank's host raises it once its stream has passed the call's receiving half, and no record
+outlives its call (rewritten in call g + 2 at the earliest: ``PARITY_RULE``)."""
 
 PARITY_RULE = (
     "A rank's generation-g signals that carry per-call values (the low-latency flags with their row "
-    "counts, fault records, overflow counts) sit in copy g % 2 and a receiver waits for exactly g. "
+    "counts, fault records, overflow counts) sit in copy g % 2 and a receiver waits for exactly g "
+    "(fault records and overflow counts it also zeroes once read, in its call g). "
     "A sender writes copy g % 2 again only in call g + 2, after its call g + 1 received every peer's "
     "call g + 1 signals, which each peer raised after it had finished reading its call g signals "
     "(stream order on that peer), so a copy never holds g + 2 while a rank still waits for g.")
@@ -176,8 +180,9 @@ SIGNALS = (
            "whose combine rows are here", slots=LL_FLAG_SLOTS, parities=2),
     Signal("pulled_from", 256 + 6 * LL_FLAG_SLOTS, "peer finished reading its dispatch-g rows from our dispatch_in",
            per_peer=True),
-    Signal("overflow_need", 320 + 6 * LL_FLAG_SLOTS, "64-bit {generation, rows}: the most rows a sender "
-           "found rank d needs (atomic max; only on an overflow)", per_peer=True, width=2, parities=2),
+    Signal("overflow_need", 320 + 6 * LL_FLAG_SLOTS, "64-bit rows: the most rows a sender found rank d "
+           "needs (atomic max; only on an overflow; the dispatch records and zeroes it)", per_peer=True, width=2,
+           parities=2),
     Signal("fault_dispatch", 576 + 6 * LL_FLAG_SLOTS, "FAULT_RECORD of the peer's normal dispatch g",
            per_peer=True, width=len(FAULT_RECORD), parities=2),
     Signal("fault_dispatch_ll", 1216 + 6 * LL_FLAG_SLOTS, "FAULT_RECORD of the peer's low-latency "
@@ -219,10 +224,11 @@ class ErrorCode:
             int32), ``phase_a`` (description of phase a), ``itself`` (a timeout waiting for the
             record's own rank: blocks of its own grid) and the op's ``num_experts``, ``timeout_s``
             and ``capacity_rows``.
-        recoverable: the kernel that records it still completes every signal of its call and
-            hands the fault to every peer in that call (``FAULT_RECORD``), so every rank raises it
-            at the same synchronizing call and may run again from the next dispatch (the faulted
-            call's outputs are invalid); False: peers may be out of step (a timeout).
+        recoverable: the kernel that finds it still completes every signal of its call and
+            hands the fault to every rank in that call (``FAULT_RECORD``), so every rank raises it
+            at its first synchronize after the call's receiving half and may run again from the
+            next dispatch (the faulted call's outputs are invalid); False: peers may be out of
+            step (a timeout).
     """
 
     name: str

@@ -15,7 +15,6 @@ import attrs
 import numpy as np
 import torch
 
-from epgen import faults
 from epgen.arena import Arenas, ErrorRecords
 from epgen.codegen import abi
 from epgen.codegen.arch import ARCH_TRAITS
@@ -384,7 +383,6 @@ class EpDispatchCombine:
         self._pending_family = None  # the kernel family that dispatch took (its combine takes the same)
         self._recv_handle = None  # an async_recv call's RecvHandle until it is waited for
         self._fault = None
-        self._seen = {r: dict.fromkeys(faults.RECORD_COUNTERS, 0) for r in self.local_ranks}  # epgen.faults
 
     # ---- views -------------------------------------------------------------------------------
     def _view(self, rank: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -815,66 +813,71 @@ class EpDispatchCombine:
         return self._finish_or_handle(finish, async_recv)
 
     # ---- faults ------------------------------------------------------------------------------
-    # A kernel records a fault of its own rank in this process's error records, and hands a
-    # recoverable one to every peer's signal region with its call (abi.FAULT_RECORD); a receive
-    # overflow reaches every rank's overflow words. synchronize() reads both (epgen.faults), so once
-    # every rank's stream has passed a call, every rank holds the same recoverable faults of it,
-    # and the lowest rank's is raised everywhere.
+    # A kernel that finds a recoverable fault of its call (a bad id, a short y) hands it to every
+    # rank's signal region, its own included, before its flags (abi.FAULT_RECORD); every rank's
+    # receiving kernel of the call copies the call's records into this process's error records and
+    # zeroes them, and a normal dispatch does the same with the receive overflows of the call
+    # (templates/common/_prelude.j2, ep_consume_fault). So a fault is in every rank's error records
+    # once that rank's stream has passed the call's receiving half, and no record outlives its call.
+    # The host reads the error records alone, and raises the lowest rank's fault.
 
     def check(self):
         """Raise EpError if a kernel of this op has recorded a fault that this process sees now
         (reads host memory; no sync). A recoverable fault is not cleared here: with one process
         per GPU another rank may not see it yet, so ``synchronize()`` (on every rank) is the point
-        where every rank raises it alike and clears it."""
+        where every rank raises it alike and clears it. While an ``async_recv`` call's handle is
+        open, recoverable faults wait for the first check or synchronize after ``wait()``."""
         self._raise_if_faulted(recoverable=True)
 
     def synchronize(self):
         """Wait for this op's work on the current stream, then raise EpError on a fault. A
         recoverable fault (``EpError.recoverable``) of any rank is raised by every rank's
-        synchronize after the faulted call, with the same text, and cleared: the op runs again,
-        starting with a dispatch."""
+        synchronize after the faulted call's receiving half, with the same text when the ranks
+        synchronize after the same calls (docs/contract.md), and cleared: the op runs again,
+        starting with a dispatch. While an ``async_recv`` call's handle is open (between a split
+        call's halves) a synchronize raises fatal faults only; recoverable ones are raised by the
+        first synchronize after ``wait()``, as on every peer."""
         torch.cuda.current_stream(self.device).synchronize()
         self._raise_if_faulted(synchronized=True)
 
     def _raise_if_faulted(self, synchronized: bool = False, recoverable: bool = False):
         """Raise EpError for a recorded fault: a fatal one (a timeout) always, and from then on at
         every call; a recoverable one when ``synchronized`` (then cleared) or ``recoverable``
-        (``check``). The calls themselves raise fatal faults only: a rank that stopped at a
-        recoverable fault its peers do not see yet would leave them waiting for it."""
+        (``check``), and no ``async_recv`` handle is open. The calls themselves raise fatal faults
+        only: a rank that stopped at a recoverable fault its peers do not see yet would leave them
+        waiting for it."""
         if self._fault is None:
-            shared, now = self._shared_faults() if synchronized else ([], None)
-            found = self._read_fault(shared)
+            found = self._read_fault()
             if found is None:
-                if now is not None:
-                    self._seen = now
                 return
             text, fatal = found
             if fatal:
                 self._fault = text
-            elif not (synchronized or recoverable):
+            elif not (synchronized or recoverable) or self._recv_handle is not None:
                 return
             else:
                 if not synchronized:
                     raise EpError(f"{text} [the faulted call's outputs are invalid; op.synchronize() on every rank "
                                   "raises it there too and clears it, then dispatch again]", recoverable=True)
                 self.errors.clear()  # the stream is idle: no kernel of this op can write a record now
-                self._seen = now
                 self._pending_tokens = None
                 raise EpError(f"{text} [cleared: the op runs again from the next dispatch]", recoverable=True)
         raise EpError(f"{self._fault} [this op is unusable after that fault; build a new EpDispatchCombine]")
 
-    def _read_fault(self, shared: list) -> tuple[str, bool] | None:
-        """(text, fatal) of the fault to raise: the lowest rank's fatal one, else the lowest rank's
-        recoverable one, from this process's error records (each holds the first fault of its rank)
-        and ``shared`` (``epgen.faults.SharedFault``: the peers' and the overflows); None without one."""
-        found = [(f.rank, f.code, f.a, f.b, f.c) for f in shared]
-        if self.errors.any():
-            for rank in range(self.config.world_size):
-                code, a, b, c = self.errors.read(rank)
-                if code == abi.ERROR_CLAIMED:
-                    code, a, b, c = self._reread_claimed(rank)
-                if code:
-                    found.insert(0, (rank, code, a, b, c))  # a rank's own record before what it shared
+    def _read_fault(self) -> tuple[str, bool] | None:
+        """(text, fatal) of the fault to raise from this process's error records (each holds the
+        first fault of its rank since they were cleared: the rank's own, or a peer's that a
+        receiving kernel copied there): the lowest rank's fatal one, else the lowest rank's
+        recoverable one; None without one."""
+        if not self.errors.any():
+            return None
+        found = []
+        for rank in range(self.config.world_size):
+            code, a, b, c = self.errors.read(rank)
+            if code == abi.ERROR_CLAIMED:
+                code, a, b, c = self._reread_claimed(rank)
+            if code:
+                found.append((rank, code, a, b, c))
         if not found:
             return None
 
@@ -884,23 +887,6 @@ class EpDispatchCombine:
 
         rank, code, a, b, c = min(found, key=lambda f: (not fatal(f[1]), f[0]))
         return self._describe(rank, code, a, b, c), fatal(code)
-
-    def _shared_faults(self) -> tuple[list, dict]:
-        """The faults the local ranks' signal words hold of the calls since the last synchronize
-        (``epgen.faults.shared_faults``), and each local rank's counters now. Copies the signal
-        words to the host: call only while the stream is idle."""
-        found, now = [], {}
-        slots = abi.LL_FLAG_SLOTS
-        for rank in self.local_ranks:
-            words = self.arenas.local_signals[rank].view(torch.int32).cpu().numpy().view(np.uint32)
-            ll = None
-            if self.layout.ll_tokens:
-                start = self.layout.ll_calls
-                ll = self.arenas.local[rank][start:start + 16 * slots].view(torch.int32).cpu().numpy()
-                ll = ll.view(np.uint32).reshape(4, slots)
-            now[rank] = faults.counters(words, ll)
-            found += faults.shared_faults(words, rank, self.config.world_size, self._seen[rank], now[rank])
-        return found, now
 
     def _reread_claimed(self, rank) -> tuple[int, ...]:
         """The record of ``rank`` once its kernel has stored the real code after claiming it

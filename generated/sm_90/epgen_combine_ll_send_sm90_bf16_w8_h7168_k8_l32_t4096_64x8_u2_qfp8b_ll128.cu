@@ -57,7 +57,10 @@ EP_DEVICE ep_u64 ep_load_relaxed_system(const ep_u64* p) {
   asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-// The receive overflow's {generation, rows} words (abi.SIGNALS "overflow_need"): the larger wins.
+EP_DEVICE void ep_store_relaxed_system(ep_u64* p, ep_u64 v) {  // the reader's reset of an overflow word
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+// The receive overflow's rows (abi.SIGNALS "overflow_need"): the larger wins.
 EP_DEVICE void ep_atomic_max_system(ep_u64* p, ep_u64 v) {
   asm volatile("red.relaxed.sys.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
@@ -258,7 +261,7 @@ constexpr int kSigLlDispatchFromParity = 2048;  // words from copy g % 2 = 0 to 
 constexpr int kSigLlCombineFrom = 4352;  // [2][W x blocks] generation of sending block (peer, b) whose combine rows are here
 constexpr int kSigLlCombineFromParity = 1024;  // words from copy g % 2 = 0 to copy 1
 constexpr int kSigPulledFrom = 6400;   // [W] peer finished reading its dispatch-g rows from our dispatch_in
-constexpr int kSigOverflowNeed = 6464;  // [2][W] 64-bit {generation, rows}: the most rows a sender found rank d needs (atomic max; only on an overflow)
+constexpr int kSigOverflowNeed = 6464;  // [2][W] 64-bit rows: the most rows a sender found rank d needs (atomic max; only on an overflow; the dispatch records and zeroes it)
 constexpr int kSigOverflowNeedParity = 128;  // words from copy g % 2 = 0 to copy 1
 constexpr int kSigFaultDispatch = 6720;  // [2][W] FAULT_RECORD of the peer's normal dispatch g
 constexpr int kSigFaultDispatchParity = 320;  // words from copy g % 2 = 0 to copy 1
@@ -269,10 +272,11 @@ constexpr int kSigFaultCombineParity = 320;  // words from copy g % 2 = 0 to cop
 constexpr int kSigFaultCombineLl = 8640;  // [2][W] FAULT_RECORD of the peer's low-latency combine g
 constexpr int kSigFaultCombineLlParity = 320;  // words from copy g % 2 = 0 to copy 1
 // A rank's generation-g signals that carry per-call values (the low-latency flags with their row
-// counts, fault records, overflow counts) sit in copy g % 2 and a receiver waits for exactly g. A
-// sender writes copy g % 2 again only in call g + 2, after its call g + 1 received every peer's
-// call g + 1 signals, which each peer raised after it had finished reading its call g signals
-// (stream order on that peer), so a copy never holds g + 2 while a rank still waits for g.
+// counts, fault records, overflow counts) sit in copy g % 2 and a receiver waits for exactly g
+// (fault records and overflow counts it also zeroes once read, in its call g). A sender writes
+// copy g % 2 again only in call g + 2, after its call g + 1 received every peer's call g + 1
+// signals, which each peer raised after it had finished reading its call g signals (stream order
+// on that peer), so a copy never holds g + 2 while a rank still waits for g.
 
 // Error record: four uint32 per rank in host-mapped memory: code, a, b, c.
 constexpr ep_u32 kErrBadExpert = 1;  // a = top-k slot, b = token, c = expert id
@@ -327,19 +331,27 @@ EP_DEVICE bool ep_report(const EpArgs& a, int rank, ep_u32 code, ep_u32 x, ep_u3
   return true;
 }
 
-// Hands a recoverable fault this rank recorded first (ep_report returned true) in call `gen` of
-// the kernel whose fault records start at signal word `records` (kSigFault*) to every peer: its
-// records [gen % 2][rank] = {generation, code, a, b, c}, written before this kernel releases its
-// flags to them (each flag release of a block follows a barrier and is cumulative over the block's
-// stores), so each peer's host finds it there once its stream has passed that call (the records
-// are read at synchronize: abi.FAULT_RECORD) and every rank raises the same fault. Every lane of
-// the calling warp calls it; lane d writes peer d's record (striding by the wave).
+// Fault record `p` of the kernel whose fault records start at signal word `records` (kSigFault*)
+// in rank d's signals, copy g % 2: {generation, code, a, b, c} (abi.FAULT_RECORD).
+EP_DEVICE ep_u32* ep_fault_record(const EpArgs& a, int d, int records, ep_u32 gen, int p) {
+  return ep_signals(a, d) + records + (int)(gen & 1u) * 320 +
+         p * 5;
+}
+
+// Hands call `gen`'s recoverable fault of this rank to every rank, itself included: records
+// [gen % 2][rank] = {generation, code, a, b, c} in each rank's signals, written before this kernel
+// releases its flags to them (each flag release of a block follows a barrier and is cumulative
+// over the block's stores). Each rank's receiving kernel of the call consumes the record into its
+// error records (ep_consume_fault), this rank's own too, so every rank's host, this one's
+// included, finds the fault there only once its receiving half of the call has run: the same
+// faults at the same synchronize on every rank, even between the halves of a split call. One
+// writer a call: a call's single detection site (the combines' short y), or the block that
+// claimed the call (ep_claim_word). Every lane of the calling warp calls it; lane d writes
+// rank d's record (striding by the wave).
 EP_DEVICE void ep_share_fault(const EpArgs& a, int rank, int records, ep_u32 gen, ep_u32 code, ep_u32 x, ep_u32 y,
                               ep_u32 z, int lane) {
   for (int d = lane; d < kWorld; d += kWave) {
-    if (d == rank) continue;
-    ep_u32* rec = ep_signals(a, d) + records + (int)(gen & 1u) * 320 +
-                  rank * 5;
+    ep_u32* rec = ep_fault_record(a, d, records, gen, rank);
     ep_store_relaxed_system(rec + 1, code);
     ep_store_relaxed_system(rec + 2, x);
     ep_store_relaxed_system(rec + 3, y);
@@ -348,12 +360,30 @@ EP_DEVICE void ep_share_fault(const EpArgs& a, int rank, int records, ep_u32 gen
   }
 }
 
-// A recoverable fault found by a whole warp before this rank's flags of the call are released:
-// lane 0 records it, and when it is the rank's first, every lane hands it to its peers.
-EP_DEVICE void ep_report_call(const EpArgs& a, int rank, int records, ep_u32 gen, ep_u32 code, ep_u32 x, ep_u32 y,
-                              ep_u32 z, int lane) {
-  const int first = lane == 0 && ep_report(a, rank, code, x, y, z);
-  if (ep_shfl(first, 0)) ep_share_fault(a, rank, records, gen, code, x, y, z, lane);
+// The word whose compare-and-swap from 0 makes a block the first of its rank to share a fault of
+// call `gen`: the generation word of the rank's own record [gen % 2][rank] (only this rank writes
+// it; the claiming block then writes the whole record, generation included), which the rank's
+// receiving kernel of the call zeroes again (ep_consume_fault). So the blocks of one call that
+// each saw a bad id never mix their words in a record, and a call's fault is shared whatever the
+// rank recorded in earlier calls. The kernels keep its address in shared memory: on a bad id
+// alone is it read, and the routing loop holds no register for it.
+EP_DEVICE ep_u32* ep_claim_word(const EpArgs& a, int rank, int records, ep_u32 gen) {
+  return ep_fault_record(a, rank, records, gen, rank);
+}
+
+// Consumes record [gen % 2][p] of this rank's signals in the receiving kernel of call `gen`, by a
+// thread that has acquired rank p's flags of the call (every write of p's call before them is
+// visible): a fault of rank p in this call is copied into this process's error record of rank p
+// (ep_report: the first since the host cleared them stays), and the record is zeroed. Rank p
+// writes this copy again only in call gen + 2, after this rank's call gen + 1 flags, which follow
+// this kernel in stream order (abi.PARITY_RULE), so nothing outlives its call and no generation
+// window is needed: a record cannot re-fire when the 32-bit generations wrap.
+EP_DEVICE void ep_consume_fault(const EpArgs& a, int rank, int records, ep_u32 gen, int p) {
+  ep_u32* rec = ep_fault_record(a, rank, records, gen, p);
+  if (ep_load_relaxed_system(rec) != gen) return;  // 0: no fault of p in this call
+  ep_report(a, p, ep_load_relaxed_system(rec + 1), ep_load_relaxed_system(rec + 2), ep_load_relaxed_system(rec + 3),
+            ep_load_relaxed_system(rec + 4));
+  for (int w = 0; w < 5; ++w) ep_store_relaxed_system(rec + w, 0u);
 }
 
 // One release, then lane d of the calling warp stores `value` into word `word` of rank d's signals
@@ -571,7 +601,8 @@ EP_DEVICE void ep_wire_add(float* acc, const ep_wire& w, float s) {
 // (common/_combine_sum.j2). A token that reached no rank gets zeros. Stage rows and flags alternate
 // by generation parity as the dispatch's do (abi.PARITY_RULE). A y with fewer rows than the
 // dispatch produced (num_recv, or expert_offsets[L] in the expert layout) is recorded and handed
-// to every peer's fault records of this call before the flags, where its host finds it.
+// to every peer's fault records of this call before the flags; each peer's receiving half copies
+// it into its error records and zeroes the record (ep_consume_fault).
 
 EP_DEVICE ep_u64 ep_ll_stage_row(ep_u64 arena, ep_u32 gen, int src, int t) {
   return arena + kOffLlCombineStage + ((ep_u64)((gen & 1u) * kWorld + src) * kLlTokens + t) * kLlStageRowBytes;
@@ -615,7 +646,7 @@ EP_DEVICE void ep_combine_send(const EpArgs& a) {
   ep_vec v[kUnroll];
   if (first / kChunksPerRow < y_rows) ep_load_source(y, recv_src, first, lane, src, t, v);
   if (ep_block_idx() == 0 && warp == 0 && used > (ep_u32)io.y_rows) {
-    ep_report_call(a, rank, kFaultRecords, gen, kErrShortInput, (ep_u32)io.y_rows, 0u, used, lane);
+    ep_share_fault(a, rank, kFaultRecords, gen, kErrShortInput, (ep_u32)io.y_rows, 0u, used, lane);
   }
   for (int item = first; item < rows * kChunksPerRow; item += kBlocks * kWarps) {
     const int c = item % kChunksPerRow * kChunkVectors;

@@ -57,7 +57,10 @@ EP_DEVICE ep_u64 ep_load_relaxed_system(const ep_u64* p) {
   asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-// The receive overflow's {generation, rows} words (abi.SIGNALS "overflow_need"): the larger wins.
+EP_DEVICE void ep_store_relaxed_system(ep_u64* p, ep_u64 v) {  // the reader's reset of an overflow word
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+// The receive overflow's rows (abi.SIGNALS "overflow_need"): the larger wins.
 EP_DEVICE void ep_atomic_max_system(ep_u64* p, ep_u64 v) {
   asm volatile("red.relaxed.sys.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
@@ -262,7 +265,7 @@ constexpr int kSigLlDispatchFromParity = 2048;  // words from copy g % 2 = 0 to 
 constexpr int kSigLlCombineFrom = 4352;  // [2][W x blocks] generation of sending block (peer, b) whose combine rows are here
 constexpr int kSigLlCombineFromParity = 1024;  // words from copy g % 2 = 0 to copy 1
 constexpr int kSigPulledFrom = 6400;   // [W] peer finished reading its dispatch-g rows from our dispatch_in
-constexpr int kSigOverflowNeed = 6464;  // [2][W] 64-bit {generation, rows}: the most rows a sender found rank d needs (atomic max; only on an overflow)
+constexpr int kSigOverflowNeed = 6464;  // [2][W] 64-bit rows: the most rows a sender found rank d needs (atomic max; only on an overflow; the dispatch records and zeroes it)
 constexpr int kSigOverflowNeedParity = 128;  // words from copy g % 2 = 0 to copy 1
 constexpr int kSigFaultDispatch = 6720;  // [2][W] FAULT_RECORD of the peer's normal dispatch g
 constexpr int kSigFaultDispatchParity = 320;  // words from copy g % 2 = 0 to copy 1
@@ -273,10 +276,11 @@ constexpr int kSigFaultCombineParity = 320;  // words from copy g % 2 = 0 to cop
 constexpr int kSigFaultCombineLl = 8640;  // [2][W] FAULT_RECORD of the peer's low-latency combine g
 constexpr int kSigFaultCombineLlParity = 320;  // words from copy g % 2 = 0 to copy 1
 // A rank's generation-g signals that carry per-call values (the low-latency flags with their row
-// counts, fault records, overflow counts) sit in copy g % 2 and a receiver waits for exactly g. A
-// sender writes copy g % 2 again only in call g + 2, after its call g + 1 received every peer's
-// call g + 1 signals, which each peer raised after it had finished reading its call g signals
-// (stream order on that peer), so a copy never holds g + 2 while a rank still waits for g.
+// counts, fault records, overflow counts) sit in copy g % 2 and a receiver waits for exactly g
+// (fault records and overflow counts it also zeroes once read, in its call g). A sender writes
+// copy g % 2 again only in call g + 2, after its call g + 1 received every peer's call g + 1
+// signals, which each peer raised after it had finished reading its call g signals (stream order
+// on that peer), so a copy never holds g + 2 while a rank still waits for g.
 
 // Error record: four uint32 per rank in host-mapped memory: code, a, b, c.
 constexpr ep_u32 kErrBadExpert = 1;  // a = top-k slot, b = token, c = expert id
@@ -331,19 +335,27 @@ EP_DEVICE bool ep_report(const EpArgs& a, int rank, ep_u32 code, ep_u32 x, ep_u3
   return true;
 }
 
-// Hands a recoverable fault this rank recorded first (ep_report returned true) in call `gen` of
-// the kernel whose fault records start at signal word `records` (kSigFault*) to every peer: its
-// records [gen % 2][rank] = {generation, code, a, b, c}, written before this kernel releases its
-// flags to them (each flag release of a block follows a barrier and is cumulative over the block's
-// stores), so each peer's host finds it there once its stream has passed that call (the records
-// are read at synchronize: abi.FAULT_RECORD) and every rank raises the same fault. Every lane of
-// the calling warp calls it; lane d writes peer d's record (striding by the wave).
+// Fault record `p` of the kernel whose fault records start at signal word `records` (kSigFault*)
+// in rank d's signals, copy g % 2: {generation, code, a, b, c} (abi.FAULT_RECORD).
+EP_DEVICE ep_u32* ep_fault_record(const EpArgs& a, int d, int records, ep_u32 gen, int p) {
+  return ep_signals(a, d) + records + (int)(gen & 1u) * 320 +
+         p * 5;
+}
+
+// Hands call `gen`'s recoverable fault of this rank to every rank, itself included: records
+// [gen % 2][rank] = {generation, code, a, b, c} in each rank's signals, written before this kernel
+// releases its flags to them (each flag release of a block follows a barrier and is cumulative
+// over the block's stores). Each rank's receiving kernel of the call consumes the record into its
+// error records (ep_consume_fault), this rank's own too, so every rank's host, this one's
+// included, finds the fault there only once its receiving half of the call has run: the same
+// faults at the same synchronize on every rank, even between the halves of a split call. One
+// writer a call: a call's single detection site (the combines' short y), or the block that
+// claimed the call (ep_claim_word). Every lane of the calling warp calls it; lane d writes
+// rank d's record (striding by the wave).
 EP_DEVICE void ep_share_fault(const EpArgs& a, int rank, int records, ep_u32 gen, ep_u32 code, ep_u32 x, ep_u32 y,
                               ep_u32 z, int lane) {
   for (int d = lane; d < kWorld; d += kWave) {
-    if (d == rank) continue;
-    ep_u32* rec = ep_signals(a, d) + records + (int)(gen & 1u) * 320 +
-                  rank * 5;
+    ep_u32* rec = ep_fault_record(a, d, records, gen, rank);
     ep_store_relaxed_system(rec + 1, code);
     ep_store_relaxed_system(rec + 2, x);
     ep_store_relaxed_system(rec + 3, y);
@@ -352,12 +364,30 @@ EP_DEVICE void ep_share_fault(const EpArgs& a, int rank, int records, ep_u32 gen
   }
 }
 
-// A recoverable fault found by a whole warp before this rank's flags of the call are released:
-// lane 0 records it, and when it is the rank's first, every lane hands it to its peers.
-EP_DEVICE void ep_report_call(const EpArgs& a, int rank, int records, ep_u32 gen, ep_u32 code, ep_u32 x, ep_u32 y,
-                              ep_u32 z, int lane) {
-  const int first = lane == 0 && ep_report(a, rank, code, x, y, z);
-  if (ep_shfl(first, 0)) ep_share_fault(a, rank, records, gen, code, x, y, z, lane);
+// The word whose compare-and-swap from 0 makes a block the first of its rank to share a fault of
+// call `gen`: the generation word of the rank's own record [gen % 2][rank] (only this rank writes
+// it; the claiming block then writes the whole record, generation included), which the rank's
+// receiving kernel of the call zeroes again (ep_consume_fault). So the blocks of one call that
+// each saw a bad id never mix their words in a record, and a call's fault is shared whatever the
+// rank recorded in earlier calls. The kernels keep its address in shared memory: on a bad id
+// alone is it read, and the routing loop holds no register for it.
+EP_DEVICE ep_u32* ep_claim_word(const EpArgs& a, int rank, int records, ep_u32 gen) {
+  return ep_fault_record(a, rank, records, gen, rank);
+}
+
+// Consumes record [gen % 2][p] of this rank's signals in the receiving kernel of call `gen`, by a
+// thread that has acquired rank p's flags of the call (every write of p's call before them is
+// visible): a fault of rank p in this call is copied into this process's error record of rank p
+// (ep_report: the first since the host cleared them stays), and the record is zeroed. Rank p
+// writes this copy again only in call gen + 2, after this rank's call gen + 1 flags, which follow
+// this kernel in stream order (abi.PARITY_RULE), so nothing outlives its call and no generation
+// window is needed: a record cannot re-fire when the 32-bit generations wrap.
+EP_DEVICE void ep_consume_fault(const EpArgs& a, int rank, int records, ep_u32 gen, int p) {
+  ep_u32* rec = ep_fault_record(a, rank, records, gen, p);
+  if (ep_load_relaxed_system(rec) != gen) return;  // 0: no fault of p in this call
+  ep_report(a, p, ep_load_relaxed_system(rec + 1), ep_load_relaxed_system(rec + 2), ep_load_relaxed_system(rec + 3),
+            ep_load_relaxed_system(rec + 4));
+  for (int w = 0; w < 5; ++w) ep_store_relaxed_system(rec + w, 0u);
 }
 
 // One release, then lane d of the calling warp stores `value` into word `word` of rank d's signals
@@ -454,7 +484,7 @@ EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag,
 // after the destination said its receive buffers are free (it entered this generation). The rows
 // of a reservation that end past the capacity are dropped, and its block posts the rows the
 // destination needed (base + n, the largest of which is the destination's total) to every rank
-// (abi.SIGNALS "overflow_need"), whose host reports the overflow at synchronize.
+// (abi.SIGNALS "overflow_need", copy g % 2), whose phase 4 records the overflow and zeroes it.
 // Phase 3 copies in (token, chunk) items spread over the block's warps, so the chunks of one row
 // travel on several warps at once and no warp idles while another copies a whole row: a chunk
 // is loaded once and stored to every destination; the warp with a token's first chunk also sends
@@ -462,31 +492,32 @@ EP_DEVICE bool ep_wait_generation(const EpArgs& a, int rank, const ep_u32* flag,
 // for combine.
 // Phase 4: the last block of the rank tells every destination that its rows are complete,
 // waits for every source's rows, then publishes num_recv and resets the per-call counters. Every
-// row below num_recv is this call's. A bad id a block saw first is handed to the peers' fault
-// records before its departure; the rows a destination needed reach every rank's overflow words
-// before the done flags (the hosts read both at synchronize).
+// row below num_recv is this call's. The call's first bad id is handed to the peers' fault
+// records before its block's departure, and the rows a destination needed reach every rank's
+// overflow words before the done flags; after them each rank consumes both (the faults and
+// overflows of the call into its error records, the words zeroed: ep_consume_fault).
 
 constexpr int kFaultRecords = kSigFaultDispatch;  // this op's fault records in every rank's signals
 // Routes token t on one warp: lanes < K read its expert ids and keep the first slot naming each
 // destination rank (dedup per rank); each kept (token, rank) pair takes the next position among
 // the block's rows to that rank (s_count, shared). Lane d < W returns the pair's position for
-// rank d, or -1 (the token does not reach d). Ids neither -1 nor in [0, E) are reported; the
-// lane whose report is the rank's first keeps it in s_fault (code, a, b, c; shared, code 0 until
-// then), which the block hands to the peers before its flags (ep_share_fault) after a barrier.
+// rank d, or -1 (the token does not reach d). The call's first id neither -1 nor in [0, E) among
+// the rank's blocks (the lane whose compare-and-swap of the call's claim word wins: s_claim, set
+// by the block from ep_claim_word, read only on a bad id) is kept in its block's
+// s_fault (code, a, b, c; shared, code 0 until then), which that block hands to every rank before
+// its flags (ep_share_block_fault).
 EP_DEVICE int ep_route_token(const EpArgs& a, int rank, const ep_i32* indices, int t, int lane, ep_u32* s_count,
-                             ep_u32* s_fault) {
+                             ep_u32* s_fault, ep_u32* const* s_claim) {
   int dest = -1;
   if (lane < kTopk) {
     const int e = indices[(ep_u64)t * kTopk + lane];
     if (e >= 0 && e < kNumExperts) {
       dest = e / kExpertsPerRank;
-    } else if (e != -1) {
-      if (ep_report(a, rank, kErrBadExpert, (ep_u32)lane, (ep_u32)t, (ep_u32)e)) {
-        s_fault[1] = (ep_u32)lane;
-        s_fault[2] = (ep_u32)t;
-        s_fault[3] = (ep_u32)e;
-        s_fault[0] = kErrBadExpert;
-      }
+    } else if (e != -1 && ep_atomic_cas_system(*s_claim, 0u, 1u) == 0u) {  // the call's claim (ep_claim_word)
+      s_fault[1] = (ep_u32)lane;
+      s_fault[2] = (ep_u32)t;
+      s_fault[3] = (ep_u32)e;
+      s_fault[0] = kErrBadExpert;
     }
   }
   bool keep = dest >= 0;
@@ -541,8 +572,9 @@ EP_DEVICE void ep_put_meta(float* weights, ep_i32* ids, ep_i32* src, ep_u8* scal
   for (int b = lane; b < kScaleBytes; b += kWave) scales[b] = token_scales[b];
 }
 
-// The block's first bad id (s_fault, after a barrier), handed to the peers by one warp before the
-// barrier that precedes the block's flag releases.
+// The call's first bad id if this block claimed it (s_fault, after a barrier), handed to every
+// rank, this one included, by one warp before the barrier that precedes the block's flag
+// releases (ep_share_fault).
 EP_DEVICE void ep_share_block_fault(const EpArgs& a, int rank, ep_u32 gen, const ep_u32* s_fault, int lane) {
   if (s_fault[0]) ep_share_fault(a, rank, kFaultRecords, gen, s_fault[0], s_fault[1], s_fault[2], s_fault[3], lane);
 }
@@ -564,7 +596,8 @@ EP_KERNEL(kThreads) epgen_dispatch_sm90_bf16_w8_h7168_k8_l32_t4096_24x32_u4_ll12
   EP_SHARED ep_u32 s_base[kWorld];
   EP_SHARED int s_ok[kWorld];
   EP_SHARED int s_last;
-  EP_SHARED ep_u32 s_fault[4];  // the rank's first bad id if a lane of this block reported it
+  EP_SHARED ep_u32 s_fault[4];  // the call's first bad id if this block claimed it (code 0: none)
+  EP_SHARED ep_u32* s_claim;    // the call's claim word (ep_claim_word)
 
   if (tid < kWorld) s_count[tid] = 0u;
   if (warp == 0) {
@@ -574,6 +607,7 @@ EP_KERNEL(kThreads) epgen_dispatch_sm90_bf16_w8_h7168_k8_l32_t4096_24x32_u4_ll12
       s_fault[0] = 0u;
       g = sig[kSigDispatchCalls] + 1u;  // published by the previous call on this stream
       s_gen = g;
+      s_claim = ep_claim_word(a, rank, kFaultRecords, g);
       first = ep_atomic_add_device(&sig[kSigDispatchArrive], 1u) == 0u;
     }
     // First block of this rank to run: every peer may now write into our receive buffers.
@@ -589,7 +623,7 @@ EP_KERNEL(kThreads) epgen_dispatch_sm90_bf16_w8_h7168_k8_l32_t4096_24x32_u4_ll12
 
   // Phase 1: route and count.
   for (int t = t_begin + warp; t < t_end; t += kWarps) {
-    const int mine = ep_route_token(a, rank, indices, t, lane, s_count, s_fault);
+    const int mine = ep_route_token(a, rank, indices, t, lane, s_count, s_fault, &s_claim);
     if (lane < kWorld) send_pos[(ep_u64)t * kWorld + lane] = mine;
   }
   ep_sync_block();
@@ -605,10 +639,9 @@ EP_KERNEL(kThreads) epgen_dispatch_sm90_bf16_w8_h7168_k8_l32_t4096_24x32_u4_ll12
       if (ok) {
         base = ep_atomic_add_system(ep_signals(a, d) + kSigRecvCount, n);
         if (base + n > kCapacityRows) {  // rows past the capacity are dropped (phase 3); every rank is told
-          const ep_u64 need = ((ep_u64)gen << 32) | (base + n);
           for (int r = 0; r < kWorld; ++r) {
             ep_atomic_max_system((ep_u64*)(ep_signals(a, r) + kSigOverflowNeed + (int)(gen & 1u) * kSigOverflowNeedParity) + d,
-                                 need);
+                                 (ep_u64)(base + n));
           }
         }
       }
@@ -680,6 +713,18 @@ EP_KERNEL(kThreads) epgen_dispatch_sm90_bf16_w8_h7168_k8_l32_t4096_24x32_u4_ll12
     ep_wait_generation(a, rank, sig + kSigDoneFrom + tid, gen, kPhaseDispatchDone, tid);
   }
   ep_sync_block();
+  if (tid < kWorld) {  // every source's done flag acquired (its waiting thread, then the barrier)
+    ep_consume_fault(a, rank, kFaultRecords, gen, tid);
+    // The rows rank tid needed, if its buffers overflowed in this call: every rank records the
+    // overflow of rank tid and zeroes the word, which the senders' call gen + 2 writes again at the
+    // earliest (abi.PARITY_RULE).
+    ep_u64* const need = (ep_u64*)(sig + kSigOverflowNeed + (int)(gen & 1u) * kSigOverflowNeedParity) + tid;
+    const ep_u64 rows = ep_load_relaxed_system(need);
+    if (rows) {
+      ep_report(a, tid, kErrOverflow, 0u, (ep_u32)tid, (ep_u32)rows);
+      ep_store_relaxed_system(need, 0ull);
+    }
+  }
   if (tid == 0) {
     ep_fence_system();
     // Rows past the capacity were dropped (their senders sent none of them), but counted: num_recv

@@ -58,7 +58,7 @@ def _graph() -> dict[str, set[str]]:
 
 WINGS = {
     "codegen": ("epgen.codegen",),
-    "core": ("epgen.op", "epgen.arena", "epgen.platform", "epgen.faults", "epgen.loader", "epgen.cache",
+    "core": ("epgen.op", "epgen.arena", "epgen.platform", "epgen.loader", "epgen.cache",
              "epgen.device", "epgen.aot", "epgen.config", "epgen.plan"),
     "references": ("epgen.reference", "epgen.quant"),
     "layers": ("epgen.layers",),

@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 import torch
 
-from epgen import faults
 from epgen.codegen import abi
 from epgen.codegen.spec import Op
 from epgen.op import EpDispatchCombine, EpError, _args_dtype
@@ -548,7 +547,6 @@ class EmulatedOp(EpDispatchCombine):
         self._pending_family = None
         self._recv_handle = None
         self._fault = None
-        self._seen = {r: dict.fromkeys(faults.RECORD_COUNTERS, 0) for r in self.local_ranks}
         self._staged = None  # a low-latency sending half's rows until its receiving half
         self.launched = []
 
