@@ -344,13 +344,14 @@ def halves_cases(world_size: int, calls: int = 2) -> list[dict]:
     return out
 
 
-def apart_cases(world_size: int) -> list[dict]:
+def apart_cases(world_size: int, choosing: int | None = None) -> list[dict]:
     """Faults two calls apart in one kernel's counter (the same parity copy) by any ranks, each rank
     synchronizing after its own choice of calls (always the last): a short y in combines 1 and 5 of
     three dispatch-combine pairs of either family, ranks synchronizing after combines only (a
     dispatch fault raised by some ranks before the combine they skip and the others run hangs
     whatever the design: every rank synchronizes after the same calls, the rule stated to
-    callers), and a bad id in dispatches 0 and 2 of three dispatches of either family."""
+    callers), and a bad id in dispatches 0 and 2 of three dispatches of either family. Ranks from
+    ``choosing`` on (None: none) synchronize at every point instead of choosing."""
     out = []
     shapes = [(("dispatch", "combine") * 3, (1, 5), (1, 3, 5)),
               (("dispatch_ll", "combine_ll") * 3, (1, 5), (1, 3, 5)),
@@ -358,7 +359,9 @@ def apart_cases(world_size: int) -> list[dict]:
               (("dispatch_ll",) * 3, (0, 2), (0, 1, 2))]
     for program, (a, b), points in shapes:
         choices = [s for n in range(len(points)) for s in itertools.combinations(points[:-1], n)]
-        for syncs in itertools.product(choices, repeat=world_size):
+        fixed = world_size - (world_size if choosing is None else min(choosing, world_size))
+        for syncs in itertools.product(choices, repeat=world_size - fixed):
+            syncs += (points[:-1],) * fixed
             for ra, rb in itertools.product(range(world_size), repeat=2):
                 out.append(dict(program=program, faults=((ra, a), (rb, b)),
                                 syncs=tuple(s + (points[-1],) for s in syncs)))
