@@ -33,11 +33,12 @@ wrap: with a few bits the wrap is reached in a short program.
 
 Two fault designs (``Protocol.faults``):
 
-* "consumed" (``PROTOCOL``): a kernel writes EVERY recoverable fault it finds into each peer's
-  fault record [g % 2][rank] before its flags; each rank's receiving kernel of call g, once it has
-  acquired peer p's call-g flag, takes slot [g % 2][p]: a record of call g goes into this rank's
-  error record of p (first wins per rank) and the slot is zeroed (``abi.PARITY_RULE``: p writes it
-  again in call g + 2). A sender that overflows receiver d maxes the rows (no generation) into
+* "consumed" (``PROTOCOL``, the kernels since f5455b47): a kernel writes the recoverable fault of
+  every call that has one (the call's first: one claim per rank and call) into each rank's fault
+  record [g % 2][rank], its own included, before its flags; each rank's receiving kernel of call
+  g, once it has acquired peer p's call-g flag, takes slot [g % 2][p]: a record of call g goes
+  into this rank's error record of p (first wins per rank) and the slot is zeroed
+  (``abi.PARITY_RULE``: p writes it again in call g + 2). A sender that overflows receiver d maxes the rows (no generation) into
   entry d of every rank's overflow words [g % 2]; each rank's dispatch, after its done flags of g,
   records every nonzero entry d into its error record of d and zeroes it. The host reads only its
   error records: a synchronize while a split call's receiving half has not run defers (raises
@@ -46,8 +47,8 @@ Two fault designs (``Protocol.faults``):
   recorded first (``ep_report``); the overflow words hold {generation, rows} (atomic max); records
   are never cleared, and a host admits a peer's record or an overflow at synchronize when its
   generation lies in (seen, now] of its counter (wrap-around arithmetic of the width), and its own
-  error record whatever the counters say (``epgen.faults``). ``check`` finds its defects: families
-  chosen per rank hang; a synchronize between a split call's halves raises the faulting rank's
+  error record whatever the counters say (runtime/faults.py before f5455b47). ``check`` finds its
+  defects: families chosen per rank hang; a synchronize between a split call's halves raises the faulting rank's
   own fault there and its peers' nowhere before the combine it skips (a hang); after a wrap an old
   record fires again on the peers only, and an overflow is reported by no rank (the old key wins
   the max); with ranks synchronizing at different calls a fault of a rank whose record is not
@@ -204,8 +205,8 @@ may synchronize before ``handle.wait()`` launches the receiving half."""
 
 RECORDS = {"fault_dispatch": "dispatch", "fault_dispatch_ll": "dispatch_ll", "fault_combine": "combine",
            "fault_combine_ll": "combine_ll", "overflow_need": "dispatch"}
-"""Each range of per-call fault words, in ``epgen.faults.RECORD_COUNTERS``' order, -> the counter
-of ``CALLS`` whose generation its entries carry (the "windowed" host compares with its window)."""
+"""Each range of per-call fault words -> the counter of ``CALLS`` whose generation its entries
+carry (the "windowed" host compares with its window)."""
 
 
 @attrs.frozen

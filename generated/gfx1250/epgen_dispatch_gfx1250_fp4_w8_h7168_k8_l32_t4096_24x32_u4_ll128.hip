@@ -336,7 +336,7 @@ EP_DEVICE ep_u32* ep_fault_record(const EpArgs& a, int d, int records, ep_u32 ge
 // included, finds the fault there only once its receiving half of the call has run: the same
 // faults at the same synchronize on every rank, even between the halves of a split call. One
 // writer a call: a call's single detection site (the combines' short y), or the block that
-// claimed the call (ep_claim_word). Every lane of the calling warp calls it; lane d writes
+// claimed the call (ep_share_block_fault). Every lane of the calling warp calls it; lane d writes
 // rank d's record (striding by the wave).
 EP_DEVICE void ep_share_fault(const EpArgs& a, int rank, int records, ep_u32 gen, ep_u32 code, ep_u32 x, ep_u32 y,
                               ep_u32 z, int lane) {
@@ -350,13 +350,10 @@ EP_DEVICE void ep_share_fault(const EpArgs& a, int rank, int records, ep_u32 gen
   }
 }
 
-// The word whose compare-and-swap from 0 makes a block the first of its rank to share a fault of
-// call `gen`: the generation word of the rank's own record [gen % 2][rank] (only this rank writes
-// it; the claiming block then writes the whole record, generation included), which the rank's
-// receiving kernel of the call zeroes again (ep_consume_fault). So the blocks of one call that
-// each saw a bad id never mix their words in a record, and a call's fault is shared whatever the
-// rank recorded in earlier calls. The kernels keep its address in shared memory: on a bad id
-// alone is it read, and the routing loop holds no register for it.
+// The word whose compare-and-swap from 0 to `gen` makes a block the first of its rank to share a
+// fault of call `gen` (ep_share_block_fault): the generation word of the rank's own record
+// [gen % 2][rank], which only this rank writes and its receiving kernel of the call zeroes again
+// (ep_consume_fault).
 EP_DEVICE ep_u32* ep_claim_word(const EpArgs& a, int rank, int records, ep_u32 gen) {
   return ep_fault_record(a, rank, records, gen, rank);
 }
@@ -487,23 +484,19 @@ constexpr int kFaultRecords = kSigFaultDispatch;  // this op's fault records in 
 // Routes token t on one warp: lanes < K read its expert ids and keep the first slot naming each
 // destination rank (dedup per rank); each kept (token, rank) pair takes the next position among
 // the block's rows to that rank (s_count, shared). Lane d < W returns the pair's position for
-// rank d, or -1 (the token does not reach d). The call's first id neither -1 nor in [0, E) among
-// the rank's blocks (the lane whose compare-and-swap of the call's claim word wins: s_claim, set
-// by the block from ep_claim_word, read only on a bad id) is kept in its block's
-// s_fault (code, a, b, c; shared, code 0 until then), which that block hands to every rank before
-// its flags (ep_share_block_fault).
+// rank d, or -1 (the token does not reach d). A token with an id neither -1 nor in [0, E) is only
+// noted in the block's s_bad (shared: t + 1, any such token's, one plain store each):
+// ep_share_block_fault reads it after the loop, so the routing loop holds nothing for the rare
+// fault.
 EP_DEVICE int ep_route_token(const EpArgs& a, int rank, const ep_i32* indices, int t, int lane, ep_u32* s_count,
-                             ep_u32* s_fault, ep_u32* const* s_claim) {
+                             ep_u32* s_bad) {
   int dest = -1;
   if (lane < kTopk) {
     const int e = indices[(ep_u64)t * kTopk + lane];
     if (e >= 0 && e < kNumExperts) {
       dest = e / kExpertsPerRank;
-    } else if (e != -1 && ep_atomic_cas_system(*s_claim, 0u, 1u) == 0u) {  // the call's claim (ep_claim_word)
-      s_fault[1] = (ep_u32)lane;
-      s_fault[2] = (ep_u32)t;
-      s_fault[3] = (ep_u32)e;
-      s_fault[0] = kErrBadExpert;
+    } else if (e != -1) {
+      *s_bad = (ep_u32)t + 1u;
     }
   }
   bool keep = dest >= 0;
@@ -558,11 +551,21 @@ EP_DEVICE void ep_put_meta(float* weights, ep_i32* ids, ep_i32* src, ep_u8* scal
   for (int b = lane; b < kScaleBytes; b += kWave) scales[b] = token_scales[b];
 }
 
-// The call's first bad id if this block claimed it (s_fault, after a barrier), handed to every
-// rank, this one included, by one warp before the barrier that precedes the block's flag
-// releases (ep_share_fault).
-EP_DEVICE void ep_share_block_fault(const EpArgs& a, int rank, ep_u32 gen, const ep_u32* s_fault, int lane) {
-  if (s_fault[0]) ep_share_fault(a, rank, kFaultRecords, gen, s_fault[0], s_fault[1], s_fault[2], s_fault[3], lane);
+// After the routing loop of a block whose s_bad is set (after a barrier): warp 0 takes that
+// token's first bad top-k slot and, if the block is the first of its rank to claim call `gen` (a
+// compare-and-swap of ep_claim_word from 0), hands the fault to every rank, this one included,
+// before the barrier that precedes the block's flag releases (ep_share_fault). The one claim
+// keeps the blocks of a call that each saw a bad id from mixing their words in a record, and
+// shares a call's fault whatever the rank recorded in earlier calls.
+EP_DEVICE void ep_share_block_fault(const EpArgs& a, int rank, ep_u32 gen, const EpRankIO& io, const ep_u32* s_bad,
+                                    int lane) {
+  if (!*s_bad) return;
+  const int t = (int)*s_bad - 1;
+  const int e = lane < kTopk ? ((const ep_i32*)io.indices)[(ep_u64)t * kTopk + lane] : -1;
+  const int k = ep_ctz(ep_ballot(e != -1 && (e < 0 || e >= kNumExperts)));
+  const int first = lane == 0 && ep_atomic_cas_system(ep_claim_word(a, rank, kFaultRecords, gen), 0u, gen) == 0u;
+  if (ep_shfl(first, 0)) ep_share_fault(a, rank, kFaultRecords, gen, kErrBadExpert, (ep_u32)k, (ep_u32)t,
+                                        (ep_u32)ep_shfl(e, k), lane);
 }
 
 EP_KERNEL(kThreads) epgen_dispatch_gfx1250_fp4_w8_h7168_k8_l32_t4096_24x32_u4_ll128(const EP_GRID_CONSTANT EpArgs a) {
@@ -582,18 +585,16 @@ EP_KERNEL(kThreads) epgen_dispatch_gfx1250_fp4_w8_h7168_k8_l32_t4096_24x32_u4_ll
   EP_SHARED ep_u32 s_base[kWorld];
   EP_SHARED int s_ok[kWorld];
   EP_SHARED int s_last;
-  EP_SHARED ep_u32 s_fault[4];  // the call's first bad id if this block claimed it (code 0: none)
-  EP_SHARED ep_u32* s_claim;    // the call's claim word (ep_claim_word)
+  EP_SHARED ep_u32 s_bad;  // 1 + a token of this block with a bad id, or 0 (ep_route_token)
 
   if (tid < kWorld) s_count[tid] = 0u;
   if (warp == 0) {
     ep_u32 g = 0u;
     int first = 0;
     if (lane == 0) {
-      s_fault[0] = 0u;
+      s_bad = 0u;
       g = sig[kSigDispatchCalls] + 1u;  // published by the previous call on this stream
       s_gen = g;
-      s_claim = ep_claim_word(a, rank, kFaultRecords, g);
       first = ep_atomic_add_device(&sig[kSigDispatchArrive], 1u) == 0u;
     }
     // First block of this rank to run: every peer may now write into our receive buffers.
@@ -607,12 +608,14 @@ EP_KERNEL(kThreads) epgen_dispatch_gfx1250_fp4_w8_h7168_k8_l32_t4096_24x32_u4_ll
   const int t_end = t_begin + per_block < num_tokens ? t_begin + per_block : num_tokens;
   const ep_i32* const indices = (const ep_i32*)io.indices;
 
-  // Phase 1: route and count.
+  // Phase 1: route and count; a bad id the block routed is handed to every rank (before phase 4's
+  // release).
   for (int t = t_begin + warp; t < t_end; t += kWarps) {
-    const int mine = ep_route_token(a, rank, indices, t, lane, s_count, s_fault, &s_claim);
+    const int mine = ep_route_token(a, rank, indices, t, lane, s_count, &s_bad);
     if (lane < kWorld) send_pos[(ep_u64)t * kWorld + lane] = mine;
   }
   ep_sync_block();
+  if (warp == 0) ep_share_block_fault(a, rank, gen, io, &s_bad, lane);
 
   // Phase 2: reserve receive rows, one remote atomic per (block, destination).
   if (tid < kWorld) {
@@ -684,7 +687,6 @@ EP_KERNEL(kThreads) epgen_dispatch_gfx1250_fp4_w8_h7168_k8_l32_t4096_24x32_u4_ll
   // relaxed increment it reads, its acquire fence), and its barrier passes that on to the threads
   // that release the done flags; happens-before is transitive across the scopes of the barrier
   // and the fences (LLVM AMDGPUUsage "Memory Model" section; PTX "Memory Consistency Model").
-  if (warp == 0) ep_share_block_fault(a, rank, gen, s_fault, lane);  // a bad id this block saw, before its release
   ep_sync_block_for_release();
   if (tid == 0) {
     ep_fence_release_system();

@@ -334,7 +334,7 @@ EP_DEVICE ep_u32* ep_fault_record(const EpArgs& a, int d, int records, ep_u32 ge
 // included, finds the fault there only once its receiving half of the call has run: the same
 // faults at the same synchronize on every rank, even between the halves of a split call. One
 // writer a call: a call's single detection site (the combines' short y), or the block that
-// claimed the call (ep_claim_word). Every lane of the calling warp calls it; lane d writes
+// claimed the call (ep_share_block_fault). Every lane of the calling warp calls it; lane d writes
 // rank d's record (striding by the wave).
 EP_DEVICE void ep_share_fault(const EpArgs& a, int rank, int records, ep_u32 gen, ep_u32 code, ep_u32 x, ep_u32 y,
                               ep_u32 z, int lane) {
@@ -348,13 +348,10 @@ EP_DEVICE void ep_share_fault(const EpArgs& a, int rank, int records, ep_u32 gen
   }
 }
 
-// The word whose compare-and-swap from 0 makes a block the first of its rank to share a fault of
-// call `gen`: the generation word of the rank's own record [gen % 2][rank] (only this rank writes
-// it; the claiming block then writes the whole record, generation included), which the rank's
-// receiving kernel of the call zeroes again (ep_consume_fault). So the blocks of one call that
-// each saw a bad id never mix their words in a record, and a call's fault is shared whatever the
-// rank recorded in earlier calls. The kernels keep its address in shared memory: on a bad id
-// alone is it read, and the routing loop holds no register for it.
+// The word whose compare-and-swap from 0 to `gen` makes a block the first of its rank to share a
+// fault of call `gen` (ep_share_block_fault): the generation word of the rank's own record
+// [gen % 2][rank], which only this rank writes and its receiving kernel of the call zeroes again
+// (ep_consume_fault).
 EP_DEVICE ep_u32* ep_claim_word(const EpArgs& a, int rank, int records, ep_u32 gen) {
   return ep_fault_record(a, rank, records, gen, rank);
 }
@@ -497,23 +494,19 @@ constexpr int kFaultRecords = kSigFaultDispatchLl;  // this op's fault records i
 // Routes token t on one warp: lanes < K read its expert ids and keep the first slot naming each
 // destination rank (dedup per rank); each kept (token, rank) pair takes the next position among
 // the block's rows to that rank (s_count, shared). Lane d < W returns the pair's position for
-// rank d, or -1 (the token does not reach d). The call's first id neither -1 nor in [0, E) among
-// the rank's blocks (the lane whose compare-and-swap of the call's claim word wins: s_claim, set
-// by the block from ep_claim_word, read only on a bad id) is kept in its block's
-// s_fault (code, a, b, c; shared, code 0 until then), which that block hands to every rank before
-// its flags (ep_share_block_fault).
+// rank d, or -1 (the token does not reach d). A token with an id neither -1 nor in [0, E) is only
+// noted in the block's s_bad (shared: t + 1, any such token's, one plain store each):
+// ep_share_block_fault reads it after the loop, so the routing loop holds nothing for the rare
+// fault.
 EP_DEVICE int ep_route_token(const EpArgs& a, int rank, const ep_i32* indices, int t, int lane, ep_u32* s_count,
-                             ep_u32* s_fault, ep_u32* const* s_claim) {
+                             ep_u32* s_bad) {
   int dest = -1;
   if (lane < kTopk) {
     const int e = indices[(ep_u64)t * kTopk + lane];
     if (e >= 0 && e < kNumExperts) {
       dest = e / kExpertsPerRank;
-    } else if (e != -1 && ep_atomic_cas_system(*s_claim, 0u, 1u) == 0u) {  // the call's claim (ep_claim_word)
-      s_fault[1] = (ep_u32)lane;
-      s_fault[2] = (ep_u32)t;
-      s_fault[3] = (ep_u32)e;
-      s_fault[0] = kErrBadExpert;
+    } else if (e != -1) {
+      *s_bad = (ep_u32)t + 1u;
     }
   }
   bool keep = dest >= 0;
@@ -568,11 +561,21 @@ EP_DEVICE void ep_put_meta(float* weights, ep_i32* ids, ep_i32* src, ep_u8* scal
   for (int b = lane; b < kScaleBytes; b += kWave) scales[b] = token_scales[b];
 }
 
-// The call's first bad id if this block claimed it (s_fault, after a barrier), handed to every
-// rank, this one included, by one warp before the barrier that precedes the block's flag
-// releases (ep_share_fault).
-EP_DEVICE void ep_share_block_fault(const EpArgs& a, int rank, ep_u32 gen, const ep_u32* s_fault, int lane) {
-  if (s_fault[0]) ep_share_fault(a, rank, kFaultRecords, gen, s_fault[0], s_fault[1], s_fault[2], s_fault[3], lane);
+// After the routing loop of a block whose s_bad is set (after a barrier): warp 0 takes that
+// token's first bad top-k slot and, if the block is the first of its rank to claim call `gen` (a
+// compare-and-swap of ep_claim_word from 0), hands the fault to every rank, this one included,
+// before the barrier that precedes the block's flag releases (ep_share_fault). The one claim
+// keeps the blocks of a call that each saw a bad id from mixing their words in a record, and
+// shares a call's fault whatever the rank recorded in earlier calls.
+EP_DEVICE void ep_share_block_fault(const EpArgs& a, int rank, ep_u32 gen, const EpRankIO& io, const ep_u32* s_bad,
+                                    int lane) {
+  if (!*s_bad) return;
+  const int t = (int)*s_bad - 1;
+  const int e = lane < kTopk ? ((const ep_i32*)io.indices)[(ep_u64)t * kTopk + lane] : -1;
+  const int k = ep_ctz(ep_ballot(e != -1 && (e < 0 || e >= kNumExperts)));
+  const int first = lane == 0 && ep_atomic_cas_system(ep_claim_word(a, rank, kFaultRecords, gen), 0u, gen) == 0u;
+  if (ep_shfl(first, 0)) ep_share_fault(a, rank, kFaultRecords, gen, kErrBadExpert, (ep_u32)k, (ep_u32)t,
+                                        (ep_u32)ep_shfl(e, k), lane);
 }
 
 constexpr int kBlockTokens = 2;  // most tokens a block routes: ceil(T_ll / blocks)
@@ -593,13 +596,11 @@ EP_DEVICE void ep_dispatch_send(const EpArgs& a) {
   EP_SHARED ep_u32 s_count[kWorld];
   EP_SHARED int s_pos[kBlockTokens * kWorld];  // position of (token - t_begin, destination), or -1
   EP_SHARED ep_u32 s_self_base;  // receive row of this block's first row to this rank itself
-  EP_SHARED ep_u32 s_fault[4];   // the call's first bad id if this block claimed it (code 0: none)
-  EP_SHARED ep_u32* s_claim;     // the call's claim word (ep_claim_word)
+  EP_SHARED ep_u32 s_bad;        // 1 + a token of this block with a bad id, or 0 (ep_route_token)
   if (tid < kWorld) s_count[tid] = 0u;
   if (tid == 0) {
     s_self_base = 0u;
-    s_fault[0] = 0u;
-    s_claim = ep_claim_word(a, rank, kFaultRecords, *calls + 1u);
+    s_bad = 0u;
   }
   const ep_u32 gen = *calls + 1u;  // this block's count of finished calls (its thread 0 writes it last)
 
@@ -637,7 +638,7 @@ EP_DEVICE void ep_dispatch_send(const EpArgs& a) {
   // Route, a token per warp; the routing warp also sends the token's metadata.
   for (int t = t_begin + warp; t < t_end; t += kWarps) {
     const float w = lane < kTopk ? weights[(ep_u64)t * kTopk + lane] : 0.0f;
-    const int mine = ep_route_token(a, rank, indices, t, lane, s_count, s_fault, &s_claim);
+    const int mine = ep_route_token(a, rank, indices, t, lane, s_count, &s_bad);
     const int e = lane < kTopk ? indices[(ep_u64)t * kTopk + lane] : 0;
     if (lane < kWorld) {
       send_pos[(ep_u64)t * kWorld + lane] = mine;  // combine's receiving half reads it
@@ -660,7 +661,7 @@ EP_DEVICE void ep_dispatch_send(const EpArgs& a) {
     }
   }
   ep_sync_block();
-  if (warp == 0) ep_share_block_fault(a, rank, gen, s_fault, lane);  // before the barrier in front of the flags
+  if (warp == 0) ep_share_block_fault(a, rank, gen, io, &s_bad, lane);  // before the flags' barrier
 
   // Copy (token, chunk) items over the block's warps.
   for (int item = warp; item < items; item += kWarps) {
@@ -714,10 +715,6 @@ EP_DEVICE_OUTLINED void ep_dispatch_recv(const EpArgs& a) {
   }
   if (tid < kFlags) ep_fence_after_poll();  // one acquire after all of this thread's flags
   ep_sync_block();
-  // Every flag of the call acquired (the polls' acquire, then the barrier): block 0 consumes the
-  // call's fault records, so a peer's bad id reaches this rank's error records and no record
-  // outlives the call (ep_consume_fault).
-  if (ep_block_idx() == 0 && tid < kWorld) ep_consume_fault(a, rank, kFaultRecords, gen, tid);
   if (warp == 0) {
     const ep_u32 total = ep_warp_exclusive_scan(s_rows, kFlags, lane);
     if (lane == 0) s_total = total;
@@ -755,6 +752,10 @@ EP_DEVICE_OUTLINED void ep_dispatch_recv(const EpArgs& a) {
       ((ep_u8*)(arena + kOffRecvScales))[(ep_u64)r * kScaleBytes + b] = meta[8 + 8 * kTopk + b];
     }
   }
+  // Every flag of the call was acquired above (the polls' acquire, then the barrier): block 0
+  // consumes the call's fault records, last, where the copy holds no registers, so a rank's bad
+  // id reaches this rank's error records and no record outlives the call (ep_consume_fault).
+  if (ep_block_idx() == 0 && tid < kWorld) ep_consume_fault(a, rank, kFaultRecords, gen, tid);
   if (tid == 0) {
     // num_recv: a system-scope atomic store, as the normal family's (dispatch.j2, phase 4).
     if (ep_block_idx() == 0) ep_store_relaxed_system(sig + kSigNumRecv, (ep_u32)rows);

@@ -334,7 +334,7 @@ EP_DEVICE ep_u32* ep_fault_record(const EpArgs& a, int d, int records, ep_u32 ge
 // included, finds the fault there only once its receiving half of the call has run: the same
 // faults at the same synchronize on every rank, even between the halves of a split call. One
 // writer a call: a call's single detection site (the combines' short y), or the block that
-// claimed the call (ep_claim_word). Every lane of the calling warp calls it; lane d writes
+// claimed the call (ep_share_block_fault). Every lane of the calling warp calls it; lane d writes
 // rank d's record (striding by the wave).
 EP_DEVICE void ep_share_fault(const EpArgs& a, int rank, int records, ep_u32 gen, ep_u32 code, ep_u32 x, ep_u32 y,
                               ep_u32 z, int lane) {
@@ -348,13 +348,10 @@ EP_DEVICE void ep_share_fault(const EpArgs& a, int rank, int records, ep_u32 gen
   }
 }
 
-// The word whose compare-and-swap from 0 makes a block the first of its rank to share a fault of
-// call `gen`: the generation word of the rank's own record [gen % 2][rank] (only this rank writes
-// it; the claiming block then writes the whole record, generation included), which the rank's
-// receiving kernel of the call zeroes again (ep_consume_fault). So the blocks of one call that
-// each saw a bad id never mix their words in a record, and a call's fault is shared whatever the
-// rank recorded in earlier calls. The kernels keep its address in shared memory: on a bad id
-// alone is it read, and the routing loop holds no register for it.
+// The word whose compare-and-swap from 0 to `gen` makes a block the first of its rank to share a
+// fault of call `gen` (ep_share_block_fault): the generation word of the rank's own record
+// [gen % 2][rank], which only this rank writes and its receiving kernel of the call zeroes again
+// (ep_consume_fault).
 EP_DEVICE ep_u32* ep_claim_word(const EpArgs& a, int rank, int records, ep_u32 gen) {
   return ep_fault_record(a, rank, records, gen, rank);
 }
@@ -524,10 +521,6 @@ EP_DEVICE void ep_dispatch_recv(const EpArgs& a) {
   }
   if (tid < kFlags) ep_fence_after_poll();  // one acquire after all of this thread's flags
   ep_sync_block();
-  // Every flag of the call acquired (the polls' acquire, then the barrier): block 0 consumes the
-  // call's fault records, so a peer's bad id reaches this rank's error records and no record
-  // outlives the call (ep_consume_fault).
-  if (ep_block_idx() == 0 && tid < kWorld) ep_consume_fault(a, rank, kFaultRecords, gen, tid);
   if (warp == 0) {
     const ep_u32 total = ep_warp_exclusive_scan(s_rows, kFlags, lane);
     if (lane == 0) s_total = total;
@@ -565,6 +558,10 @@ EP_DEVICE void ep_dispatch_recv(const EpArgs& a) {
       ((ep_u8*)(arena + kOffRecvScales))[(ep_u64)r * kScaleBytes + b] = meta[8 + 8 * kTopk + b];
     }
   }
+  // Every flag of the call was acquired above (the polls' acquire, then the barrier): block 0
+  // consumes the call's fault records, last, where the copy holds no registers, so a rank's bad
+  // id reaches this rank's error records and no record outlives the call (ep_consume_fault).
+  if (ep_block_idx() == 0 && tid < kWorld) ep_consume_fault(a, rank, kFaultRecords, gen, tid);
   if (tid == 0) {
     // num_recv: a system-scope atomic store, as the normal family's (dispatch.j2, phase 4).
     if (ep_block_idx() == 0) ep_store_relaxed_system(sig + kSigNumRecv, (ep_u32)rows);

@@ -189,6 +189,82 @@ def test_a_fault_on_one_rank_is_raised_on_every_rank_then_all_run_again(world_si
     _run(world_size, _fault_body, family, fault)
 
 
+def _halves_fault_body(rank, world_size, call):
+    """A bad id (dispatch) or a short y (combine) in the sending half of a split low-latency call
+    on the last rank; every rank synchronizes between the halves: none raises (the fault reaches
+    the error records with the receiving halves); after wait() every rank's synchronize raises
+    the same fault, and every rank runs again."""
+    from epgen.op import EpError
+
+    cfg = proc_config(world_size, "low_latency")
+    op = _op(cfg)
+    culprit = world_size - 1
+    good = lambda seed: integer_inputs(cfg, [8] * world_size, "uniform", seed, device=op.device)  # noqa: E731
+    inputs = good(3)
+    if call == "dispatch":
+        inputs[culprit].indices[2, 1] = cfg.num_experts
+        handle = op.dispatch(*op_inputs(op, inputs), async_recv=True)
+    else:
+        out = op.dispatch(*op_inputs(op, inputs))
+        y = integer_expert_stage(op, rank)
+        n = int(out.num_recv.item())
+        handle = op.combine(y[: max(n - 1, 0)] if rank == culprit else y, async_recv=True)
+    op.synchronize()  # between the halves: defers, on every rank alike
+    torch.distributed.barrier()
+    handle.wait()
+    with pytest.raises(EpError) as e:
+        op.synchronize()
+    text = str(e.value)
+    assert e.value.recoverable and f"rank {culprit}: " in text, text
+    _same_on_every_rank(text)
+    for k in range(2):
+        run_exact_round(op, cfg, good(30 + k))
+    op.synchronize()
+    _close(op)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("call", ["dispatch", "combine"])
+@pytest.mark.parametrize("world_size", PROCESSES)
+def test_a_synchronize_between_the_halves_of_a_faulted_call_defers_on_every_rank(world_size, call):
+    _run(world_size, _halves_fault_body, call)
+
+
+def _apart_body(rank, world_size):
+    """Short y on rank 1 in combines 1 and 3 of three rounds; rank 0 synchronizes after every
+    round, the others only after the third: every rank raises at its first synchronize after a
+    faulted call (rank 0 twice, the others once, the first fault), and all run again exactly."""
+    from epgen.op import EpError
+
+    cfg = proc_config(world_size, "normal")
+    op = _op(cfg)
+    raised = []
+    for i in range(3):
+        out = op.dispatch(*op_inputs(op, integer_inputs(cfg, [8] * world_size, "uniform", 40 + i, device=op.device)))
+        y = integer_expert_stage(op, rank)
+        n = int(out.num_recv.item())
+        op.combine(y[: max(n - 1 - i, 0)] if rank == 1 and i in (0, 2) else y)
+        if rank == 0 or i == 2:
+            try:
+                op.synchronize()
+                raised.append(None)
+            except EpError as e:
+                raised.append(str(e))
+    every = [None] * world_size
+    torch.distributed.all_gather_object(every, raised)
+    assert [r is not None for r in every[0]] == [True, False, True], every[0]
+    assert all(e == [every[0][0]] for e in every[1:]), every
+    run_exact_round(op, cfg, integer_inputs(cfg, [8] * world_size, "uniform", 50, device=op.device))
+    op.synchronize()
+    _close(op)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("world_size", PROCESSES)
+def test_faults_two_calls_apart_with_ranks_synchronizing_after_different_calls(world_size):
+    _run(world_size, _apart_body)
+
+
 # ---- a kernel waiting for blocks of its own grid, beside a kernel holding the GPU -------------
 
 def _busy_gpu_body(rank, world_size):
