@@ -498,7 +498,8 @@ constexpr int kFlags = kWorld * kBlocks;  // one per (source rank, sending block
 // The receiving half (its own kernel, or the second phase of the whole op: out of line there,
 // where NVRTC spills with both phases inlined; inlined in its own kernel, where a call frame
 // would take scratch).
-EP_DEVICE void ep_dispatch_recv(const EpArgs& a) {
+// Returns the call's generation.
+EP_DEVICE ep_u32 ep_dispatch_recv(const EpArgs& a) {
   const int local = ep_block_idx_y();
   const int rank = (int)a.rank_base + local;
   const int tid = ep_thread_idx();
@@ -560,15 +561,12 @@ EP_DEVICE void ep_dispatch_recv(const EpArgs& a) {
       ((ep_u8*)(arena + kOffRecvScales))[(ep_u64)r * kScaleBytes + b] = meta[8 + 8 * kTopk + b];
     }
   }
-  // Every flag of the call was acquired above (the polls' acquire, then the barrier): block 0
-  // consumes the call's fault records, last, where the copy holds no registers, so a rank's bad
-  // id reaches this rank's error records and no record outlives the call (ep_consume_fault).
-  if (ep_block_idx() == 0 && tid < kWorld) ep_consume_fault(a, rank, kFaultRecords, gen, tid);
   if (tid == 0) {
     // num_recv: a system-scope atomic store, as the normal family's (dispatch.j2, phase 4).
     if (ep_block_idx() == 0) ep_store_relaxed_system(sig + kSigNumRecv, (ep_u32)rows);
     *calls = gen;
   }
+  return gen;
 }
 
 // The whole op in one kernel (dispatch_ll: no second launch; every block of the grid must be resident
@@ -576,5 +574,12 @@ EP_DEVICE void ep_dispatch_recv(const EpArgs& a) {
 // op launches it cooperatively, Op.waits_within_grid) or one half of it (dispatch_ll_send,
 // dispatch_ll_recv: the async_recv split, or where the GPU cannot hold the whole op's grid).
 EP_KERNEL(kThreads) epgen_dispatch_ll_recv_gfx1250_bf16_w8_h2880_k4_l16_t4096_64x8_u2_ll128(const EP_GRID_CONSTANT EpArgs a) {
-  ep_dispatch_recv(a);
+  const ep_u32 gen = ep_dispatch_recv(a);
+  // Every flag of the call was acquired in the receiving phase (the polls' acquire, then a
+  // barrier): block 0 consumes the call's fault records, so a rank's bad id reaches this rank's
+  // error records and no record outlives the call (ep_consume_fault). Here, outside the receiving
+  // phase: NVRTC grew that outlined phase's stack frame with it inside.
+  if (ep_block_idx() == 0 && ep_thread_idx() < kWorld) {
+    ep_consume_fault(a, (int)a.rank_base + ep_block_idx_y(), kFaultRecords, gen, ep_thread_idx());
+  }
 }
