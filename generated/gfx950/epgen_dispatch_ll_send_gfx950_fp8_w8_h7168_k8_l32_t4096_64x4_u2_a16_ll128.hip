@@ -577,10 +577,10 @@ EP_DEVICE void ep_put_meta(float* weights, ep_i32* ids, ep_i32* src, ep_u8* scal
 // compare-and-swap of ep_claim_word from 0), hands the fault to every rank, this one included,
 // before the barrier that precedes the block's flag releases (ep_share_fault). The one claim
 // keeps the blocks of a call that each saw a bad id from mixing their words in a record, and
-// shares a call's fault whatever the rank recorded in earlier calls. Out of line on NVIDIA
-// (EP_DEVICE_OUTLINED; AMD inlines it): inlined, NVRTC 13 spilled the whole low-latency dispatch
-// at W = 8, top-k 2.
-EP_DEVICE_OUTLINED void ep_share_block_fault(const EpArgs& a, int rank, ep_u32 gen, const EpRankIO& io, const ep_u32* s_bad,
+// shares a call's fault whatever the rank recorded in earlier calls. Out of line in the whole
+// low-latency op on NVIDIA (EP_DEVICE_OUTLINED; AMD inlines it), as its receiving phase: inlined
+// there, NVRTC 13 spilled at W = 8, top-k 2, and out of line in the other kernels, at top-k 10.
+EP_DEVICE void ep_share_block_fault(const EpArgs& a, int rank, ep_u32 gen, const EpRankIO& io, const ep_u32* s_bad,
                                     int lane) {
   if (!*s_bad) return;
   const int t = (int)*s_bad - 1;
