@@ -21,7 +21,7 @@ pytest.importorskip("transformers", reason="the optional transformers dependency
 import torch  # noqa: E402
 
 import hf_models  # noqa: E402
-from epgen.integrations.transformers import ExpertShard, expert_parallel  # noqa: E402
+from epgen.integrations.transformers import expert_parallel  # noqa: E402
 from epgen.reference import relative_l2  # noqa: E402
 
 SEED = 0
@@ -80,12 +80,9 @@ def test_loop_path_matches_grouped_path(envelopes):
 def test_a_lost_expert_exceeds_the_bound(envelopes):
     model32, envelope, ref = envelopes["qwen3_moe"]
     model, ep = ep_model(model32, 4)
-    for name in ep.modules:  # rank 1's first expert answers zeros in every layer
-        experts = model.get_submodule(name)
-        shard = experts._epgen_shards[1]
-        down = shard.down.clone()
-        down[0] = 0
-        experts._epgen_shards[1] = ExpertShard(up=shard.up, up_bias=shard.up_bias, down=down, down_bias=shard.down_bias)
+    for name in ep.modules:  # rank 1's first expert (global expert L) answers zeros in every layer
+        with torch.no_grad():
+            model.get_submodule(name).down_proj[ep.config.experts_per_rank].zero_()
     error = relative_l2(hf_models.logits(model, PROMPT), ref)
     assert error > 2 * envelope, f"a lost expert gives {error:.3e}, within the bound 2 x {envelope:.3e}"
 
@@ -175,6 +172,98 @@ def test_refusals_name_the_class_and_the_reason(envelopes):
     listed.experts = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
     with pytest.raises(ValueError, match="experts is a ModuleList of per-expert modules \\(Linear\\)"):
         expert_parallel(listed, virtual=True, world_size=2)
+
+
+def test_arguments_refused_like_moe_layer(envelopes):
+    """The argument, its value and the rule, as MoELayer words them; nothing is converted."""
+    model16 = copy.deepcopy(envelopes["qwen3_moe"][0]).to(torch.bfloat16)
+    with pytest.raises(TypeError, match=r"model=None: must be a torch.nn.Module \(a loaded transformers model\), not "
+                                        r"a NoneType"):
+        expert_parallel(None, virtual=True, world_size=2)
+    with pytest.raises(TypeError, match=r"virtual='yes': must be True or False"):
+        expert_parallel(model16, virtual="yes", world_size=2)
+    for flag in (0, 1, "yes"):
+        with pytest.raises(TypeError, match=rf"grouped_mm={flag!r}: must be None, True or False"):
+            expert_parallel(model16, virtual=True, world_size=2, grouped_mm=flag)
+    assert not hasattr(model16.model.layers[0].mlp.experts, "_epgen_parallel")
+
+
+def test_closed_experts_refuse_to_run(envelopes):
+    model, ep = ep_model(envelopes["qwen3_moe"][0], 2)
+    hf_models.logits(model, PROMPT[:1, :8])
+    ep.close()
+    with pytest.raises(RuntimeError, match=r"model.layers.0.mlp.experts \(Qwen3MoeExperts\): its epgen expert "
+                                           r"parallelism was closed"):
+        hf_models.logits(model, PROMPT[:1, :8])
+    ep.close()  # twice: harmless
+
+
+# --- the weights that run: the module's own, as they are now -------------------------------------
+
+
+def _replace_parameters(model, source):
+    """Every parameter of ``model`` replaced by a new Parameter holding ``source``'s value."""
+    for name, value in source.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(value.detach().clone()))
+
+
+@pytest.mark.parametrize("how", ["load_state_dict(assign=True)", "to_empty then load_state_dict",
+                                 "load_state_dict in place", "new Parameters"])
+def test_weights_loaded_or_changed_after_conversion_are_the_ones_that_run(envelopes, how):
+    """A model converted with one set of weights (seed 0), then given another (seed 1) in each way
+    a user loads or changes weights, computes exactly what the model converted with the second set
+    computes (the same kernels: bit-equal logits); the stale first set would be far off."""
+    model32 = envelopes["qwen3_moe"][0]
+    other16 = hf_models.tiny_model("qwen3_moe", SEED + 1).to(torch.bfloat16)
+    expected = hf_models.logits(ep_model(other16, 2)[0], PROMPT)
+    model, _ = ep_model(model32, 2)
+    stale = relative_l2(hf_models.logits(model, PROMPT), expected)
+    if how == "load_state_dict(assign=True)":
+        model.load_state_dict(other16.state_dict(), assign=True)
+    elif how == "to_empty then load_state_dict":
+        model.to_empty(device="cpu")
+        model.load_state_dict(other16.state_dict())
+        with torch.no_grad():  # non-persistent buffers (rotary inv_freq) are not in a state dict
+            for (_, b), (_, ob) in zip(model.named_buffers(), other16.named_buffers()):
+                b.copy_(ob)
+    elif how == "load_state_dict in place":
+        model.load_state_dict(other16.state_dict())
+    else:
+        _replace_parameters(model, other16)
+    out = hf_models.logits(model, PROMPT)
+    print(f"{how}: relative L2 to the model converted with the new weights {relative_l2(out, expected):.3e}; the "
+          f"converted weights' logits are {stale:.3f} away")
+    assert torch.equal(out, expected)
+    assert stale > 0.1
+
+
+def test_meta_and_mismatched_weights_refused_naming_the_module(envelopes):
+    model32 = envelopes["qwen3_moe"][0]
+    with torch.device("meta"):
+        meta = type(model32)(model32.config).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts \(Qwen3MoeExperts\): gate_up_proj is on the "
+                                         r"meta device \(not loaded, no data\); load the weights before expert_parallel"):
+        expert_parallel(meta, virtual=True, world_size=2)
+    model, ep = ep_model(model32, 2)
+    experts = model.model.layers[1].mlp.experts
+    good = experts.down_proj
+    experts.down_proj = torch.nn.Parameter(torch.empty_like(good, device="meta"))
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts \(Qwen3MoeExperts\): down_proj is on the meta "
+                                         r"device \(not loaded, no data\); load the weights \(to_empty then "
+                                         r"load_state_dict, or load_state_dict\(..., assign=True\)\) before running"):
+        hf_models.logits(model, PROMPT[:1, :8])
+    experts.down_proj = torch.nn.Parameter(good.detach()[:4].clone())  # one virtual rank's experts, not all 8
+    with pytest.raises(ValueError, match=r"layers.1.mlp.experts \(Qwen3MoeExperts\): down_proj is \(4, 64, 32\); "
+                                         r"expert_parallel converted it as \(8, 64, 32\), the 8 experts this process "
+                                         r"runs"):
+        hf_models.logits(model, PROMPT[:1, :8])
+    experts.down_proj = torch.nn.Parameter(good.detach().float())
+    with pytest.raises(ValueError, match=r"layers.1.mlp.experts \(Qwen3MoeExperts\): down_proj is torch.float32; "
+                                         r"epgen runs bf16 experts"):
+        hf_models.logits(model, PROMPT[:1, :8])
+    experts.down_proj = good
+    hf_models.logits(model, PROMPT[:1, :8])
 
 
 def test_tokens_above_the_buffers_and_gradients_refused(envelopes):
