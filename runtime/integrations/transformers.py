@@ -41,6 +41,7 @@ of steps everywhere); epgen's dispatch and combine have no backward: inference o
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import attrs
 import torch
@@ -408,7 +409,7 @@ class ExpertParallel:
         self.phase_hook = None  # the model's forward pre-hook that sets it (expert_parallel)
         self.closed = False  # close() was called: the experts refuse to run
 
-    def family(self, tokens: int) -> str | None:
+    def family(self, tokens: int, phase: str | None = None) -> str | None:
         """The kernel family of a dispatch of ``tokens`` on this rank, the same on every rank
         without exchanging counts: None (the op's own pick) where the op sees every rank's count
         (virtual ranks, W = 1), the config fixes the family, or the backend is the reference; in the replicated layout the
@@ -420,7 +421,8 @@ class ExpertParallel:
             return None
         if self.layout == "replicated":
             return self.op.family(-(-tokens // W))
-        return "low_latency" if self.phase == "decode" and self.op.low_latency_tokens else "normal"
+        phase = self.phase if phase is None else phase
+        return "low_latency" if phase == "decode" and self.op.low_latency_tokens else "normal"
 
     def _rank_tokens(self, tokens: list[int]) -> None:
         most = max(tokens)
@@ -482,6 +484,15 @@ class ExpertParallel:
         x = hidden_states.contiguous()
         ids = top_k_index.to(torch.int32).contiguous()
         w = top_k_weights.to(torch.float32).contiguous()
+        key = id(experts)
+        if not torch.compiler.is_compiling() and _CONVERTED.get(key) is not experts:
+            _CONVERTED[key] = experts  # (a copy of a converted model: its own modules)
+        return torch.ops.epgen.transformers_experts(x, ids, w, key, self.phase)
+
+    def run(self, experts, x, ids, w, phase: str) -> torch.Tensor:
+        """The body of ``forward`` (the ``epgen::transformers_experts`` operator): x [T, H] bf16,
+        ids [T, K] int32, w [T, K] float32, contiguous; ``phase`` the model forward's phase as the
+        caller saw it (the family of the owned layout)."""
         T, W = x.shape[0], self.config.world_size
         shards = self.shards(experts)
         if self.virtual:
@@ -493,10 +504,10 @@ class ExpertParallel:
             parts = _slices(T, W)
             a, b = parts[self.ranks[0]]
             self._rank_tokens([parts[0][1] - parts[0][0]])
-            d = self.op.dispatch(x[a:b], w[a:b], ids[a:b], family=self.family(T))
+            d = self.op.dispatch(x[a:b], w[a:b], ids[a:b], family=self.family(T, phase))
             return self._gather(self.op.combine(self._experts(experts, shards, [d])[0]), parts)
         self._rank_tokens([T])
-        family = self.family(T)
+        family = self.family(T, phase)
         if family == "low_latency" and T > self.op.low_latency_tokens:
             raise ValueError(f"epgen expert parallel (owned tokens, W={W}): a decode step of {T} tokens on rank "
                              f"{self.ranks[0]}, more than the low-latency family takes (low_latency_tokens="
@@ -547,6 +558,37 @@ def epgen_experts_forward(self, hidden_states, top_k_index, top_k_weights):
                            "epgen.integrations.transformers.expert_parallel(model, ...) first (it builds the op and "
                            "shards the experts)")
     return handle.forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+# --- torch.compile: the experts call is one opaque operator ------------------------------------------
+#
+# Why a custom operator and not torch.compiler.disable: a compiled model keeps one graph (the
+# operator is a node; fullgraph=True works, and a CUDA-graphed step keeps the MoE layers inside
+# it) where a disabled call breaks the graph at every MoE layer and runs those layers outside any
+# compiled region. Its contract is the experts call's: [T, H] bf16 out for [T, H] bf16 in, no
+# input mutated, so the fake implementation is one empty tensor. Dynamo never traces dispatch,
+# combine or the reference (data-dependent sizes, collectives, host synchronizations).
+# What the operator cannot take as an argument goes through a handle: the experts module by
+# id (``_CONVERTED``, weak: a freed module leaves it), and the phase is passed in, read where the
+# model's forward runs, because a compiled graph applies Python attribute writes (the phase
+# pre-hook's) only after it ends.
+
+_CONVERTED: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
+"""The converted experts modules by id, for the operator."""
+
+
+@torch.library.custom_op("epgen::transformers_experts", mutates_args=())
+def _experts_operator(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, module: int, phase: str) -> torch.Tensor:
+    experts = _CONVERTED.get(module)
+    if experts is None:
+        raise RuntimeError(f"epgen::transformers_experts: no converted experts module with id {module} (freed, or "
+                           "a compiled graph of another model)")
+    return experts._epgen_parallel.run(experts, x, ids, w, phase)
+
+
+@_experts_operator.register_fake
+def _(x, ids, w, module, phase):
+    return x.new_empty(x.shape)
 
 
 def _register() -> None:
@@ -661,6 +703,7 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
                     setattr(experts, w, torch.nn.Parameter(p.data[rank * L:(rank + 1) * L].clone(),
                                                            requires_grad=p.requires_grad))
         experts._epgen_name = name
+        _CONVERTED[id(experts)] = experts
         _remember_weights(experts, L * W if virtual else L)
     handle = ExpertParallel(cfg, op, backend=backend, layout=layout, virtual=virtual, group=group,
                             grouped_mm=bool(grouped_mm), modules=[n for n, _ in modules])
