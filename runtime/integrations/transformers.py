@@ -34,8 +34,12 @@ With ``virtual=True`` one process holds all W ranks (tests, one GPU): the block'
 split the same way, virtual rank r dispatches rows [r c, (r + 1) c), and the outputs are
 concatenated; both layouts then compute the same thing.
 
-Every rank must run the same MoE layers in the same order (a generate loop with the same number
-of steps everywhere); epgen's dispatch and combine have no backward: inference only.
+Every rank must run the same MoE layers in the same order: with one process a rank,
+``expert_parallel`` makes ``model.generate`` default to ``synced_gpus=True`` (a rank whose
+sequences have ended keeps running forwards until every rank's have); epgen's dispatch and combine
+have no backward: inference only. The experts read the module's weights as they are at each
+forward (a load after the conversion runs); under ``torch.compile`` the experts call is one opaque
+operator (``epgen::transformers_experts``).
 """
 
 from __future__ import annotations
@@ -408,6 +412,7 @@ class ExpertParallel:
         self.phase = "prefill"  # the model's forward: "decode" when it runs one position a sequence
         self.phase_hook = None  # the model's forward pre-hook that sets it (expert_parallel)
         self.closed = False  # close() was called: the experts refuse to run
+        self.generate_restore = None  # undoes _sync_generate (expert_parallel)
 
     def family(self, tokens: int, phase: str | None = None) -> str | None:
         """The kernel family of a dispatch of ``tokens`` on this rank, the same on every rank
@@ -538,6 +543,9 @@ class ExpertParallel:
         """Release the op's buffers and the model's phase hook; the converted experts modules then
         refuse to run (RuntimeError naming the module). Closing twice is harmless."""
         self.closed = True
+        if self.generate_restore is not None:
+            self.generate_restore()
+            self.generate_restore = None
         if self.phase_hook is not None:
             self.phase_hook.remove()
             self.phase_hook = None
@@ -589,6 +597,40 @@ def _experts_operator(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, modul
 @_experts_operator.register_fake
 def _(x, ids, w, module, phase):
     return x.new_empty(x.shape)
+
+
+def _sync_generate(model: torch.nn.Module, handle: ExpertParallel) -> None:
+    """With one process a rank (W > 1, not virtual), make ``model.generate`` default to
+    ``synced_gpus=True``: transformers' own mechanism for models whose forward is a collective
+    (DeepSpeed ZeRO-3, FSDP), where a rank whose sequences have all ended keeps running the
+    forward (its tokens discarded) until every rank's have, each step all-reducing a "still
+    generating" flag over the default process group. Without it a rank that stops early (EOS)
+    leaves its peers waiting in a dispatch. transformers turns it on by itself for ZeRO-3 and
+    FSDP only; it is an argument of ``generate``, not a GenerationConfig field, so an instance
+    ``generate`` passes it (an explicit ``synced_gpus`` is kept; ``close()`` removes the wrapper).
+    The flag's all-reduce runs on the default (world) group: every process of the world generates."""
+    if handle.virtual or handle.config.world_size == 1 or not callable(getattr(type(model), "generate", None)):
+        return
+    import inspect
+    import types
+
+    generate = type(model).generate
+    signature = inspect.signature(generate)
+
+    def synced(self, *args, **kwargs):
+        bound = signature.bind_partial(self, *args, **kwargs)
+        if bound.arguments.get("synced_gpus") is None:
+            bound.arguments["synced_gpus"] = True
+        return generate(*bound.args, **bound.kwargs)
+
+    synced.__doc__ = generate.__doc__
+    model.generate = types.MethodType(synced, model)  # a deepcopy rebinds it to the copy
+
+    def restore():
+        if model.__dict__.get("generate") is not None and getattr(model.__dict__["generate"], "__func__", None) is synced:
+            del model.__dict__["generate"]
+
+    handle.generate_restore = restore
 
 
 def _register() -> None:
@@ -714,6 +756,7 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
         handle.phase = "decode" if ids is not None and ids.dim() >= 2 and ids.shape[1] == 1 else "prefill"
 
     handle.phase_hook = model.register_forward_pre_hook(phase, with_kwargs=True)
+    _sync_generate(model, handle)
     for _, experts in modules:
         experts._epgen_parallel = handle
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)

@@ -7,7 +7,8 @@ Tiny random-weight models of qwen3_moe, mixtral, deepseek_v3 and gpt_oss (tests/
 the bound is derived): full-model logits of the bf16 expert-parallel model against the float32
 model within 2 x the model's own bf16 error; greedy generation of 32 tokens against the model's own
 bf16 eager path; a lost expert exceeds the bound; the two token layouts as two processes (gloo);
-the refusals.
+generate across two processes whose prompts end at different steps; weights loaded or changed
+after the conversion; torch.compile against eager; the refusals.
 """
 
 import copy
@@ -135,6 +136,49 @@ def test_both_token_layouts_as_two_processes(tmp_path):
         print((tmp_path / f"rank{rank}").read_text())
 
 
+def _generate_body(rank, world, store, result_dir):
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))  # a hang fails in a minute
+    try:
+        model = hf_models.tiny_model("qwen3_moe", SEED).to(torch.bfloat16)
+        ep = expert_parallel(model, layout="owned", max_tokens_per_rank=256)
+        r = hf_models.stopping_at_different_steps(model, rank)
+        S, step = r["ids"].shape[1], r["step"]
+        assert torch.equal(r["out"], r["reference"][:, :S + step]), "the stopped generation is not the rank's own"
+        slowest = 20
+        assert r["forwards"] == slowest, f"rank {rank}: {r['forwards']} forwards, the slowest rank's {slowest} expected"
+        line = (f"rank {rank}: {len(r['ids'])} prompt(s) of {S} tokens stop at step {step}: {r['out'].shape[1] - S} "
+                f"tokens, equal to its own no-EOS generation's first {step}; {r['forwards']} forwards")
+        experts = model.get_submodule(ep.modules[0])  # a full [E, ...] weight on a rank that holds E / W: refused
+        experts.down_proj = torch.nn.Parameter(torch.zeros(hf_models.EXPERTS, *experts.down_proj.shape[1:],
+                                                           dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts \(Qwen3MoeExperts\): down_proj is "
+                                             r"\(8, 64, 32\); expert_parallel converted it as \(4, 64, 32\)"):
+            hf_models.logits(model, r["ids"])
+        ep.close()
+        assert "generate" not in model.__dict__
+        with open(os.path.join(result_dir, f"generate{rank}"), "w") as f:
+            f.write(line)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_generate_across_processes_when_ranks_stop_at_different_steps(tmp_path):
+    """Two processes (gloo, owned tokens): rank 0's prompts end (EOS) at generated step 1, rank
+    1's at step 20. expert_parallel makes generate run with synced_gpus=True, so rank 0 keeps
+    running forwards (20 on each rank) until rank 1 ends; no hang, and each rank's output is what
+    it generates alone (its own no-EOS generation, cut at its EOS)."""
+    world = 2
+    torch.multiprocessing.spawn(_generate_body, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world,
+                                join=True)
+    for rank in range(world):
+        print((tmp_path / f"generate{rank}").read_text())
+
+
 # --- refusals -------------------------------------------------------------------------------------
 
 
@@ -232,8 +276,8 @@ def test_weights_loaded_or_changed_after_conversion_are_the_ones_that_run(envelo
     else:
         _replace_parameters(model, other16)
     out = hf_models.logits(model, PROMPT)
-    print(f"{how}: relative L2 to the model converted with the new weights {relative_l2(out, expected):.3e}; the "
-          f"converted weights' logits are {stale:.3f} away")
+    print(f"{how}: relative L2 to the model converted with the new weights {relative_l2(out, expected):.3e}; before "
+          f"the change the model was {stale:.3f} away")
     assert torch.equal(out, expected)
     assert stale > 0.1
 
