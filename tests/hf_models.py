@@ -114,6 +114,41 @@ def greedy(model: torch.nn.Module, ids: torch.Tensor, tokens: int = 32) -> tuple
     return out.sequences.cpu(), torch.stack(out.logits).float().cpu()
 
 
+def stopping_at_different_steps(model, rank: int, steps: tuple[int, ...] = (1, 20), tokens: int = 21,
+                                **generate_kwargs) -> dict:
+    """Generation that ends at a different step on each rank (one process a rank, the model made
+    expert-parallel; every rank calls this together): rank r's prompts end (EOS) at generated step
+    ``steps[r % len(steps)]``. Each rank first generates ``tokens`` greedy tokens with no EOS (the
+    same number of steps everywhere: what the rank alone generates), among 8 seeded candidate
+    prompts picks one whose token at that step appears nowhere before it (2 prompts for step 1,
+    1 otherwise; their first tokens for step 1), regenerates the pick alone as the reference, then
+    generates with those tokens as EOS and ``generate_kwargs`` (no ``synced_gpus`` by default). Returns {"ids": the
+    prompts, "reference": the no-EOS sequences, "out": the EOS-stopped sequences, "forwards": the
+    model forwards of the stopped generation, "step": the rank's stopping step}."""
+    step = steps[rank % len(steps)]
+    candidates = prompt(40 + rank, batch=8, length=8 + 2 * rank)
+    S = candidates.shape[1]
+    seqs, _ = greedy(model, candidates, tokens)
+    if step == 1:
+        rows = [0, 1]
+    else:
+        rows = [r for r in range(len(seqs)) if int(seqs[r, S + step - 1]) not in seqs[r, S:S + step - 1].tolist()][:1]
+        assert rows, f"rank {rank}: no candidate prompt whose step-{step} token is new"
+    ids = candidates[rows]
+    reference, _ = greedy(model, ids, tokens)
+    eos = sorted({int(t) for t in reference[:, S + step - 1]})
+    assert all(t not in reference[:, S:S + step - 1] for t in eos), f"rank {rank}: an EOS token comes before step {step}"
+    forwards = []
+    hook = model.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        with torch.no_grad():
+            out = model.generate(ids.to(model.device), max_new_tokens=tokens, do_sample=False, eos_token_id=eos,
+                                 pad_token_id=0, **generate_kwargs).cpu()
+    finally:
+        hook.remove()
+    return {"ids": ids, "reference": reference, "out": out, "forwards": len(forwards), "step": step}
+
+
 @contextlib.contextmanager
 def routing(model: torch.nn.Module, forced: dict | None = None):
     """Record the routing of every routed experts module of ``model`` (named ``*.experts``), call by

@@ -34,13 +34,18 @@ With ``virtual=True`` one process holds all W ranks (tests, one GPU): the block'
 split the same way, virtual rank r dispatches rows [r c, (r + 1) c), and the outputs are
 concatenated; both layouts then compute the same thing.
 
-Every rank must run the same MoE layers in the same order (a generate loop with the same number
-of steps everywhere); epgen's dispatch and combine have no backward: inference only.
+Every rank must run the same MoE layers in the same order: with one process a rank,
+``expert_parallel`` makes ``model.generate`` default to ``synced_gpus=True`` (a rank whose
+sequences have ended keeps running forwards until every rank's have); epgen's dispatch and combine
+have no backward: inference only. The experts read the module's weights as they are at each
+forward (a load after the conversion runs); under ``torch.compile`` the experts call is one opaque
+operator (``epgen::transformers_experts``).
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import attrs
 import torch
@@ -291,6 +296,56 @@ def _experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]
     return found
 
 
+def _module_name(experts) -> str:
+    """"name (Class)" of a converted experts module, as ``expert_parallel`` found it in the model."""
+    return f"{getattr(experts, '_epgen_name', '?')} ({type(experts).__name__})"
+
+
+def _remember_weights(experts, held: int) -> None:
+    """Record the device and shapes of the expert weights as converted (``held`` experts each), for
+    ``ExpertParallel.shards`` to check the weights against at every forward."""
+    shapes = {}
+    for w in ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):
+        t = getattr(experts, w, None)
+        if isinstance(t, torch.Tensor):
+            shapes[w] = (held, *t.shape[1:])
+    experts._epgen_weights = (experts.down_proj.device, shapes)
+
+
+def _check_weight(experts, w: str, held: int, recorded) -> None:
+    """ValueError naming the module and weight ``w`` when it cannot run as converted (cheap: no
+    data is read)."""
+    t = getattr(experts, w, None)
+    where = f"{_module_name(experts)}: {w}"
+    if not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise ValueError(f"{where} is a {type(t).__name__}, not a plain tensor; epgen runs the bf16 expert weights "
+                         "it converted")
+    if t.is_meta:
+        raise ValueError(f"{where} is on the meta device (not loaded, no data); load the weights (to_empty then "
+                         "load_state_dict, or load_state_dict(..., assign=True)) before running the model")
+    device, shapes = recorded if recorded is not None else (t.device, {})
+    if t.device != device:
+        raise ValueError(f"{where} is on {t.device}; expert_parallel converted it on {device}, where the op runs")
+    if t.dtype != torch.bfloat16:
+        raise ValueError(f"{where} is {t.dtype}; epgen runs bf16 experts")
+    want = shapes.get(w)
+    if t.shape[0] != held or (want is not None and tuple(t.shape) != want):
+        raise ValueError(f"{where} is {tuple(t.shape)}; expert_parallel converted it as "
+                         f"{want if want is not None else (held, '...')}, the {held} experts this process runs (one "
+                         "process a rank holds its own E / W only); assign a weight of that shape")
+
+
+def _check_arguments(model, virtual, grouped_mm) -> None:
+    """TypeError naming the argument, its value and the rule (``MoELayer``'s wording)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model={model!r}: must be a torch.nn.Module (a loaded transformers model), not a "
+                        f"{type(model).__name__}")
+    if not isinstance(virtual, bool):
+        raise TypeError(f"virtual={virtual!r}: must be True or False")
+    if grouped_mm is not None and not isinstance(grouped_mm, bool):
+        raise TypeError(f"grouped_mm={grouped_mm!r}: must be None, True or False")
+
+
 def _check_experts(name: str, experts: torch.nn.Module, cfg: EpConfig) -> None:
     """ValueError naming the class and the reason when epgen cannot run ``experts``."""
     cls = type(experts).__name__
@@ -310,6 +365,9 @@ def _check_experts(name: str, experts: torch.nn.Module, cfg: EpConfig) -> None:
         if type(t.data) is not torch.Tensor:
             raise ValueError(f"{name} ({cls}): {w} is a {type(t.data).__name__} (a sharded or quantized tensor "
                              "subclass); epgen needs plain tensors holding every expert")
+        if t.is_meta:
+            raise ValueError(f"{name} ({cls}): {w} is on the meta device (not loaded, no data); load the weights "
+                             "before expert_parallel")
         if t.dtype != torch.bfloat16:
             raise ValueError(f"{name} ({cls}): {w} is {t.dtype}; epgen dispatches bf16 rows and runs bf16 experts "
                              "(load the model with dtype=torch.bfloat16; quantized experts are not supported)")
@@ -353,8 +411,10 @@ class ExpertParallel:
         self.modules = modules
         self.phase = "prefill"  # the model's forward: "decode" when it runs one position a sequence
         self.phase_hook = None  # the model's forward pre-hook that sets it (expert_parallel)
+        self.closed = False  # close() was called: the experts refuse to run
+        self.generate_restore = None  # undoes _sync_generate (expert_parallel)
 
-    def family(self, tokens: int) -> str | None:
+    def family(self, tokens: int, phase: str | None = None) -> str | None:
         """The kernel family of a dispatch of ``tokens`` on this rank, the same on every rank
         without exchanging counts: None (the op's own pick) where the op sees every rank's count
         (virtual ranks, W = 1), the config fixes the family, or the backend is the reference; in the replicated layout the
@@ -366,7 +426,8 @@ class ExpertParallel:
             return None
         if self.layout == "replicated":
             return self.op.family(-(-tokens // W))
-        return "low_latency" if self.phase == "decode" and self.op.low_latency_tokens else "normal"
+        phase = self.phase if phase is None else phase
+        return "low_latency" if phase == "decode" and self.op.low_latency_tokens else "normal"
 
     def _rank_tokens(self, tokens: list[int]) -> None:
         most = max(tokens)
@@ -377,6 +438,28 @@ class ExpertParallel:
                              f"dispatch, more than max_tokens_per_rank={self.config.max_tokens_per_rank} (raise it in "
                              "expert_parallel)")
 
+    def shards(self, experts) -> list[ExpertShard]:
+        """The local experts of ``experts`` as its parameters are now (views: no copy), one
+        ExpertShard per rank this process drives. Read at every forward, so a weight loaded, replaced
+        (``load_state_dict(..., assign=True)``, ``to_empty`` then a load, a new Parameter) or changed
+        in place after ``expert_parallel`` is the one that runs; nothing holds the old tensors.
+
+        Raises:
+            ValueError: naming the module, the weight and why: not a plain tensor, on the meta device
+                (not loaded), not on the device the op runs on, not bf16, or not the shape converted
+                (with one process a rank, a rank holds its E / W experts: a full [E, ...] weight
+                assigned after the conversion is refused, not silently sliced).
+        """
+        cfg, recorded = self.config, getattr(experts, "_epgen_weights", None)
+        L, W = cfg.experts_per_rank, cfg.world_size
+        held = L * W if self.virtual else L
+        up_name = "gate_up_proj" if experts.has_gate else "up_proj"
+        for w in (up_name, "down_proj") + ((f"{up_name}_bias", "down_proj_bias") if experts.has_bias else ()):
+            _check_weight(experts, w, held, recorded)
+        if self.virtual:
+            return [ExpertShard.of(experts, r * L, (r + 1) * L) for r in range(W)]
+        return [ExpertShard.of(experts, 0, L)]
+
     def _experts(self, experts, shards, dispatched):
         return [expert_rows(experts, s, d.x, d.offsets, grouped=self.grouped_mm) for s, d in zip(shards, dispatched)]
 
@@ -386,11 +469,17 @@ class ExpertParallel:
         top-k weighted sum of the experts' outputs for this rank's tokens (all T in every layout).
 
         Raises:
-            RuntimeError: gradients enabled on a tensor that needs them (no backward).
+            RuntimeError: this ExpertParallel was closed; gradients enabled on a tensor that needs
+                them (no backward).
             ValueError: hidden_states not 2-D bf16; a rank's share above max_tokens_per_rank; in
                 the owned layout with one process a rank, a decode step above the op's
-                low_latency_tokens (``family``).
+                low_latency_tokens (``family``); the module's expert weights as they are now cannot
+                run (``shards``: on the meta device, another device, dtype or shape).
         """
+        if self.closed:
+            raise RuntimeError(f"{_module_name(experts)}: its epgen expert parallelism was closed "
+                               "(ExpertParallel.close() released the op's buffers); convert a freshly loaded model with "
+                               "expert_parallel to run it")
         if torch.is_grad_enabled() and hidden_states.requires_grad:
             raise RuntimeError(f"{type(experts).__name__}: epgen's dispatch and combine have no backward; run the "
                                "expert-parallel model under torch.no_grad() or torch.inference_mode()")
@@ -400,8 +489,17 @@ class ExpertParallel:
         x = hidden_states.contiguous()
         ids = top_k_index.to(torch.int32).contiguous()
         w = top_k_weights.to(torch.float32).contiguous()
+        key = id(experts)
+        if not torch.compiler.is_compiling() and _CONVERTED.get(key) is not experts:
+            _CONVERTED[key] = experts  # (a copy of a converted model: its own modules)
+        return torch.ops.epgen.transformers_experts(x, ids, w, key, self.phase)
+
+    def run(self, experts, x, ids, w, phase: str) -> torch.Tensor:
+        """The body of ``forward`` (the ``epgen::transformers_experts`` operator): x [T, H] bf16,
+        ids [T, K] int32, w [T, K] float32, contiguous; ``phase`` the model forward's phase as the
+        caller saw it (the family of the owned layout)."""
         T, W = x.shape[0], self.config.world_size
-        shards = experts._epgen_shards
+        shards = self.shards(experts)
         if self.virtual:
             parts = _slices(T, W)
             self._rank_tokens([b - a for a, b in parts])
@@ -411,10 +509,10 @@ class ExpertParallel:
             parts = _slices(T, W)
             a, b = parts[self.ranks[0]]
             self._rank_tokens([parts[0][1] - parts[0][0]])
-            d = self.op.dispatch(x[a:b], w[a:b], ids[a:b], family=self.family(T))
+            d = self.op.dispatch(x[a:b], w[a:b], ids[a:b], family=self.family(T, phase))
             return self._gather(self.op.combine(self._experts(experts, shards, [d])[0]), parts)
         self._rank_tokens([T])
-        family = self.family(T)
+        family = self.family(T, phase)
         if family == "low_latency" and T > self.op.low_latency_tokens:
             raise ValueError(f"epgen expert parallel (owned tokens, W={W}): a decode step of {T} tokens on rank "
                              f"{self.ranks[0]}, more than the low-latency family takes (low_latency_tokens="
@@ -442,9 +540,15 @@ class ExpertParallel:
         self.op.synchronize()
 
     def close(self) -> None:
-        """Release the op's buffers and the model's phase hook."""
+        """Release the op's buffers and the model's phase hook; the converted experts modules then
+        refuse to run (RuntimeError naming the module). Closing twice is harmless."""
+        self.closed = True
+        if self.generate_restore is not None:
+            self.generate_restore()
+            self.generate_restore = None
         if self.phase_hook is not None:
             self.phase_hook.remove()
+            self.phase_hook = None
         self.op.close()
 
 
@@ -462,6 +566,71 @@ def epgen_experts_forward(self, hidden_states, top_k_index, top_k_weights):
                            "epgen.integrations.transformers.expert_parallel(model, ...) first (it builds the op and "
                            "shards the experts)")
     return handle.forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+# --- torch.compile: the experts call is one opaque operator ------------------------------------------
+#
+# Why a custom operator and not torch.compiler.disable: a compiled model keeps one graph (the
+# operator is a node; fullgraph=True works, and a CUDA-graphed step keeps the MoE layers inside
+# it) where a disabled call breaks the graph at every MoE layer and runs those layers outside any
+# compiled region. Its contract is the experts call's: [T, H] bf16 out for [T, H] bf16 in, no
+# input mutated, so the fake implementation is one empty tensor. Dynamo never traces dispatch,
+# combine or the reference (data-dependent sizes, collectives, host synchronizations).
+# What the operator cannot take as an argument goes through a handle: the experts module by
+# id (``_CONVERTED``, weak: a freed module leaves it), and the phase is passed in, read where the
+# model's forward runs, because a compiled graph applies Python attribute writes (the phase
+# pre-hook's) only after it ends.
+
+_CONVERTED: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
+"""The converted experts modules by id, for the operator."""
+
+
+@torch.library.custom_op("epgen::transformers_experts", mutates_args=())
+def _experts_operator(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, module: int, phase: str) -> torch.Tensor:
+    experts = _CONVERTED.get(module)
+    if experts is None:
+        raise RuntimeError(f"epgen::transformers_experts: no converted experts module with id {module} (freed, or "
+                           "a compiled graph of another model)")
+    return experts._epgen_parallel.run(experts, x, ids, w, phase)
+
+
+@_experts_operator.register_fake
+def _(x, ids, w, module, phase):
+    return x.new_empty(x.shape)
+
+
+def _sync_generate(model: torch.nn.Module, handle: ExpertParallel) -> None:
+    """With one process a rank (W > 1, not virtual), make ``model.generate`` default to
+    ``synced_gpus=True``: transformers' own mechanism for models whose forward is a collective
+    (DeepSpeed ZeRO-3, FSDP), where a rank whose sequences have all ended keeps running the
+    forward (its tokens discarded) until every rank's have, each step all-reducing a "still
+    generating" flag over the default process group. Without it a rank that stops early (EOS)
+    leaves its peers waiting in a dispatch. transformers turns it on by itself for ZeRO-3 and
+    FSDP only; it is an argument of ``generate``, not a GenerationConfig field, so an instance
+    ``generate`` passes it (an explicit ``synced_gpus`` is kept; ``close()`` removes the wrapper).
+    The flag's all-reduce runs on the default (world) group: every process of the world generates."""
+    if handle.virtual or handle.config.world_size == 1 or not callable(getattr(type(model), "generate", None)):
+        return
+    import inspect
+    import types
+
+    generate = type(model).generate
+    signature = inspect.signature(generate)
+
+    def synced(self, *args, **kwargs):
+        bound = signature.bind_partial(self, *args, **kwargs)
+        if bound.arguments.get("synced_gpus") is None:
+            bound.arguments["synced_gpus"] = True
+        return generate(*bound.args, **bound.kwargs)
+
+    synced.__doc__ = generate.__doc__
+    model.generate = types.MethodType(synced, model)  # a deepcopy rebinds it to the copy
+
+    def restore():
+        if model.__dict__.get("generate") is not None and getattr(model.__dict__["generate"], "__func__", None) is synced:
+            del model.__dict__["generate"]
+
+    handle.generate_restore = restore
 
 
 def _register() -> None:
@@ -509,17 +678,19 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
         ExpertParallel.
 
     Raises:
+        TypeError: model not a torch.nn.Module; virtual not a bool; grouped_mm not None or a bool.
         ValueError: layout or backend unknown; virtual without world_size, or world_size not the
             group's size; neither a process group (torch.distributed initialized), virtual ranks nor
             world_size=1; an EpConfig field refused (e.g. experts not a multiple of W: names the
             model_type); no experts module; an experts module epgen cannot run (names the module,
             its class and the reason: a per-expert ModuleList, a quantized or sharded weight, not
-            bf16, shapes that disagree with the config, already expert-parallel through epgen or
+            bf16, on the meta device, shapes that disagree with the config, already expert-parallel through epgen or
             under transformers' own expert parallelism); grouped_mm=True where it cannot run.
         RuntimeError: backend "epgen" without a GPU or CuPy, or W > 1 processes without
             torch.distributed (``EpDispatchCombine``); the model cannot select the "epgen" experts
             implementation.
     """
+    _check_arguments(model, virtual, grouped_mm)
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: must be one of {', '.join(LAYOUTS)}")
     if backend is not None and backend not in BACKENDS:
@@ -567,17 +738,15 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
         op = ReferenceOp(cfg, virtual=virtual, group=group)
     L = cfg.experts_per_rank
     for name, experts in modules:
-        if virtual:
-            shards = [ExpertShard.of(experts, r * L, (r + 1) * L) for r in range(W)]
-        else:
-            if W > 1:
-                for w in ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):
-                    p = getattr(experts, w, None)
-                    if isinstance(p, torch.nn.Parameter):
-                        setattr(experts, w, torch.nn.Parameter(p.data[rank * L:(rank + 1) * L].clone(),
-                                                               requires_grad=p.requires_grad))
-            shards = [ExpertShard.of(experts, 0, L)]
-        experts._epgen_shards = shards
+        if not virtual and W > 1:
+            for w in ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):
+                p = getattr(experts, w, None)
+                if isinstance(p, torch.nn.Parameter):
+                    setattr(experts, w, torch.nn.Parameter(p.data[rank * L:(rank + 1) * L].clone(),
+                                                           requires_grad=p.requires_grad))
+        experts._epgen_name = name
+        _CONVERTED[id(experts)] = experts
+        _remember_weights(experts, L * W if virtual else L)
     handle = ExpertParallel(cfg, op, backend=backend, layout=layout, virtual=virtual, group=group,
                             grouped_mm=bool(grouped_mm), modules=[n for n, _ in modules])
 
@@ -587,6 +756,7 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
         handle.phase = "decode" if ids is not None and ids.dim() >= 2 and ids.shape[1] == 1 else "prefill"
 
     handle.phase_hook = model.register_forward_pre_hook(phase, with_kwargs=True)
+    _sync_generate(model, handle)
     for _, experts in modules:
         experts._epgen_parallel = handle
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)

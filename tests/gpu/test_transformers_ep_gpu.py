@@ -11,7 +11,10 @@ expert-parallel run's routing, ``hf_models.check_generation``):
 * virtual ranks, W = 2, 4, 8, on one GPU (every rank in this process, one grid);
 * W = 2 and 4 processes (``epgen.harness.ranks.run_ranks``: all on cuda:0 when there are fewer GPUs), in
   both token layouts: "replicated" (every rank the same prompt; each dispatches its slice and the
-  outputs are gathered: every rank's logits identical) and "owned" (every rank its own prompt).
+  outputs are gathered: every rank's logits identical) and "owned" (every rank its own prompt);
+* generate across W = 2 and 4 processes whose prompts end at different steps (1 and 20): no hang,
+  each rank's own generation;
+* torch.compile (inductor) of the model, virtual ranks and two processes, within the bound.
 """
 
 import copy
@@ -168,3 +171,79 @@ def test_owned_prefill_on_both_sides_of_the_threshold_then_decode():
     from epgen.harness.ranks import run_ranks
 
     run_ranks(2, _straddle_body, timeout_s=RUN_TIMEOUT_S)
+
+
+def _stop_at_different_steps_body(rank, world_size):
+    """Owned tokens, one process a rank: rank r's prompts end (EOS) at generated step 1 (even
+    ranks) or 20 (odd ranks); ``expert_parallel`` makes ``generate`` run with synced_gpus=True, so
+    the ranks that end first keep running decode forwards (each step one family on every rank: the
+    phase's) until the last one ends: no hang, every rank 20 forwards, and each rank's output is
+    its own no-EOS generation cut at its EOS (``hf_models.stopping_at_different_steps``)."""
+    model = hf_models.tiny_model("qwen3_moe", SEED).to("cuda").to(torch.bfloat16)
+    ep = _ep(model, layout="owned")
+    r = hf_models.stopping_at_different_steps(model, rank)
+    ep.synchronize()
+    torch.distributed.barrier()
+    ep.close()
+    S, step = r["ids"].shape[1], r["step"]
+    print(f"rank {rank}: {len(r['ids'])} prompt(s) of {S} tokens stop at step {step}: {r['out'].shape[1] - S} tokens; "
+          f"{r['forwards']} forwards", flush=True)
+    assert torch.equal(r["out"], r["reference"][:, :S + step]), f"rank {rank}: the stopped generation is not its own"
+    assert r["forwards"] == 20, f"rank {rank}: {r['forwards']} forwards, the slowest rank's 20 expected"
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_generate_when_ranks_stop_at_different_steps(world_size):
+    from epgen.harness.ranks import run_ranks
+
+    run_ranks(world_size, _stop_at_different_steps_body, timeout_s=RUN_TIMEOUT_S)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_inductor_compiled_model_within_the_bound(envelopes, family):
+    """torch.compile(fullgraph=True, inductor) of the expert-parallel model (virtual W = 4): one
+    graph around the epgen::transformers_experts operator (the GPU op inside, opaque); the logits
+    within 2 x the model's own bf16 error, like eager's."""
+    model32, envelope, ref = envelopes[family]
+    model = copy.deepcopy(model32).to(torch.bfloat16)
+    ep = _ep(model, 4)
+    try:
+        eager = hf_models.logits(model, PROMPT)
+        torch._dynamo.reset()
+        out = hf_models.logits(torch.compile(model, fullgraph=True), PROMPT)
+        ep.synchronize()
+    finally:
+        ep.close()
+    error = relative_l2(out, ref)
+    print(f"{family} W=4 virtual, inductor: relative L2 {error:.3e} (eager {relative_l2(eager, ref):.3e}, model's own "
+          f"bf16 {envelope:.3e}); compiled vs eager {relative_l2(out, eager):.3e}")
+    assert error <= 2 * envelope, f"{family} compiled: {error:.3e} > 2 x {envelope:.3e}"
+
+
+def _compiled_processes_body(rank, world_size):
+    """Owned tokens, one process a rank, the model compiled in place (inductor): the logits of the
+    rank's own batch within the bound, and a compiled greedy generation as the eager model's
+    (``check_generation``): prefill and decode each take their family inside the compiled graph."""
+    model32 = hf_models.tiny_model("qwen3_moe", SEED).to("cuda")
+    own = hf_models.prompt(10 + rank, batch=4, length=56 + 2 * rank)
+    envelope, ref = hf_models.bf16_envelope(model32, own)
+    eager = hf_models.eager_bf16(model32)
+    model = copy.deepcopy(eager)
+    ep = _ep(model, layout="owned")
+    model.compile()
+    error = relative_l2(hf_models.logits(model, own), ref)
+    verdict = hf_models.check_generation(model, eager, own[:, :8], envelope, tokens=8)
+    ep.synchronize()
+    torch.distributed.barrier()
+    ep.close()
+    print(f"rank {rank} compiled: relative L2 {error:.3e} (bound {2 * envelope:.3e}); generation {verdict}", flush=True)
+    assert error <= 2 * envelope, f"rank {rank} compiled: {error:.3e} > 2 x {envelope:.3e}"
+
+
+@pytest.mark.processes
+def test_compiled_model_as_two_processes():
+    from epgen.harness.ranks import run_ranks
+
+    run_ranks(2, _compiled_processes_body, timeout_s=RUN_TIMEOUT_S)
