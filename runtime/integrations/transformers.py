@@ -24,15 +24,19 @@ its signature differs across 5.x releases; module replacement would need per-fam
 
 Token layouts (``layout``), one process per GPU:
 
-* ``"owned"``: each rank passes its own tokens (data-parallel attention): it dispatches all of
-  them and gets their outputs back.
-* ``"replicated"``: every rank holds the same T tokens (tensor-parallel attention): rank r
+* ``"own_tokens"``: each rank brings its own tokens (data-parallel attention): it dispatches all
+  of them and gets their outputs back.
+* ``"same_tokens"``: every rank brings the same T tokens (tensor-parallel attention): rank r
   dispatches rows [r c, (r + 1) c) of them, c = ceil(T / W), and the outputs are gathered
   (``torch.distributed.all_gather`` over ``group``) so every rank returns all T rows.
 
 With ``virtual=True`` one process holds all W ranks (tests, one GPU): the block's T tokens are
 split the same way, virtual rank r dispatches rows [r c, (r + 1) c), and the outputs are
 concatenated; both layouts then compute the same thing.
+
+The names say which tokens a rank brings; both layouts shard the weights alike (each rank holds
+E / W experts). The former names ``"owned"`` (read as weight ownership) and ``"replicated"`` (read
+as replicated weights) are deprecated aliases: accepted with a DeprecationWarning.
 
 Every rank must run the same MoE layers in the same order (a generate loop with the same number
 of steps everywhere); epgen's dispatch and combine have no backward: inference only.
@@ -49,14 +53,29 @@ from epgen import reference
 from epgen.codegen.config import EpConfig
 from epgen.layers.moe import _host_offsets, grouped_mm_refusal
 
-__all__ = ["BACKENDS", "EXPERTS_IMPLEMENTATION", "LAYOUTS", "ExpertParallel", "ExpertShard", "ReferenceOp",
+__all__ = ["BACKENDS", "DEPRECATED_LAYOUTS", "EXPERTS_IMPLEMENTATION", "LAYOUTS", "ExpertParallel", "ExpertShard", "ReferenceOp",
            "epgen_experts_forward", "expert_parallel", "expert_rows"]
 
 EXPERTS_IMPLEMENTATION = "epgen"
 """The name registered in transformers' ``ALL_EXPERTS_FUNCTIONS``."""
 
-LAYOUTS = ("owned", "replicated")
-"""``expert_parallel``'s token layouts."""
+LAYOUTS = ("own_tokens", "same_tokens")
+"""``expert_parallel``'s token layouts: which tokens each rank brings to a dispatch."""
+
+DEPRECATED_LAYOUTS = {"owned": "own_tokens", "replicated": "same_tokens"}
+"""The layouts' former names, accepted with a DeprecationWarning."""
+
+
+def _layout(layout, stacklevel: int = 3) -> str:
+    """The token layout ``layout`` names (a deprecated name warns); ValueError for an unknown one."""
+    if isinstance(layout, str) and layout in DEPRECATED_LAYOUTS:
+        warnings.warn(f"layout={layout!r} is deprecated: use layout={DEPRECATED_LAYOUTS[layout]!r} (the tokens "
+                      "each rank brings; both layouts shard the weights alike)", DeprecationWarning,
+                      stacklevel=stacklevel)
+        return DEPRECATED_LAYOUTS[layout]
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: must be one of {', '.join(LAYOUTS)}")
+    return layout
 
 BACKENDS = ("epgen", "reference")
 """``expert_parallel``'s backends: the GPU op (``epgen.op.EpDispatchCombine``) or ``ReferenceOp``
@@ -334,7 +353,7 @@ class ExpertParallel:
         config: the EpConfig of the layers (layout "expert").
         op: the EpDispatchCombine (backend "epgen") or ReferenceOp (backend "reference").
         backend: "epgen" or "reference".
-        layout: "owned" or "replicated".
+        layout: "own_tokens" or "same_tokens".
         virtual: every rank in this process.
         ranks: the ranks this process drives.
         grouped_mm: True when the experts run ``torch._grouped_mm``, False for the per-expert loop.
@@ -345,7 +364,7 @@ class ExpertParallel:
         self.config = config
         self.op = op
         self.backend = backend
-        self.layout = layout
+        self.layout = _layout(layout)
         self.virtual = virtual
         self.group = group
         self.ranks = list(op.local_ranks)
@@ -357,14 +376,14 @@ class ExpertParallel:
     def family(self, tokens: int) -> str | None:
         """The kernel family of a dispatch of ``tokens`` on this rank, the same on every rank
         without exchanging counts: None (the op's own pick) where the op sees every rank's count
-        (virtual ranks, W = 1), the config fixes the family, or the backend is the reference; in the replicated layout the
-        family of the largest slice (every rank slices the same T); in the owned layout the
-        phase's: "normal" for a prefill, "low_latency" for a decode where the op has that family
-        (a rank's decode batch must then fit ``op.low_latency_tokens``)."""
+        (virtual ranks, W = 1), the config fixes the family, or the backend is the reference; in
+        the same_tokens layout the family of the largest slice (every rank slices the same T); in
+        the own_tokens layout the phase's: "normal" for a prefill, "low_latency" for a decode where
+        the op has that family (a rank's decode batch must then fit ``op.low_latency_tokens``)."""
         W = self.config.world_size
         if self.backend != "epgen" or self.virtual or W == 1 or self.config.kernel_family != "auto":
             return None
-        if self.layout == "replicated":
+        if self.layout == "same_tokens":
             return self.op.family(-(-tokens // W))
         return "low_latency" if self.phase == "decode" and self.op.low_latency_tokens else "normal"
 
@@ -388,7 +407,7 @@ class ExpertParallel:
         Raises:
             RuntimeError: gradients enabled on a tensor that needs them (no backward).
             ValueError: hidden_states not 2-D bf16; a rank's share above max_tokens_per_rank; in
-                the owned layout with one process a rank, a decode step above the op's
+                the own_tokens layout with one process a rank, a decode step above the op's
                 low_latency_tokens (``family``).
         """
         if torch.is_grad_enabled() and hidden_states.requires_grad:
@@ -407,7 +426,7 @@ class ExpertParallel:
             self._rank_tokens([b - a for a, b in parts])
             d = self.op.dispatch([x[a:b] for a, b in parts], [w[a:b] for a, b in parts], [ids[a:b] for a, b in parts])
             return torch.cat(self.op.combine(self._experts(experts, shards, d)))
-        if self.layout == "replicated" and W > 1:
+        if self.layout == "same_tokens" and W > 1:
             parts = _slices(T, W)
             a, b = parts[self.ranks[0]]
             self._rank_tokens([parts[0][1] - parts[0][0]])
@@ -416,7 +435,7 @@ class ExpertParallel:
         self._rank_tokens([T])
         family = self.family(T)
         if family == "low_latency" and T > self.op.low_latency_tokens:
-            raise ValueError(f"epgen expert parallel (owned tokens, W={W}): a decode step of {T} tokens on rank "
+            raise ValueError(f"epgen expert parallel (own tokens, W={W}): a decode step of {T} tokens on rank "
                              f"{self.ranks[0]}, more than the low-latency family takes (low_latency_tokens="
                              f"{self.op.low_latency_tokens}); decode at most that many sequences a rank, or pass "
                              "kernel_family='normal' to expert_parallel")
@@ -424,7 +443,7 @@ class ExpertParallel:
         return self.op.combine(self._experts(experts, shards, [d])[0])
 
     def _gather(self, out: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
-        """Every rank's rows of a replicated block, in rank order (all_gather of equal-size chunks)."""
+        """Every rank's rows of a same_tokens block, in rank order (all_gather of equal-size chunks)."""
         import torch.distributed as dist
 
         chunk = parts[0][1] - parts[0][0]
@@ -474,7 +493,7 @@ _register()
 
 
 def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False, world_size: int | None = None,
-                    layout: str = "owned", backend: str | None = None, max_tokens_per_rank: int = 4096,
+                    layout: str = "own_tokens", backend: str | None = None, max_tokens_per_rank: int = 4096,
                     grouped_mm: bool | None = None, **overrides) -> ExpertParallel:
     """Make every MoE experts module of a loaded transformers v5 model expert-parallel through epgen.
 
@@ -492,7 +511,8 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
             an initialized torch.distributed; without one, only virtual ranks or world_size=1).
         virtual: run all ``world_size`` ranks in this process (tests; one GPU or the CPU).
         world_size: W with virtual=True (required there); else the group's size (checked if given).
-        layout: "owned" (each rank its own tokens) or "replicated" (every rank the same tokens).
+        layout: "own_tokens" (each rank brings its own tokens) or "same_tokens" (every rank brings
+            the same tokens); the former names "owned" and "replicated" are deprecated aliases.
         backend: "epgen" (``epgen.op.EpDispatchCombine``, CUDA) or "reference" (``ReferenceOp``,
             ``epgen.reference`` on the CPU); default: "epgen" for CUDA weights, else "reference".
         max_tokens_per_rank: the most tokens one rank dispatches in one call (sizes the buffers).
@@ -520,8 +540,7 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
             torch.distributed (``EpDispatchCombine``); the model cannot select the "epgen" experts
             implementation.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r}: must be one of {', '.join(LAYOUTS)}")
+    layout = _layout(layout)
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: must be None or one of {', '.join(BACKENDS)}")
     overrides["layout"] = "expert"

@@ -108,15 +108,15 @@ def _layouts_body(rank, world, store, family, result_dir):
         virtual, _ = ep_model(model32, world)
         expected_shared = hf_models.logits(virtual, PROMPT)
         lines = []
-        for layout in ("replicated", "owned"):
+        for layout in ("same_tokens", "own_tokens"):
             model = copy.deepcopy(model16)
             ep = expert_parallel(model, layout=layout, max_tokens_per_rank=256)
             assert (ep.virtual, ep.ranks, ep.config.world_size) == (False, [rank], world)
             for name in ep.modules:  # this rank keeps its experts only
                 assert model.get_submodule(name).down_proj.shape[0] == hf_models.EXPERTS // world
-            if layout == "replicated":  # every rank the same tokens: its slice dispatched, all rows gathered
+            if layout == "same_tokens":  # every rank the same tokens: its slice dispatched, all rows gathered
                 out = hf_models.logits(model, PROMPT)
-                assert torch.equal(out, expected_shared), "replicated tokens must equal the virtual ranks' run"
+                assert torch.equal(out, expected_shared), "the same tokens a rank must equal the virtual ranks' run"
                 error = relative_l2(out, ref_shared)
                 bound = envelope
             else:  # every rank its own tokens
@@ -150,7 +150,7 @@ def test_refusals_name_the_class_and_the_reason(envelopes):
     with pytest.raises(ValueError, match=r"from_hf_config \(mixtral\): EpConfig.num_experts=8: must be a multiple of "
                                          r"world_size=3"):
         expert_parallel(model16, virtual=True, world_size=3)
-    with pytest.raises(ValueError, match="layout='expert': must be one of owned, replicated"):
+    with pytest.raises(ValueError, match="layout='expert': must be one of own_tokens, same_tokens"):
         expert_parallel(model16, virtual=True, world_size=2, layout="expert")
     with pytest.raises(ValueError, match="virtual=True: pass world_size"):
         expert_parallel(model16, virtual=True)
@@ -218,10 +218,10 @@ def test_forced_routing_reproduces_the_other_run_and_a_wrong_router_is_no_tie(en
 
 
 def test_prefill_and_decode_take_their_families_by_phase(envelopes):
-    """One process a rank, owned tokens, kernel_family "auto": no rank sees its peers' counts, so
+    """One process a rank, own tokens, kernel_family "auto": no rank sees its peers' counts, so
     the family comes from the phase every rank runs alike: the model's forward with one position a
     sequence is a decode (the low-latency family), any other a prefill (the normal family); the
-    replicated layout takes the family of the largest slice, the same on every rank. The phase
+    same_tokens layout takes the family of the largest slice, the same on every rank. The phase
     is read by a pre-hook on the model, removed at close."""
     from epgen.integrations.transformers import ExpertParallel
 
@@ -240,15 +240,26 @@ def test_prefill_and_decode_take_their_families_by_phase(envelopes):
     op = types.SimpleNamespace(local_ranks=[1], low_latency_tokens=128,
                                family=lambda t: "low_latency" if t <= 128 else "normal")
     cfg = types.SimpleNamespace(world_size=2, kernel_family="auto")
-    owned = ExpertParallel(cfg, op, backend="epgen", layout="owned", virtual=False, group=None, grouped_mm=True,
-                           modules=[])
+    own = ExpertParallel(cfg, op, backend="epgen", layout="own_tokens", virtual=False, group=None, grouped_mm=True,
+                         modules=[])
     for phase, want in (("prefill", "normal"), ("decode", "low_latency")):
-        owned.phase = phase
-        assert [owned.family(t) for t in (0, 127, 128, 129)] == [want] * 4
+        own.phase = phase
+        assert [own.family(t) for t in (0, 127, 128, 129)] == [want] * 4
     op.low_latency_tokens = 0  # an op without the low-latency family decodes with the normal one
-    assert owned.family(1) == "normal"
-    replicated = ExpertParallel(cfg, op, backend="epgen", layout="replicated", virtual=False, group=None,
-                                grouped_mm=True, modules=[])
-    assert [replicated.family(t) for t in (255, 256, 257)] == ["low_latency", "low_latency", "normal"]
+    assert own.family(1) == "normal"
+    same = ExpertParallel(cfg, op, backend="epgen", layout="same_tokens", virtual=False, group=None,
+                          grouped_mm=True, modules=[])
+    assert [same.family(t) for t in (255, 256, 257)] == ["low_latency", "low_latency", "normal"]
     cfg.kernel_family = "normal"  # a fixed family: the op's own
-    assert owned.family(5) is None and replicated.family(5) is None
+    assert own.family(5) is None and same.family(5) is None
+
+
+def test_the_former_layout_names_are_deprecated_aliases(envelopes):
+    """``"owned"`` and ``"replicated"`` still run, as ``"own_tokens"`` and ``"same_tokens"``, with a
+    DeprecationWarning naming the new name."""
+    model32 = envelopes["qwen3_moe"][0]
+    for old, new in (("owned", "own_tokens"), ("replicated", "same_tokens")):
+        model = copy.deepcopy(model32).to(torch.bfloat16)
+        with pytest.warns(DeprecationWarning, match=f"layout='{old}' is deprecated: use layout='{new}'"):
+            ep = expert_parallel(model, virtual=True, world_size=2, layout=old)
+        assert ep.layout == new
