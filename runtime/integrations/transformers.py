@@ -45,6 +45,7 @@ of steps everywhere); epgen's dispatch and combine have no backward: inference o
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import attrs
 import torch
@@ -53,8 +54,9 @@ from epgen import reference
 from epgen.codegen.config import EpConfig
 from epgen.layers.moe import _host_offsets, grouped_mm_refusal
 
-__all__ = ["BACKENDS", "DEPRECATED_LAYOUTS", "EXPERTS_IMPLEMENTATION", "LAYOUTS", "ExpertParallel", "ExpertShard", "ReferenceOp",
-           "epgen_experts_forward", "expert_parallel", "expert_rows"]
+__all__ = ["BACKENDS", "DEPRECATED_LAYOUTS", "EP_IMPLEMENTATION", "EXPERTS_IMPLEMENTATION", "HAS_EP_REGISTRY",
+           "LAYOUTS", "EpgenEPImplementation", "ExpertParallel", "ExpertShard", "ReferenceOp", "epgen_experts_forward",
+           "expert_parallel", "expert_rows", "loaded_expert_parallel", "register_ep_implementation"]
 
 EXPERTS_IMPLEMENTATION = "epgen"
 """The name registered in transformers' ``ALL_EXPERTS_FUNCTIONS``."""
@@ -492,6 +494,18 @@ def _register() -> None:
 _register()
 
 
+def _phase_hook(handle: "ExpertParallel"):
+    """The model's forward pre-hook that sets ``handle.phase``: every rank runs the same phase, so
+    prefill and decode take their families alike."""
+
+    def phase(_model, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        ids = ids if ids is not None else kwargs.get("inputs_embeds")
+        handle.phase = "decode" if ids is not None and ids.dim() >= 2 and ids.shape[1] == 1 else "prefill"
+
+    return phase
+
+
 def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False, world_size: int | None = None,
                     layout: str = "own_tokens", backend: str | None = None, max_tokens_per_rank: int = 4096,
                     grouped_mm: bool | None = None, **overrides) -> ExpertParallel:
@@ -600,12 +614,7 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
     handle = ExpertParallel(cfg, op, backend=backend, layout=layout, virtual=virtual, group=group,
                             grouped_mm=bool(grouped_mm), modules=[n for n, _ in modules])
 
-    def phase(_model, args, kwargs):  # every rank runs the same phase: prefill and decode take their families
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        ids = ids if ids is not None else kwargs.get("inputs_embeds")
-        handle.phase = "decode" if ids is not None and ids.dim() >= 2 and ids.shape[1] == 1 else "prefill"
-
-    handle.phase_hook = model.register_forward_pre_hook(phase, with_kwargs=True)
+    handle.phase_hook = model.register_forward_pre_hook(_phase_hook(handle), with_kwargs=True)
     for _, experts in modules:
         experts._epgen_parallel = handle
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
@@ -615,3 +624,181 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
                            f"{modules[0][1].config._experts_implementation!r}; this model cannot select the epgen "
                            "experts implementation")
     return handle
+
+
+# --- sharded at load: transformers' expert-parallel plug-in registry (5.23 and later) ------------
+
+EP_IMPLEMENTATION = "epgen"
+"""The name registered in transformers' ``EPImplementationInterface`` (5.23 and later):
+``from_pretrained(..., distributed_config=DistributedConfig(ep_size=W, ep_implementation="epgen"))``."""
+
+try:  # transformers 5.23 added the registry; 5.17-5.22 have none (expert_parallel converts a loaded model)
+    from transformers.distributed.expert_parallel import EPImplementation as _EPImplementation
+    from transformers.distributed.expert_parallel import EPImplementationInterface as _EPInterface
+except ImportError:
+    _EPImplementation = _EPInterface = None
+
+HAS_EP_REGISTRY = _EPInterface is not None
+"""Whether the installed transformers has the expert-parallel plug-in registry (5.23 and later)."""
+
+_LOADED = weakref.WeakValueDictionary()
+"""(model config id, expert group, options) -> the ExpertParallel its experts modules share."""
+
+
+def _check_loaded_experts(experts: torch.nn.Module, cfg: EpConfig, experts_per_rank: int) -> None:
+    """ValueError naming the class and the reason when epgen cannot run ``experts`` as transformers
+    sharded it (each weight ``[E / W, ...]`` on this rank, a DTensor or a plain tensor)."""
+    cls = type(experts).__name__
+    if not all(hasattr(experts, a) for a in ("has_gate", "has_bias", "is_transposed")):
+        raise ValueError(f"{cls}: not an experts module on transformers' experts conventions "
+                         "(@use_experts_implementation); epgen cannot run it")
+    up_name = "gate_up_proj" if experts.has_gate else "up_proj"
+    for w in [up_name, "down_proj"] + ([f"{up_name}_bias", "down_proj_bias"] if experts.has_bias else []):
+        t = getattr(experts, w, None)
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{cls}: has no tensor {w} (has_gate={experts.has_gate}, has_bias={experts.has_bias}); "
+                             "a quantized experts class is not supported")
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"{cls}: {w} is {t.dtype}; epgen dispatches bf16 rows and runs bf16 experts (load with "
+                             "dtype=torch.bfloat16; quantized experts are not supported)")
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.shape[0] != experts_per_rank:
+            raise ValueError(f"{cls}: {w} holds {local.shape[0]} experts on this rank; E / W = {cfg.num_experts} / "
+                             f"{cfg.world_size} = {experts_per_rank} expected (an expert plan that shards "
+                             "dim 0 of every expert weight, grouped_gemm)")
+
+
+class EpgenEPImplementation(_EPImplementation or object):
+    """epgen as an ``EPImplementation`` of transformers' registry (5.23 and later): the experts of
+    an ``ep_dispatch_experts`` module reach their tokens through epgen's dispatch and combine.
+
+    transformers shards every expert weight on dim 0 at load (the model's ``grouped_gemm`` plan
+    rules: each rank reads only its E / W experts from the checkpoint) and builds one instance per
+    experts module, with the expert mesh and the tensor-parallel mesh. Calls run
+    ``ExpertParallel.forward`` on the module's local weights (read at each call: views, no copy).
+
+    Token layout, from the meshes: the ranks of the expert group hold the same batch
+    (``tp_size == ep_size``, e.g. ``DistributedConfig(tp_size=W, tp_plan={}, ep_size=W)``):
+    "same_tokens"; each rank its own batch (``tp_size == 1``, e.g. ``DistributedConfig(fsdp_size=W,
+    ep_size=W)``): "own_tokens". Other meshes (1 < tp_size < ep_size) are refused.
+
+    One ``ExpertParallel`` (one op, one set of buffers) serves every experts module of a model;
+    ``loaded_expert_parallel(model)`` returns it and installs the phase hook (decode takes the
+    low-latency family).
+
+    Options (``register_ep_implementation``): backend ("epgen" for CUDA meshes, "reference" on
+    the CPU by default), max_tokens_per_rank (4096), grouped_mm (None: where it runs), and
+    further EpConfig fields.
+    """
+
+    options: dict = {}
+
+    def __init__(self, experts, ep_mesh, tp_mesh):
+        super().__init__(experts, ep_mesh, tp_mesh)
+        opts = dict(self.options)
+        backend = opts.pop("backend", None)
+        max_tokens = opts.pop("max_tokens_per_rank", 4096)
+        grouped_mm = opts.pop("grouped_mm", None)
+        W, tp = ep_mesh.size(), tp_mesh.size()
+        if tp != 1 and not (tp == W and self.shares_batch):
+            raise ValueError(f"ep_implementation='epgen': tp_size={tp}, ep_size={W}: epgen runs an expert group whose "
+                             "ranks all hold the same batch (tp_size == ep_size) or each their own (tp_size == 1)")
+        layout = "same_tokens" if tp == W and W > 1 else "own_tokens"
+        group = ep_mesh.get_group()
+        cfg = EpConfig.from_hf_config(experts.config, world_size=W, max_tokens_per_rank=max_tokens,
+                                      **{**opts, "layout": "expert"})
+        _check_loaded_experts(experts, cfg, cfg.experts_per_rank)
+        device = (torch.device(ep_mesh.device_type, torch.cuda.current_device()) if ep_mesh.device_type == "cuda"
+                  else torch.device(ep_mesh.device_type))
+        backend = backend or ("epgen" if device.type == "cuda" else "reference")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: must be None or one of {', '.join(BACKENDS)}")
+        key = (id(experts.config), id(group), layout, backend, grouped_mm, cfg)
+        handle = _LOADED.get(key)
+        if handle is None:
+            down = experts.down_proj
+            intermediate = down.shape[1] if experts.is_transposed else down.shape[2]
+            refused = grouped_mm_refusal(device, cfg.hidden, intermediate)
+            if grouped_mm and refused:
+                raise ValueError(f"grouped_mm=True: {refused}")
+            if grouped_mm is None:
+                grouped_mm = refused is None
+                if refused:
+                    warnings.warn(f"epgen expert parallel: the experts run as a per-expert loop: {refused}",
+                                  stacklevel=2)
+            if backend == "epgen":
+                from epgen.op import EpDispatchCombine
+
+                op = EpDispatchCombine(cfg, group=group, device=device.index)
+            else:
+                op = ReferenceOp(cfg, group=group if W > 1 else None)
+            handle = ExpertParallel(cfg, op, backend=backend, layout=layout, virtual=False, group=group,
+                                    grouped_mm=bool(grouped_mm), modules=[])
+            handle.loaded = True  # sharded at load by transformers (loaded_expert_parallel finds it)
+            _LOADED[key] = handle
+        self.handle = handle
+        self.experts = weakref.ref(experts)
+        experts._epgen_parallel = handle
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        experts = self.experts()
+        # Inside transformers' forward the module's parameters are this rank's local tensors.
+        experts._epgen_shards = [ExpertShard.of(experts, 0, self.handle.config.experts_per_rank)]
+        try:
+            return self.handle.forward(experts, hidden_states, top_k_index, top_k_weights)
+        finally:
+            experts._epgen_shards = None  # the local views must not outlive the call
+
+
+def register_ep_implementation(name: str = EP_IMPLEMENTATION, **options) -> str:
+    """Register epgen in transformers' expert-parallel registry under ``name`` with ``options``
+    (``EpgenEPImplementation``: backend, max_tokens_per_rank, grouped_mm, EpConfig fields, e.g.
+    ``kernel_family`` or ``combine_quant``); the import registers ``"epgen"`` with the defaults.
+    Returns ``name``, for ``DistributedConfig(ep_implementation=name)``.
+
+    Raises:
+        RuntimeError: transformers without the registry (before 5.23): use ``expert_parallel``
+            on a loaded model there.
+    """
+    if not HAS_EP_REGISTRY:
+        import transformers
+
+        raise RuntimeError(f"transformers {transformers.__version__} has no expert-parallel plug-in registry (5.23 "
+                           "added EPImplementationInterface); load the model and call expert_parallel(model, ...)")
+    cls = type(f"EpgenEPImplementation_{name}", (EpgenEPImplementation,), {"options": dict(options)})
+    _EPInterface.register(name, cls)
+    return name
+
+
+def loaded_expert_parallel(model: torch.nn.Module) -> ExpertParallel:
+    """The ``ExpertParallel`` that transformers' registry built for ``model``
+    (``from_pretrained(..., distributed_config=DistributedConfig(..., ep_implementation="epgen"))``),
+    for ``synchronize()`` and ``close()``; installs, once, the model's forward pre-hook that sets
+    its phase (a forward with one position a sequence is a decode: with one process a rank and
+    each rank its own tokens, decode takes the low-latency family and prefill the normal one;
+    without the hook every call takes the normal family).
+
+    Raises:
+        ValueError: no experts module of ``model`` runs through the registry's epgen implementation.
+    """
+    names, handle = [], None
+    for name, module in model.named_modules():
+        h = getattr(module, "_epgen_parallel", None)
+        if h is not None and getattr(h, "loaded", False):
+            if handle is not None and h is not handle:
+                raise ValueError(f"{type(model).__name__}: its experts modules run through more than one epgen "
+                                 "expert-parallel handle")
+            handle = h
+            names.append(name)
+    if handle is None:
+        raise ValueError(f"{type(model).__name__}: no experts module loaded through ep_implementation='epgen' "
+                         "(from_pretrained(..., distributed_config=DistributedConfig(ep_size=W, "
+                         "ep_implementation='epgen')))")
+    handle.modules = names
+    if handle.phase_hook is None:
+        handle.phase_hook = model.register_forward_pre_hook(_phase_hook(handle), with_kwargs=True)
+    return handle
+
+
+if HAS_EP_REGISTRY:
+    register_ep_implementation()
