@@ -18,9 +18,14 @@ and ``expert_parallel`` selects it with ``model.set_experts_implementation("epge
 point: its signature is exactly epgen's contract (tokens in, top-k ids and weights, weighted sum
 out), the decorator also records each class's weight conventions (``has_gate``, ``has_bias``,
 ``is_transposed``, ``is_concatenated``) so any class built on it runs unchanged, and it exists in
-5.17 and later alike. A tensor-parallel style (``MoeTensorParalellMegaMoeExperts``) is the route
-for sharding at load, but it ties the experts to DTensor device meshes and a load-time plan, and
-its signature differs across 5.x releases; module replacement would need per-family classes.
+5.17 and later alike. ``expert_parallel`` converts a loaded model: every rank loads it whole first.
+
+Sharded at load (transformers 5.23 and later): the import also registers ``"epgen"`` in
+transformers' expert-parallel plug-in registry (``EPImplementationInterface``, the seam of its
+``ep_dispatch_experts`` plan rule), so ``from_pretrained(..., distributed_config=DistributedConfig(
+ep_size=W, ep_implementation="epgen"))`` reads only a rank's E / W experts and runs them through
+``ExpertParallel`` (``EpgenEPImplementation``, ``loaded_expert_parallel``). 5.17-5.22 have no
+registry: ``expert_parallel`` is the path there (``HAS_EP_REGISTRY``).
 
 Token layouts (``layout``), one process per GPU:
 

@@ -6,7 +6,8 @@ shared experts, the experts classes' own gate and biases).
 Tiny random-weight models of qwen3_moe, mixtral, deepseek_v3 and gpt_oss (tests/hf_models.py, where
 the bound is derived): full-model logits of the bf16 expert-parallel model against the float32
 model within 2 x the model's own bf16 error; greedy generation of 32 tokens against the model's own
-bf16 eager path; a lost expert exceeds the bound; the two token layouts as two processes (gloo);
+bf16 eager path; a lost expert exceeds the bound; the two token layouts as two processes (gloo),
+converted after loading and sharded at load through transformers' expert-parallel registry;
 the refusals.
 """
 
