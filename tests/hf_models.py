@@ -167,7 +167,10 @@ def routing(model: torch.nn.Module, forced: dict | None = None):
 
         def pre(_module, args, calls=calls, name=name, router=router):
             hidden, index, weights, *rest = args
-            z = torch.nn.functional.linear(hidden.float(), router.weight.float())
+            weight = router.weight
+            if hasattr(weight, "full_tensor"):  # a sharded DTensor (loaded with a distributed_config): every rank calls
+                weight = weight.full_tensor()
+            z = torch.nn.functional.linear(hidden.float(), weight.float())
             calls.append({"index": index.cpu(), "weights": weights.float().cpu(), "router": z.cpu()})
             if forced is None:
                 return None

@@ -13,9 +13,9 @@ experts) on [1, T, 2048] bf16 activations, T tokens a rank, at decode (1, 8, 128
   its sentinel, the rank's E / W experts through its ``grouped_mm_experts_forward``, then
   ``all_reduce`` over the process group). With one process (W = 1) the all-reduce is a real NCCL
   call on a one-rank group: the local work and the call's cost, no traffic;
-* ``epgen owned`` / ``epgen replicated``: ``epgen.integrations.transformers.expert_parallel``
+* ``epgen own_tokens`` / ``epgen same_tokens``: ``epgen.integrations.transformers.expert_parallel``
   (dispatch in the expert layout, the class's experts as grouped GEMMs, weighted combine), the op
-  sized for the point (max_tokens_per_rank = T; ``replicated`` dispatches T / W a rank and
+  sized for the point (max_tokens_per_rank = T; ``same_tokens`` dispatches T / W a rank and
   all-gathers, the same tokens as hf EP; at W = 1 both layouts are the same call). The decode
   points share one op of max_tokens_per_rank = 128, prefill has its own (4096): the experts'
   row-wise stages run over the op's expert-layout rows (docs/moe.md), so the buffers follow the
@@ -173,7 +173,7 @@ def main() -> int:
               f"{command('nvidia-smi', '--query-gpu=driver_version', '--format=csv,noheader')}, torch "
               f"{torch.__version__}, CuPy {cupy.__version__}, transformers {transformers.__version__}, epgen "
               f"{command('git', 'rev-parse', '--short', 'HEAD')}; Qwen3-30B-A3B MoE block (H 2048, E 128, top-8, "
-              "I 768); tokens: a rank's (hf grouped_mm, epgen owned) or all ranks' (hf EP, epgen replicated)")
+              "I 768); tokens: a rank's (hf grouped_mm, epgen own_tokens) or all ranks' (hf EP, epgen same_tokens)")
         print(f"{'tokens':>6} {'candidate':<18} {'queued us':>10} {'mean+-sd':>14} {'best':>8} {'host us':>8} "
               f"{'rel L2 vs hf':>12}")
     rows, converted = [], {}
@@ -186,13 +186,14 @@ def main() -> int:
             ref, ref_shared = block(x), block(shared)
         candidates = [("hf grouped_mm", block, x, ref), ("hf EP", hf_ep, shared, ref_shared)]
         size = DECODE_BUFFER if T <= DECODE_BUFFER else T
-        for layout in ("owned", "replicated") if world > 1 else ("owned",):
+        for layout in ("own_tokens", "same_tokens") if world > 1 else ("own_tokens",):
             if (layout, size) not in converted:
                 ep_model = copy.deepcopy(model)
                 converted[layout, size] = (ep_model, expert_parallel(ep_model, layout=layout, max_tokens_per_rank=size))
             ep_block = converted[layout, size][0].model.layers[0].mlp
+            same = layout == "same_tokens"
             candidates.append((f"epgen {layout}" if world > 1 else "epgen", ep_block,
-                               shared if layout == "replicated" else x, ref_shared if layout == "replicated" else ref))
+                               shared if same else x, ref_shared if same else ref))
         for name, fn, inp, expect in candidates:
             with torch.no_grad():
                 error = relative_l2(fn(inp), expect)

@@ -18,21 +18,30 @@ and ``expert_parallel`` selects it with ``model.set_experts_implementation("epge
 point: its signature is exactly epgen's contract (tokens in, top-k ids and weights, weighted sum
 out), the decorator also records each class's weight conventions (``has_gate``, ``has_bias``,
 ``is_transposed``, ``is_concatenated``) so any class built on it runs unchanged, and it exists in
-5.17 and later alike. A tensor-parallel style (``MoeTensorParalellMegaMoeExperts``) is the route
-for sharding at load, but it ties the experts to DTensor device meshes and a load-time plan, and
-its signature differs across 5.x releases; module replacement would need per-family classes.
+5.17 and later alike. ``expert_parallel`` converts a loaded model: every rank loads it whole first.
+
+Sharded at load (transformers 5.23 and later): the import also registers ``"epgen"`` in
+transformers' expert-parallel plug-in registry (``EPImplementationInterface``, the seam of its
+``ep_dispatch_experts`` plan rule), so ``from_pretrained(..., distributed_config=DistributedConfig(
+ep_size=W, ep_implementation="epgen"))`` reads only a rank's E / W experts and runs them through
+``ExpertParallel`` (``EpgenEPImplementation``, ``loaded_expert_parallel``). 5.17-5.22 have no
+registry: ``expert_parallel`` is the path there (``HAS_EP_REGISTRY``).
 
 Token layouts (``layout``), one process per GPU:
 
-* ``"owned"``: each rank passes its own tokens (data-parallel attention): it dispatches all of
-  them and gets their outputs back.
-* ``"replicated"``: every rank holds the same T tokens (tensor-parallel attention): rank r
+* ``"own_tokens"``: each rank brings its own tokens (data-parallel attention): it dispatches all
+  of them and gets their outputs back.
+* ``"same_tokens"``: every rank brings the same T tokens (tensor-parallel attention): rank r
   dispatches rows [r c, (r + 1) c) of them, c = ceil(T / W), and the outputs are gathered
   (``torch.distributed.all_gather`` over ``group``) so every rank returns all T rows.
 
 With ``virtual=True`` one process holds all W ranks (tests, one GPU): the block's T tokens are
 split the same way, virtual rank r dispatches rows [r c, (r + 1) c), and the outputs are
 concatenated; both layouts then compute the same thing.
+
+The names say which tokens a rank brings; both layouts shard the weights alike (each rank holds
+E / W experts). The former names ``"owned"`` (read as weight ownership) and ``"replicated"`` (read
+as replicated weights) are deprecated aliases: accepted with a DeprecationWarning.
 
 Every rank must run the same MoE layers in the same order: with one process a rank,
 ``expert_parallel`` makes ``model.generate`` default to ``synced_gpus=True`` (a rank whose
@@ -54,14 +63,30 @@ from epgen import reference
 from epgen.codegen.config import EpConfig
 from epgen.layers.moe import _host_offsets, grouped_mm_refusal
 
-__all__ = ["BACKENDS", "EXPERTS_IMPLEMENTATION", "LAYOUTS", "ExpertParallel", "ExpertShard", "ReferenceOp",
-           "epgen_experts_forward", "expert_parallel", "expert_rows"]
+__all__ = ["BACKENDS", "DEPRECATED_LAYOUTS", "EP_IMPLEMENTATION", "EXPERTS_IMPLEMENTATION", "HAS_EP_REGISTRY",
+           "LAYOUTS", "EpgenEPImplementation", "ExpertParallel", "ExpertShard", "ReferenceOp", "epgen_experts_forward",
+           "expert_parallel", "expert_rows", "loaded_expert_parallel", "register_ep_implementation"]
 
 EXPERTS_IMPLEMENTATION = "epgen"
 """The name registered in transformers' ``ALL_EXPERTS_FUNCTIONS``."""
 
-LAYOUTS = ("owned", "replicated")
-"""``expert_parallel``'s token layouts."""
+LAYOUTS = ("own_tokens", "same_tokens")
+"""``expert_parallel``'s token layouts: which tokens each rank brings to a dispatch."""
+
+DEPRECATED_LAYOUTS = {"owned": "own_tokens", "replicated": "same_tokens"}
+"""The layouts' former names, accepted with a DeprecationWarning."""
+
+
+def _layout(layout, stacklevel: int = 3) -> str:
+    """The token layout ``layout`` names (a deprecated name warns); ValueError for an unknown one."""
+    if isinstance(layout, str) and layout in DEPRECATED_LAYOUTS:
+        warnings.warn(f"layout={layout!r} is deprecated: use layout={DEPRECATED_LAYOUTS[layout]!r} (the tokens "
+                      "each rank brings; both layouts shard the weights alike)", DeprecationWarning,
+                      stacklevel=stacklevel)
+        return DEPRECATED_LAYOUTS[layout]
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: must be one of {', '.join(LAYOUTS)}")
+    return layout
 
 BACKENDS = ("epgen", "reference")
 """``expert_parallel``'s backends: the GPU op (``epgen.op.EpDispatchCombine``) or ``ReferenceOp``
@@ -392,7 +417,7 @@ class ExpertParallel:
         config: the EpConfig of the layers (layout "expert").
         op: the EpDispatchCombine (backend "epgen") or ReferenceOp (backend "reference").
         backend: "epgen" or "reference".
-        layout: "owned" or "replicated".
+        layout: "own_tokens" or "same_tokens".
         virtual: every rank in this process.
         ranks: the ranks this process drives.
         grouped_mm: True when the experts run ``torch._grouped_mm``, False for the per-expert loop.
@@ -403,7 +428,7 @@ class ExpertParallel:
         self.config = config
         self.op = op
         self.backend = backend
-        self.layout = layout
+        self.layout = _layout(layout)
         self.virtual = virtual
         self.group = group
         self.ranks = list(op.local_ranks)
@@ -417,14 +442,14 @@ class ExpertParallel:
     def family(self, tokens: int, phase: str | None = None) -> str | None:
         """The kernel family of a dispatch of ``tokens`` on this rank, the same on every rank
         without exchanging counts: None (the op's own pick) where the op sees every rank's count
-        (virtual ranks, W = 1), the config fixes the family, or the backend is the reference; in the replicated layout the
-        family of the largest slice (every rank slices the same T); in the owned layout the
-        phase's: "normal" for a prefill, "low_latency" for a decode where the op has that family
-        (a rank's decode batch must then fit ``op.low_latency_tokens``)."""
+        (virtual ranks, W = 1), the config fixes the family, or the backend is the reference; in
+        the same_tokens layout the family of the largest slice (every rank slices the same T); in
+        the own_tokens layout the phase's: "normal" for a prefill, "low_latency" for a decode where
+        the op has that family (a rank's decode batch must then fit ``op.low_latency_tokens``)."""
         W = self.config.world_size
         if self.backend != "epgen" or self.virtual or W == 1 or self.config.kernel_family != "auto":
             return None
-        if self.layout == "replicated":
+        if self.layout == "same_tokens":
             return self.op.family(-(-tokens // W))
         phase = self.phase if phase is None else phase
         return "low_latency" if phase == "decode" and self.op.low_latency_tokens else "normal"
@@ -472,7 +497,7 @@ class ExpertParallel:
             RuntimeError: this ExpertParallel was closed; gradients enabled on a tensor that needs
                 them (no backward).
             ValueError: hidden_states not 2-D bf16; a rank's share above max_tokens_per_rank; in
-                the owned layout with one process a rank, a decode step above the op's
+                the own_tokens layout with one process a rank, a decode step above the op's
                 low_latency_tokens (``family``); the module's expert weights as they are now cannot
                 run (``shards``: on the meta device, another device, dtype or shape).
         """
@@ -497,7 +522,7 @@ class ExpertParallel:
     def run(self, experts, x, ids, w, phase: str) -> torch.Tensor:
         """The body of ``forward`` (the ``epgen::transformers_experts`` operator): x [T, H] bf16,
         ids [T, K] int32, w [T, K] float32, contiguous; ``phase`` the model forward's phase as the
-        caller saw it (the family of the owned layout)."""
+        caller saw it (the family of the own_tokens layout)."""
         T, W = x.shape[0], self.config.world_size
         shards = self.shards(experts)
         if self.virtual:
@@ -505,7 +530,7 @@ class ExpertParallel:
             self._rank_tokens([b - a for a, b in parts])
             d = self.op.dispatch([x[a:b] for a, b in parts], [w[a:b] for a, b in parts], [ids[a:b] for a, b in parts])
             return torch.cat(self.op.combine(self._experts(experts, shards, d)))
-        if self.layout == "replicated" and W > 1:
+        if self.layout == "same_tokens" and W > 1:
             parts = _slices(T, W)
             a, b = parts[self.ranks[0]]
             self._rank_tokens([parts[0][1] - parts[0][0]])
@@ -514,7 +539,7 @@ class ExpertParallel:
         self._rank_tokens([T])
         family = self.family(T, phase)
         if family == "low_latency" and T > self.op.low_latency_tokens:
-            raise ValueError(f"epgen expert parallel (owned tokens, W={W}): a decode step of {T} tokens on rank "
+            raise ValueError(f"epgen expert parallel (own tokens, W={W}): a decode step of {T} tokens on rank "
                              f"{self.ranks[0]}, more than the low-latency family takes (low_latency_tokens="
                              f"{self.op.low_latency_tokens}); decode at most that many sequences a rank, or pass "
                              "kernel_family='normal' to expert_parallel")
@@ -522,7 +547,7 @@ class ExpertParallel:
         return self.op.combine(self._experts(experts, shards, [d])[0])
 
     def _gather(self, out: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
-        """Every rank's rows of a replicated block, in rank order (all_gather of equal-size chunks)."""
+        """Every rank's rows of a same_tokens block, in rank order (all_gather of equal-size chunks)."""
         import torch.distributed as dist
 
         chunk = parts[0][1] - parts[0][0]
@@ -642,8 +667,20 @@ def _register() -> None:
 _register()
 
 
+def _phase_hook(handle: "ExpertParallel"):
+    """The model's forward pre-hook that sets ``handle.phase``: every rank runs the same phase, so
+    prefill and decode take their families alike."""
+
+    def phase(_model, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        ids = ids if ids is not None else kwargs.get("inputs_embeds")
+        handle.phase = "decode" if ids is not None and ids.dim() >= 2 and ids.shape[1] == 1 else "prefill"
+
+    return phase
+
+
 def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False, world_size: int | None = None,
-                    layout: str = "owned", backend: str | None = None, max_tokens_per_rank: int = 4096,
+                    layout: str = "own_tokens", backend: str | None = None, max_tokens_per_rank: int = 4096,
                     grouped_mm: bool | None = None, **overrides) -> ExpertParallel:
     """Make every MoE experts module of a loaded transformers v5 model expert-parallel through epgen.
 
@@ -661,7 +698,8 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
             an initialized torch.distributed; without one, only virtual ranks or world_size=1).
         virtual: run all ``world_size`` ranks in this process (tests; one GPU or the CPU).
         world_size: W with virtual=True (required there); else the group's size (checked if given).
-        layout: "owned" (each rank its own tokens) or "replicated" (every rank the same tokens).
+        layout: "own_tokens" (each rank brings its own tokens) or "same_tokens" (every rank brings
+            the same tokens); the former names "owned" and "replicated" are deprecated aliases.
         backend: "epgen" (``epgen.op.EpDispatchCombine``, CUDA) or "reference" (``ReferenceOp``,
             ``epgen.reference`` on the CPU); default: "epgen" for CUDA weights, else "reference".
         max_tokens_per_rank: the most tokens one rank dispatches in one call (sizes the buffers).
@@ -691,8 +729,7 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
             implementation.
     """
     _check_arguments(model, virtual, grouped_mm)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r}: must be one of {', '.join(LAYOUTS)}")
+    layout = _layout(layout)
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: must be None or one of {', '.join(BACKENDS)}")
     overrides["layout"] = "expert"
@@ -750,12 +787,7 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
     handle = ExpertParallel(cfg, op, backend=backend, layout=layout, virtual=virtual, group=group,
                             grouped_mm=bool(grouped_mm), modules=[n for n, _ in modules])
 
-    def phase(_model, args, kwargs):  # every rank runs the same phase: prefill and decode take their families
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        ids = ids if ids is not None else kwargs.get("inputs_embeds")
-        handle.phase = "decode" if ids is not None and ids.dim() >= 2 and ids.shape[1] == 1 else "prefill"
-
-    handle.phase_hook = model.register_forward_pre_hook(phase, with_kwargs=True)
+    handle.phase_hook = model.register_forward_pre_hook(_phase_hook(handle), with_kwargs=True)
     _sync_generate(model, handle)
     for _, experts in modules:
         experts._epgen_parallel = handle
@@ -766,3 +798,181 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
                            f"{modules[0][1].config._experts_implementation!r}; this model cannot select the epgen "
                            "experts implementation")
     return handle
+
+
+# --- sharded at load: transformers' expert-parallel plug-in registry (5.23 and later) ------------
+
+EP_IMPLEMENTATION = "epgen"
+"""The name registered in transformers' ``EPImplementationInterface`` (5.23 and later):
+``from_pretrained(..., distributed_config=DistributedConfig(ep_size=W, ep_implementation="epgen"))``."""
+
+try:  # transformers 5.23 added the registry; 5.17-5.22 have none (expert_parallel converts a loaded model)
+    from transformers.distributed.expert_parallel import EPImplementation as _EPImplementation
+    from transformers.distributed.expert_parallel import EPImplementationInterface as _EPInterface
+except ImportError:
+    _EPImplementation = _EPInterface = None
+
+HAS_EP_REGISTRY = _EPInterface is not None
+"""Whether the installed transformers has the expert-parallel plug-in registry (5.23 and later)."""
+
+_LOADED = weakref.WeakValueDictionary()
+"""(model config id, expert group, options) -> the ExpertParallel its experts modules share."""
+
+
+def _check_loaded_experts(experts: torch.nn.Module, cfg: EpConfig, experts_per_rank: int) -> None:
+    """ValueError naming the class and the reason when epgen cannot run ``experts`` as transformers
+    sharded it (each weight ``[E / W, ...]`` on this rank, a DTensor or a plain tensor)."""
+    cls = type(experts).__name__
+    if not all(hasattr(experts, a) for a in ("has_gate", "has_bias", "is_transposed")):
+        raise ValueError(f"{cls}: not an experts module on transformers' experts conventions "
+                         "(@use_experts_implementation); epgen cannot run it")
+    up_name = "gate_up_proj" if experts.has_gate else "up_proj"
+    for w in [up_name, "down_proj"] + ([f"{up_name}_bias", "down_proj_bias"] if experts.has_bias else []):
+        t = getattr(experts, w, None)
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{cls}: has no tensor {w} (has_gate={experts.has_gate}, has_bias={experts.has_bias}); "
+                             "a quantized experts class is not supported")
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"{cls}: {w} is {t.dtype}; epgen dispatches bf16 rows and runs bf16 experts (load with "
+                             "dtype=torch.bfloat16; quantized experts are not supported)")
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.shape[0] != experts_per_rank:
+            raise ValueError(f"{cls}: {w} holds {local.shape[0]} experts on this rank; E / W = {cfg.num_experts} / "
+                             f"{cfg.world_size} = {experts_per_rank} expected (an expert plan that shards "
+                             "dim 0 of every expert weight, grouped_gemm)")
+
+
+class EpgenEPImplementation(_EPImplementation or object):
+    """epgen as an ``EPImplementation`` of transformers' registry (5.23 and later): the experts of
+    an ``ep_dispatch_experts`` module reach their tokens through epgen's dispatch and combine.
+
+    transformers shards every expert weight on dim 0 at load (the model's ``grouped_gemm`` plan
+    rules: each rank reads only its E / W experts from the checkpoint) and builds one instance per
+    experts module, with the expert mesh and the tensor-parallel mesh. Calls run
+    ``ExpertParallel.forward`` on the module's local weights (read at each call: views, no copy).
+
+    Token layout, from the meshes: the ranks of the expert group hold the same batch
+    (``tp_size == ep_size``, e.g. ``DistributedConfig(tp_size=W, tp_plan={}, ep_size=W)``):
+    "same_tokens"; each rank its own batch (``tp_size == 1``, e.g. ``DistributedConfig(fsdp_size=W,
+    ep_size=W)``): "own_tokens". Other meshes (1 < tp_size < ep_size) are refused.
+
+    One ``ExpertParallel`` (one op, one set of buffers) serves every experts module of a model;
+    ``loaded_expert_parallel(model)`` returns it and installs the phase hook (decode takes the
+    low-latency family).
+
+    Options (``register_ep_implementation``): backend ("epgen" for CUDA meshes, "reference" on
+    the CPU by default), max_tokens_per_rank (4096), grouped_mm (None: where it runs), and
+    further EpConfig fields.
+    """
+
+    options: dict = {}
+
+    def __init__(self, experts, ep_mesh, tp_mesh):
+        super().__init__(experts, ep_mesh, tp_mesh)
+        opts = dict(self.options)
+        backend = opts.pop("backend", None)
+        max_tokens = opts.pop("max_tokens_per_rank", 4096)
+        grouped_mm = opts.pop("grouped_mm", None)
+        W, tp = ep_mesh.size(), tp_mesh.size()
+        if tp != 1 and not (tp == W and self.shares_batch):
+            raise ValueError(f"ep_implementation='epgen': tp_size={tp}, ep_size={W}: epgen runs an expert group whose "
+                             "ranks all hold the same batch (tp_size == ep_size) or each their own (tp_size == 1)")
+        layout = "same_tokens" if tp == W and W > 1 else "own_tokens"
+        group = ep_mesh.get_group()
+        cfg = EpConfig.from_hf_config(experts.config, world_size=W, max_tokens_per_rank=max_tokens,
+                                      **{**opts, "layout": "expert"})
+        _check_loaded_experts(experts, cfg, cfg.experts_per_rank)
+        device = (torch.device(ep_mesh.device_type, torch.cuda.current_device()) if ep_mesh.device_type == "cuda"
+                  else torch.device(ep_mesh.device_type))
+        backend = backend or ("epgen" if device.type == "cuda" else "reference")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: must be None or one of {', '.join(BACKENDS)}")
+        key = (id(experts.config), id(group), layout, backend, grouped_mm, cfg)
+        handle = _LOADED.get(key)
+        if handle is None:
+            down = experts.down_proj
+            intermediate = down.shape[1] if experts.is_transposed else down.shape[2]
+            refused = grouped_mm_refusal(device, cfg.hidden, intermediate)
+            if grouped_mm and refused:
+                raise ValueError(f"grouped_mm=True: {refused}")
+            if grouped_mm is None:
+                grouped_mm = refused is None
+                if refused:
+                    warnings.warn(f"epgen expert parallel: the experts run as a per-expert loop: {refused}",
+                                  stacklevel=2)
+            if backend == "epgen":
+                from epgen.op import EpDispatchCombine
+
+                op = EpDispatchCombine(cfg, group=group, device=device.index)
+            else:
+                op = ReferenceOp(cfg, group=group if W > 1 else None)
+            handle = ExpertParallel(cfg, op, backend=backend, layout=layout, virtual=False, group=group,
+                                    grouped_mm=bool(grouped_mm), modules=[])
+            handle.loaded = True  # sharded at load by transformers (loaded_expert_parallel finds it)
+            _LOADED[key] = handle
+        self.handle = handle
+        self.experts = weakref.ref(experts)
+        experts._epgen_parallel = handle
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        experts = self.experts()
+        # Inside transformers' forward the module's parameters are this rank's local tensors.
+        experts._epgen_shards = [ExpertShard.of(experts, 0, self.handle.config.experts_per_rank)]
+        try:
+            return self.handle.forward(experts, hidden_states, top_k_index, top_k_weights)
+        finally:
+            experts._epgen_shards = None  # the local views must not outlive the call
+
+
+def register_ep_implementation(name: str = EP_IMPLEMENTATION, **options) -> str:
+    """Register epgen in transformers' expert-parallel registry under ``name`` with ``options``
+    (``EpgenEPImplementation``: backend, max_tokens_per_rank, grouped_mm, EpConfig fields, e.g.
+    ``kernel_family`` or ``combine_quant``); the import registers ``"epgen"`` with the defaults.
+    Returns ``name``, for ``DistributedConfig(ep_implementation=name)``.
+
+    Raises:
+        RuntimeError: transformers without the registry (before 5.23): use ``expert_parallel``
+            on a loaded model there.
+    """
+    if not HAS_EP_REGISTRY:
+        import transformers
+
+        raise RuntimeError(f"transformers {transformers.__version__} has no expert-parallel plug-in registry (5.23 "
+                           "added EPImplementationInterface); load the model and call expert_parallel(model, ...)")
+    cls = type(f"EpgenEPImplementation_{name}", (EpgenEPImplementation,), {"options": dict(options)})
+    _EPInterface.register(name, cls)
+    return name
+
+
+def loaded_expert_parallel(model: torch.nn.Module) -> ExpertParallel:
+    """The ``ExpertParallel`` that transformers' registry built for ``model``
+    (``from_pretrained(..., distributed_config=DistributedConfig(..., ep_implementation="epgen"))``),
+    for ``synchronize()`` and ``close()``; installs, once, the model's forward pre-hook that sets
+    its phase (a forward with one position a sequence is a decode: with one process a rank and
+    each rank its own tokens, decode takes the low-latency family and prefill the normal one;
+    without the hook every call takes the normal family).
+
+    Raises:
+        ValueError: no experts module of ``model`` runs through the registry's epgen implementation.
+    """
+    names, handle = [], None
+    for name, module in model.named_modules():
+        h = getattr(module, "_epgen_parallel", None)
+        if h is not None and getattr(h, "loaded", False):
+            if handle is not None and h is not handle:
+                raise ValueError(f"{type(model).__name__}: its experts modules run through more than one epgen "
+                                 "expert-parallel handle")
+            handle = h
+            names.append(name)
+    if handle is None:
+        raise ValueError(f"{type(model).__name__}: no experts module loaded through ep_implementation='epgen' "
+                         "(from_pretrained(..., distributed_config=DistributedConfig(ep_size=W, "
+                         "ep_implementation='epgen')))")
+    handle.modules = names
+    if handle.phase_hook is None:
+        handle.phase_hook = model.register_forward_pre_hook(_phase_hook(handle), with_kwargs=True)
+    return handle
+
+
+if HAS_EP_REGISTRY:
+    register_ep_implementation()

@@ -10,8 +10,8 @@ expert-parallel run's routing, ``hf_models.check_generation``):
 
 * virtual ranks, W = 2, 4, 8, on one GPU (every rank in this process, one grid);
 * W = 2 and 4 processes (``epgen.harness.ranks.run_ranks``: all on cuda:0 when there are fewer GPUs), in
-  both token layouts: "replicated" (every rank the same prompt; each dispatches its slice and the
-  outputs are gathered: every rank's logits identical) and "owned" (every rank its own prompt);
+  both token layouts: "same_tokens" (every rank the same prompt; each dispatches its slice and the
+  outputs are gathered: every rank's logits identical) and "own_tokens" (every rank its own prompt);
 * generate across W = 2 and 4 processes whose prompts end at different steps (1 and 20): no hang,
   each rank's own generation;
 * torch.compile (inductor) of the model, virtual ranks and two processes, within the bound.
@@ -114,22 +114,22 @@ def _processes_body(rank, world_size):
         own = hf_models.prompt(10 + rank, batch=4, length=56 + 2 * rank)
         envelope_own, ref_own = hf_models.bf16_envelope(model32, own)
         eager = hf_models.eager_bf16(model32)
-        ids = {"replicated": PROMPT[:1, :8], "owned": own[:, :8]}
-        for layout in ("replicated", "owned"):
+        ids = {"same_tokens": PROMPT[:1, :8], "own_tokens": own[:, :8]}
+        for layout in ("same_tokens", "own_tokens"):
             model = copy.deepcopy(model32).to(torch.bfloat16)
             ep = _ep(model, layout=layout)  # a failure raises at once: run_ranks then ends the peers
             assert (ep.virtual, ep.ranks, ep.config.world_size) == (False, [rank], world_size)
             for name in ep.modules:  # this rank keeps its experts only
                 assert model.get_submodule(name).down_proj.shape[0] == hf_models.EXPERTS // world_size
-            if layout == "replicated":
+            if layout == "same_tokens":
                 out = hf_models.logits(model, PROMPT)
                 every = [None] * world_size
                 dist.all_gather_object(every, out)
-                assert all(torch.equal(o, out) for o in every), "replicated tokens: the ranks' logits differ"
+                assert all(torch.equal(o, out) for o in every), "the same tokens on every rank: the ranks' logits differ"
                 error = relative_l2(out, ref)
             else:
                 error = relative_l2(hf_models.logits(model, own), ref_own)
-            bound = envelope if layout == "replicated" else envelope_own
+            bound = envelope if layout == "same_tokens" else envelope_own
             verdict = hf_models.check_generation(model, eager, ids[layout], bound)
             ep.synchronize()
             dist.barrier()  # every peer is done with this rank's arena
@@ -154,7 +154,7 @@ def _straddle_body(rank, world_size):
     model32 = hf_models.tiny_model("qwen3_moe", SEED).to("cuda")
     eager = hf_models.eager_bf16(model32)
     model = copy.deepcopy(eager)
-    ep = _ep(model, layout="owned")
+    ep = _ep(model, layout="own_tokens")
     t_ll = ep.op.low_latency_tokens
     assert 1 < t_ll < 255, t_ll
     ids = hf_models.prompt(20 + rank, batch=1, length=t_ll - 1 + 2 * rank)
@@ -180,7 +180,7 @@ def _stop_at_different_steps_body(rank, world_size):
     phase's) until the last one ends: no hang, every rank 20 forwards, and each rank's output is
     its own no-EOS generation cut at its EOS (``hf_models.stopping_at_different_steps``)."""
     model = hf_models.tiny_model("qwen3_moe", SEED).to("cuda").to(torch.bfloat16)
-    ep = _ep(model, layout="owned")
+    ep = _ep(model, layout="own_tokens")
     r = hf_models.stopping_at_different_steps(model, rank)
     ep.synchronize()
     torch.distributed.barrier()
@@ -231,7 +231,7 @@ def _compiled_processes_body(rank, world_size):
     envelope, ref = hf_models.bf16_envelope(model32, own)
     eager = hf_models.eager_bf16(model32)
     model = copy.deepcopy(eager)
-    ep = _ep(model, layout="owned")
+    ep = _ep(model, layout="own_tokens")
     model.compile()
     error = relative_l2(hf_models.logits(model, own), ref)
     verdict = hf_models.check_generation(model, eager, own[:, :8], envelope, tokens=8)

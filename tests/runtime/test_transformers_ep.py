@@ -6,7 +6,8 @@ shared experts, the experts classes' own gate and biases).
 Tiny random-weight models of qwen3_moe, mixtral, deepseek_v3 and gpt_oss (tests/hf_models.py, where
 the bound is derived): full-model logits of the bf16 expert-parallel model against the float32
 model within 2 x the model's own bf16 error; greedy generation of 32 tokens against the model's own
-bf16 eager path; a lost expert exceeds the bound; the two token layouts as two processes (gloo);
+bf16 eager path; a lost expert exceeds the bound; the two token layouts as two processes (gloo),
+converted after loading and sharded at load through transformers' expert-parallel registry;
 generate across two processes whose prompts end at different steps; weights loaded or changed
 after the conversion; torch.compile against eager; the refusals.
 """
@@ -106,15 +107,15 @@ def _layouts_body(rank, world, store, family, result_dir):
         virtual, _ = ep_model(model32, world)
         expected_shared = hf_models.logits(virtual, PROMPT)
         lines = []
-        for layout in ("replicated", "owned"):
+        for layout in ("same_tokens", "own_tokens"):
             model = copy.deepcopy(model16)
             ep = expert_parallel(model, layout=layout, max_tokens_per_rank=256)
             assert (ep.virtual, ep.ranks, ep.config.world_size) == (False, [rank], world)
             for name in ep.modules:  # this rank keeps its experts only
                 assert model.get_submodule(name).down_proj.shape[0] == hf_models.EXPERTS // world
-            if layout == "replicated":  # every rank the same tokens: its slice dispatched, all rows gathered
+            if layout == "same_tokens":  # every rank the same tokens: its slice dispatched, all rows gathered
                 out = hf_models.logits(model, PROMPT)
-                assert torch.equal(out, expected_shared), "replicated tokens must equal the virtual ranks' run"
+                assert torch.equal(out, expected_shared), "the same tokens a rank must equal the virtual ranks' run"
                 error = relative_l2(out, ref_shared)
                 bound = envelope
             else:  # every rank its own tokens
@@ -145,7 +146,7 @@ def _generate_body(rank, world, store, result_dir):
                             timeout=datetime.timedelta(seconds=60))  # a hang fails in a minute
     try:
         model = hf_models.tiny_model("qwen3_moe", SEED).to(torch.bfloat16)
-        ep = expert_parallel(model, layout="owned", max_tokens_per_rank=256)
+        ep = expert_parallel(model, layout="own_tokens", max_tokens_per_rank=256)
         r = hf_models.stopping_at_different_steps(model, rank)
         S, step = r["ids"].shape[1], r["step"]
         assert torch.equal(r["out"], r["reference"][:, :S + step]), "the stopped generation is not the rank's own"
@@ -191,7 +192,7 @@ def test_refusals_name_the_class_and_the_reason(envelopes):
     with pytest.raises(ValueError, match=r"from_hf_config \(mixtral\): EpConfig.num_experts=8: must be a multiple of "
                                          r"world_size=3"):
         expert_parallel(model16, virtual=True, world_size=3)
-    with pytest.raises(ValueError, match="layout='expert': must be one of owned, replicated"):
+    with pytest.raises(ValueError, match="layout='expert': must be one of own_tokens, same_tokens"):
         expert_parallel(model16, virtual=True, world_size=2, layout="expert")
     with pytest.raises(ValueError, match="virtual=True: pass world_size"):
         expert_parallel(model16, virtual=True)
@@ -400,10 +401,10 @@ def test_forced_routing_reproduces_the_other_run_and_a_wrong_router_is_no_tie(en
 
 
 def test_prefill_and_decode_take_their_families_by_phase(envelopes):
-    """One process a rank, owned tokens, kernel_family "auto": no rank sees its peers' counts, so
+    """One process a rank, own tokens, kernel_family "auto": no rank sees its peers' counts, so
     the family comes from the phase every rank runs alike: the model's forward with one position a
     sequence is a decode (the low-latency family), any other a prefill (the normal family); the
-    replicated layout takes the family of the largest slice, the same on every rank. The phase
+    same_tokens layout takes the family of the largest slice, the same on every rank. The phase
     is read by a pre-hook on the model, removed at close."""
     from epgen.integrations.transformers import ExpertParallel
 
@@ -422,15 +423,142 @@ def test_prefill_and_decode_take_their_families_by_phase(envelopes):
     op = types.SimpleNamespace(local_ranks=[1], low_latency_tokens=128,
                                family=lambda t: "low_latency" if t <= 128 else "normal")
     cfg = types.SimpleNamespace(world_size=2, kernel_family="auto")
-    owned = ExpertParallel(cfg, op, backend="epgen", layout="owned", virtual=False, group=None, grouped_mm=True,
-                           modules=[])
+    own = ExpertParallel(cfg, op, backend="epgen", layout="own_tokens", virtual=False, group=None, grouped_mm=True,
+                         modules=[])
     for phase, want in (("prefill", "normal"), ("decode", "low_latency")):
-        owned.phase = phase
-        assert [owned.family(t) for t in (0, 127, 128, 129)] == [want] * 4
+        own.phase = phase
+        assert [own.family(t) for t in (0, 127, 128, 129)] == [want] * 4
     op.low_latency_tokens = 0  # an op without the low-latency family decodes with the normal one
-    assert owned.family(1) == "normal"
-    replicated = ExpertParallel(cfg, op, backend="epgen", layout="replicated", virtual=False, group=None,
-                                grouped_mm=True, modules=[])
-    assert [replicated.family(t) for t in (255, 256, 257)] == ["low_latency", "low_latency", "normal"]
+    assert own.family(1) == "normal"
+    same = ExpertParallel(cfg, op, backend="epgen", layout="same_tokens", virtual=False, group=None,
+                          grouped_mm=True, modules=[])
+    assert [same.family(t) for t in (255, 256, 257)] == ["low_latency", "low_latency", "normal"]
     cfg.kernel_family = "normal"  # a fixed family: the op's own
-    assert owned.family(5) is None and replicated.family(5) is None
+    assert own.family(5) is None and same.family(5) is None
+
+
+def test_the_former_layout_names_are_deprecated_aliases(envelopes):
+    """``"owned"`` and ``"replicated"`` still run, as ``"own_tokens"`` and ``"same_tokens"``, with a
+    DeprecationWarning naming the new name."""
+    model32 = envelopes["qwen3_moe"][0]
+    for old, new in (("owned", "own_tokens"), ("replicated", "same_tokens")):
+        model = copy.deepcopy(model32).to(torch.bfloat16)
+        with pytest.warns(DeprecationWarning, match=f"layout='{old}' is deprecated: use layout='{new}'"):
+            ep = expert_parallel(model, virtual=True, world_size=2, layout=old)
+        assert ep.layout == new
+
+
+# --- sharded at load through transformers' expert-parallel registry (5.23 and later) ----------
+
+
+def _expert_bytes(model) -> tuple[int, int]:
+    """(bytes this process holds of the experts modules' weights, bytes of the rest), local shards
+    of DTensors counted as held."""
+    experts = rest = 0
+    for name, p in model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        n = local.numel() * local.element_size()
+        if ".experts." in name:
+            experts += n
+        else:
+            rest += n
+    return experts, rest
+
+
+def _registry_body(rank, world, store, path, family, result_dir):
+    import torch.distributed as dist
+    import transformers
+    from transformers.distributed import DistributedConfig
+
+    from epgen.integrations.transformers import loaded_expert_parallel, register_ep_implementation
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        model32 = hf_models.tiny_model(family, SEED)
+        model_cls = getattr(transformers, hf_models.FAMILIES[family][1])
+        full_experts, full_rest = _expert_bytes(model_cls.from_pretrained(path, dtype=torch.bfloat16))  # whole
+        envelope, ref_same = hf_models.bf16_envelope(model32, PROMPT)
+        own_prompt = hf_models.prompt(10 + rank, batch=4, length=56 + 2 * rank)
+        envelope_own, ref_own = hf_models.bf16_envelope(model32, own_prompt)
+        eager = hf_models.eager_bf16(model32)
+        configs = {  # every rank the same batch: the expert group is the tensor-parallel group, no TP rule applied
+            "same_tokens": DistributedConfig(tp_size=world, tp_plan={}, ep_size=world, ep_implementation="epgen"),
+            # each rank its own batch: the dense weights are FSDP-sharded across the same ranks
+            "own_tokens": DistributedConfig(fsdp_size=world, ep_size=world,
+                                            ep_implementation=register_ep_implementation("epgen-256",
+                                                                                         max_tokens_per_rank=256))}
+        lines = []
+        for layout, dc in configs.items():
+            model = model_cls.from_pretrained(path, dtype=torch.bfloat16, distributed_config=dc)
+            ep = loaded_expert_parallel(model)
+            assert (ep.layout, ep.backend, ep.virtual, ep.ranks, ep.config.world_size) == (
+                layout, "reference", False, [rank], world)
+            assert ep.modules == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+            assert ep.config.max_tokens_per_rank == (256 if layout == "own_tokens" else 4096)
+            L = hf_models.EXPERTS // world
+            for name in ep.modules:  # this rank holds experts [rank L, (rank + 1) L) only
+                experts = model.get_submodule(name)
+                assert experts._epgen_parallel is ep
+                full = model32.get_submodule(name)
+                for w, p in experts.named_parameters(recurse=False):
+                    local = p.to_local()
+                    assert local.shape == (L, *full.get_parameter(w).shape[1:]), (name, w, local.shape)
+                    assert torch.equal(local, full.get_parameter(w)[rank * L:(rank + 1) * L].to(torch.bfloat16))
+            held_experts, held_rest = _expert_bytes(model)
+            assert held_experts * world == full_experts, (held_experts, full_experts)
+            if layout == "same_tokens":
+                assert held_rest == full_rest
+                out = hf_models.logits(model, PROMPT)
+                error, bound, ids = relative_l2(out, ref_same), envelope, PROMPT[:1, :8]
+            else:
+                error, bound = relative_l2(hf_models.logits(model, own_prompt), ref_own), envelope_own
+                ids = own_prompt[:1, :8]
+            assert error <= 2 * bound, f"{layout} rank {rank}: {error:.3e} > 2 x {bound:.3e}"
+            verdict = hf_models.check_generation(model, eager, ids, bound)
+            assert ep.phase == "decode"  # the phase hook saw the generation's last step
+            lines.append(f"{layout} rank {rank}: experts {held_experts} of {full_experts} bytes, the rest "
+                         f"{held_rest} of {full_rest}; logits {error:.3e} (bound {2 * bound:.3e}); generation "
+                         f"{verdict}")
+            ep.close()
+        with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
+            f.write("\n".join(lines))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_at_load_through_transformers_registry(tmp_path):
+    """``from_pretrained(..., distributed_config=DistributedConfig(ep_size=2, ep_implementation="epgen"))``
+    as two processes (gloo, the reference backend): each rank reads and holds only its E / W experts
+    of every layer (DTensor shards, local shapes and values checked, bytes counted), the experts run
+    through epgen (``loaded_expert_parallel``), both token layouts from the meshes, logits within 2 x
+    the model's own bf16 error and greedy generation as the eager model's (``check_generation``)."""
+    from epgen.integrations.transformers import HAS_EP_REGISTRY
+
+    if not HAS_EP_REGISTRY:
+        pytest.skip("transformers before 5.23 has no expert-parallel registry: expert_parallel is the path there")
+    pytest.importorskip("accelerate", reason="transformers' distributed loading needs accelerate")
+    family, world = "deepseek_v3", 2
+    hf_models.tiny_model(family, SEED).to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    torch.multiprocessing.spawn(_registry_body, args=(world, str(tmp_path / "store"), str(tmp_path / "model"), family,
+                                                      str(tmp_path)), nprocs=world, join=True)
+    for rank in range(world):
+        print((tmp_path / f"rank{rank}").read_text())
+
+
+def test_the_registry_path_refusals(envelopes, monkeypatch):
+    """A model not loaded through the registry has no epgen handle to return; transformers without
+    the registry (5.17-5.22) refuses a registration and names the path that works there."""
+    import epgen.integrations.transformers as integration
+
+    model = copy.deepcopy(envelopes["qwen3_moe"][0]).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM: no experts module loaded through "
+                                         "ep_implementation='epgen'"):
+        integration.loaded_expert_parallel(model)
+    expert_parallel(model, virtual=True, world_size=2)  # converted after loading: not the registry's
+    with pytest.raises(ValueError, match="no experts module loaded through"):
+        integration.loaded_expert_parallel(model)
+    monkeypatch.setattr(integration, "HAS_EP_REGISTRY", False)
+    with pytest.raises(RuntimeError, match=r"no expert-parallel plug-in registry \(5.23 added "
+                                           r"EPImplementationInterface\); load the model and call expert_parallel"):
+        integration.register_ep_implementation("epgen-x")
