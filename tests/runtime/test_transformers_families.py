@@ -44,8 +44,8 @@ def _first_line(e: BaseException) -> str:
 
 def run_family(family: str) -> dict:
     """The family's row: {"family", "accepted", "ratios": {W: error / envelope}, "generation", "ties"}
-    or with "reason" where it could not be built or was refused. AssertionError where it runs but
-    breaks the bound or the generation check."""
+    or with "reason" where it could not be built or was refused; a generation that fails its check
+    reads "FAILED: ..." (``failures``)."""
     row = {"family": family, "accepted": False, "ratios": {}, "generation": "", "ties": 0, "reason": ""}
     try:
         model32 = hf_models.family_model(family)
@@ -70,10 +70,13 @@ def run_family(family: str) -> dict:
         row["reason"] = f"refused: {_first_line(e)}"
         return row
     row["accepted"] = True
-    assert all(r <= 2 for r in row["ratios"].values()), f"{family}: error / envelope {row['ratios']} above 2"
     model = copy.deepcopy(model32).to(torch.bfloat16)
     expert_parallel(model, virtual=True, world_size=2, backend="reference", max_tokens_per_rank=256)
-    verdict = hf_models.check_generation(model, hf_models.eager_bf16(model32), PROMPT[:1, :8], envelope)
+    try:
+        verdict = hf_models.check_generation(model, hf_models.eager_bf16(model32), PROMPT[:1, :8], envelope)
+    except AssertionError as e:
+        row["generation"] = f"FAILED: {_first_line(e)}"
+        return row
     m = re.match(r"(\d+) routing near-tie", verdict)
     row["ties"] = int(m.group(1)) if m else 0
     row["generation"] = ("identical" if verdict == "identical" else f"{row['ties']} routing tie(s)" if m
@@ -96,11 +99,18 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def failures(rows: list[dict]) -> list[str]:
+    """The accepted families above the bound at some W, or whose generation failed its check."""
+    return [f"{r['family']}: ratios {r['ratios']}, generation {r['generation']}" for r in rows if r["accepted"] and (
+        any(v > 2 for v in r["ratios"].values()) or r["generation"].startswith("FAILED"))]
+
+
 @pytest.mark.parametrize("family", FAST)
 def test_fast_families(family):
     row = run_family(family)
     print(row)
     assert row["accepted"], row["reason"]
+    assert not failures([row])
 
 
 @pytest.mark.models
@@ -114,6 +124,8 @@ def test_every_family_and_the_docs_table():
     _, after = rest.split(END, 1)
     if os.environ.get("EPGEN_WRITE_FAMILY_TABLE") == "1":
         DOC.write_text(f"{before}{BEGIN}\n{text}\n{END}{after}")
+    assert not failures(rows), failures(rows)
+    if os.environ.get("EPGEN_WRITE_FAMILY_TABLE") == "1":
         return
     committed = rest.split(END, 1)[0].strip()
     assert _shape(committed) == _shape(text), ("docs/transformers.md's family table differs from this run; rerun "
