@@ -261,6 +261,11 @@ EXTRA = {
 """Fields a family needs beyond TEXT (its layer schedule, its own top-k name)."""
 
 
+MAX_PARAMS = 20_000_000
+"""The most parameters ``family_model`` builds (the text models are under 3M; a multimodal family's
+vision tower can be 100s of M at its defaults)."""
+
+
 def experts_families() -> list[str]:
     """Every model type of the installed transformers whose modeling module builds its experts with
     ``@use_experts_implementation`` (3-D gate_up_proj / up_proj and down_proj), sorted."""
@@ -295,7 +300,13 @@ def family_model(model_type: str, seed: int = 0) -> torch.nn.Module:
     text_cls = sub if sub is not None else config_cls
     default = text_cls()
     kw = {k: v for k, v in wanted.items() if hasattr(default, k)}
+    if hasattr(default, "qk_rope_head_dim") and getattr(default, "head_dim", None) == default.qk_rope_head_dim:
+        kw["head_dim"] = kw["qk_rope_head_dim"]  # multi-head latent attention whose head_dim is the rope part
     config = config_cls(text_config=kw) if sub is not None else config_cls(**kw)
+    with torch.device("meta"):  # its size first: a tower the text fields leave (a vision encoder) is refused
+        params = sum(p.numel() for p in model_cls(config).parameters())
+    if params > MAX_PARAMS:
+        raise ValueError(f"{params / 1e6:.0f}M parameters at the tiny text config (a tower it does not shrink)")
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     g = torch.Generator().manual_seed(seed + 1000)

@@ -49,29 +49,25 @@ def run_family(family: str) -> dict:
     row = {"family": family, "accepted": False, "ratios": {}, "generation": "", "ties": 0, "reason": ""}
     try:
         model32 = hf_models.family_model(family)
-    except Exception as e:  # noqa: BLE001 - a family the tiny config does not build: a row with the reason
+        envelope, ref = hf_models.bf16_envelope(model32, PROMPT)  # the model's own paths, before epgen's
+    except Exception as e:  # noqa: BLE001 - a family the tiny config does not build or run: a row with the reason
         row["reason"] = f"not built: {_first_line(e)}"
-        return row
-    params = sum(p.numel() for p in model32.parameters())
-    if params > 20_000_000:  # a tower TEXT does not shrink (a vision encoder): minutes of CPU a family
-        row["reason"] = f"not built: {params / 1e6:.0f}M parameters at the tiny text config (a tower it leaves)"
         return row
     experts = [m for m in model32.modules() if hasattr(m, "has_gate") and hasattr(m, "down_proj")]
     try:
         cfg = EpConfig.from_hf_config(experts[0].config if experts else model32.config, world_size=1,
                                       max_tokens_per_rank=8)
         assert (cfg.num_experts, cfg.topk) == (experts[0].down_proj.shape[0], cfg.topk)
-        envelope, ref = hf_models.bf16_envelope(model32, PROMPT)
         for world in WORLDS:
             model = copy.deepcopy(model32).to(torch.bfloat16)
-            expert_parallel(model, virtual=True, world_size=world, backend="reference", max_tokens_per_rank=256)
+            expert_parallel(model, virtual=True, world_size=world, backend="reference", max_tokens_per_rank=1024)
             row["ratios"][world] = relative_l2(hf_models.logits(model, PROMPT), ref) / envelope
     except (ValueError, RuntimeError, TypeError, AttributeError, IndexError) as e:
         row["reason"] = f"refused: {_first_line(e)}"
         return row
     row["accepted"] = True
     model = copy.deepcopy(model32).to(torch.bfloat16)
-    expert_parallel(model, virtual=True, world_size=2, backend="reference", max_tokens_per_rank=256)
+    expert_parallel(model, virtual=True, world_size=2, backend="reference", max_tokens_per_rank=1024)
     try:
         verdict = hf_models.check_generation(model, hf_models.eager_bf16(model32), PROMPT[:1, :8], envelope)
     except AssertionError as e:
@@ -115,7 +111,10 @@ def test_fast_families(family):
 
 @pytest.mark.models
 def test_every_family_and_the_docs_table():
-    rows = [run_family(f) for f in FAMILIES]
+    rows = []
+    for family in FAMILIES:
+        rows.append(run_family(family))
+        print(rows[-1], flush=True)
     text = table(rows)
     print(text)
     doc = DOC.read_text()
