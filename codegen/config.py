@@ -286,18 +286,28 @@ class EpConfig:
         """Config for the MoE layers of a Hugging Face transformers model, read from its config
         (no download: a local file, a dict, or a loaded ``transformers.PretrainedConfig``).
 
-        Fields read (the first name present wins; a multimodal config's ``text_config`` is read
-        when the top level has no ``hidden_size``):
+        Fields read (``epgen.codegen.hfconfig``; the first name present wins; a multimodal
+        config's ``text_config``, ``thinker_config``, ``language_config`` or ``llm_config`` is read
+        when the top level has no hidden size):
 
-            hidden:       hidden_size
-            num_experts:  n_routed_experts (deepseek_v3, kimi_k2), num_local_experts (mixtral,
-                          gpt_oss; qwen3_moe from transformers 5.2x), num_experts (qwen3_moe,
-                          qwen3_next config.json)
-            topk:         num_experts_per_tok, experts_per_token (gpt_oss config.json)
+            hidden:       the config class's alias of hidden_size (``attribute_map``), then
+                          hidden_size, d_model (dbrx)
+            num_experts:  the class's alias of num_local_experts / num_experts / n_routed_experts,
+                          the family's name (``hfconfig.FAMILY_FIELDS``), then n_routed_experts
+                          (deepseek_v3, kimi_k2, longcat_flash), num_local_experts (mixtral,
+                          gpt_oss), num_experts (qwen3_moe, qwen3_next, hunyuan_v1_moe,
+                          kimi_linear, bailing_hybrid, gemma4), moe_num_experts (ernie4_5_moe,
+                          aria; dbrx's ffn_config)
+            topk:         the class's alias of num_experts_per_tok, the family's name, then
+                          num_experts_per_tok, experts_per_token (gpt_oss config.json),
+                          num_experts_per_token (kimi_linear, bailing_hybrid), moe_k
+                          (ernie4_5_moe), moe_topk (hunyuan_v1_moe: one per layer, all equal;
+                          longcat_flash, aria), top_k_experts (gemma4), moe_top_k (dbrx)
 
-        Shared experts (``n_shared_experts``, ``shared_expert_intermediate_size``) are not routed
-        and not dispatched: they do not enter the config. Any model_type with these fields works;
-        the families checked are qwen3_moe, qwen3_next, mixtral, deepseek_v3, kimi_k2, gpt_oss.
+        The config class's aliases come from a loaded config's class, or, for a file or dict whose
+        names miss, from transformers' class of its model_type where transformers is installed.
+        Shared experts (``n_shared_experts``, ``shared_expert_intermediate_size``) and longcat_flash's
+        zero (identity) experts are not routed through dispatch: they do not enter the config.
 
         Args:
             source: a path (str or os.PathLike) to a config.json or to a directory holding one; a
@@ -307,58 +317,26 @@ class EpConfig:
 
         Raises:
             FileNotFoundError: a path that is neither a file nor a directory holding config.json.
-            ValueError: the file is not a JSON object; source of another type; hidden, topk or
-                num_experts passed in kw; a field missing or not a positive int (the message names
-                the field, the names looked for and the model_type); FieldError (a ValueError) for
-                a field EpConfig refuses, e.g. num_experts not a multiple of world_size, prefixed
-                with the model_type.
+            OSError: the file cannot be read (naming it).
+            ValueError: (each naming the file, or the dict or config object, and the rule) the file
+                is not UTF-8, not valid JSON, nested deeper than ``hfconfig.MAX_DEPTH`` levels, or
+                not a JSON object; source of another type; hidden, topk or num_experts passed in
+                kw; a field missing (the message names the field, every name looked for and the
+                model_type, and says "dense" only where nothing in the config speaks of experts)
+                or not a positive int; FieldError (a ValueError) for a field EpConfig refuses, e.g.
+                num_experts not a multiple of world_size, prefixed with the source and model_type.
         """
-        import json
-        import os
+        from epgen.codegen.hfconfig import moe_shape
 
-        if isinstance(source, (str, os.PathLike)):
-            path = os.fspath(source)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"EpConfig.from_hf_config({os.fspath(source)!r}): no such config.json")
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-            if not isinstance(data, dict):
-                raise ValueError(f"EpConfig.from_hf_config({path!r}): the file holds a JSON {type(data).__name__}, "
-                                 "not an object")
-        elif isinstance(source, dict):
-            data = source
-        elif callable(getattr(source, "to_dict", None)):
-            data = source.to_dict()
-        else:
-            raise ValueError(f"EpConfig.from_hf_config: source must be a path, a dict or a PretrainedConfig, got "
-                             f"{type(source).__name__}")
-        model_type = data.get("model_type", "<no model_type>")
-        shape = {"hidden", "topk", "num_experts"} & set(kw)
+        fields, model_type, where = moe_shape(source)
+        shape = set(fields) & set(kw)
         if shape:
-            raise ValueError(f"EpConfig.from_hf_config ({model_type}): {', '.join(sorted(shape))} come from the "
-                             "model config; build EpConfig(...) directly for another shape")
-        if "hidden_size" not in data and isinstance(data.get("text_config"), dict):
-            data = data["text_config"]
-            model_type = f"{model_type}.text_config ({data.get('model_type', '<no model_type>')})"
-        fields = {}
-        for field, names in (("hidden", ("hidden_size",)),
-                             ("num_experts", ("n_routed_experts", "num_local_experts", "num_experts")),
-                             ("topk", ("num_experts_per_tok", "experts_per_token"))):
-            found = [n for n in names if data.get(n) is not None]
-            if not found:
-                raise ValueError(f"EpConfig.from_hf_config: model_type {model_type!r} has no {field} field (looked "
-                                 f"for {', '.join(names)}); a dense model has no expert layers to dispatch to")
-            value = data[found[0]]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"EpConfig.from_hf_config: model_type {model_type!r}: {found[0]}={value!r} must be "
-                                 f"a positive int (it gives EpConfig.{field})")
-            fields[field] = value
+            raise ValueError(f"{where} ({model_type}): {', '.join(sorted(shape))} come from the model config; build "
+                             "EpConfig(...) directly for another shape")
         try:
             return cls(world_size=world_size, max_tokens_per_rank=max_tokens_per_rank, **fields, **kw)
         except FieldError as e:
-            raise FieldError(e.field, f"EpConfig.from_hf_config ({model_type}): {e}") from e
+            raise FieldError(e.field, f"{where} ({model_type}): {e}") from e
 
     @property
     def experts_per_rank(self) -> int:

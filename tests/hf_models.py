@@ -162,12 +162,12 @@ def routing(model: torch.nn.Module, forced: dict | None = None):
         if not name.endswith(".experts"):
             continue
         block = model.get_submodule(name.rpartition(".")[0])
-        router = getattr(block, "gate", None) or getattr(block, "router")
+        router = router_weight(block, module)
         calls = record.setdefault(name, [])
 
         def pre(_module, args, calls=calls, name=name, router=router):
             hidden, index, weights, *rest = args
-            weight = router.weight
+            weight = router
             if hasattr(weight, "full_tensor"):  # a sharded DTensor (loaded with a distributed_config): every rank calls
                 weight = weight.full_tensor()
             z = torch.nn.functional.linear(hidden.float(), weight.float())
@@ -184,6 +184,19 @@ def routing(model: torch.nn.Module, forced: dict | None = None):
     finally:
         for h in handles:
             h.remove()
+
+
+def router_weight(block: torch.nn.Module, experts: torch.nn.Module) -> torch.Tensor:
+    """The router's [E (+ zero experts), H] weight of an MoE block: its ``gate`` or ``router`` linear
+    (or the first 2-D parameter of that module with H columns: hunyuan_v1_moe's ``gate.wg``, gemma4's
+    ``router.proj``)."""
+    for attr in ("gate", "router"):
+        r = getattr(block, attr, None)
+        if isinstance(r, torch.nn.Module):
+            for _, p in r.named_parameters():
+                if p.dim() == 2 and p.shape[0] >= experts.down_proj.shape[0]:
+                    return p
+    raise AttributeError(f"{type(block).__name__}: no gate or router weight found")
 
 
 def routing_ties(ep: dict, eager: dict, calls: int, envelope: float) -> list[str]:
@@ -265,3 +278,82 @@ def _check_flip(ep: tuple, eager: tuple, envelope: float) -> str:
         f"(measured {error:.3g})")
     return (f"near-tie flip at generated step {step}: eager gap {gap:.3g} <= margin {margin:.3g}, EP logits within "
             f"{error:.3g} <= {2 * envelope:.3g}")
+
+
+# --- every family on transformers' experts conventions ---------------------------------------------
+
+TEXT = dict(COMMON, intermediate_size=64, moe_intermediate_size=32, num_experts=EXPERTS, num_local_experts=EXPERTS,
+            n_routed_experts=EXPERTS, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=0,
+            q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_shared_experts=1,
+            shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[], pad_token_id=0,
+            bos_token_id=1, eos_token_id=2)
+"""The fields of a tiny text config, given where the family's config class has them (through its aliases:
+``attribute_map``)."""
+
+EXTRA = {
+    "ernie4_5_moe": dict(moe_layer_start_index=0, moe_layer_interval=1),
+    "hunyuan_v1_moe": dict(moe_topk=2),
+    "longcat_flash": dict(moe_topk=2, zero_expert_num=0, num_layers=1),
+    "gemma4": dict(enable_moe_block=True, top_k_experts=2),
+}
+"""Fields a family needs beyond TEXT (its layer schedule, its own top-k name)."""
+
+
+MAX_PARAMS = 20_000_000
+"""The most parameters ``family_model`` builds (the text models are under 3M; a multimodal family's
+vision tower can be 100s of M at its defaults)."""
+
+
+def experts_families() -> list[str]:
+    """Every model type of the installed transformers whose modeling module builds its experts with
+    ``@use_experts_implementation`` (3-D gate_up_proj / up_proj and down_proj), sorted."""
+    import os
+
+    root = os.path.join(os.path.dirname(tf.__file__), "models")
+    out = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name, f"modeling_{name}.py")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                if "@use_experts_implementation" in f.read():
+                    out.append(name)
+    return out
+
+
+def family_model(model_type: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny float32 model of ``model_type`` from its config class (TEXT and EXTRA where the class has
+    the fields; a multimodal config's text_config), its causal LM or image-text-to-text class, random
+    weights from ``seed`` (expert biases and score-correction biases drawn non-zero), eval mode.
+    Raises whatever the family's classes raise for a config they refuse."""
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    config_cls = configuration_auto.CONFIG_MAPPING[model_type]
+    names = [n for n in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES")
+             if model_type in getattr(modeling_auto, n)]
+    if not names:
+        raise ValueError(f"{model_type}: no causal LM class")
+    model_cls = getattr(tf, getattr(modeling_auto, names[0])[model_type])
+    wanted = {**TEXT, **EXTRA.get(model_type, {})}
+    sub = (getattr(config_cls, "sub_configs", None) or {}).get("text_config")
+    text_cls = sub if sub is not None else config_cls
+    default = text_cls()
+    kw = {k: v for k, v in wanted.items() if hasattr(default, k)}
+    if hasattr(default, "qk_rope_head_dim") and getattr(default, "head_dim", None) == default.qk_rope_head_dim:
+        kw["head_dim"] = kw["qk_rope_head_dim"]  # multi-head latent attention whose head_dim is the rope part
+    config = config_cls(text_config=kw) if sub is not None else config_cls(**kw)
+    with torch.device("meta"):  # its size first: a tower the text fields leave (a vision encoder) is refused
+        params = sum(p.numel() for p in model_cls(config).parameters())
+    if params > MAX_PARAMS:
+        raise ValueError(f"{params / 1e6:.0f}M parameters at the tiny text config (a tower it does not shrink)")
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    g = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "e_score_correction_bias", None), torch.Tensor):
+                module.e_score_correction_bias.copy_(0.1 * torch.randn(module.e_score_correction_bias.shape, generator=g))
+            if getattr(module, "has_bias", False) and hasattr(module, "down_proj_bias"):
+                up = module.gate_up_proj_bias if module.has_gate else module.up_proj_bias
+                up.copy_(0.5 * torch.randn(up.shape, generator=g))
+                module.down_proj_bias.copy_(0.1 * torch.randn(module.down_proj_bias.shape, generator=g))
+    return model

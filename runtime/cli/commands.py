@@ -58,7 +58,7 @@ def _shape_from_hf_config(args, parser) -> None:
     try:  # W = 1 here: --world-size is checked against the experts with the other flags
         cfg = EpConfig.from_hf_config(args.hf_config, world_size=1, max_tokens_per_rank=1)
     except (OSError, ValueError) as e:
-        parser.error(f"--hf-config {args.hf_config}: {e}")
+        parser.error(f"--hf-config: {e}")  # the message names the file
     args.hidden, args.topk, args.num_experts = cfg.hidden, cfg.topk, cfg.num_experts
 
 
