@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import numbers
 import warnings
 
 import attrs
@@ -524,24 +525,30 @@ class EpDispatchCombine:
     def family(self, tokens: int) -> str:
         """The kernel family a call with ``tokens`` (the largest token count of the ranks this
         process drives) takes: "low_latency" or "normal" (``EpConfig.kernel_family``; "auto"
-        takes the low-latency family up to ``low_latency_tokens``)."""
+        takes the low-latency family up to ``low_latency_tokens``).
+
+        Raises:
+            ValueError: ``tokens`` not an int >= 0."""
+        if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens < 0:
+            raise ValueError(f"tokens={tokens!r}: must be an int >= 0 (the most tokens of any rank in the call)")
         return self.plan.family(tokens)
 
-    def transport(self, tokens: int, x) -> str:
+    def transport(self, tokens: int, x, family: str | None = None) -> str:
         """The transport a dispatch of ``tokens`` (the largest token count of the ranks this
-        process drives) with input ``x`` (a list in virtual mode) takes: "pull" or "push".
+        process drives) with input ``x`` (a list in virtual mode) in ``family`` (default
+        ``family(tokens)``) takes: "pull" or "push".
         "push" for the low-latency family and ``dispatch_transport="push"``; "pull" for
         ``dispatch_transport="pull"`` (an x outside ``dispatch_input`` is copied there first);
         "auto" pulls where the tuning bucket of ``tokens`` says "pull" and x starts at
         ``dispatch_input()`` (on every rank in virtual mode), else pushes; with one rank a process
         (W > 1) "auto" always pushes: no process sees its peers' x or token counts, and every rank
         must take the same transport (``Plan.transport``)."""
-        return self._transport(tokens, self._per_rank(x, "x"))
+        return self._transport(tokens, self._per_rank(x, "x"), family)
 
-    def _transport(self, tokens: int, xs: list) -> str:
+    def _transport(self, tokens: int, xs: list, family: str | None = None) -> str:
         zero_copy = all(isinstance(t, torch.Tensor) and t.data_ptr() == self.dispatch_input(r).data_ptr()
                         for r, t in zip(self.local_ranks, xs))
-        return self.plan.transport(tokens, zero_copy)
+        return self.plan.transport(tokens, zero_copy, family)
 
     def _check_dispatch_input_use(self, rank: int, x: torch.Tensor, tag: str):
         """An x that overlaps ``rank``'s dispatch_input must start at its first row.
@@ -608,7 +615,7 @@ class EpDispatchCombine:
             tokens.append(check_dispatch_inputs(cfg, self.payload, self.device, xs[i], ws[i], ids[i], ss[i], tag))
             self._check_dispatch_input_use(rank, xs[i], tag)
         family = self._family_for_call(max(tokens), async_recv, family)
-        route = self.plan.route(Op.DISPATCH, family, self._transport(max(tokens), xs),
+        route = self.plan.route(Op.DISPATCH, family, self._transport(max(tokens), xs, family),
                                 async_recv or not self._fused[Op.DISPATCH])
         io = []
         for i, rank in enumerate(self.local_ranks):
@@ -723,7 +730,7 @@ class EpDispatchCombine:
         """The fold's io records: each rank's expert outputs y."""
         return [dict(y=y.data_ptr(), y_rows=y.shape[0]) for y in ys]
 
-    def combine(self, y, out=None, async_recv: bool = False):
+    def combine(self, y, out=None, *, async_recv: bool = False):
         """Sum, for each token of the last dispatch, the expert outputs of the ranks it reached.
 
         Args:
@@ -742,7 +749,7 @@ class EpDispatchCombine:
                 wrote in the wire's format: no quantize pass (rank layout, normal family).
             out: optional [T, H] bf16 contiguous output (T of the last dispatch); a new tensor
                 when None. A list in virtual mode.
-            async_recv: launch only the sending half (after the expert layout's fold) and return a
+            async_recv: (keyword) launch only the sending half (after the expert layout's fold) and return a
                 ``RecvHandle`` whose ``wait()`` launches the receiving half and returns the output.
                 Needs a dispatch that took the low-latency family. The family is always the one
                 the dispatch took.
@@ -846,6 +853,8 @@ class EpDispatchCombine:
         (``check``), and no ``async_recv`` handle is open. The calls themselves raise fatal faults
         only: a rank that stopped at a recoverable fault its peers do not see yet would leave them
         waiting for it."""
+        if getattr(self, "_closed", False):
+            raise RuntimeError("EpDispatchCombine: closed (close() released its buffers); build a new op")
         if self._fault is None:
             found = self._read_fault()
             if found is None:
@@ -1020,6 +1029,7 @@ class EpDispatchCombine:
         return per_cu * torch.cuda.get_device_properties(self.device.index).multi_processor_count
 
     def close(self):
-        """Release the arenas and error records (the op is unusable afterwards)."""
+        """Release the arenas and error records; every later call of the op raises RuntimeError."""
+        self._closed = True
         self.arenas.close()
         self.errors.close()

@@ -221,13 +221,16 @@ class Plan:
             return "low_latency" if self.low_latency_tokens and tokens <= self.low_latency_tokens else "normal"
         return kind
 
-    def transport(self, tokens: int, zero_copy: bool) -> str:
+    def transport(self, tokens: int, zero_copy: bool, family: str | None = None) -> str:
         """The dispatch's transport for ``tokens``, given whether x is ``dispatch_input`` on every
         rank this process drives: the bucket's rule (``transports``), "push" where the call's
-        family has no route of that transport (the low-latency family never pulls)."""
+        family (``family``, default ``family(tokens)``) has no route of that transport (the
+        low-latency family never pulls). A stated family decides it alone: ranks that state the
+        same family take the same transport whatever their token counts."""
         rule = next((tr for t, tr in self.transports if tokens <= t), self.transports[-1][1])
         want = ("pull" if zero_copy else "push") if rule == "zero_copy" else rule
-        return want if (Op.DISPATCH, self.family(tokens), want, False) in self.routes else "push"
+        family = family or self.family(tokens)
+        return want if (Op.DISPATCH, family, want, False) in self.routes else "push"
 
     def route(self, call: Op, family: str, transport: str = "push", split: bool = False) -> Route:
         """The route of ``call``; a family without halves takes its one route whatever ``split``.

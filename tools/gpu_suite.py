@@ -97,10 +97,13 @@ class LineLog:
 def run(args) -> int:
     import pytest
 
+    out = Path(args.out).resolve()  # before the chdir: relative to where the command runs
     os.chdir(ROOT)  # the node ids are relative to the repository root
-    out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    plan = shards(collect(), args.shards)
+    ids = collect()
+    if args.shards > len(ids):
+        raise SystemExit(f"--shards {args.shards}: at most one shard per GPU test ({len(ids)})")
+    plan = shards(ids, args.shards)
     start, slowest, worst = time.monotonic(), 0.0, 0
     for i in args.only if args.only else range(len(plan)):
         left = args.budget - (time.monotonic() - start)
@@ -112,6 +115,8 @@ def run(args) -> int:
         print(f"=== shard {i}/{len(plan)}: {len(plan[i])} tests, {time.strftime('%H:%M:%S')}", flush=True)
         argv = ["-q", "-rfEs", "-p", "no:cacheprovider", "--junitxml", str(out / f"shard-{i}.xml"), *plan[i]]
         if args.workers > 1:
+            if not importlib.util.find_spec("xdist"):
+                raise SystemExit(f"-n {args.workers}: needs pytest-xdist (pip install pytest-xdist), or pass -n 1")
             argv[:0] = ["-n", str(args.workers)]
         if importlib.util.find_spec("pytest_timeout"):  # a hung test fails with its stack instead of eating the call
             argv[:0] = ["--timeout", str(args.test_timeout)]
@@ -125,15 +130,20 @@ def run(args) -> int:
 def merge(args) -> int:
     planned, seen, seconds = {}, {}, 0.0
     for d in args.dirs:
-        for ids in sorted(Path(d).glob("shard-*.ids")):
+        found = sorted(Path(d).glob("shard-*.ids"))
+        if not found:
+            raise SystemExit(f"{d}: no shard-*.ids (not a folder `run` wrote)")
+        for ids in found:
             for i in ids.read_text().split():
                 planned[i] = None
             log = ids.with_suffix(".log")
             if log.exists():
-                for line in log.read_text().splitlines():
-                    outcome, secs, node, why = (line.split("\t") + [""])[:4]
-                    seen[node] = (outcome, why)
-                    seconds += float(secs)
+                for line in log.read_text(errors="replace").splitlines():
+                    fields = line.split("\t")
+                    if len(fields) < 3 or fields[2] not in planned:  # a line the cut call left half-written
+                        continue
+                    seen[fields[2]] = (fields[0], fields[3] if len(fields) > 3 else "")
+                    seconds += float(fields[1]) if fields[1].replace(".", "", 1).isdigit() else 0.0
     rows: dict[str, collections.Counter] = {}
     for node in planned:
         outcome = seen.get(node, ("not run", ""))[0]
@@ -163,9 +173,10 @@ def main(argv=None) -> int:
     pl = sub.add_parser("plan", help="print the shards")
     pl.add_argument("--shards", type=int, default=SHARDS)
     r = sub.add_parser("run", help="run shards, logging every test as it finishes")
-    r.add_argument("--out", default=os.environ.get("OUT", "gpu-suite"), help="folder for the shard files (default $OUT)")
+    r.add_argument("--out", default=os.environ.get("OUT"), required="OUT" not in os.environ,
+                   help="folder for the shard files (default $OUT)")
     r.add_argument("--shards", type=int, default=SHARDS)
-    r.add_argument("--only", type=int, nargs="*", help="shard indices to run (default all, in order)")
+    r.add_argument("--only", type=int, nargs="+", help="shard indices to run (default all, in order)")
     r.add_argument("--budget", type=float, default=float("inf"), help="seconds: start no shard that would not fit")
     r.add_argument("--test-timeout", type=float, default=300, help="seconds a test may take (pytest-timeout, where installed)")
     r.add_argument("-n", "--workers", type=int, default=4, help="pytest-xdist workers (1: none)")
@@ -178,6 +189,8 @@ def main(argv=None) -> int:
             for node in s:
                 print(f"{i}\t{node}")
         return 0
+    if getattr(args, "shards", 1) < 1:
+        p.error(f"--shards {args.shards}: must be at least 1")
     if args.verb == "run" and args.only and not all(0 <= i < args.shards for i in args.only):
         p.error(f"--only {args.only}: each shard index must be in [0, {args.shards})")
     return run(args) if args.verb == "run" else merge(args)

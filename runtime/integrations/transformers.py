@@ -434,7 +434,7 @@ class ExpertParallel:
         self.ranks = list(op.local_ranks)
         self.grouped_mm = grouped_mm
         self.modules = modules
-        self.phase = "prefill"  # the model's forward: "decode" when it runs one position a sequence
+        self.phase = "prefill"  # the model's forward: "decode" when it runs one position a sequence on a filled cache
         self.phase_hook = None  # the model's forward pre-hook that sets it (expert_parallel)
         self.closed = False  # close() was called: the experts refuse to run
         self.generate_restore = None  # undoes _sync_generate (expert_parallel)
@@ -458,7 +458,7 @@ class ExpertParallel:
         most = max(tokens)
         if most > self.config.max_tokens_per_rank:
             r = tokens.index(most)
-            raise ValueError(f"epgen expert parallel ({self.layout} tokens, W={self.config.world_size}): rank "
+            raise ValueError(f"epgen expert parallel (layout {self.layout}, W={self.config.world_size}): rank "
                              f"{self.ranks[r] if len(tokens) == len(self.ranks) else r} passes {most} tokens to one "
                              f"dispatch, more than max_tokens_per_rank={self.config.max_tokens_per_rank} (raise it in "
                              "expert_parallel)")
@@ -672,9 +672,13 @@ def _phase_hook(handle: "ExpertParallel"):
     prefill and decode take their families alike."""
 
     def phase(_model, args, kwargs):
+        # A decode step: one new position a sequence on a cache that holds the earlier ones. A prompt
+        # of one token has an empty cache: a prefill, as its peers' longer prompts are.
         ids = kwargs.get("input_ids", args[0] if args else None)
         ids = ids if ids is not None else kwargs.get("inputs_embeds")
-        handle.phase = "decode" if ids is not None and ids.dim() >= 2 and ids.shape[1] == 1 else "prefill"
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))  # the cache's name before / since 5.25
+        cached = cache is not None and hasattr(cache, "get_seq_length") and int(cache.get_seq_length()) > 0
+        handle.phase = "decode" if cached and ids is not None and ids.dim() >= 2 and ids.shape[1] == 1 else "prefill"
 
     return phase
 
@@ -948,9 +952,9 @@ def loaded_expert_parallel(model: torch.nn.Module) -> ExpertParallel:
     """The ``ExpertParallel`` that transformers' registry built for ``model``
     (``from_pretrained(..., distributed_config=DistributedConfig(..., ep_implementation="epgen"))``),
     for ``synchronize()`` and ``close()``; installs, once, the model's forward pre-hook that sets
-    its phase (a forward with one position a sequence is a decode: with one process a rank and
-    each rank its own tokens, decode takes the low-latency family and prefill the normal one;
-    without the hook every call takes the normal family).
+    its phase (a forward of one position a sequence on a filled cache is a decode: with one
+    process a rank and each rank its own tokens, decode takes the low-latency family and prefill
+    the normal one; without the hook every call takes the normal family).
 
     Raises:
         ValueError: no experts module of ``model`` runs through the registry's epgen implementation.

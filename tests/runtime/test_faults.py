@@ -245,3 +245,12 @@ def test_a_fatal_fault_is_raised_at_every_call_and_a_recoverable_one_waits_for_a
     for _ in range(2):
         with pytest.raises(EpError, match="unusable after that fault"):
             op._raise_if_faulted()
+
+
+def test_a_closed_op_refuses_every_call_before_it_touches_a_buffer():
+    op = HostOp(EpConfig(world_size=2, hidden=2048, topk=4, num_experts=8, max_tokens_per_rank=16), 0)
+    op.arenas = types.SimpleNamespace(close=lambda: None)
+    op.close()
+    for call in (op.check, lambda: op.dispatch(None, None, None), lambda: op.combine(None), op.expand):
+        with pytest.raises(RuntimeError, match=r"closed \(close\(\) released its buffers\); build a new op"):
+            call()

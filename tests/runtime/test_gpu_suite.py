@@ -30,3 +30,23 @@ def test_merge_counts_what_ran_and_names_what_did_not(tmp_path, capsys):
     assert row.split()[1:] == ["1", "1", "1", "1"]
     assert next(line for line in out.splitlines() if line.startswith("all")).split()[1:] == ["1", "1", "1", "5"]
     assert "failed: tests/gpu/test_a.py::test_1: AssertionError: x" in out and code == 1
+
+
+def test_merge_refuses_a_folder_without_shards_and_skips_a_half_written_line(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit, match="no shard-"):
+        gpu_suite.main(["merge", str(tmp_path)])
+    (tmp_path / "shard-0.ids").write_text(IDS[0] + "\n" + IDS[1] + "\n")
+    (tmp_path / "shard-0.log").write_bytes(f"passed\t1.0\t{IDS[0]}\t\nskipped\t0.".encode() + b"\xff")
+    assert gpu_suite.main(["merge", str(tmp_path)]) == 1  # IDS[1] not run
+    assert next(line for line in capsys.readouterr().out.splitlines() if line.startswith("all")).split()[1:] == \
+        ["1", "0", "0", "1"]
+
+
+def test_run_refuses_bad_shard_arguments_before_collecting():
+    import pytest
+
+    for argv, match in ((["--shards", "0"], "must be at least 1"), (["--shards", "2", "--only", "2"], r"in \[0, 2\)")):
+        with pytest.raises(SystemExit):
+            gpu_suite.main(["run", "--out", "x", *argv])

@@ -90,6 +90,9 @@ def test_each_call_takes_a_route_of_its_family_transport_and_split():
     assert plan.route(Op.DISPATCH, "normal", "push", split=True) is plan.route(Op.DISPATCH, "normal", "push")
     assert (plan.family(128), plan.family(129), plan.transport(5, False), plan.transport(129, False)) == (
         "low_latency", "normal", "push", "pull")  # the low-latency family never pulls
+    # a stated family decides the transport alone: ranks stating "normal" all pull, whatever their T
+    assert (plan.transport(5, False, "normal"), plan.transport(129, False, "normal"),
+            plan.transport(5, False, "low_latency")) == ("pull", "pull", "push")
 
 
 def test_a_config_drops_the_routes_whose_kernels_it_does_not_build():
