@@ -665,9 +665,10 @@ class EpDispatchCombine:
                              "(EpConfig.kernel_family='low_latency'); build it with 'auto' or 'normal'")
         if family == "low_latency" and (not self.low_latency_tokens or tokens > self.low_latency_tokens):
             why = ("this op builds no low-latency kernels (EpConfig.kernel_family='normal', or 'auto' where the "
-                   "tuning table's threshold is 0)" if not self.low_latency_tokens
+                   "tuning table's threshold or EpConfig.max_recv_tokens makes it 0)" if not self.low_latency_tokens
                    else f"the low-latency family takes at most low_latency_tokens={self.low_latency_tokens} tokens "
-                   "a rank (EpConfig.kernel_family='low_latency' sizes it for max_tokens_per_rank)")
+                   "a rank (EpConfig.kernel_family='low_latency' sizes it for max_tokens_per_rank; "
+                   "EpConfig.max_recv_tokens lowers it)")
             how = "async_recv=True" if async_recv else "family='low_latency'"
             need = "the split needs the low-latency family, and " if async_recv else ""
             raise ValueError(f"dispatch({how}) with {tokens} tokens: {need}{why}")

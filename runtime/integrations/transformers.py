@@ -736,6 +736,10 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
     layout = _layout(layout)
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: must be None or one of {', '.join(BACKENDS)}")
+    for name, fits in (("dtype", "bf16"), ("scale_bytes", 0), ("nodes", 1)):  # the experts' rows as the model has them
+        if name in overrides and overrides[name] != fits:
+            raise ValueError(f"expert_parallel({name}={overrides[name]!r}): the experts dispatch the model's bf16 "
+                             f"hidden states on one node; {name} must be {fits!r}")
     overrides["layout"] = "expert"
     modules = _experts_modules(model)
     first = modules[0][1]

@@ -600,7 +600,8 @@ def _family_steps(whole: bool) -> list[tuple[str, list[str], str | None, str]]:
         ("wait", ["combine_ll_recv"], None, "Tensor"),
         ("dispatch large async", [], f"ValueError: dispatch(async_recv=True) with {LARGE} tokens: the split needs the "
          f"low-latency family, and the low-latency family takes at most low_latency_tokens={T_LL} tokens a rank "
-         "(EpConfig.kernel_family='low_latency' sizes it for max_tokens_per_rank)", "NoneType"),
+         "(EpConfig.kernel_family='low_latency' sizes it for max_tokens_per_rank; EpConfig.max_recv_tokens "
+         "lowers it)", "NoneType"),
         ("dispatch large", ["dispatch"], None, "DispatchOutput"),
         ("combine async", [], "ValueError: combine(async_recv=True): the split needs the low-latency family, and the "
          f"dispatch being combined took the normal family ({LARGE} tokens; low_latency_tokens={T_LL})", "NoneType"),
@@ -692,7 +693,7 @@ def test_the_normal_family_refuses_the_split_before_any_launch(records):
             ("combine", ["combine"], None),
             ("dispatch small async", [], f"ValueError: dispatch(async_recv=True) with {SMALL} tokens: the split needs "
              "the low-latency family, and this op builds no low-latency kernels (EpConfig.kernel_family='normal', or "
-             "'auto' where the tuning table's threshold is 0)"),
+             "'auto' where the tuning table's threshold or EpConfig.max_recv_tokens makes it 0)"),
             ("dispatch small", ["dispatch"], None),
             ("combine async", [], "ValueError: combine(async_recv=True): the split needs the low-latency family, and "
              f"the dispatch being combined took the normal family ({SMALL} tokens; low_latency_tokens=0)"),

@@ -558,3 +558,11 @@ def test_the_registry_path_refusals(envelopes, monkeypatch):
     with pytest.raises(RuntimeError, match=r"no expert-parallel plug-in registry \(5.23 added "
                                            r"EPImplementationInterface\); load the model and call expert_parallel"):
         integration.register_ep_implementation("epgen-x")
+
+
+@pytest.mark.parametrize("override", [dict(dtype="fp8"), dict(scale_bytes=16), dict(nodes=2)])
+def test_overrides_the_experts_cannot_take_are_refused(envelopes, override):
+    model = copy.deepcopy(envelopes["qwen3_moe"][0]).to(torch.bfloat16)
+    (name, value), = override.items()
+    with pytest.raises(ValueError, match=rf"expert_parallel\({name}={value!r}\): the experts dispatch"):
+        expert_parallel(model, virtual=True, world_size=2, **override)
