@@ -667,6 +667,20 @@ def _register() -> None:
 _register()
 
 
+def _expert_path(experts, device, hidden: int, grouped_mm: bool | None) -> bool:
+    """Whether the experts run as grouped GEMMs: ``grouped_mm`` as given (True refused with the
+    reason where ``torch._grouped_mm`` cannot run), None: grouped where it can, else the per-expert
+    loop with a warning that says why."""
+    down = experts.down_proj
+    refused = grouped_mm_refusal(device, hidden, down.shape[1] if experts.is_transposed else down.shape[2])
+    if grouped_mm and refused:
+        raise ValueError(f"grouped_mm=True: {refused}")
+    if grouped_mm is None and refused:
+        warnings.warn(f"epgen expert parallel: the experts run as a per-expert loop (one host synchronization per "
+                      f"layer, not capturable in a CUDA graph): {refused}", stacklevel=3)
+    return refused is None if grouped_mm is None else bool(grouped_mm)
+
+
 def _phase_hook(handle: "ExpertParallel"):
     """The model's forward pre-hook that sets ``handle.phase``: every rank runs the same phase, so
     prefill and decode take their families alike."""
@@ -766,15 +780,7 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
         _check_experts(name, experts, cfg)
     device = first.down_proj.device
     backend = backend or ("epgen" if device.type == "cuda" else "reference")
-    intermediate = first.down_proj.shape[2] if not first.is_transposed else first.down_proj.shape[1]
-    refused = grouped_mm_refusal(device, cfg.hidden, intermediate)
-    if grouped_mm and refused:
-        raise ValueError(f"grouped_mm=True: {refused}")
-    if grouped_mm is None:
-        grouped_mm = refused is None
-        if refused:
-            warnings.warn(f"epgen expert parallel: the experts run as a per-expert loop (one host synchronization per "
-                          f"layer, not capturable in a CUDA graph): {refused}", stacklevel=2)
+    grouped_mm = _expert_path(first, device, cfg.hidden, grouped_mm)
     if backend == "epgen":
         from epgen.op import EpDispatchCombine
 
@@ -898,16 +904,7 @@ class EpgenEPImplementation(_EPImplementation or object):
         key = (id(experts.config), id(group), layout, backend, grouped_mm, cfg)
         handle = _LOADED.get(key)
         if handle is None:
-            down = experts.down_proj
-            intermediate = down.shape[1] if experts.is_transposed else down.shape[2]
-            refused = grouped_mm_refusal(device, cfg.hidden, intermediate)
-            if grouped_mm and refused:
-                raise ValueError(f"grouped_mm=True: {refused}")
-            if grouped_mm is None:
-                grouped_mm = refused is None
-                if refused:
-                    warnings.warn(f"epgen expert parallel: the experts run as a per-expert loop: {refused}",
-                                  stacklevel=2)
+            grouped_mm = _expert_path(experts, device, cfg.hidden, grouped_mm)
             if backend == "epgen":
                 from epgen.op import EpDispatchCombine
 
