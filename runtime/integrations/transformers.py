@@ -667,6 +667,25 @@ def _register() -> None:
 _register()
 
 
+def _backend(backend: str | None, device: torch.device | None) -> str | None:
+    """``backend`` checked (ValueError: not None or one of ``BACKENDS``), or where None the default
+    of ``device``: "epgen" for CUDA weights, else "reference" (None without a device)."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: must be None or one of {', '.join(BACKENDS)}")
+    if backend is None and device is not None:
+        return "epgen" if device.type == "cuda" else "reference"
+    return backend
+
+
+def _build_op(cfg: EpConfig, backend: str, device: torch.device, group, virtual: bool):
+    """The op of the experts: ``EpDispatchCombine`` (backend "epgen") or ``ReferenceOp``."""
+    if backend == "epgen":
+        from epgen.op import EpDispatchCombine
+
+        return EpDispatchCombine(cfg, group=group, virtual=virtual, device=device.index)
+    return ReferenceOp(cfg, virtual=virtual, group=group)
+
+
 def _expert_path(experts, device, hidden: int, grouped_mm: bool | None) -> bool:
     """Whether the experts run as grouped GEMMs: ``grouped_mm`` as given (True refused with the
     reason where ``torch._grouped_mm`` cannot run), None: grouped where it can, else the per-expert
@@ -748,8 +767,7 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
     """
     _check_arguments(model, virtual, grouped_mm)
     layout = _layout(layout)
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: must be None or one of {', '.join(BACKENDS)}")
+    _backend(backend, None)  # refused before any work
     for name, fits in (("dtype", "bf16"), ("scale_bytes", 0), ("nodes", 1)):  # the experts' rows as the model has them
         if name in overrides and overrides[name] != fits:
             raise ValueError(f"expert_parallel({name}={overrides[name]!r}): the experts dispatch the model's bf16 "
@@ -779,14 +797,9 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
     for name, experts in modules:
         _check_experts(name, experts, cfg)
     device = first.down_proj.device
-    backend = backend or ("epgen" if device.type == "cuda" else "reference")
+    backend = _backend(backend, device)
     grouped_mm = _expert_path(first, device, cfg.hidden, grouped_mm)
-    if backend == "epgen":
-        from epgen.op import EpDispatchCombine
-
-        op = EpDispatchCombine(cfg, group=group, virtual=virtual, device=device.index)
-    else:
-        op = ReferenceOp(cfg, virtual=virtual, group=group)
+    op = _build_op(cfg, backend, device, group, virtual)
     L = cfg.experts_per_rank
     for name, experts in modules:
         if not virtual and W > 1:
@@ -898,19 +911,12 @@ class EpgenEPImplementation(_EPImplementation or object):
         _check_loaded_experts(experts, cfg, cfg.experts_per_rank)
         device = (torch.device(ep_mesh.device_type, torch.cuda.current_device()) if ep_mesh.device_type == "cuda"
                   else torch.device(ep_mesh.device_type))
-        backend = backend or ("epgen" if device.type == "cuda" else "reference")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r}: must be None or one of {', '.join(BACKENDS)}")
+        backend = _backend(backend, device)
         key = (id(experts.config), id(group), layout, backend, grouped_mm, cfg)
         handle = _LOADED.get(key)
         if handle is None:
             grouped_mm = _expert_path(experts, device, cfg.hidden, grouped_mm)
-            if backend == "epgen":
-                from epgen.op import EpDispatchCombine
-
-                op = EpDispatchCombine(cfg, group=group, device=device.index)
-            else:
-                op = ReferenceOp(cfg, group=group if W > 1 else None)
+            op = _build_op(cfg, backend, device, group if W > 1 else None, virtual=False)
             handle = ExpertParallel(cfg, op, backend=backend, layout=layout, virtual=False, group=group,
                                     grouped_mm=bool(grouped_mm), modules=[])
             handle.loaded = True  # sharded at load by transformers (loaded_expert_parallel finds it)
@@ -920,13 +926,9 @@ class EpgenEPImplementation(_EPImplementation or object):
         experts._epgen_parallel = handle
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
-        experts = self.experts()
-        # Inside transformers' forward the module's parameters are this rank's local tensors.
-        experts._epgen_shards = [ExpertShard.of(experts, 0, self.handle.config.experts_per_rank)]
-        try:
-            return self.handle.forward(experts, hidden_states, top_k_index, top_k_weights)
-        finally:
-            experts._epgen_shards = None  # the local views must not outlive the call
+        # Inside transformers' forward the module's parameters are this rank's local tensors, which
+        # ExpertParallel.forward reads at the call (ExpertParallel.shards).
+        return self.handle.forward(self.experts(), hidden_states, top_k_index, top_k_weights)
 
 
 def register_ep_implementation(name: str = EP_IMPLEMENTATION, **options) -> str:
