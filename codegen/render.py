@@ -86,6 +86,29 @@ def render(spec: KernelSpec) -> Source:
     return Source(spec=spec, text=text, entry=spec.name, key=spec.key(text, RUNTIME_OPTIONS))
 
 
+HOST_PLATFORM = "platform/host.j2"
+"""The platform layer of host renderings (``render_host``): the emulation of docs/host.md."""
+
+
+@functools.lru_cache(maxsize=4096)
+def render_host(spec: KernelSpec) -> Source:
+    """Render ``spec`` for the host emulation (``epgen.host``): the same op template and the
+    same arch traits (wave size, fp8 flavour, codec choice) as ``render``, with the host platform
+    layer (``platform/host.j2``: the vendor's memory orders as C++ atomics) in place of the
+    vendor's, and the launch entry ``ep_host_launch`` appended. The same spec always gives
+    byte-identical text.
+
+    Raises:
+        jinja2.UndefinedError, RenderError: as ``render``.
+    """
+    env = environment()
+    values = spec.template_vars()
+    values["arch"] = attrs.evolve(values["arch"], platform_template=HOST_PLATFORM)
+    text = env.get_template(f"ops/{spec.op.template}.j2").render(**values)
+    text += env.get_template("platform/host_launch.j2").render(**values)
+    return Source(spec=spec, text=text, entry=spec.name, key=spec.key(text, ("host",)))
+
+
 def render_ceiling(arch: str, blocks: int, warps_per_block: int, unroll: int) -> tuple[str, str]:
     """(text, entry) of the P2P ceiling kernel: ``entry(src, dst, num_vectors)`` copies
     ``num_vectors`` 16-byte vectors from ``src`` to ``dst`` (typically a peer's memory)."""

@@ -20,8 +20,6 @@ from epgen.arena import Arenas, ErrorRecords
 from epgen.codegen import abi
 from epgen.codegen.arch import ARCH_TRAITS
 from epgen.codegen.dtypes import DTypeInfo
-from epgen.codegen.occupancy import resident_blocks
-from epgen.codegen.render import render
 from epgen.codegen.spec import EXPERT_OPS, KernelSpec, Op
 from epgen.codegen.config import EpConfig
 from epgen.plan import Plan
@@ -152,6 +150,10 @@ class RecvHandle:
         self.done = True
         self._op._recv_handle = None
         return self._finish()  # even after a fault: the halves' call counts must stay in step
+
+
+HOST_ARCH = "sm_90"
+"""The arch whose kernels ``device="cpu"`` runs when no ``arch`` is named."""
 
 
 def max_hip_world_size() -> int:
@@ -302,21 +304,33 @@ class EpDispatchCombine:
             (ROCm) W > 46, whose launch argument exceeds ``epgen.platform.HIP_KERNEL_ARGS_BYTES``.
     """
 
-    def __init__(self, config: EpConfig, *, group=None, virtual: bool = False, device: int | None = None,
-                 validate: bool = False):
+    def __init__(self, config: EpConfig, *, group=None, virtual: bool = False, device: int | str | None = None,
+                 validate: bool = False, arch: str | None = None, schedule=None):
         if not isinstance(config, EpConfig):
             raise TypeError(f"config: expected an EpConfig, got {type(config).__name__}")
         if config.nodes > 1:
             raise ValueError(f"EpConfig.nodes={config.nodes}: a layer across nodes runs as "
                              "epgen.hierarchical.HierarchicalEp (whose node-local op is "
                              "EpDispatchCombine(config.node_config())); this op spans one node")
-        if not torch.cuda.is_available():
-            raise RuntimeError("EpDispatchCombine needs a GPU: torch.cuda.is_available() is False")
-        if importlib.util.find_spec("cupy") is None:  # fail here, with the install hint, not at a launch
+        host = device == "cpu" or isinstance(device, torch.device) and device.type == "cpu"
+        if not host and (arch is not None or schedule is not None):
+            raise ValueError(f"arch={arch!r}, schedule={schedule!r}: only the host emulation (device='cpu') takes "
+                             "them; a GPU's arch is its own")
+        if host:
+            from epgen.host import GEOMETRY
+
+            # The tuning tables' geometries are a GPU's (24 blocks of 32 waves); the host runs a grid as fibers.
+            config = attrs.evolve(config, **{f: getattr(config, f) or GEOMETRY for f in
+                                             ("dispatch_geometry", "combine_geometry", "low_latency_geometry")})
+        elif not torch.cuda.is_available():
+            raise RuntimeError("EpDispatchCombine needs a GPU: torch.cuda.is_available() is False (device='cpu' "
+                               "runs the kernels on the host emulation, epgen.host)")
+        elif importlib.util.find_spec("cupy") is None:  # fail here, with the install hint, not at a launch
             raise RuntimeError("EpDispatchCombine needs CuPy: pip install -e '.[cuda]' (or '.[rocm]')")
         self.config = config
         self.validate = validate
-        self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+        self.device = torch.device("cpu") if host else torch.device(
+            "cuda", torch.cuda.current_device() if device is None else device)
         W = config.world_size
         if virtual or W == 1:
             group = None
@@ -338,7 +352,13 @@ class EpDispatchCombine:
                                  f"{configs[differ[0]]} vs {config!r}")
             self.local_ranks = [dist.get_rank(group)]
         self.virtual = virtual
-        self.platform = Platform.current()  # every vendor-specific host call goes through it
+        if host:
+            from epgen.host import HostPlatform
+
+            self.platform = HostPlatform(arch or HOST_ARCH, schedule, processes=group is not None)
+            self.platform.rank_base = self.local_ranks[0]
+        else:
+            self.platform = Platform.current()  # every vendor-specific host call goes through it
         self.arch = self.platform.arch(self.device.index)  # ValueError for an arch epgen has no kernels for
         self.platform.check_runtime(self.arch)  # ROCm: RuntimeError for a HIP runtime older than the arch needs
         self.platform.check_kernel_args(_args_dtype(W).itemsize, W, max_hip_world_size())
@@ -360,7 +380,7 @@ class EpDispatchCombine:
             for spec in self.plan.whole_grid_specs(call)) for call in (Op.DISPATCH, Op.COMBINE)}
         self.layout = self.dispatch_spec.layout
         self.expert_layout = config.layout == "expert"
-        free, _ = torch.cuda.mem_get_info(self.device)
+        free = self.platform.free_bytes(self.device)
         need = self.layout.total_bytes * len(self.local_ranks)
         if need > free:
             raise ValueError(f"EpConfig.max_tokens_per_rank={config.max_tokens_per_rank}: the arenas need "
@@ -845,7 +865,7 @@ class EpDispatchCombine:
         starting with a dispatch. While an ``async_recv`` call's handle is open (between a split
         call's halves) a synchronize raises fatal faults only; recoverable ones are raised by the
         first synchronize after ``wait()``, as on every peer."""
-        torch.cuda.current_stream(self.device).synchronize()
+        self.platform.synchronize_stream(self.device)
         self._raise_if_faulted(synchronized=True)
 
     def _raise_if_faulted(self, synchronized: bool = False, recoverable: bool = False):
@@ -964,7 +984,7 @@ class EpDispatchCombine:
         return tuple(out)
 
     def _compile(self, spec: KernelSpec):
-        src = render(spec)
+        src = self.platform.render(spec)
         fn = self._kernels[spec] = self.platform.load_kernel(src.text, src.entry, self.device.index)
         return fn
 
@@ -1022,12 +1042,8 @@ class EpDispatchCombine:
             self.synchronize()
 
     def _resident_blocks(self, fn, spec: KernelSpec) -> int:
-        """Blocks of ``fn`` the whole GPU holds at once: ``epgen.codegen.occupancy`` over the loaded
-        kernel's registers and static shared memory (CuPy's ``num_regs`` / ``shared_size_bytes``,
-        which CuPy-ROCm reads with ``hipFuncGetAttribute``; its occupancy call is a stub there),
-        times the CUs/SMs."""
-        per_cu = resident_blocks(spec.arch, spec.warps_per_block, fn.num_regs, fn.shared_size_bytes)
-        return per_cu * torch.cuda.get_device_properties(self.device.index).multi_processor_count
+        """Blocks of ``fn`` the device holds at once (``Platform.resident_blocks``)."""
+        return self.platform.resident_blocks(fn, spec, self.device)
 
     def close(self):
         """Release the arenas and error records; every later call of the op raises RuntimeError."""

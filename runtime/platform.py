@@ -210,6 +210,30 @@ class Platform:
 
         cupy.cuda.runtime.deviceSynchronize()
 
+    def synchronize_stream(self, device: torch.device) -> None:
+        """Wait for the work queued on torch's current stream of ``device``."""
+        torch.cuda.current_stream(device).synchronize()
+
+    def free_bytes(self, device: torch.device) -> int:
+        """Bytes free on ``device`` (``torch.cuda.mem_get_info``)."""
+        return torch.cuda.mem_get_info(device)[0]
+
+    def resident_blocks(self, fn, spec, device: torch.device) -> int:
+        """Blocks of ``fn`` the whole GPU holds at once: ``epgen.codegen.occupancy`` over the loaded
+        kernel's registers and static shared memory (CuPy's ``num_regs`` / ``shared_size_bytes``,
+        which CuPy-ROCm reads with ``hipFuncGetAttribute``; its occupancy call is a stub there),
+        times the CUs/SMs."""
+        from epgen.codegen.occupancy import resident_blocks
+
+        per_cu = resident_blocks(spec.arch, spec.warps_per_block, fn.num_regs, fn.shared_size_bytes)
+        return per_cu * torch.cuda.get_device_properties(device.index).multi_processor_count
+
+    def render(self, spec):
+        """The source of ``spec`` for this vendor (``epgen.codegen.render.render``)."""
+        from epgen.codegen.render import render
+
+        return render(spec)
+
     # ---- memory ------------------------------------------------------------------------------
     def alloc_device(self, nbytes: int):
         """``nbytes`` of ordinary device memory on the current device, zeroed.
