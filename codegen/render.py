@@ -103,6 +103,8 @@ def render_host(spec: KernelSpec) -> Source:
     """
     env = environment()
     values = spec.template_vars()
+    # host.j2 mirrors the memory orders of the layer the device would include (device_platform)
+    values["device_platform"] = values["arch"].platform_template
     values["arch"] = attrs.evolve(values["arch"], platform_template=HOST_PLATFORM)
     text = env.get_template(f"ops/{spec.op.template}.j2").render(**values)
     text += env.get_template("platform/host_launch.j2").render(**values)

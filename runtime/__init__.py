@@ -12,7 +12,8 @@ Package map (folder in the checkout -> import package):
 * ``runtime/``   -> ``epgen``, in wings, each named for its layer:
 
   * the core, at the top: ``op`` (the op), ``plan`` (which kernels each call launches, as data),
-    ``arena``, ``platform`` (its buffers, signals and error records), ``loader``,
+    ``arena``, ``platform`` (its buffers, signals and error records), ``host`` (the same on the
+    CPU: the kernels run by an emulation, docs/host.md), ``loader``,
     ``cache``, ``device`` (compile and load a kernel),
     ``aot`` (fill the cache ahead of time: a library call, as serving code makes it), ``config``
     (``EpConfig``'s public path);

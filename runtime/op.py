@@ -320,8 +320,9 @@ class EpDispatchCombine:
             from epgen.host import GEOMETRY
 
             # The tuning tables' geometries are a GPU's (24 blocks of 32 waves); the host runs a grid as fibers.
-            config = attrs.evolve(config, **{f: getattr(config, f) or GEOMETRY for f in
-                                             ("dispatch_geometry", "combine_geometry", "low_latency_geometry")})
+            fields = ("dispatch_geometry", "combine_geometry") + (
+                ("low_latency_geometry",) if config.kernel_family != "normal" else ())
+            config = attrs.evolve(config, **{f: getattr(config, f) or GEOMETRY for f in fields})
         elif not torch.cuda.is_available():
             raise RuntimeError("EpDispatchCombine needs a GPU: torch.cuda.is_available() is False (device='cpu' "
                                "runs the kernels on the host emulation, epgen.host)")

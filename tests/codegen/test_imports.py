@@ -59,7 +59,7 @@ def _graph() -> dict[str, set[str]]:
 WINGS = {
     "codegen": ("epgen.codegen",),
     "core": ("epgen.op", "epgen.arena", "epgen.platform", "epgen.loader", "epgen.cache",
-             "epgen.device", "epgen.aot", "epgen.config", "epgen.plan"),
+             "epgen.device", "epgen.aot", "epgen.config", "epgen.plan", "epgen.host"),
     "references": ("epgen.reference", "epgen.quant"),
     "layers": ("epgen.layers",),
     "integrations": ("epgen.integrations",),
