@@ -289,6 +289,15 @@ class HostPlatform:
         self._allocations.pop(ptr).close()
 
     # ---- kernels -----------------------------------------------------------------------------
+    def prepare(self, specs) -> None:
+        """Compile the host sources of ``specs`` not in the cache yet, one compiler process per
+        core at once (``load_kernel`` then finds them there)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        texts = list(dict.fromkeys(self.render(spec).text for spec in specs))
+        with ThreadPoolExecutor(max_workers=max(1, min(len(texts), os.cpu_count() or 1))) as pool:
+            list(pool.map(compile_source, texts))
+
     def load_kernel(self, text: str, entry: str, device_index) -> HostKernel:
         return HostKernel(compile_source(text), entry)
 

@@ -366,6 +366,7 @@ class EpDispatchCombine:
         # Every variant the op can pick is compiled here: dispatch() and combine() never compile.
         self._kernels = {}  # spec -> loaded kernel
         plan = Plan.build(config, self.arch, len(self.local_ranks))
+        self.platform.prepare([spec for variants in plan.variants.values() for _, spec in variants])
         self.plan = attrs.evolve(plan, variants={key: self._load_variants(key[0], variants)
                                                  for key, variants in plan.variants.items()})
         self.dispatch_spec = self.plan.dispatch_spec

@@ -228,6 +228,9 @@ class Platform:
         per_cu = resident_blocks(spec.arch, spec.warps_per_block, fn.num_regs, fn.shared_size_bytes)
         return per_cu * torch.cuda.get_device_properties(device.index).multi_processor_count
 
+    def prepare(self, specs) -> None:
+        """Compile ahead what the op will load (nothing here: CuPy compiles each kernel as it loads it)."""
+
     def render(self, spec):
         """The source of ``spec`` for this vendor (``epgen.codegen.render.render``)."""
         from epgen.codegen.render import render
