@@ -48,8 +48,9 @@ wave hand-offs run."""
 
 class HostError(RuntimeError):
     """A host launch did not finish: every thread waits at a barrier or wave collective
-    (deadlock), or the grid ran past ``Schedule.max_steps``. The message names the kernel, the
-    seed that replays it and where the threads wait."""
+    (deadlock), the grid ran past ``Schedule.max_steps``, or a thread accessed memory outside
+    every mapping (a memory fault: the op is unusable after it, as after a GPU's). The message
+    names the kernel, the seed that replays it and where the threads wait or which thread faulted."""
 
 
 def _probability(name: str, p: float) -> int:
@@ -315,11 +316,11 @@ class HostPlatform:
         if s.delays:
             table = [0] * (grid[0] * grid[1])
             for key, steps in s.delays.items():
-                rank, block = key if isinstance(key, tuple) else (key, None)
+                rank, which = key if isinstance(key, tuple) else (key, None)
                 local = rank - self.rank_base
                 if not 0 <= local < grid[1]:
                     continue
-                for b in range(grid[0]) if block is None else [block]:
+                for b in range(grid[0]) if which is None else [which]:
                     if 0 <= b < grid[0]:
                         table[local * grid[0] + b] = steps
             delays = (ctypes.c_uint64 * len(table))(*table)

@@ -206,7 +206,8 @@ atexit.register(_close_pools)
 def run_ranks(world_size: int, fn, *args, timeout_s: float | None = None) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes, rank r on
     ``rank_device(r, world_size)``: its own GPU when there are enough, else all on cuda:0 (the
-    process group is then gloo alone; otherwise gloo for CPU tensors and NCCL for CUDA ones). The
+    process group is then gloo alone; otherwise gloo for CPU tensors and NCCL for CUDA ones);
+    without a GPU, gloo alone (the host emulation's ranks, ``EpDispatchCombine(device="cpu")``). The
     processes stay up for the next run with the same world size (``RankPool``) unless this one failed.
 
     ``fn`` must be a module-level function (it is pickled by reference). A rank that ends with
@@ -219,7 +220,6 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float | None = None) -> Non
 
     Raises:
         ValueError: world_size not an int >= 1, or timeout_s neither None nor in (0, ``MAX_TIMEOUT_S``].
-        RuntimeError: no GPU.
         torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback included); the
             other ranks are terminated.
         torch.multiprocessing.ProcessExitedException: a rank died with a non-zero status or a signal.
@@ -229,9 +229,6 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float | None = None) -> Non
         raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
     world_size = int(world_size)
     _check_timeout(timeout_s)
-    if torch.cuda.device_count() < 1:
-        raise RuntimeError(f"world_size={world_size}: needs a GPU (W processes share one when there are fewer "
-                           "than W), this machine has none")
     pool = _POOLS.get(world_size)
     if pool is None or not pool.alive:
         if pool is not None:
