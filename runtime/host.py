@@ -69,6 +69,9 @@ class Schedule:
         drain: chance, at each switch, that one buffered store somewhere is committed.
         stale: chance that a thread's snapshot for plain loads is taken at its last acquire
             rather than at its first load after it.
+        hold: chance that a buffered store is held: not committed at random while any thread
+            runs, only by a release, once every thread waits, or at the kernel's end (a store
+            delayed as long as nothing forces it out).
         delays: ``{rank: steps}`` or ``{(rank, block): steps}``: scheduler steps before that
             rank's (or block's) threads may first run (a slow peer).
         max_steps: steps after which a launch fails as never finishing (``HostError``).
@@ -80,12 +83,13 @@ class Schedule:
     preempt: float = 1 / 16
     drain: float = 1 / 8
     stale: float = 1 / 2
+    hold: float = 1 / 4
     delays: dict = attrs.field(factory=dict, hash=False)
     max_steps: int = 50_000_000
     real_clock: bool | None = None
 
     def __attrs_post_init__(self):
-        for name in ("preempt", "drain", "stale"):
+        for name in ("preempt", "drain", "stale", "hold"):
             _probability(name, getattr(self, name))
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"Schedule.seed={self.seed!r}: a non-negative int")
@@ -100,7 +104,7 @@ class Schedule:
 
 class _Options(ctypes.Structure):  # struct EphOptions (platform/host_runtime.j2)
     _fields_ = [("seed", ctypes.c_uint64), ("preempt", ctypes.c_uint32), ("drain", ctypes.c_uint32),
-                ("stale", ctypes.c_uint32), ("real_clock", ctypes.c_uint32), ("max_steps", ctypes.c_uint64),
+                ("stale", ctypes.c_uint32), ("hold", ctypes.c_uint32), ("real_clock", ctypes.c_uint32), ("max_steps", ctypes.c_uint64),
                 ("delays", ctypes.POINTER(ctypes.c_uint64)), ("regions", ctypes.POINTER(ctypes.c_uint64)),
                 ("num_regions", ctypes.c_uint32), ("stack_bytes", ctypes.c_uint32)]
 
@@ -326,7 +330,8 @@ class HostPlatform:
             delays = (ctypes.c_uint64 * len(table))(*table)
         seed = s.seed + self.launches
         options = _Options(seed=seed, preempt=_probability("preempt", s.preempt), drain=_probability("drain", s.drain),
-                           stale=_probability("stale", s.stale), real_clock=int(self.real_clock),
+                           stale=_probability("stale", s.stale), hold=_probability("hold", s.hold),
+                           real_clock=int(self.real_clock),
                            max_steps=s.max_steps, delays=delays, regions=region_array,
                            num_regions=len(regions) // 2, stack_bytes=256 * 1024)
         self.launches += 1

@@ -52,9 +52,7 @@ RUN_ON = {
     # runs of W processes cost seconds each (a pool restarts after every failing run): one arch each
     "single_slot_ll_flag": ("gfx1250",),
     "no_fault_hand_off": ("sm_90",),
-    # survives the host (docs/measurements/host.md): the fan-outs release only a short-y fault
-    # record, which a peer in another process reads at its kernel's end, after the record drained
-    "no_release_before_fan_out": (),
+    "no_release_before_fan_out": ("sm_90", "gfx942"),
     # sm_90 polls with acquire loads (platform/nvidia.j2): the fence after the polls is empty there
     "no_acquire_after_ll_polls": ("gfx942", "gfx1250"),
     "no_barrier_before_ll_flags": ("sm_90", "gfx950"),
@@ -118,6 +116,43 @@ def _rounds_body(rank, W, arch, family, mutation, seed, whole=False):
         op.close()
 
 
+def _no_record_left(op, when: str) -> None:
+    """Every rank's consumed signal words (overflow counts and fault records, ``abi.SIGNALS`` from
+    ``overflow_need`` on) are zero after a whole call: nothing outlives its call (abi.PARITY_RULE)."""
+    from epgen.codegen import abi
+
+    first = abi.signal("overflow_need").byte_offset
+    for r in op.local_ranks:
+        words = op.arenas.local_signals[r][first:abi.SIGNAL_WORDS * 4].view(torch.int32)
+        left = words.nonzero().flatten().tolist()
+        assert not left, f"{when}: rank {r} keeps signal words {[first // 4 + i for i in left[:8]]} after the call"
+
+
+def _short_y_rounds_body(arch, mutation, seed):
+    """Virtual ranks: rank W - 1 passes a short y to combine; the call raises, and every rank's
+    receiving kernel consumed the fault's records (none left), then exact rounds follow."""
+    from epgen.harness.verify import integer_expert_stage, integer_inputs, op_inputs, run_exact_round
+    from epgen.host import Schedule
+    from epgen.op import EpDispatchCombine, EpError
+
+    _mutate(mutation)
+    W = 3
+    cfg = _config(W, "normal")
+    op = EpDispatchCombine(cfg, virtual=True, device="cpu", arch=arch, schedule=Schedule(seed=seed), validate=True)
+    try:
+        for call in range(2):
+            outs = op.dispatch(*op_inputs(op, integer_inputs(cfg, [16] * W, "uniform", seed + call, device=op.device)))
+            ys = [integer_expert_stage(op, r) for r in range(W)]
+            ys[-1] = ys[-1][: max(int(outs[-1].num_recv) - 1, 0)]
+            with pytest.raises(EpError, match="combine: y has"):
+                op.combine(ys)
+            _no_record_left(op, f"seed {seed}, short y in call {call}")
+            run_exact_round(op, cfg, integer_inputs(cfg, [5] * W, "uniform", seed + 10 + call, device=op.device))
+            _no_record_left(op, f"seed {seed}, the round after call {call}")
+    finally:
+        op.close()
+
+
 def _overflow_rounds_body(arch, mutation, seed):
     """Virtual ranks: a dispatch that overflows rank 0's receive rows raises (recoverable), then
     exact rounds follow with no fault left over."""
@@ -135,6 +170,7 @@ def _overflow_rounds_body(arch, mutation, seed):
             op.dispatch(*op_inputs(op, over))
         for k in range(4):  # calls g + 1 .. g + 4: both parities of every signal word
             run_exact_round(op, cfg, integer_inputs(cfg, [4] * W, "uniform", seed + 1 + k, device=op.device))
+            _no_record_left(op, f"seed {seed}, round {k} after the overflow")
     finally:
         op.close()
 
@@ -217,7 +253,7 @@ def _fault_body(rank, W, arch, family, fault, mutation, seed):
 SCENARIOS = {
     "single_slot_ll_flag": ("dispatch_again", "low_latency", None),
     "no_fault_hand_off": ("fault", "normal", "bad_id"),
-    "no_release_before_fan_out": ("fault", "normal", "short_y"),
+    "no_release_before_fan_out": ("short_y_rounds", "normal", None),
     "no_acquire_after_ll_polls": ("whole_rounds", "low_latency", None),
     "no_barrier_before_ll_flags": ("rounds", "low_latency", None),
     "overflow_word_kept": ("overflow_rounds", "normal", None),
@@ -228,7 +264,9 @@ SCENARIOS = {
 def _run(scenario: str, arch: str, family: str, fault, mutation, seed: int, W: int):
     from epgen.harness.ranks import run_ranks
 
-    if scenario == "overflow_rounds":
+    if scenario == "short_y_rounds":
+        _short_y_rounds_body(arch, mutation, seed)
+    elif scenario == "overflow_rounds":
         _overflow_rounds_body(arch, mutation, seed)
     elif scenario in ("rounds", "whole_rounds"):
         _rounds_body(0, W, arch, family, mutation, seed, whole=scenario == "whole_rounds")
@@ -274,7 +312,9 @@ def _fails(scenario, arch, family, fault, mutation, W) -> tuple[int, str] | None
             text = str(e)
             if "host compile failed" in text:
                 raise
-            return seed, [line for line in text.strip().splitlines() if line.strip()][-1][:300]
+            lines = [line for line in text.strip().splitlines() if line.strip()]
+            # a process's exception ends its traceback; an assertion here starts with its message
+            return seed, (lines[0] if isinstance(e, AssertionError) else lines[-1])[:300]
         finally:
             _unmutate()
     return None
