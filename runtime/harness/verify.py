@@ -460,6 +460,23 @@ def check_exact_combine(rank: int, combined: torch.Tensor, exp: Expected) -> Non
                              f"{float(want[i, j])}")
 
 
+def check_no_record_left(op, when: str) -> None:
+    """Every local rank's consumed signal words (overflow counts and fault records: ``abi.SIGNALS``
+    from ``overflow_need`` on) are zero: their readers consumed them in the call that wrote them,
+    so nothing outlives its call (``abi.PARITY_RULE``). Call after a whole call's synchronize.
+
+    Raises:
+        AssertionError: naming ``when``, the rank and the words left.
+    """
+    from epgen.codegen import abi
+
+    first = abi.signal("overflow_need").byte_offset
+    for r in op.local_ranks:
+        words = op.arenas.local_signals[r][first:abi.SIGNAL_WORDS * 4].view(torch.int32)
+        left = words.nonzero().flatten().tolist()
+        assert not left, f"{when}: rank {r} keeps signal words {[first // 4 + i for i in left[:8]]} after the call"
+
+
 def run_exact_round(op, cfg: EpConfig, inputs: list[RankInputs], pause=None) -> dict:
     """One dispatch + combine of ``inputs`` (``integer_inputs`` of all W ranks; every process
     passes the same) on the ranks ``op`` drives, checked bit for bit on the op's device: receive

@@ -116,22 +116,11 @@ def _rounds_body(rank, W, arch, family, mutation, seed, whole=False):
         op.close()
 
 
-def _no_record_left(op, when: str) -> None:
-    """Every rank's consumed signal words (overflow counts and fault records, ``abi.SIGNALS`` from
-    ``overflow_need`` on) are zero after a whole call: nothing outlives its call (abi.PARITY_RULE)."""
-    from epgen.codegen import abi
-
-    first = abi.signal("overflow_need").byte_offset
-    for r in op.local_ranks:
-        words = op.arenas.local_signals[r][first:abi.SIGNAL_WORDS * 4].view(torch.int32)
-        left = words.nonzero().flatten().tolist()
-        assert not left, f"{when}: rank {r} keeps signal words {[first // 4 + i for i in left[:8]]} after the call"
-
-
 def _short_y_rounds_body(arch, mutation, seed):
     """Virtual ranks: rank W - 1 passes a short y to combine; the call raises, and every rank's
     receiving kernel consumed the fault's records (none left), then exact rounds follow."""
-    from epgen.harness.verify import integer_expert_stage, integer_inputs, op_inputs, run_exact_round
+    from epgen.harness.verify import (check_no_record_left, integer_expert_stage, integer_inputs, op_inputs,
+                                      run_exact_round)
     from epgen.host import Schedule
     from epgen.op import EpDispatchCombine, EpError
 
@@ -146,9 +135,9 @@ def _short_y_rounds_body(arch, mutation, seed):
             ys[-1] = ys[-1][: max(int(outs[-1].num_recv) - 1, 0)]
             with pytest.raises(EpError, match="combine: y has"):
                 op.combine(ys)
-            _no_record_left(op, f"seed {seed}, short y in call {call}")
+            check_no_record_left(op, f"seed {seed}, short y in call {call}")
             run_exact_round(op, cfg, integer_inputs(cfg, [5] * W, "uniform", seed + 10 + call, device=op.device))
-            _no_record_left(op, f"seed {seed}, the round after call {call}")
+            check_no_record_left(op, f"seed {seed}, the round after call {call}")
     finally:
         op.close()
 
@@ -156,7 +145,7 @@ def _short_y_rounds_body(arch, mutation, seed):
 def _overflow_rounds_body(arch, mutation, seed):
     """Virtual ranks: a dispatch that overflows rank 0's receive rows raises (recoverable), then
     exact rounds follow with no fault left over."""
-    from epgen.harness.verify import integer_inputs, op_inputs, run_exact_round
+    from epgen.harness.verify import check_no_record_left, integer_inputs, op_inputs, run_exact_round
     from epgen.host import Schedule
     from epgen.op import EpDispatchCombine, EpError
 
@@ -170,7 +159,7 @@ def _overflow_rounds_body(arch, mutation, seed):
             op.dispatch(*op_inputs(op, over))
         for k in range(4):  # calls g + 1 .. g + 4: both parities of every signal word
             run_exact_round(op, cfg, integer_inputs(cfg, [4] * W, "uniform", seed + 1 + k, device=op.device))
-            _no_record_left(op, f"seed {seed}, round {k} after the overflow")
+            check_no_record_left(op, f"seed {seed}, round {k} after the overflow")
     finally:
         op.close()
 
