@@ -23,21 +23,37 @@ L2 before it is written back) and after ``global_inv`` (``s_wait_loadcnt 0`` bef
 access); clang 22.1.8 emits neither, so the platform layer writes them out and
 ``gfx1250_cache_op_findings`` checks them on every path through the kernel (the basic blocks and
 their successors, not just straight-line text).
+
+The order scans (``epgen.codegen.offline.amd_asm.order_scan``, whose docstring states the rules)
+check what comes before what on every path: each flag store, the first signal-word write after a
+barrier, follows a waited system-scope writeback since that barrier (``release``); no writeback
+is reached from the wave's plain stores without their wait and a block barrier (``block``); and
+from every poll loop some path completes the system-scope invalidate (and, on gfx1250, its wait)
+before a non-signal load or a block barrier (``acquire``). The catalogue passes them on every
+AMD arch, and each fence removal of issue 34 item 6, applied to a small config's rendered source,
+fails them on every AMD arch (``test_a_removed_fence_fails_the_order_scans``). The instruction
+stream, its basic blocks and the wait predicates come from that module; the scans here build on
+them.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 import attrs
 import pytest
 
 from epgen.codegen.catalogue import catalogue_specs
-from epgen.codegen.offline import compile_assembly, toolchain_status
+from epgen.codegen.config import EpConfig
+from epgen.codegen.offline import compile_assembly, compile_many, toolchain_status
+from epgen.codegen.offline.amd_asm import (
+    GFX125X, GFX942, VMEM, VMEM_STORE_OR_ATOMIC, blocks, gfx9_vmcnt_zero, gfx12_loadcnt_zero, gfx12_storecnt_zero,
+    instructions, order_scan,
+)
 from epgen.codegen.render import render
+from epgen.codegen.spec import Op
 
-# VMEM stores and atomics, the instructions a release orders after its writeback.
-_STORE_OR_ATOMIC = re.compile(r"^(?:global|flat|buffer|scratch)_(?:store|atomic)\w*$")
 # Control flow that ends the straight-line run a writeback's wait must sit in.
 _CONTROL = re.compile(r"^s_(?:branch|cbranch_\w+|setpc_b64|swappc_b64|endpgm|trap)$")
 
@@ -61,48 +77,26 @@ class Rule:
     ordered: object
 
 
-def _gfx9_vmcnt_zero(mnemonic: str, operands: str) -> bool:
-    """``s_waitcnt`` that waits for vmcnt 0: ``vmcnt(0)`` among its fields, or a raw immediate
-    whose vmcnt bits (3:0 and 15:14 on GFX9) are all zero."""
-    if mnemonic != "s_waitcnt":
-        return False
-    field = re.search(r"vmcnt\((\d+)\)", operands)
-    if field is not None:
-        return int(field.group(1)) == 0
-    if re.fullmatch(r"\s*(?:0x[0-9a-fA-F]+|\d+)\s*", operands):
-        imm = int(operands, 0)
-        return (imm & 0xF) == 0 and (imm >> 14) & 0x3 == 0
-    return False
-
-
 def _gfx9_ordered(mnemonic: str, operands: str) -> bool:
     """A store or atomic carrying ``sc1`` (GFX942: system-scope stores are ``sc0 sc1``,
     system-scope RMW atomics ``sc1``, agent scope ``sc1`` too), or the system invalidate."""
     tokens = operands.replace(",", " ").split()
     if mnemonic == "buffer_inv":
         return "sc1" in tokens
-    return bool(_STORE_OR_ATOMIC.match(mnemonic)) and "sc1" in tokens
-
-
-def _gfx12_storecnt_zero(mnemonic: str, operands: str) -> bool:
-    """``s_wait_storecnt 0`` or ``s_wait_storecnt_dscnt`` whose storecnt field (bits 13:8) is 0."""
-    if mnemonic not in ("s_wait_storecnt", "s_wait_storecnt_dscnt"):
-        return False
-    imm = int(operands.strip(), 0)
-    return imm == 0 if mnemonic == "s_wait_storecnt" else (imm >> 8) & 0x3F == 0
+    return bool(VMEM_STORE_OR_ATOMIC.match(mnemonic)) and "sc1" in tokens
 
 
 def _gfx12_ordered(mnemonic: str, operands: str) -> bool:
     """A store or atomic at ``scope:SCOPE_SYS``, or the system invalidate."""
     if "scope:SCOPE_SYS" not in operands:
         return False
-    return mnemonic == "global_inv" or bool(_STORE_OR_ATOMIC.match(mnemonic))
+    return mnemonic == "global_inv" or bool(VMEM_STORE_OR_ATOMIC.match(mnemonic))
 
 
 RULES = {  # gfx942 and gfx950 both follow AMDGPUUsage's "Memory Model GFX942" table
-    "gfx942": Rule("gfx942", ("buffer_wbl2", "sc0 sc1"), _gfx9_vmcnt_zero, _gfx9_ordered),
-    "gfx950": Rule("gfx950", ("buffer_wbl2", "sc0 sc1"), _gfx9_vmcnt_zero, _gfx9_ordered),
-    "gfx1250": Rule("gfx1250", ("global_wb", "scope:SCOPE_SYS"), _gfx12_storecnt_zero, _gfx12_ordered),
+    "gfx942": Rule("gfx942", ("buffer_wbl2", "sc0 sc1"), gfx9_vmcnt_zero, _gfx9_ordered),
+    "gfx950": Rule("gfx950", ("buffer_wbl2", "sc0 sc1"), gfx9_vmcnt_zero, _gfx9_ordered),
+    "gfx1250": Rule("gfx1250", ("global_wb", "scope:SCOPE_SYS"), gfx12_storecnt_zero, _gfx12_ordered),
 }
 
 
@@ -112,22 +106,6 @@ class Finding:
 
     line: int
     instead: str
-
-
-def _instructions(asm: str):
-    """``(line number, mnemonic, operands)`` of each instruction, and ``(n, label, "")`` of each
-    label (mnemonic ending in ``:``); comments and directives dropped."""
-    for n, raw in enumerate(asm.splitlines(), 1):
-        text = raw.split(";", 1)[0].strip()
-        if not text or text.startswith("."):
-            if text.endswith(":"):
-                yield n, text, ""
-            continue
-        if text.endswith(":"):
-            yield n, text, ""
-            continue
-        mnemonic, _, operands = text.partition(" ")
-        yield n, mnemonic, operands.strip()
 
 
 def scan(asm: str, rule: Rule) -> tuple[int, list[Finding]]:
@@ -141,7 +119,7 @@ def scan(asm: str, rule: Rule) -> tuple[int, list[Finding]]:
     covered, findings = 0, []
     pending = None
     wb_mnemonic, wb_operands = rule.writeback
-    for n, mnemonic, operands in _instructions(asm):
+    for n, mnemonic, operands in instructions(asm):
         if pending is not None:
             if rule.covers(mnemonic, operands):
                 covered, pending = covered + 1, None
@@ -159,9 +137,9 @@ def scan(asm: str, rule: Rule) -> tuple[int, list[Finding]]:
 def loops(asm: str) -> list[tuple[str, list[tuple[int, str, str]]]]:
     """The loops of ``asm`` as laid out: ``(label, body)`` for each backward branch (``s_branch``
     or ``s_cbranch_*`` to a label above it), body the instructions from the label to the branch
-    (``_instructions`` tuples). A loop whose blocks lie below its back branch has another back
+    (``instructions`` tuples). A loop whose blocks lie below its back branch has another back
     branch to its header, whose body covers them."""
-    items = list(_instructions(asm))
+    items = list(instructions(asm))
     where = {mnemonic[:-1]: i for i, (_, mnemonic, _) in enumerate(items) if mnemonic.endswith(":")}
     found = []
     for i, (_, mnemonic, operands) in enumerate(items):
@@ -177,88 +155,47 @@ def invalidates_in_loops(asm: str) -> list[tuple[str, int]]:
     return [(label, n) for label, body in loops(asm) for n, mnemonic, _ in body if mnemonic == "buffer_inv"]
 
 
-_VMEM = re.compile(r"^(?:global|flat|buffer|scratch)_(?:load|store|atomic)\w*$")
-
-
-def _gfx12_loadcnt_zero(mnemonic: str, operands: str) -> bool:
-    """``s_wait_loadcnt 0`` or ``s_wait_loadcnt_dscnt`` whose loadcnt field (bits 13:8) is 0."""
-    if mnemonic not in ("s_wait_loadcnt", "s_wait_loadcnt_dscnt"):
-        return False
-    imm = int(operands.strip(), 0)
-    return imm == 0 if mnemonic == "s_wait_loadcnt" else (imm >> 8) & 0x3F == 0
-
-
-def _blocks(asm: str) -> tuple[list[list[tuple[int, str, str]]], list[list[int]]]:
-    """The basic blocks of ``asm`` as laid out and each one's successors (indices): a block starts
-    at a label and ends before the next label or after a branch; ``s_branch``, ``s_endpgm`` and
-    ``s_setpc_b64`` do not fall through."""
-    blocks, names, current = [], {}, []
-    for n, mnemonic, operands in _instructions(asm):
-        if mnemonic.endswith(":"):
-            blocks.append(current)
-            names[mnemonic[:-1]] = len(blocks)
-            current = []
-            continue
-        current.append((n, mnemonic, operands))
-        if mnemonic in ("s_branch", "s_endpgm", "s_setpc_b64") or mnemonic.startswith("s_cbranch_"):
-            blocks.append(current)
-            current = []
-    blocks.append(current)
-    succ = []
-    for i, block in enumerate(blocks):
-        last = block[-1][1] if block else ""
-        targets = []
-        if last == "s_branch" or last.startswith("s_cbranch_"):
-            target = block[-1][2].split()[0]
-            if target in names:
-                targets.append(names[target])
-        if last not in ("s_branch", "s_endpgm", "s_setpc_b64") and i + 1 < len(blocks):
-            targets.append(i + 1)
-        succ.append(targets)
-    return blocks, succ
-
-
 _STORE_OUT, _RETURN_OUT, _INV_OUT = 1, 2, 4
 
 
 def gfx1250_cache_op_findings(asm: str) -> list[tuple[int, str]]:
     """Where gfx1250 code may break the GFX125x table's waits around its system-scope cache
-    operations, on some path (a may-analysis over ``_blocks``): ``(line, "writeback")`` for a
+    operations, on some path (a may-analysis over ``blocks``): ``(line, "writeback")`` for a
     ``global_wb scope:SCOPE_SYS`` issued while a vector store or atomic of the wave may be
     outstanding (no ``s_wait_storecnt 0``, or for an atomic that returns no ``s_wait_loadcnt 0``,
     since), ``(line, "after invalidate")`` for a vector memory access issued while a ``global_inv
     scope:SCOPE_SYS`` may not have completed (no ``s_wait_loadcnt 0`` since)."""
-    blocks, succ = _blocks(asm)
+    blks, succ = blocks(list(instructions(asm)))
 
     def step(block, state, findings=None):
         for n, mnemonic, operands in block:
             if findings is not None:
                 if mnemonic == "global_wb" and "scope:SCOPE_SYS" in operands and state & (_STORE_OUT | _RETURN_OUT):
                     findings.append((n, "writeback"))
-                if _VMEM.match(mnemonic) and state & _INV_OUT:
+                if VMEM.match(mnemonic) and state & _INV_OUT:
                     findings.append((n, "after invalidate"))
-            if _gfx12_storecnt_zero(mnemonic, operands):
+            if gfx12_storecnt_zero(mnemonic, operands):
                 state &= ~_STORE_OUT
-            if _gfx12_loadcnt_zero(mnemonic, operands):
+            if gfx12_loadcnt_zero(mnemonic, operands):
                 state &= ~(_RETURN_OUT | _INV_OUT)
             if mnemonic == "global_inv" and "scope:SCOPE_SYS" in operands:
                 state |= _INV_OUT
-            elif _STORE_OR_ATOMIC.match(mnemonic):
+            elif VMEM_STORE_OR_ATOMIC.match(mnemonic):
                 state |= _RETURN_OUT if "th:TH_ATOMIC_RETURN" in operands else _STORE_OUT
         return state
 
-    entry = [0] * len(blocks)
+    entry = [0] * len(blks)
     changed = True
     while changed:
         changed = False
-        for i, block in enumerate(blocks):
+        for i, block in enumerate(blks):
             out = step(block, entry[i])
             for j in succ[i]:
                 if entry[j] | out != entry[j]:
                     entry[j] |= out
                     changed = True
     findings = []
-    for i, block in enumerate(blocks):
+    for i, block in enumerate(blks):
         step(block, entry[i], findings)
     return findings
 
@@ -456,9 +393,6 @@ def test_a_ready_flag_fan_out_costs_one_writeback_whatever_the_world_size(op):
     """The normal family's ready flags go to every rank as one release by a warp, lane d storing
     rank d's flag (``ep_release_to_ranks``), not as W releases in sequence by one thread, each
     waiting for the store before it: the kernel holds as many ``buffer_wbl2`` at W = 8 as at W = 2."""
-    from epgen.codegen.config import EpConfig
-    from epgen.codegen.spec import Op
-
     reason = toolchain_status("gfx950")
     if reason:
         pytest.skip(reason)
@@ -470,3 +404,190 @@ def test_a_ready_flag_fan_out_costs_one_writeback_whatever_the_world_size(op):
         src = render(spec)
         counts.append(len(re.findall(r"^\s*buffer_wbl2\b", assembly(src.text, "gfx950", src.entry), re.M)))
     assert counts[0] == counts[1], counts
+
+
+ORDER_MODELS = {"gfx942": GFX942, "gfx950": GFX942, "gfx1250": GFX125X}
+"""The AMDGPUUsage memory-model table each AMD arch follows, as ``order_scan`` reads it."""
+
+
+def _violations(asm: str, model) -> list[tuple[str, int, str, int]]:
+    return [(v.rule, v.line, v.instruction, v.since) for v in order_scan(asm, model).violations]
+
+
+def test_order_scan_release_rule():
+    """A flag store (the first signal-word write after a barrier, not the kernel's last access)
+    needs a waited writeback since that barrier; a write after a claim or a data store, or one
+    that ends the kernel, is not a flag store."""
+    asm = """
+\t; wave barrier
+\tbuffer_wbl2 sc0 sc1
+\ts_waitcnt vmcnt(0)
+\tglobal_load_dwordx2 v[6:7], v[2:3], off
+\tflat_store_dword v[6:7], v4 sc0 sc1
+\ts_barrier
+\tflat_store_dword v[6:7], v4 sc0 sc1
+\ts_barrier
+\tflat_atomic_cmpswap v5, v[10:11], v[4:5] sc0 sc1
+\tflat_store_dword v[10:11], v7 offset:4 sc0 sc1
+\ts_barrier
+\tbuffer_wbl2 sc0 sc1
+\tflat_store_dword v[6:7], v4 sc0 sc1
+\ts_waitcnt vmcnt(0)
+\ts_barrier
+\tflat_atomic_umax_x2 v[10:11], v[6:7] sc1
+\tflat_load_dword v1, v[4:5]
+\ts_barrier
+\tflat_store_dword v[0:1], v2 offset:48 sc0 sc1
+\ts_endpgm
+"""
+    found = order_scan(asm, GFX942)
+    assert _violations(asm, GFX942) == [
+        ("release", 8, "flat_store_dword v[6:7], v4 sc0 sc1", 7),
+        ("release", 14, "flat_store_dword v[6:7], v4 sc0 sc1", 12),
+        ("release", 17, "flat_atomic_umax_x2 v[10:11], v[6:7] sc1", 16),
+    ]
+    assert found.flag_stores == 4
+    assert "flag store with no waited system-scope writeback since the barrier at line 7" in str(found.violations[0])
+
+
+def test_order_scan_block_rule():
+    """A writeback that the wave's plain store reaches needs the store's wait, then a block barrier
+    (or a claim) between them."""
+    asm = """
+\tflat_store_dwordx4 v[0:1], v[2:5]
+\tbuffer_wbl2 sc0 sc1
+\ts_waitcnt vmcnt(0)
+\tflat_store_dwordx4 v[0:1], v[2:5]
+\ts_barrier
+\tbuffer_wbl2 sc0 sc1
+\ts_waitcnt vmcnt(0)
+\ts_barrier
+\tbuffer_wbl2 sc0 sc1
+\ts_waitcnt vmcnt(0)
+\tflat_store_dword v[0:1], v2
+\tflat_atomic_cmpswap v5, v[10:11], v[4:5] sc0 sc1
+\ts_waitcnt vmcnt(0)
+\tbuffer_wbl2 sc0 sc1
+\ts_endpgm
+"""
+    assert _violations(asm, GFX942) == [("block", 3, "buffer_wbl2 sc0 sc1", 2),
+                                        ("block", 7, "buffer_wbl2 sc0 sc1", 5)]
+    gfx12 = """
+\tglobal_store_b128 v0, v[2:5], s[0:1]
+\ts_barrier_signal -1
+\ts_barrier_wait -1
+\tglobal_wb scope:SCOPE_SYS
+\ts_wait_storecnt 0x0
+\ts_barrier_signal -1
+\ts_barrier_wait -1
+\tglobal_wb scope:SCOPE_SYS
+\ts_endpgm
+"""
+    assert _violations(gfx12, GFX125X) == [("block", 5, "global_wb scope:SCOPE_SYS", 2)]
+
+
+def test_order_scan_acquire_rule():
+    """From a poll loop, some path completes the system-scope acquire before a non-signal load or
+    a block barrier: gfx942's invalidate once the loads completed, gfx1250's invalidate and the
+    wait after it."""
+    def poll(after: str, gfx12: bool = False) -> str:
+        load, wait = ("scope:SCOPE_SYS", "s_wait_loadcnt 0x0") if gfx12 else ("sc0 sc1", "s_waitcnt vmcnt(0)")
+        return (f".LBB0_1:\n\tflat_load_dword v1, v[4:5] {load}\n\t{wait}\n\ts_cbranch_vccz .LBB0_1\n"
+                f"{after}\tflat_load_dwordx4 v[6:9], v[10:11] nt\n\ts_endpgm\n")
+
+    assert _violations(poll("\ts_waitcnt vmcnt(0)\n\tbuffer_inv sc0 sc1\n"), GFX942) == []
+    assert _violations(poll(""), GFX942) == [("acquire", 5, "flat_load_dwordx4 v[6:9], v[10:11] nt", 2)]
+    # an invalidate while a load is in flight does not acquire it
+    assert _violations(poll("\tflat_load_dword v2, v[4:5] sc0 sc1\n\tbuffer_inv sc0 sc1\n"), GFX942) == [
+        ("acquire", 7, "flat_load_dwordx4 v[6:9], v[10:11] nt", 2)]
+    assert _violations(poll("\ts_barrier\n\ts_waitcnt vmcnt(0)\n\tbuffer_inv sc0 sc1\n"), GFX942) == [
+        ("acquire", 5, "s_barrier", 2)]
+    assert _violations(poll("\tglobal_inv scope:SCOPE_SYS\n\ts_wait_loadcnt 0x0\n", gfx12=True), GFX125X) == []
+    found = order_scan(poll("\tglobal_inv scope:SCOPE_SYS\n", gfx12=True), GFX125X)
+    assert [(v.rule, v.line) for v in found.violations] == [("acquire", 6)] and found.poll_loops == 1
+    assert "non-signal load after the poll loop of line 2" in str(found.violations[0])
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950", "gfx1250"])
+def test_the_catalogue_passes_the_order_scans(compiles, arch):
+    """Every AMD catalogue kernel (every template path) passes ``order_scan``, and the scan checked
+    something: a flag store in each kernel that raises flags, a poll loop in each that waits."""
+    bad = {}
+    for entry, asm in _catalogue_assembly(compiles, arch):
+        found = order_scan(asm, ORDER_MODELS[arch])
+        raises = re.match(r"epgen_(?:dispatch|combine)(?:_ll)?(?:_send)?_gfx|epgen_dispatch_pull_", entry)
+        polls = re.match(r"epgen_(?:dispatch|combine)(?:_ll)?(?:_recv)?_gfx|epgen_dispatch_pull_", entry)
+        if found.violations or (raises and not found.flag_stores) or (polls and not found.poll_loops):
+            bad[entry] = dict(violations=[str(v) for v in found.violations[:4]], flag_stores=found.flag_stores,
+                              poll_loops=found.poll_loops)
+    assert not bad, bad
+
+
+def _drop_fan_out_release(text: str) -> str:
+    """Item 6 (a): no release before the fan-out's flag stores (``ep_release_to_ranks``)."""
+    return re.sub(r"(EP_DEVICE void ep_release_to_ranks\([^{]*\{[^}]*?)\n[ \t]*ep_fence_release_system\(\);", r"\1",
+                  text, count=1)
+
+
+def _drop_low_latency_acquire(text: str) -> str:
+    """Item 6 (b): no acquire after the low-latency polls."""
+    return re.sub(r"\n[ \t]*if \(tid < kFlags\) ep_fence_after_poll\(\);[^\n]*", "", text, count=1)
+
+
+def _drop_low_latency_barrier(text: str) -> str:
+    """Item 6 (c): no block barrier before the low-latency flags."""
+    return re.sub(r"\n[ \t]*ep_sync_block_for_release\(\);[^\n]*", "", text, count=1)
+
+
+FENCE_REMOVALS = {  # mutation -> (edit, the ops whose code it changes, the rule it breaks, the instruction named)
+    "fan_out_release": (_drop_fan_out_release, ("dispatch", "combine"), "release",
+                        r"(flat|global)_store_(dword|b32)\b"),
+    "low_latency_acquire": (_drop_low_latency_acquire, ("dispatch_ll", "combine_ll"), "acquire",
+                            r"s_barrier(_signal)?\b|(flat|global)_load"),
+    "low_latency_barrier": (_drop_low_latency_barrier, ("dispatch_ll", "combine_ll"), "block",
+                            r"buffer_wbl2 sc0 sc1$|global_wb scope:SCOPE_SYS$"),
+}
+"""Issue 34 item 6's fence removals, as text edits of a rendered source."""
+
+
+@functools.lru_cache(maxsize=None)
+def _fence_removal_assembly(arch: str) -> dict[tuple[str, str | None], str]:
+    """``{(op, mutation or None): assembly}`` of a small config's kernels on ``arch``, as rendered
+    and with each fence removal that applies to the op (one parallel compile)."""
+    jobs, keys = [], []
+    for family, ops in (("normal", ("dispatch", "combine")), ("low_latency", ("dispatch_ll", "combine_ll"))):
+        cfg = EpConfig(world_size=2, hidden=2048, topk=4, num_experts=16, max_tokens_per_rank=64,
+                       kernel_family=family)
+        for op in ops:
+            src = render(cfg.spec(arch, Op(op), cfg.geometry(arch, Op(op), 64)))
+            keys.append((op, None))
+            jobs.append((src.text, arch, src.entry))
+            for name, (edit, applies, _, _) in FENCE_REMOVALS.items():
+                if op in applies:
+                    text = edit(src.text)
+                    assert len(text.splitlines()) == len(src.text.splitlines()) - 1, (name, op)  # one line removed
+                    keys.append((op, name))
+                    jobs.append((text, arch, src.entry))
+    results = compile_many(jobs, compile_fn=compile_assembly)
+    for key, result in zip(keys, results):
+        if isinstance(result, Exception):
+            raise result
+    return {key: result[1] for key, result in zip(keys, results)}
+
+
+@pytest.mark.parametrize("mutation", list(FENCE_REMOVALS))
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950", "gfx1250"])
+def test_a_removed_fence_fails_the_order_scans(arch, mutation):
+    """Each fence removal of issue 34 item 6, applied to the rendered source of a small config,
+    changes the assembly of every op it edits on every AMD arch and fails ``order_scan`` there
+    with the rule it breaks, naming the instruction (the unedited sources pass)."""
+    reason = toolchain_status(arch)
+    if reason:
+        pytest.skip(reason)
+    asm = _fence_removal_assembly(arch)
+    _, ops, rule, instruction = FENCE_REMOVALS[mutation]
+    for op in ops:
+        assert order_scan(asm[op, None], ORDER_MODELS[arch]).violations == (), (op, "unedited")
+        assert asm[op, mutation] != asm[op, None], (op, "the edit leaves the assembly as it was")
+        found = [v for v in order_scan(asm[op, mutation], ORDER_MODELS[arch]).violations if v.rule == rule]
+        assert found and all(re.match(instruction, v.instruction) for v in found), (op, [str(v) for v in found])
