@@ -85,7 +85,7 @@ class Schedule:
     stale: float = 1 / 2
     hold: float = 1 / 4
     delays: dict = attrs.field(factory=dict, hash=False)
-    max_steps: int = 50_000_000
+    max_steps: int = 4_000_000
     real_clock: bool | None = None
 
     def __attrs_post_init__(self):
