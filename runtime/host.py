@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import attrs
@@ -151,6 +152,11 @@ def compile_source(text: str) -> Path:
     return out
 
 
+_LAUNCH_LOCK = threading.Lock()
+"""Host launches of one process run one at a time (two threads' launches would share a library's
+scheduler); ranks in one process are virtual ranks of one op, or one process per rank."""
+
+
 class HostKernel:
     """One compiled host source: ``launch`` runs a grid of its kernel."""
 
@@ -165,8 +171,9 @@ class HostKernel:
 
     def launch(self, args_address: int, grid: tuple[int, int], threads: int, options: _Options) -> _Stats:
         stats = _Stats()
-        status = self.lib.ep_host_launch(ctypes.c_void_p(args_address), grid[0], grid[1], threads,
-                                         ctypes.byref(options), ctypes.byref(stats))
+        with _LAUNCH_LOCK:  # one emulation at a time per process: its state is the library's globals
+            status = self.lib.ep_host_launch(ctypes.c_void_p(args_address), grid[0], grid[1], threads,
+                                             ctypes.byref(options), ctypes.byref(stats))
         if status:
             raise HostError(f"{self.entry} (grid {grid[0]}x{grid[1]} of {threads} threads, seed {options.seed}): "
                             f"{self.lib.ep_host_error().decode()}")
