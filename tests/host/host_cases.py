@@ -61,10 +61,15 @@ def cfg(world_size: int, family: str = "normal", *, hidden: int = HIDDEN, topk: 
                     max_tokens_per_rank=tmax, kernel_family=family, timeout_s=timeout_s, **geo)
 
 
+SEED_OFFSET = int(os.environ.get("EPGEN_HOST_SEED_OFFSET", "0"))
+"""Added to every test's seed: ``EPGEN_HOST_SEED_OFFSET=1 pytest tests/host`` runs every schedule anew
+(a failure names its seed either way)."""
+
+
 def seed_of(name: str) -> int:
     """A stable Schedule seed for a test (or case) name: distinct names, distinct seeds, spaced
-    10^4 apart (launch i of an op runs with seed + i)."""
-    return (zlib.crc32(name.encode()) % 100_000) * 10_000
+    10^4 apart (launch i of an op runs with seed + i), plus ``SEED_OFFSET``."""
+    return (zlib.crc32(name.encode()) % 100_000) * 10_000 + SEED_OFFSET
 
 
 def host_op(config: EpConfig, arch: str, seed: int, *, virtual: bool = True, validate: bool = True, **schedule):
