@@ -42,9 +42,10 @@ contraction into FMAs the GPU code does not ask for."""
 
 GEOMETRY = Geometry(blocks=2, warps_per_block=2, unroll=1)
 """The launch geometry the host takes for every kernel whose geometry the config leaves to the
-tuning tables: 2 blocks of 2 waves (64 threads on sm_90 and gfx1250, 128 on gfx942 and gfx950),
-so a W = 4 launch is a few hundred fibers. More than one block and wave, so the kernels' block and
-wave hand-offs run."""
+tuning tables (``HostPlatform.plan``): 2 blocks of 2 waves (64 threads on sm_90 and gfx1250, 128
+on gfx942 and gfx950), so a W = 4 launch is a few hundred fibers. More than one block and wave, so
+the kernels' block and wave hand-offs run. The local kernels (expand, fold, the combine's quantize
+kernel) keep their unroll."""
 
 
 class HostError(RuntimeError):
@@ -301,6 +302,23 @@ class HostPlatform:
         self._allocations.pop(ptr).close()
 
     # ---- kernels -----------------------------------------------------------------------------
+    def plan(self, config, arch: str, grid_ranks: int):
+        """The op's plan on the host: ``Plan.build`` with ``GEOMETRY`` where ``config`` names no
+        geometry (the tables' are a GPU's: 24 to 264 blocks of up to 1,024 threads, a hundred
+        thousand fibers a launch), and for the local kernels; ``op.config`` stays the caller's."""
+        from epgen.codegen.config import LOCAL_OPS
+        from epgen.plan import Plan
+
+        fields = ("dispatch_geometry", "combine_geometry") + (
+            ("low_latency_geometry",) if config.kernel_family != "normal" else ())
+        plan = Plan.build(attrs.evolve(config, **{f: getattr(config, f) or GEOMETRY for f in fields}), arch,
+                          grid_ranks)
+        local = {key: tuple((t, spec.replace(blocks=GEOMETRY.blocks,
+                                             warps_per_block=min(spec.warps_per_block, GEOMETRY.warps_per_block)))
+                            for t, spec in variants)
+                 for key, variants in plan.variants.items() if key[0] in LOCAL_OPS}
+        return attrs.evolve(plan, config=config, variants={**plan.variants, **local})
+
     def prepare(self, specs) -> None:
         """Compile the host sources of ``specs`` not in the cache yet, one compiler process per
         core at once (``load_kernel`` then finds them there)."""

@@ -22,7 +22,6 @@ from epgen.codegen.arch import ARCH_TRAITS
 from epgen.codegen.dtypes import DTypeInfo
 from epgen.codegen.spec import EXPERT_OPS, KernelSpec, Op
 from epgen.codegen.config import EpConfig
-from epgen.plan import Plan
 from epgen.platform import HIP_KERNEL_ARGS_BYTES, CooperativeLaunchTooLarge, Platform, capturing
 
 
@@ -316,17 +315,10 @@ class EpDispatchCombine:
         if not host and (arch is not None or schedule is not None):
             raise ValueError(f"arch={arch!r}, schedule={schedule!r}: only the host emulation (device='cpu') takes "
                              "them; a GPU's arch is its own")
-        if host:
-            from epgen.host import GEOMETRY
-
-            # The tuning tables' geometries are a GPU's (24 blocks of 32 waves); the host runs a grid as fibers.
-            fields = ("dispatch_geometry", "combine_geometry") + (
-                ("low_latency_geometry",) if config.kernel_family != "normal" else ())
-            config = attrs.evolve(config, **{f: getattr(config, f) or GEOMETRY for f in fields})
-        elif not torch.cuda.is_available():
+        if not host and not torch.cuda.is_available():
             raise RuntimeError("EpDispatchCombine needs a GPU: torch.cuda.is_available() is False (device='cpu' "
                                "runs the kernels on the host emulation, epgen.host)")
-        elif importlib.util.find_spec("cupy") is None:  # fail here, with the install hint, not at a launch
+        if not host and importlib.util.find_spec("cupy") is None:  # fail here, with the install hint, not at a launch
             raise RuntimeError("EpDispatchCombine needs CuPy: pip install -e '.[cuda]' (or '.[rocm]')")
         self.config = config
         self.validate = validate
@@ -365,7 +357,7 @@ class EpDispatchCombine:
         self.platform.check_kernel_args(_args_dtype(W).itemsize, W, max_hip_world_size())
         # Every variant the op can pick is compiled here: dispatch() and combine() never compile.
         self._kernels = {}  # spec -> loaded kernel
-        plan = Plan.build(config, self.arch, len(self.local_ranks))
+        plan = self.platform.plan(config, self.arch, len(self.local_ranks))
         self.platform.prepare([spec for variants in plan.variants.values() for _, spec in variants])
         self.plan = attrs.evolve(plan, variants={key: self._load_variants(key[0], variants)
                                                  for key, variants in plan.variants.items()})

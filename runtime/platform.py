@@ -228,6 +228,12 @@ class Platform:
         per_cu = resident_blocks(spec.arch, spec.warps_per_block, fn.num_regs, fn.shared_size_bytes)
         return per_cu * torch.cuda.get_device_properties(device.index).multi_processor_count
 
+    def plan(self, config, arch: str, grid_ranks: int):
+        """The op's plan (``epgen.plan.Plan.build``: the tuning tables' geometries for this GPU)."""
+        from epgen.plan import Plan
+
+        return Plan.build(config, arch, grid_ranks)
+
     def prepare(self, specs) -> None:
         """Compile ahead what the op will load (nothing here: CuPy compiles each kernel as it loads it)."""
 

@@ -16,10 +16,8 @@ import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
-import attrs
 import torch
 
-from epgen.codegen import tuning
 from epgen.codegen.config import EpConfig
 from epgen.host import GEOMETRY, Schedule
 
@@ -35,18 +33,6 @@ step), so it never fires in a correct run; processes run on the OS clock."""
 PROCS_TIMEOUT_S = 20.0
 """Kernel wait bound of the multi-process tests: W processes on two busy cores, each launch a few
 hundred fibers on one thread, so a peer may be descheduled for seconds."""
-
-GPU_LOCAL_GEOMETRY = dict(tuning.LOCAL_GEOMETRY)
-"""The local kernels' default geometry, as ``epgen.codegen.tuning`` defines it (before any patch)."""
-
-SMALL_LOCAL_GEOMETRY = {"expand": (2, 128, 1), "fold": (2, 128, 1), "combine_quantize": (2, 128, 2)}
-"""(blocks, threads, unroll) of the local kernels (expand, fold, the combine's quantize kernel) in
-these tests: 2 blocks of 4 warps (sm_90, gfx1250) or 2 waves (gfx942, gfx950), as ``GEOMETRY``.
-The host takes ``GEOMETRY`` for dispatch, combine and the low-latency kernels only; the local
-kernels keep the GPU's ``tuning.LOCAL_GEOMETRY`` (132 to 264 blocks of 512 threads: 67k to 135k
-fibers a launch, seconds a round), so the tests set this through ``host_module`` (one test
-runs the real default: tests/host/test_contract.py::test_the_local_kernels_at_their_default_geometry)."""
-
 
 def cfg(world_size: int, family: str = "normal", *, hidden: int = HIDDEN, topk: int = 4, experts_per_rank: int = 3,
         tmax: int = TMAX, timeout_s: float = TIMEOUT_S, **kw) -> EpConfig:
@@ -105,37 +91,22 @@ def seeded(op_or_seed, what: str = ""):
 
 @contextlib.contextmanager
 def host_module():
-    """What a host test module runs under: ``tuning.LOCAL_GEOMETRY`` = ``SMALL_LOCAL_GEOMETRY`` and
-    one torch intra-op thread (the reference's CPU ``index_add_`` took 0.1-0.5 s a call with two
-    threads on two busy cores, 1 ms with one), both restored after."""
-    import pytest
-
+    """What a host test module runs under: one torch intra-op thread (the reference's CPU
+    ``index_add_`` took 0.1-0.5 s a call with two threads on two busy cores, 1 ms with one),
+    restored after."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(tuning, "LOCAL_GEOMETRY", dict(SMALL_LOCAL_GEOMETRY))
-            yield
+        yield
     finally:
         torch.set_num_threads(threads)
-
-
-def process_setup() -> None:
-    """``host_module``'s settings for good, in a process of the test's own."""
-    torch.set_num_threads(1)
-    tuning.LOCAL_GEOMETRY = dict(SMALL_LOCAL_GEOMETRY)
 
 
 def in_host_process(rank: int, world_size: int, body, *args) -> None:
     """``run_ranks`` entry: ``body(rank, world_size, *args)`` under ``host_module``'s settings,
     restored after (the pool's processes serve later tests too)."""
-    threads, local = torch.get_num_threads(), tuning.LOCAL_GEOMETRY
-    process_setup()
-    try:
+    with host_module():
         body(rank, world_size, *args)
-    finally:
-        tuning.LOCAL_GEOMETRY = local
-        torch.set_num_threads(threads)
 
 
 def warm(jobs, workers: int | None = None) -> int:
@@ -144,13 +115,12 @@ def warm(jobs, workers: int | None = None) -> int:
     Returns how many sources it compiled or found. Errors are left to the op that builds the
     config (it renders and compiles the same source again, and raises there, in its test)."""
     from epgen.codegen.render import render_host
-    from epgen.host import compile_source
-    from epgen.plan import Plan
+    from epgen.host import HostPlatform, compile_source
 
     texts = {}
     for config, arch, ranks in jobs:
         try:
-            plan = Plan.build(config, arch, ranks)
+            plan = HostPlatform(arch).plan(config, arch, ranks)
             for variants in plan.variants.values():
                 for _, spec in variants:
                     text = render_host(spec).text
@@ -167,18 +137,6 @@ def warm(jobs, workers: int | None = None) -> int:
     with ThreadPoolExecutor(max_workers=workers or max(2, os.cpu_count() or 2)) as pool:
         list(pool.map(one, texts))
     return len(texts)
-
-
-def fnuz_safe(make_inputs):
-    """``make_inputs`` (verify's or hierarchical_verify's) whose fp8 payloads come as the op's
-    fp8 type: the harness draws e4m3fn bytes whatever the arch, and a gfx942 op takes e4m3fnuz
-    (docs/rocm.md); the kernels move bytes, so the same bytes viewed as e4m3fnuz are the same case."""
-    def wrapped(op, *args, **kw):
-        inputs = make_inputs(*args, **kw)
-        want = op.payload.torch_dtype
-        return [i if i.x.dtype == want or i.x.element_size() != 1 else attrs.evolve(i, x=i.x.view(want))
-                for i in inputs]
-    return wrapped
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ from epgen.harness.verify import (check_exact_combine, check_exact_dispatch, exp
 from epgen.host import GEOMETRY
 
 sys.path.insert(0, str(Path(__file__).parent))
-from host_cases import (ARCHES, LANES, TMAX, cfg, fnuz_safe, host_op, seed_of, seeded,  # noqa: E402
+from host_cases import (ARCHES, LANES, TMAX, cfg, host_op, seed_of, seeded,  # noqa: E402
                         host_module)
 
 
@@ -55,22 +55,6 @@ def _launched(op, since=0) -> list[str]:
 
 def _low_latency(name: str) -> bool:
     return name.startswith(("epgen_dispatch_ll", "epgen_combine_ll"))
-
-
-class _payload_of:
-    """``verify.make_inputs`` drawing payloads of ``op``'s fp8 type while in the block (gfx942:
-    e4m3fnuz; the harness draws e4m3fn bytes whatever the arch)."""
-
-    def __init__(self, op):
-        self.op = op
-
-    def __enter__(self):
-        self.original = verify.make_inputs
-        wrapped = fnuz_safe(self.original)
-        verify.make_inputs = lambda *a, **k: wrapped(self.op, *a, **k)
-
-    def __exit__(self, *exc):
-        verify.make_inputs = self.original
 
 
 # ---- the cases -------------------------------------------------------------------------------
@@ -124,7 +108,7 @@ def _capped_cfg(layout):
 
 @pytest.fixture(scope="module", autouse=True)
 def _host():
-    """The local kernels at ``SMALL_LOCAL_GEOMETRY`` and one torch thread for this module."""
+    """One torch thread for this module (``host_module``)."""
     with host_module():
         yield
 
@@ -454,7 +438,7 @@ def test_every_payload_and_wire_is_bit_equal_to_its_reference(arch, family, W, d
     if dtype == "fp8":
         assert op.payload.torch_dtype == (torch.float8_e4m3fnuz if arch == "gfx942" else torch.float8_e4m3fn)
     assert ((Op.COMBINE_QUANTIZE, "push") in op.plan.variants) == (wire != "none" and family == "normal")
-    with seeded(op), _payload_of(op):
+    with seeded(op):
         for i, (tokens, kind) in enumerate([([TMAX] * W, "uniform"), ([TMAX] * W, "invalid"),
                                             (per_rank([0, 1, 7, TMAX], W), "duplicates"),
                                             (per_rank([0, 1, 7, TMAX], W), "skewed"), ([0] * W, "uniform")]):
@@ -473,7 +457,7 @@ def test_wire_rows_written_by_the_quantize_kernel_and_by_the_caller(seed):
     config = _wire_cfg("normal", 2, "fp8", 4, mode)
     op = host_op(config, "gfx942", seed)
     flavour = wire_fp8_flavour(op)
-    inputs = fnuz_safe(make_inputs)(op, config, [TMAX, 27], "uniform", 5)
+    inputs = make_inputs(config, [TMAX, 27], "uniform", 5)
     with seeded(op):
         outs = op.dispatch(*op_inputs(op, inputs))
         gen = torch.Generator().manual_seed(6)
