@@ -652,24 +652,39 @@ def build_parser() -> argparse.ArgumentParser:
     se = verb("selftest", "the first command on new hardware: build, run and verify every kernel family, layout, "
               "transport, dtype and combine wire at small shapes on virtual ranks (W = 2, 4) and across W = 2 "
               "processes, time the main ones, print a table and write a report to attach to a bug report; exit "
-              "status non-zero on a failure; without a GPU, list the cases", cmd_selftest,
+              "status non-zero on a failure; without a GPU, list the cases (--device cpu runs them on the CPU, "
+              "untimed)", cmd_selftest,
               output="it prints a line per case and a table, and writes the report file (-o)")
     se.add_argument("-o", "--output", type=flags.path, help="report file: JSON, or Markdown for a .md name (default "
                     "selftest-<arch>.json in the working directory)")
     se.add_argument("--seed", type=flags.non_negative, default=0, help="seed of the rounds' inputs (default 0)")
     se.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
+    se.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
+                    help="gpu (default): this machine's GPUs; cpu: the same cases on the host emulation, the real "
+                    "kernels on the CPU with no GPU (docs/host.md; needs the ziglang package), 1-2 minutes on 2 "
+                    "cores: nothing timed (timed cases only verify); a case whose kernels would run more than 4096 "
+                    "threads a rank (a GPU's geometry) is skipped, naming the kernel; the report is "
+                    "selftest-host-<arch>.json")
+    se.add_argument("--arch", help="with --device cpu: the arch whose kernels the host runs, one of "
+                    f"{', '.join(flags.ARCHES)} (default sm_90)")
     return p
 
 
 def cmd_selftest(args, parser, console) -> int:
     from epgen.cli import selftest
 
+    if args.arch is not None:
+        if args.device != "cpu":
+            parser.error(f"--arch {args.arch}: only with --device cpu (the host emulation runs that arch's kernels); "
+                         "on a GPU the selftest runs the GPU's own arch")
+        if args.arch not in flags.ARCHES:
+            parser.error(f"--arch {args.arch}: unknown arch; epgen has kernels for {', '.join(flags.ARCHES)}")
     if args.list:
-        selftest.print_cases(console)
+        selftest.print_cases(console, args.device)
         return 0
     if args.output:  # refused now, not after the cases ran
         flags.check_output_files([("-o", Path(args.output))], parser)
-    return selftest.run(args.output, args.seed, console)
+    return selftest.run(args.output, args.seed, console, device=args.device, arch=args.arch)
 
 
 def main(argv=None) -> int:

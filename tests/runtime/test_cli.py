@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import attrs
 import pytest
 
 from epgen.cli import main
@@ -1239,7 +1240,7 @@ def test_selftest_reports_every_result_writes_the_report_and_fails_on_a_failure(
     monkeypatch.setattr("epgen.device.device_arch", lambda index: "gfx950")
 
     def fake_runs(fail):
-        def runs(cases, seed, report):
+        def runs(cases, seed, report, op_kwargs=None):
             return [report(selftest._result(c, ok=not (fail and i == 0), rounds=2, bound_ratio=0.25,
                                             combine_err=1e-3, error="rank 1: combine out[3, 5] above its bound"
                                             if fail and i == 0 else None))
@@ -1273,7 +1274,7 @@ def test_selftest_merges_the_ranks_results_and_reports_a_failed_rank(monkeypatch
 
     cases = [c for c in selftest.CASES if c.where == "processes"]
 
-    def fake_run_ranks(W, fn, group, seed, out_dir, timeout_s=None):
+    def fake_run_ranks(W, fn, group, seed, out_dir, op_kwargs, timeout_s=None):
         for r in range(W):
             got = [selftest._result(c, ok=True, rounds=2, bound_ratio=0.1 * (r + 1), combine_err=0.01,
                                     dispatch_us=10.0 + r if c.timed else None, combine_us=None) for c in group]
@@ -1294,3 +1295,85 @@ def test_selftest_merges_the_ranks_results_and_reports_a_failed_rank(monkeypatch
     assert [r["ok"] for r in got] == [True, False, False, False]
     assert got[1]["error"] == "rank 1: a received row differs"
     assert got[2]["error"] == got[3]["error"] == "RuntimeError: process 1 terminated with exit code 1"
+
+
+# --- epgen selftest --device cpu: the host emulation --------------------------------------------
+
+
+def test_selftest_device_and_arch_refused_with_the_reason(capsys):
+    err = _usage_error(["selftest", "--arch", "gfx942"], capsys)
+    assert "--arch gfx942: only with --device cpu (the host emulation runs that arch's kernels)" in err
+    err = _usage_error(["selftest", "--device", "cpu", "--arch", "gfx90a"], capsys)
+    assert f"--arch gfx90a: unknown arch; epgen has kernels for {', '.join(ARCHES)}" in err
+    assert "invalid choice: 'tpu'" in _usage_error(["selftest", "--device", "tpu"], capsys)
+
+
+def test_selftest_lists_the_host_cases_and_skips_a_kernel_of_a_gpus_geometry(capsys):
+    """``--device cpu --list``: the same cases (the expert layout at the host's geometry), none timed;
+    a case whose op plans a kernel of more than HOST_MAX_THREADS threads a rank is skipped, naming it."""
+    import types
+
+    import torch
+
+    from epgen.cli import selftest
+    from epgen.codegen.config import EpConfig
+    from epgen.host import GEOMETRY
+    from epgen.plan import Plan
+
+    assert main(["selftest", "--device", "cpu", "--list"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert (f"on the host emulation (--device cpu): nothing timed; skipped where a kernel runs more than "
+            f"{selftest.HOST_MAX_THREADS} threads a rank") in out and "yes" not in out
+    cases = selftest.host_cases()
+    assert [attrs.evolve(c, host=False) for c in cases] == list(selftest.CASES)  # the same list and shapes
+    assert all(c.config.dispatch_geometry is None for c in cases if c.layout == "expert")  # the host's geometry
+    assert f"more than {selftest.HOST_MAX_THREADS} threads a rank (a GPU's geometry) is skipped" in " ".join(
+        run("selftest", "--help").stdout.split())
+
+    def op(**kw):
+        cfg = EpConfig(world_size=2, hidden=256, topk=2, num_experts=4, max_tokens_per_rank=16, kernel_family="normal",
+                       dispatch_geometry=GEOMETRY, combine_geometry=GEOMETRY, **kw)
+        return types.SimpleNamespace(device=torch.device("cpu"), plan=Plan.build(cfg, "sm_90", 2))
+
+    assert selftest._host_skip(op()) is None
+    assert selftest._host_skip(op(combine_quant="fp8_blockwise")) == (
+        "epgen_combine_quantize_sm90_bf16_w2_h256_k2_l2_t16_264x16_u2_qfp8b runs 135168 threads a rank (a GPU's "
+        f"geometry; the host runs at most {selftest.HOST_MAX_THREADS}, each a fiber: minutes a launch)")
+
+
+def test_selftest_on_the_host_runs_a_subset_reports_without_timing_and_fails_on_a_failure(monkeypatch, tmp_path):
+    """``epgen selftest --device cpu`` on three of its cases (a timed virtual one, the low-latency
+    split, a timed W = 2 processes one): the real kernels of gfx1250 on the host emulation,
+    verified, no times, a report without CuPy; exit status 1 when a round fails; sm_90 by default."""
+    from epgen.cli import selftest
+    from epgen.harness import verify
+
+    want = [("virtual", "normal", False, True), ("virtual", "low_latency", True, False),
+            ("processes", "normal", False, True)]
+    picked = [next(c for c in selftest.host_cases() if (c.where, c.family, c.split, c.timed) == w and c.world_size == 2
+                   and (c.layout, c.transport, c.dtype, c.wire) == ("rank", "push", "bf16", "none")) for w in want]
+    monkeypatch.setattr(selftest, "host_cases", lambda: tuple(picked))
+    report = tmp_path / "host.json"
+    assert main(["selftest", "--device", "cpu", "--arch", "gfx1250", "-o", str(report)]) == 0
+    info = json.loads(report.read_text())
+    assert (info["device"], info["arch"], info["gpu_count"]) == ("cpu", "gfx1250", 0)
+    assert "timing is not measured on the host emulation" in info["timing"] and info["failures"] == []
+    assert "cupy" not in info["versions"] and info["versions"]["ziglang"]
+    got = [(r["where"], r["ok"], r["rounds"], r["dispatch_us"], r["combine_us"]) for r in info["results"]]
+    assert got == [("virtual", True, 2, None, None)] * 2 + [("processes", True, 2, None, None)]
+    assert all(0 < r["bound_ratio"] <= 1 for r in info["results"])
+
+    def failing(op, cfg, tokens, kind, seed, busy=None):
+        raise AssertionError("rank 1: combine out[3, 5] above its bound")
+
+    monkeypatch.setattr(verify, "run_round", failing)
+    monkeypatch.setattr(selftest, "host_cases", lambda: tuple(picked[1:2]))  # its op is compiled already
+    assert main(["selftest", "--device", "cpu", "--arch", "gfx1250", "-o", str(tmp_path / "host.md")]) == 1
+    written = (tmp_path / "host.md").read_text()
+    assert written.startswith("# epgen selftest: the host emulation of gfx1250 (CPU)")
+    assert "- virtual W=2 low_latency split rank push bf16 wire=none: AssertionError: rank 1: combine out[3, 5] " \
+           "above its bound" in written
+    monkeypatch.setattr(selftest, "host_cases", lambda: ())
+    monkeypatch.chdir(tmp_path)
+    assert main(["selftest", "--device", "cpu"]) == 0  # the default arch and report name
+    assert json.loads((tmp_path / "selftest-host-sm_90.json").read_text())["arch"] == "sm_90"
