@@ -39,6 +39,12 @@ With ``virtual=True`` one process holds all W ranks (tests, one GPU): the block'
 split the same way, virtual rank r dispatches rows [r c, (r + 1) c), and the outputs are
 concatenated; both layouts then compute the same thing.
 
+Backends: ``"epgen"`` runs epgen's kernels: on CUDA weights the GPU op; on CPU weights the host
+emulation (``EpDispatchCombine(config, device="cpu", arch=..., schedule=...)``, ``epgen.host``,
+docs/host.md: the real kernels of ``arch`` on the CPU, for correctness, not speed), which CPU
+weights take only when asked (``backend="epgen"``). ``"reference"`` (``ReferenceOp``,
+``epgen.reference`` in torch) is the default on the CPU.
+
 The names say which tokens a rank brings; both layouts shard the weights alike (each rank holds
 E / W experts). The former names ``"owned"`` (read as weight ownership) and ``"replicated"`` (read
 as replicated weights) are deprecated aliases: accepted with a DeprecationWarning.
@@ -89,8 +95,9 @@ def _layout(layout, stacklevel: int = 3) -> str:
     return layout
 
 BACKENDS = ("epgen", "reference")
-"""``expert_parallel``'s backends: the GPU op (``epgen.op.EpDispatchCombine``) or ``ReferenceOp``
-(``epgen.reference`` on the CPU)."""
+"""``expert_parallel``'s backends: epgen's kernels (``epgen.op.EpDispatchCombine``: on a GPU, or on
+the host emulation for CPU weights, ``epgen.host``) or ``ReferenceOp`` (``epgen.reference`` on the
+CPU, the CPU's default)."""
 
 
 # --- the experts of one rank ---------------------------------------------------------------------
@@ -415,7 +422,8 @@ class ExpertParallel:
 
     Attributes:
         config: the EpConfig of the layers (layout "expert").
-        op: the EpDispatchCombine (backend "epgen") or ReferenceOp (backend "reference").
+        op: the EpDispatchCombine (backend "epgen": on the GPU, or the host emulation for CPU
+            weights) or ReferenceOp (backend "reference").
         backend: "epgen" or "reference".
         layout: "own_tokens" or "same_tokens".
         virtual: every rank in this process.
@@ -677,11 +685,26 @@ def _backend(backend: str | None, device: torch.device | None) -> str | None:
     return backend
 
 
-def _build_op(cfg: EpConfig, backend: str, device: torch.device, group, virtual: bool):
-    """The op of the experts: ``EpDispatchCombine`` (backend "epgen") or ``ReferenceOp``."""
+def _check_host_options(backend: str | None, device: torch.device | None, arch, schedule) -> None:
+    """ValueError when ``arch`` or ``schedule`` is given but the op is not the host emulation
+    (backend "epgen" on CPU weights); ``device`` None: only the backend is known yet."""
+    if arch is None and schedule is None or backend is None and device is None:  # backend None: decided later
+        return
+    given = f"arch={arch!r}, schedule={schedule!r}"
+    if backend != "epgen" or (device is not None and device.type != "cpu"):
+        where = f"backend={backend!r}" + (f" on {device.type} weights" if device is not None else "")
+        raise ValueError(f"{given}: only the host emulation takes them (backend='epgen' with the model's weights on "
+                         f"the CPU: epgen's kernels of that arch run on the CPU); here {where}")
+
+
+def _build_op(cfg: EpConfig, backend: str, device: torch.device, group, virtual: bool, arch=None, schedule=None):
+    """The op of the experts: ``EpDispatchCombine`` (backend "epgen": on ``device``'s GPU, or on the
+    host emulation of ``arch`` with ``schedule`` for a CPU device) or ``ReferenceOp``."""
     if backend == "epgen":
         from epgen.op import EpDispatchCombine
 
+        if device.type == "cpu":
+            return EpDispatchCombine(cfg, group=group, virtual=virtual, device="cpu", arch=arch, schedule=schedule)
         return EpDispatchCombine(cfg, group=group, virtual=virtual, device=device.index)
     return ReferenceOp(cfg, virtual=virtual, group=group)
 
@@ -718,7 +741,8 @@ def _phase_hook(handle: "ExpertParallel"):
 
 def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False, world_size: int | None = None,
                     layout: str = "own_tokens", backend: str | None = None, max_tokens_per_rank: int = 4096,
-                    grouped_mm: bool | None = None, **overrides) -> ExpertParallel:
+                    grouped_mm: bool | None = None, arch: str | None = None, schedule=None,
+                    **overrides) -> ExpertParallel:
     """Make every MoE experts module of a loaded transformers v5 model expert-parallel through epgen.
 
     Each rank keeps its L = E / W experts (global experts [rank L, (rank + 1) L)): with one process
@@ -737,13 +761,18 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
         world_size: W with virtual=True (required there); else the group's size (checked if given).
         layout: "own_tokens" (each rank brings its own tokens) or "same_tokens" (every rank brings
             the same tokens); the former names "owned" and "replicated" are deprecated aliases.
-        backend: "epgen" (``epgen.op.EpDispatchCombine``, CUDA) or "reference" (``ReferenceOp``,
-            ``epgen.reference`` on the CPU); default: "epgen" for CUDA weights, else "reference".
+        backend: "epgen" (``epgen.op.EpDispatchCombine``: on the GPU for CUDA weights; for CPU
+            weights on the host emulation, epgen's real kernels run on the CPU, ``epgen.host``,
+            for correctness, not speed) or "reference" (``ReferenceOp``, ``epgen.reference`` on
+            the CPU); default: "epgen" for CUDA weights, else "reference".
         max_tokens_per_rank: the most tokens one rank dispatches in one call (sizes the buffers).
         grouped_mm: the expert path: None = ``torch._grouped_mm`` where it runs without a host
             synchronization (CPU, CUDA sm_90 / sm_100; H and I multiples of 8), else the
             per-expert loop, with a warning that says why; True = grouped (refused where it
             cannot run); False = loop.
+        arch, schedule: with backend "epgen" on CPU weights only (the host emulation): the arch
+            whose kernels run on the CPU (sm_90, gfx942, gfx950 or gfx1250; default sm_90) and
+            the ``epgen.host.Schedule`` of the op's launches (default ``Schedule()``).
         **overrides: further EpConfig fields (e.g. expert_alignment, combine_quant,
             max_recv_tokens, kernel_family, timeout_s); hidden, topk and num_experts come from
             the model config (``EpConfig.from_hf_config``) and EpConfig's layout is "expert"
@@ -754,20 +783,23 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
 
     Raises:
         TypeError: model not a torch.nn.Module; virtual not a bool; grouped_mm not None or a bool.
-        ValueError: layout or backend unknown; virtual without world_size, or world_size not the
+        ValueError: layout or backend unknown; arch or schedule given without backend "epgen" on CPU
+            weights; virtual without world_size, or world_size not the
             group's size; neither a process group (torch.distributed initialized), virtual ranks nor
             world_size=1; an EpConfig field refused (e.g. experts not a multiple of W: names the
             model_type); no experts module; an experts module epgen cannot run (names the module,
             its class and the reason: a per-expert ModuleList, a quantized or sharded weight, not
             bf16, on the meta device, shapes that disagree with the config, already expert-parallel through epgen or
             under transformers' own expert parallelism); grouped_mm=True where it cannot run.
-        RuntimeError: backend "epgen" without a GPU or CuPy, or W > 1 processes without
+        RuntimeError: backend "epgen" on CUDA weights without CuPy, on CPU weights without the
+            ``ziglang`` package (the host compile), or W > 1 processes without
             torch.distributed (``EpDispatchCombine``); the model cannot select the "epgen" experts
             implementation.
     """
     _check_arguments(model, virtual, grouped_mm)
     layout = _layout(layout)
     _backend(backend, None)  # refused before any work
+    _check_host_options(backend, None, arch, schedule)
     for name, fits in (("dtype", "bf16"), ("scale_bytes", 0), ("nodes", 1)):  # the experts' rows as the model has them
         if name in overrides and overrides[name] != fits:
             raise ValueError(f"expert_parallel({name}={overrides[name]!r}): the experts dispatch the model's bf16 "
@@ -798,8 +830,9 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
         _check_experts(name, experts, cfg)
     device = first.down_proj.device
     backend = _backend(backend, device)
+    _check_host_options(backend, device, arch, schedule)
     grouped_mm = _expert_path(first, device, cfg.hidden, grouped_mm)
-    op = _build_op(cfg, backend, device, group, virtual)
+    op = _build_op(cfg, backend, device, group, virtual, arch, schedule)
     L = cfg.experts_per_rank
     for name, experts in modules:
         if not virtual and W > 1:
@@ -888,8 +921,9 @@ class EpgenEPImplementation(_EPImplementation or object):
     low-latency family).
 
     Options (``register_ep_implementation``): backend ("epgen" for CUDA meshes, "reference" on
-    the CPU by default), max_tokens_per_rank (4096), grouped_mm (None: where it runs), and
-    further EpConfig fields.
+    the CPU by default; "epgen" on a CPU mesh runs the kernels on the host emulation), arch and
+    schedule (the host emulation's, as ``expert_parallel`` takes them), max_tokens_per_rank (4096),
+    grouped_mm (None: where it runs), and further EpConfig fields.
     """
 
     options: dict = {}
@@ -900,6 +934,7 @@ class EpgenEPImplementation(_EPImplementation or object):
         backend = opts.pop("backend", None)
         max_tokens = opts.pop("max_tokens_per_rank", 4096)
         grouped_mm = opts.pop("grouped_mm", None)
+        arch, schedule = opts.pop("arch", None), opts.pop("schedule", None)
         W, tp = ep_mesh.size(), tp_mesh.size()
         if tp != 1 and not (tp == W and self.shares_batch):
             raise ValueError(f"ep_implementation='epgen': tp_size={tp}, ep_size={W}: epgen runs an expert group whose "
@@ -912,11 +947,13 @@ class EpgenEPImplementation(_EPImplementation or object):
         device = (torch.device(ep_mesh.device_type, torch.cuda.current_device()) if ep_mesh.device_type == "cuda"
                   else torch.device(ep_mesh.device_type))
         backend = _backend(backend, device)
-        key = (id(experts.config), id(group), layout, backend, grouped_mm, cfg)
+        _check_host_options(backend, device, arch, schedule)
+        key = (id(experts.config), id(group), layout, backend, grouped_mm, cfg, arch, schedule)
         handle = _LOADED.get(key)
         if handle is None:
             grouped_mm = _expert_path(experts, device, cfg.hidden, grouped_mm)
-            op = _build_op(cfg, backend, device, group if W > 1 else None, virtual=False)
+            op = _build_op(cfg, backend, device, group if W > 1 else None, virtual=False, arch=arch,
+                           schedule=schedule)
             handle = ExpertParallel(cfg, op, backend=backend, layout=layout, virtual=False, group=group,
                                     grouped_mm=bool(grouped_mm), modules=[])
             handle.loaded = True  # sharded at load by transformers (loaded_expert_parallel finds it)
@@ -933,7 +970,8 @@ class EpgenEPImplementation(_EPImplementation or object):
 
 def register_ep_implementation(name: str = EP_IMPLEMENTATION, **options) -> str:
     """Register epgen in transformers' expert-parallel registry under ``name`` with ``options``
-    (``EpgenEPImplementation``: backend, max_tokens_per_rank, grouped_mm, EpConfig fields, e.g.
+    (``EpgenEPImplementation``: backend, arch and schedule (the host emulation's),
+    max_tokens_per_rank, grouped_mm, EpConfig fields, e.g.
     ``kernel_family`` or ``combine_quant``); the import registers ``"epgen"`` with the defaults.
     Returns ``name``, for ``DistributedConfig(ep_implementation=name)``.
 

@@ -9,7 +9,8 @@ model within 2 x the model's own bf16 error; greedy generation of 32 tokens agai
 bf16 eager path; a lost expert exceeds the bound; the two token layouts as two processes (gloo),
 converted after loading and sharded at load through transformers' expert-parallel registry;
 generate across two processes whose prompts end at different steps; weights loaded or changed
-after the conversion; torch.compile against eager; the refusals.
+after the conversion; torch.compile against eager; the refusals. One test runs backend "epgen" on
+the CPU instead: epgen's real kernels on the host emulation (epgen.host), within the same bound.
 """
 
 import copy
@@ -57,6 +58,36 @@ def test_logits_within_twice_the_models_own_bf16_error(envelopes, family, world)
     error = relative_l2(hf_models.logits(model, PROMPT), ref)
     print(f"{family} W={world}: relative L2 {error:.3e}, model's own bf16 {envelope:.3e}, ratio {error / envelope:.2f}")
     assert error <= 2 * envelope, f"{family} W={world}: {error:.3e} > 2 x {envelope:.3e}"
+
+
+def test_the_real_kernels_on_the_host_emulation_stay_within_the_bound(envelopes, monkeypatch):
+    """backend="epgen" on CPU weights: epgen's own kernels (sm_90's dispatch, expansion, fold and
+    combine) run on the host emulation (epgen.host), W = 2 virtual ranks, against the same bound as
+    the reference backend; arch and schedule refused where the host emulation does not run.
+
+    The patch keeps the expert layout's local kernels (expand_plan, expand, fold) at the host's
+    geometry (epgen.host.GEOMETRY) where the op would plan them at the tables' GPU geometry (132-256
+    blocks of 512 threads a rank: minutes a launch on the host); where the host plans every kernel
+    at its own geometry it changes nothing. A forward then takes seconds."""
+    from epgen.host import GEOMETRY, Schedule
+
+    monkeypatch.setattr("epgen.codegen.config.local_geometry", lambda arch, op: GEOMETRY)
+    model32, envelope, ref = envelopes["qwen3_moe"]
+    model, ep = ep_model(model32, 2, max_tokens_per_rank=128, backend="epgen", schedule=Schedule(seed=5))
+    assert (ep.backend, ep.op.device.type, ep.op.arch, ep.op.platform.schedule.seed) == ("epgen", "cpu", "sm_90", 5)
+    error = relative_l2(hf_models.logits(model, PROMPT), ref)
+    print(f"qwen3_moe W=2 on the host emulation: relative L2 {error:.3e}, model's own bf16 {envelope:.3e}")
+    assert error <= 2 * envelope, f"{error:.3e} > 2 x {envelope:.3e}"
+    ran = {kernel.split("_sm90_")[0] for kernel, _, _ in ep.op.platform.stats}
+    assert {"epgen_expand", "epgen_fold"} <= ran and ran & {"epgen_dispatch", "epgen_dispatch_ll"}, ran
+    assert len(ep.op.platform.stats) == ep.op.platform.launches >= 2 * 5  # two layers, five launches each
+    model16 = copy.deepcopy(model32).to(torch.bfloat16)
+    for kw in ({"backend": "reference", "arch": "gfx942"}, {"schedule": Schedule()}):  # the CPU's default: reference
+        with pytest.raises(ValueError, match=r"only the host emulation takes them \(backend='epgen' with the model's "
+                                             r"weights on the CPU"):
+            expert_parallel(model16, virtual=True, world_size=2, **kw)
+    with pytest.raises(ValueError, match="gfx90a"):
+        expert_parallel(model16, virtual=True, world_size=2, backend="epgen", arch="gfx90a")
 
 
 @pytest.mark.parametrize("family", sorted(hf_models.FAMILIES))
