@@ -10,7 +10,7 @@ import torch
 
 from epgen import reference
 from epgen.codegen.config import EpConfig, Geometry
-from epgen.harness.verify import wire_fp8_flavour
+from epgen.harness.verify import payload_view, wire_fp8_flavour
 
 GEO = Geometry(blocks=8, warps_per_block=8, unroll=2)  # W x 8 blocks resident at once on one H200
 
@@ -66,6 +66,7 @@ def expert_dispatch(op, cfg, inputs):
     most tokens of any rank pick; a list of one output per rank."""
     dev = op.device
     cols = [[t[i].to(dev) if t[i] is not None else None for t in inputs] for i in range(4)]
+    cols[0] = [payload_view(op, x) for x in cols[0]]  # fp8 in the arch's flavour
     outs = op.dispatch(*(_lists(op, c) for c in cols[:3]), _lists(op, cols[3]) if cfg.scale_bytes else None,
                        op.family(max(t[0].shape[0] for t in inputs)))
     return outs if op.virtual else [outs]

@@ -53,15 +53,19 @@ def zero_copy_inputs(op, inputs: list[RankInputs]) -> list[RankInputs]:
     return out
 
 
+def payload_view(op, x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``op``'s payload type: fp8 bytes drawn as e4m3fn are the same case in the arch's
+    flavour (gfx942: e4m3fnuz, ``op.payload``), since the kernels move bytes; other dtypes as they are."""
+    payload = op.payload.torch_dtype
+    return x.view(payload) if x.dtype != payload and x.element_size() == 1 else x
+
+
 def op_inputs(op, inputs: list[RankInputs]) -> tuple:
     """(x, weights, indices, scales, family) of the ranks ``op`` drives, ready for ``op.dispatch``:
     ``inputs`` holds every rank's, so the family is the one the most tokens of any rank pick, the
     same on every rank (``EpDispatchCombine.dispatch``'s ``family``); fp8 payloads as the op's fp8
     type (``op.payload``), the same bytes."""
-    payload = op.payload.torch_dtype
-    mine = [inputs[r] for r in op.local_ranks]
-    # fp8 bytes drawn as e4m3fn are the same case in the arch's flavour (gfx942: e4m3fnuz): the kernels move bytes
-    mine = [attrs.evolve(i, x=i.x.view(payload)) if i.x.dtype != payload and i.x.element_size() == 1 else i for i in mine]
+    mine = [attrs.evolve(inputs[r], x=payload_view(op, inputs[r].x)) for r in op.local_ranks]
     family = op.family(max(i.x.shape[0] for i in inputs))
     return (*(op_arg(op, [getattr(i, f) for i in mine]) for f in ("x", "weights", "indices", "scales")), family)
 
