@@ -661,7 +661,7 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
     se.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
                     help="gpu (default): this machine's GPUs; cpu: the same cases on the host emulation, the real "
-                    "kernels on the CPU with no GPU (docs/host.md; needs the ziglang package), 1-2 minutes on 2 "
+                    "kernels on the CPU with no GPU (docs/host.md; needs the ziglang package), about a minute on 2 "
                     "cores: nothing timed (timed cases only verify); a case whose kernels would run more than 4096 "
                     "threads a rank (a GPU's geometry) is skipped, naming the kernel; the report is "
                     "selftest-host-<arch>.json")
