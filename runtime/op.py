@@ -289,18 +289,24 @@ class EpDispatchCombine:
         config: the layer (validated).
         group: process group of the W ranks (default: the world group).
         virtual: run all W ranks in this process on ``device``.
-        device: CUDA device index (default: torch's current device).
+        device: CUDA device index (default: torch's current device), or ``"cpu"``: the kernels of
+            ``arch`` run on the host emulation (``epgen.host``, docs/host.md; for correctness,
+            not speed), inputs and outputs CPU tensors.
         validate: synchronize after every call and raise at once on a kernel fault.
+        arch: with ``device="cpu"``, the arch whose kernels run (``sm_90`` default, ``gfx942``,
+            ``gfx950``, ``gfx1250``).
+        schedule: with ``device="cpu"``, the emulation's ``epgen.host.Schedule`` (seed, weakness, delays).
 
     Raises:
         TypeError: ``config`` is not an EpConfig.
-        RuntimeError: no GPU, no CuPy, W > 1 without a process group and without ``virtual``, or
-            (ROCm) a HIP runtime older than the arch needs (``epgen.platform.MIN_ROCM``).
+        RuntimeError: no GPU or no CuPy (unless ``device="cpu"``), W > 1 without a process group and
+            without ``virtual``, or (ROCm) a HIP runtime older than the arch needs (``epgen.platform.MIN_ROCM``).
         ValueError: ``config.nodes`` > 1 (that layer runs as ``epgen.hierarchical.HierarchicalEp``),
             the process group size differs from ``config.world_size``, ranks hold
             different configs, no kernels exist for this GPU's arch, an explicit geometry
             whose blocks must all be resident at once does not fit the GPU (virtual ranks), or
-            (ROCm) W > 46, whose launch argument exceeds ``epgen.platform.HIP_KERNEL_ARGS_BYTES``.
+            (ROCm) W > 46, whose launch argument exceeds ``epgen.platform.HIP_KERNEL_ARGS_BYTES``;
+            ``arch`` or ``schedule`` without ``device="cpu"``, or an unknown ``arch``.
     """
 
     def __init__(self, config: EpConfig, *, group=None, virtual: bool = False, device: int | str | None = None,
