@@ -155,6 +155,21 @@ HOST_ARCH = "sm_90"
 """The arch whose kernels ``device="cpu"`` runs when no ``arch`` is named."""
 
 
+def _is_cpu(device) -> bool:
+    """Whether ``device`` (an index, a name such as "cpu" / "cpu:0" / "cuda:1", a torch.device, or
+    None) names the CPU: the host emulation.
+
+    Raises:
+        ValueError: a name torch does not know as a device.
+    """
+    if device is None or isinstance(device, int):
+        return False
+    try:
+        return torch.device(device).type == "cpu"
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r}: a CUDA device index, or 'cpu' for the host emulation ({e})") from None
+
+
 def max_hip_world_size() -> int:
     """The largest W whose ``struct EpArgs`` fits ``epgen.platform.HIP_KERNEL_ARGS_BYTES`` (46)."""
     return max(W for W in range(1, abi.MAX_RANKS + 1) if _args_dtype(W).itemsize <= HIP_KERNEL_ARGS_BYTES)
@@ -317,7 +332,7 @@ class EpDispatchCombine:
             raise ValueError(f"EpConfig.nodes={config.nodes}: a layer across nodes runs as "
                              "epgen.hierarchical.HierarchicalEp (whose node-local op is "
                              "EpDispatchCombine(config.node_config())); this op spans one node")
-        host = device == "cpu" or isinstance(device, torch.device) and device.type == "cpu"
+        host = _is_cpu(device)
         if not host and (arch is not None or schedule is not None):
             raise ValueError(f"arch={arch!r}, schedule={schedule!r}: only the host emulation (device='cpu') takes "
                              "them; a GPU's arch is its own")
@@ -354,7 +369,7 @@ class EpDispatchCombine:
         if host:
             from epgen.host import HostPlatform
 
-            self.platform = HostPlatform(arch or HOST_ARCH, schedule, processes=group is not None)
+            self.platform = HostPlatform(HOST_ARCH if arch is None else arch, schedule, processes=group is not None)
             self.platform.rank_base = self.local_ranks[0]
         else:
             self.platform = Platform.current()  # every vendor-specific host call goes through it
