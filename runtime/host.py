@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import attrs
@@ -75,7 +76,8 @@ class Schedule:
             runs, only by a release, once every thread waits, or at the kernel's end (a store
             delayed as long as nothing forces it out).
         delays: ``{rank: steps}`` or ``{(rank, block): steps}``: scheduler steps before that
-            rank's (or block's) threads may first run (a slow peer).
+            rank's (or block's) threads may first run (a slow peer); a rank the op lacks is
+            refused when the op is built, a block past a kernel's grid delays nothing.
         max_steps: steps after which a launch fails as never finishing (``HostError``).
         real_clock: the kernels' clock (timeouts) is the OS's monotonic clock instead of the
             scheduler's steps (50 ns each); None: real with a process group, virtual otherwise.
@@ -93,15 +95,31 @@ class Schedule:
     def __attrs_post_init__(self):
         for name in ("preempt", "drain", "stale", "hold"):
             _probability(name, getattr(self, name))
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"Schedule.seed={self.seed!r}: a non-negative int")
-        if not isinstance(self.max_steps, int) or self.max_steps < 1:
-            raise ValueError(f"Schedule.max_steps={self.max_steps!r}: a positive int")
+        if not _u64(self.seed, 2**32):
+            raise ValueError(f"Schedule.seed={self.seed!r}: an int in [0, 2^32)")
+        if not _u64(self.max_steps) or self.max_steps < 1:
+            raise ValueError(f"Schedule.max_steps={self.max_steps!r}: an int in [1, 2^63)")
         for key, steps in self.delays.items():
-            rank = key[0] if isinstance(key, tuple) else key
-            if not isinstance(rank, int) or rank < 0 or not isinstance(steps, int) or steps < 0:
+            ids = key if isinstance(key, tuple) else (key,)
+            if len(ids) not in (1, 2) or not all(_u64(i, 2**31) for i in ids) or not _u64(steps):
                 raise ValueError(f"Schedule.delays[{key!r}]={steps!r}: rank (or (rank, block)) -> steps, "
-                                 "non-negative ints")
+                                 "non-negative ints (steps below 2^63)")
+
+    def check_ranks(self, world_size: int) -> None:
+        """Refuse a delay of a rank the op does not have.
+
+        Raises:
+            ValueError: naming the key and the world size.
+        """
+        for key in self.delays:
+            rank = key[0] if isinstance(key, tuple) else key
+            if rank >= world_size:
+                raise ValueError(f"Schedule.delays[{key!r}]: rank {rank} of world_size={world_size}")
+
+
+def _u64(v, bound: int = 2**63) -> bool:
+    """``v`` is an int (not a bool) in [0, bound)."""
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < bound
 
 
 class _Options(ctypes.Structure):  # struct EphOptions (platform/host_runtime.j2)
@@ -195,6 +213,8 @@ class _Shared:
         self.owner = path is None
         if self.owner:
             fd, path = tempfile.mkstemp(prefix="epgen-host-", dir=_shm_dir())
+            # the file goes when this object does (close, garbage collection or exit), not only at close
+            self._unlink = weakref.finalize(self, _unlink, path)
             os.ftruncate(fd, max(nbytes, 1))
         else:
             fd = os.open(path, os.O_RDWR)
@@ -208,8 +228,12 @@ class _Shared:
 
     def close(self):
         if self.owner:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+            self._unlink()
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 class HostPlatform:
@@ -227,6 +251,7 @@ class HostPlatform:
 
     rocm = False
     name = "host"
+    fatal_errors = (HostError,)
 
     def __init__(self, arch: str, schedule: Schedule | None = None, processes: bool = False):
         self._arch = traits(arch).name  # ValueError for an unknown arch

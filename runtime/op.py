@@ -370,6 +370,7 @@ class EpDispatchCombine:
             from epgen.host import HostPlatform
 
             self.platform = HostPlatform(HOST_ARCH if arch is None else arch, schedule, processes=group is not None)
+            self.platform.schedule.check_ranks(W)
             self.platform.rank_base = self.local_ranks[0]
         else:
             self.platform = Platform.current()  # every vendor-specific host call goes through it
@@ -1051,8 +1052,12 @@ class EpDispatchCombine:
         the local ranks; with ``validate``, synchronize after it when ``sync`` (``Step.sync``)."""
         spec, fn = self._pick(op, tokens, transport)
         ranks = len(self.local_ranks)
-        self.platform.launch(fn, (spec.blocks, ranks, 1), (spec.threads, 1, 1), args.ctypes.data, self.device,
-                             cooperative=op.waits_within_grid(ranks))
+        try:
+            self.platform.launch(fn, (spec.blocks, ranks, 1), (spec.threads, 1, 1), args.ctypes.data, self.device,
+                                 cooperative=op.waits_within_grid(ranks))
+        except self.platform.fatal_errors as e:  # the host's HostError: a grid stopped mid-way
+            self._fault = str(e)  # its buffers and signals are mid-call: fatal, as a GPU's stopped kernel
+            raise
         if self.validate and sync:
             self.synchronize()
 

@@ -143,6 +143,10 @@ class Platform:
         name: ``"rocm"`` or ``"cuda"``.
     """
 
+    fatal_errors: tuple = ()
+    """Exceptions of ``launch`` after which the op is unusable (its buffers mid-call): none here;
+    the host emulation's ``HostError``."""
+
     def __init__(self, rocm: bool):
         self.rocm = rocm
         self.name = "rocm" if rocm else "cuda"

@@ -104,10 +104,15 @@ def test_a_grid_past_max_steps_raises_host_error(inject):
     op = _op(seed=0, max_steps=20_000)
     with pytest.raises(HostError, match="ran past 20000 scheduler steps"):
         _round(op)
+    from epgen.op import EpError
+
+    with pytest.raises(EpError, match="unusable after that fault"):  # its buffers are mid-call
+        _round(op)
 
 
-@pytest.mark.parametrize("bad", [dict(seed=-1), dict(preempt=1.5), dict(max_steps=0), dict(delays={-1: 3}),
-                                 dict(delays={0: -5})])
+@pytest.mark.parametrize("bad", [dict(seed=-1), dict(seed=2**64), dict(seed=True), dict(preempt=1.5), dict(hold=-0.1),
+                                 dict(max_steps=0), dict(max_steps=2**64), dict(delays={-1: 3}), dict(delays={0: -5}),
+                                 dict(delays={1: 2**64}), dict(delays={(0, 1, 2): 3})])
 def test_schedule_refuses_bad_values(bad):
     from epgen.host import Schedule
 
@@ -134,3 +139,20 @@ def test_a_memory_fault_raises_host_error_naming_the_thread(inject):
     op = _op(seed=1)
     with pytest.raises(HostError, match=r"memory fault \(signal 11\) at address 0x8 in thread 5 of block \(x 1"):
         _round(op)
+
+
+def test_a_delay_of_a_rank_the_op_lacks_is_refused():
+    with pytest.raises(ValueError, match=r"Schedule.delays\[5\]: rank 5 of world_size=2"):
+        _op(delays={5: 100})
+
+
+def test_shared_segments_go_with_the_op():
+    import gc
+    import os
+
+    op = _op()
+    paths = [a.path for a in op.platform._allocations.values()]
+    assert paths and all(os.path.exists(p) for p in paths)
+    del op
+    gc.collect()
+    assert not any(os.path.exists(p) for p in paths)  # not only at close(): /dev/shm is memory
