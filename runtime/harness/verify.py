@@ -56,8 +56,10 @@ def zero_copy_inputs(op, inputs: list[RankInputs]) -> list[RankInputs]:
 def payload_view(op, x: torch.Tensor) -> torch.Tensor:
     """``x`` as ``op``'s payload type: fp8 bytes drawn as e4m3fn are the same case in the arch's
     flavour (gfx942: e4m3fnuz, ``op.payload``), since the kernels move bytes; other dtypes as they are."""
+    if x.element_size() != 1:
+        return x
     payload = op.payload.torch_dtype
-    return x.view(payload) if x.dtype != payload and x.element_size() == 1 else x
+    return x.view(payload) if x.dtype != payload else x
 
 
 def op_inputs(op, inputs: list[RankInputs]) -> tuple:

@@ -37,10 +37,13 @@ class _Memory:
         self.ptr = self.tensor.data_ptr()
 
 
-class FakePlatform:
-    """The calls ``EpDispatchCombine`` makes of ``epgen.platform.Platform``, on host memory."""
+class FakePlatform(Platform):
+    """The calls ``EpDispatchCombine`` makes of ``epgen.platform.Platform``, on host memory (the
+    ones not overridden here, ``plan``, ``prepare``, ``render``, ``free_bytes``,
+    ``resident_blocks`` and ``synchronize_stream``, are the real platform's over the patched torch.cuda)."""
 
     rocm = False
+    name = "cuda"
     refuse_cooperative = False
     """Refuse every cooperative launch as the CUDA driver refuses a grid it cannot hold at once
     (``Platform.launch`` turns CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE into this); the refusal is
