@@ -19,7 +19,7 @@ from epgen.codegen.config import EpConfig
 
 SEEDS = 6
 """Seeds a mutation may take to fail (each seed a fresh op, a few rounds)."""
-TIMEOUT_S = 2.0
+TIMEOUT_S = 5.0
 """The kernels' wait bound: the processes' clock is the OS's, and a hung peer costs this much."""
 
 MUTATIONS = {
