@@ -253,8 +253,9 @@ class HostPlatform:
     name = "host"
     fatal_errors = (HostError,)
 
-    def __init__(self, arch: str, schedule: Schedule | None = None, processes: bool = False):
+    def __init__(self, arch: str, schedule: Schedule | None = None, processes: bool = False, rank_base: int = 0):
         self._arch = traits(arch).name  # ValueError for an unknown arch
+        self.rank_base = rank_base  # the first rank this process drives: delays name global ranks
         self.schedule = schedule if schedule is not None else Schedule()
         self.real_clock = processes if self.schedule.real_clock is None else self.schedule.real_clock
         self._allocations: dict[int, _Shared] = {}
@@ -387,6 +388,3 @@ class HostPlatform:
         self.launches += 1
         stats = fn.launch(args_address, (grid[0], grid[1]), block[0], options)
         self.stats.append((fn.entry, seed, {n: getattr(stats, n) for n, _ in _Stats._fields_}))
-
-    rank_base = 0
-    """The first rank this process drives (set by the op): delays name global ranks."""

@@ -369,9 +369,9 @@ class EpDispatchCombine:
         if host:
             from epgen.host import HostPlatform
 
-            self.platform = HostPlatform(HOST_ARCH if arch is None else arch, schedule, processes=group is not None)
+            self.platform = HostPlatform(HOST_ARCH if arch is None else arch, schedule, processes=group is not None,
+                                         rank_base=self.local_ranks[0])
             self.platform.schedule.check_ranks(W)
-            self.platform.rank_base = self.local_ranks[0]
         else:
             self.platform = Platform.current()  # every vendor-specific host call goes through it
         self.arch = self.platform.arch(self.device.index)  # ValueError for an arch epgen has no kernels for

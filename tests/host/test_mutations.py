@@ -266,14 +266,11 @@ def _run(scenario: str, arch: str, family: str, fault, mutation, seed: int, W: i
 
 
 def _sources(arch: str, cfg: EpConfig) -> list[str]:
-    """The host sources of every kernel an op of ``cfg`` on ``arch`` builds."""
+    """The host sources of every kernel an op of ``cfg`` on ``arch`` builds (``HostPlatform.plan``)."""
     from epgen.codegen.render import render_host
-    from epgen.host import GEOMETRY
-    from epgen.plan import Plan
+    from epgen.host import HostPlatform
 
-    cfg = attrs.evolve(cfg, dispatch_geometry=GEOMETRY, combine_geometry=GEOMETRY,
-                       **({"low_latency_geometry": GEOMETRY} if cfg.kernel_family != "normal" else {}))
-    plan = Plan.build(cfg, arch, cfg.world_size)
+    plan = HostPlatform(arch).plan(cfg, arch, cfg.world_size)
     return [render_host(spec).text for variants in plan.variants.values() for _, spec in variants]
 
 
