@@ -392,7 +392,7 @@ class EpDispatchCombine:
         # its grid as too large (_halves_after_refusal), each call launches the two halves instead.
         ranks = len(self.local_ranks)
         self._fused = {call: self.plan.whole_low_latency and self.low_latency_tokens > 0 and all(
-            self._resident_blocks(self._kernels[spec], spec) // ranks >= spec.blocks
+            self.resident_blocks(self._kernels[spec], spec) // ranks >= spec.blocks
             for spec in self.plan.whole_grid_specs(call)) for call in (Op.DISPATCH, Op.COMBINE)}
         self.layout = self.dispatch_spec.layout
         self.expert_layout = config.layout == "expert"
@@ -970,9 +970,31 @@ class EpDispatchCombine:
             KeyError: the op builds no kernels of ``op`` (or no pull kernels)."""
         return self.plan.variant(op, tokens, transport)
 
-    def _pick(self, op: Op, tokens: int, transport: str = "push"):
+    def kernel(self, op: Op, tokens: int, transport: str = "push") -> tuple[KernelSpec, object]:
+        """``(spec, loaded kernel)`` that ``op`` launches for ``tokens`` (``variant``): what a
+        measurement of one kernel of a call launches, or edits a copy of.
+
+        Raises:
+            KeyError: the op builds no kernels of ``op`` (or no pull kernels)."""
         spec = self.plan.variant(op, tokens, transport)
         return spec, self._kernels[spec]
+
+    def launch_kernel(self, op: Op, tokens: int, kernel: tuple[KernelSpec, object] | None = None) -> None:
+        """Launch ``op``'s kernel for ``tokens`` alone over the local ranks, on the current
+        stream, with the launch argument (buffers, io records) the op's last call of ``op`` left:
+        one kernel of a call, timed or replayed apart from the call (run the call once first).
+        ``kernel``: a ``(spec, loaded kernel)`` of the same op to launch instead of the plan's, e.g.
+        ``kernel(op, tokens)``'s spec at another geometry or its source edited, loaded by
+        ``platform.load_kernel`` (its launch argument is the same record).
+
+        Raises:
+            KeyError: the op builds no kernels of ``op``.
+            ValueError: ``kernel``'s spec is of another op.
+            RuntimeError: the op was closed."""
+        self._raise_if_faulted()
+        if kernel is not None and kernel[0].op is not op:
+            raise ValueError(f"kernel: its spec {kernel[0].name} is of op {kernel[0].op.value}, not {op.value}")
+        self._launch(op, tokens, self._args[op], kernel=kernel)
 
     def _load_variants(self, op: Op, variants) -> tuple[tuple[int, KernelSpec], ...]:
         """Load (or compile) each ``(max_tokens, spec)`` of ``op`` into ``self._kernels``; returns
@@ -986,13 +1008,13 @@ class EpDispatchCombine:
             # (a cooperative launch: Op.waits_within_grid): one rank's blocks wait for another's.
             ranks = len(self.local_ranks)
             if op.waits_within_grid(ranks) and not op.low_latency:  # the whole low-latency op: self._fused
-                fits = self._resident_blocks(fn, spec) // ranks
+                fits = self.resident_blocks(fn, spec) // ranks
                 if fits < spec.blocks:
                     if explicit or fits < 1:
                         raise ValueError(
                             f"{op.value} geometry {spec.blocks}x{spec.warps_per_block}u{spec.unroll}: virtual ranks need all "
                             f"{spec.blocks * ranks} blocks resident at once but this GPU holds "
-                            f"{self._resident_blocks(fn, spec)}; lower EpConfig.{op.transport.value}_geometry blocks to "
+                            f"{self.resident_blocks(fn, spec)}; lower EpConfig.{op.transport.value}_geometry blocks to "
                             f"{max(fits, 1)} or fewer warps")
                     spec = spec.replace(blocks=fits)  # table geometry, clamped so every rank fits
                     self._compile(spec)
@@ -1047,10 +1069,12 @@ class EpDispatchCombine:
                       stacklevel=4)
         return [s for s in self.plan.route(call, "low_latency", "push", True).steps if s.op.low_latency]
 
-    def _launch(self, op: Op, tokens: int, args: np.ndarray, transport: str = "push", sync: bool = True):
-        """Launch the variant of ``op`` (of ``transport``) for ``tokens`` (local ops have one) over
-        the local ranks; with ``validate``, synchronize after it when ``sync`` (``Step.sync``)."""
-        spec, fn = self._pick(op, tokens, transport)
+    def _launch(self, op: Op, tokens: int, args: np.ndarray, transport: str = "push", sync: bool = True,
+                kernel: tuple[KernelSpec, object] | None = None):
+        """Launch the variant of ``op`` (of ``transport``) for ``tokens`` (local ops have one), or
+        ``kernel`` (``launch_kernel``), over the local ranks; with ``validate``, synchronize after
+        it when ``sync`` (``Step.sync``)."""
+        spec, fn = kernel or self.kernel(op, tokens, transport)
         ranks = len(self.local_ranks)
         try:
             self.platform.launch(fn, (spec.blocks, ranks, 1), (spec.threads, 1, 1), args.ctypes.data, self.device,
@@ -1061,8 +1085,9 @@ class EpDispatchCombine:
         if self.validate and sync:
             self.synchronize()
 
-    def _resident_blocks(self, fn, spec: KernelSpec) -> int:
-        """Blocks of ``fn`` the device holds at once (``Platform.resident_blocks``)."""
+    def resident_blocks(self, fn, spec: KernelSpec) -> int:
+        """Blocks of the loaded kernel ``fn`` (of ``spec``) the op's device holds at once
+        (``Platform.resident_blocks``)."""
         return self.platform.resident_blocks(fn, spec, self.device)
 
     def close(self):

@@ -18,7 +18,7 @@ layer is also timed queued behind a GPU-side delay (``epgen.harness.timing.time_
 At W = 1 the group is a one-rank NCCL group: no row crosses a link, so the run checks both layers
 and times their local work; it measures no expert parallelism.
 
-Writes <prefix>.csv and <prefix>.env.txt (GPU, driver, torch, CuPy, commit: epgen.cli.bench.environment),
+Writes <prefix>.csv and <prefix>.env.txt (GPU, driver, torch, CuPy, commit: epgen.harness.measure.environment),
 default prefix tools/results/bench_moe-ep<W>-<gpu>, and prints a table (rank 0).
 
 Usage: python tools/bench_moe.py [--world-size W] [--tokens 128 1024 4096] [--experts E]
@@ -97,7 +97,7 @@ def bench_rank(rank: int, world_size: int, opts: Options) -> None:
 
     from epgen.layers.moe import ExpertWeights, MoELayer
     from epgen.layers.moe_a2a import AllToAllMoE
-    from epgen.cli.moe_demo import dense_error, moe_config, rank_inputs
+    from epgen.harness.moe_verify import dense_error, moe_config, rank_inputs
 
     # dense_moe's bound models bf16 GEMMs that accumulate in float32 (no bf16 split-K partial sums)
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
@@ -120,7 +120,7 @@ def bench_rank(rank: int, world_size: int, opts: Options) -> None:
               "all_to_all": AllToAllMoE(own, num_experts=E, topk=cfg.topk)}
     env = None
     if rank == 0:
-        from epgen.cli.bench import environment
+        from epgen.harness.measure import environment
 
         env = environment()
     rows = []
@@ -208,7 +208,7 @@ expert count L = E / W and the tuned geometries do depend on W."""
 
 def _config_error(a, world_size: int) -> ValueError | None:
     """The error of ``moe_config`` with these flags at ``world_size`` ranks (None: it builds)."""
-    from epgen.cli.moe_demo import moe_config
+    from epgen.harness.moe_verify import moe_config
 
     try:
         moe_config(a.model, world_size, max(a.tokens), a.experts)
@@ -234,7 +234,7 @@ def check_flags(a, p: argparse.ArgumentParser) -> None:
     """The flags' rules that need no GPU, as parser errors naming the flag: --iters, --warmup,
     --tokens, --intermediate, --world-size and --model alone, then the layer's EpConfig at
     --world-size W (without --world-size, the rules that hold at every W: W_INDEPENDENT_FIELDS)."""
-    from epgen.cli.flags import check_model
+    from epgen.codegen.models import model
 
     if a.iters < 5:
         p.error(f"--iters {a.iters}: must be at least 5")
@@ -246,7 +246,10 @@ def check_flags(a, p: argparse.ArgumentParser) -> None:
         p.error(f"--intermediate {a.intermediate}: must be at least 1")
     if a.world_size is not None and a.world_size < 1:
         p.error(f"--world-size {a.world_size}: must be at least 1")
-    check_model(a.model, p)
+    try:
+        model(a.model)
+    except ValueError as e:
+        p.error(f"--model {a.model}: {e}")
     error = _config_error(a, a.world_size or 1)
     if error is not None and (a.world_size is not None or getattr(error, "field", None) in W_INDEPENDENT_FIELDS):
         p.error(f"{error} ({_blamed_flag(error, a, f'--world-size {a.world_size}')})")

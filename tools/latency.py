@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from epgen.cli.bench import QUEUED, SHORT_SLEEP, _graph, environment, measure
 from epgen.codegen.config import EpConfig
 from epgen.codegen.tuning import Geometry
 from epgen.codegen.spec import Op
+from epgen.harness.measure import QUEUED, SHORT_SLEEP, capture_graph, environment, measure
 from epgen.harness.timing import time_pairs_queued
 from epgen.harness.verify import make_inputs, op_arg, op_inputs
 
@@ -55,8 +55,8 @@ def _row(family, op_name, world_size, virtual, tokens, queued, host, covered, ge
 def floor_rows(iters: int) -> list[dict]:
     """One and two trivial kernels per graph replay, timed as the ops are: the launch floor."""
     t = torch.zeros(1, device="cuda")
-    one = _graph(lambda: t.add_(1))
-    two = _graph(lambda: (t.add_(1), t.add_(1)))
+    one = capture_graph(lambda: t.add_(1))
+    two = capture_graph(lambda: (t.add_(1), t.add_(1)))
     pair = time_pairs_queued(one.replay, two.replay, iters=iters, warmup=5)
     return [_row("floor", name, 1, False, 0, q, h, pair.delay.covered)
             for name, q, h in (("one_kernel", pair.queued[0], pair.host[0]),
@@ -111,7 +111,7 @@ def graph_k_rows(op, cfg, family, world_size, virtual, T, iters) -> list[dict]:
 
     disp(), pair()
     torch.cuda.synchronize()
-    gd, gp = _graph(disp), _graph(pair)
+    gd, gp = capture_graph(disp), capture_graph(pair)
     t = time_pairs_queued(gd.replay, gp.replay, iters=max(5, iters // 5), warmup=2)
     d = [s / GRAPH_K for s in t.queued[0].samples_us]
     c = [(b - a) / GRAPH_K for a, b in zip(t.queued[0].samples_us, t.queued[1].samples_us)]
@@ -139,8 +139,8 @@ def halves_rows(op, cfg, world_size, virtual, T, iters) -> list[dict]:
 
         send(), recv()
         torch.cuda.synchronize()
-        gs = _graph(send)
-        gr = _graph(recv)
+        gs = capture_graph(send)
+        gr = capture_graph(recv)
         pair = time_pairs_queued(gs.replay, gr.replay, iters=iters, warmup=5)
         rows += [_row("low_latency", f"{name} {half}", world_size, virtual, T, q, h, pair.delay.covered)
                  for half, q, h in (("send" + (" (after a dispatch)" if name == "combine" else ""), pair.queued[0],
@@ -182,7 +182,7 @@ def overlap_rows(op, cfg, world_size, virtual, tokens, iters) -> list[dict]:
                                  ("dispatch+matmul+combine", seq_combine, split_combine)):
             seq(), split()  # eager first: loads every kernel outside the capture
             torch.cuda.synchronize()
-            gs, gp = _graph(seq), _graph(split)
+            gs, gp = capture_graph(seq), capture_graph(split)
             pair = time_pairs_queued(gs.replay, gp.replay, iters=iters, warmup=5)
             rows += [_row("low_latency", f"{name} {how}", world_size, virtual, T, q, h, pair.delay.covered)
                      for how, q, h in (("seq", pair.queued[0], pair.host[0]), ("split", pair.queued[1], pair.host[1]))]

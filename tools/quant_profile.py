@@ -95,11 +95,10 @@ class Setup:
             (sum(rows) * 2 * H + 2 * tokens * 2 * H)
 
     def launch(self, op_kind: Op, fn=None, spec=None):
-        op = self.op
-        spec_, fn_ = op._pick(op_kind, self.cfg.max_tokens_per_rank)
-        spec, fn = spec or spec_, fn or fn_
-        a = op._args[op_kind]
-        return lambda: op.platform.launch(fn, (spec.blocks, 2, 1), (spec.threads, 1, 1), a.ctypes.data, op.device)
+        """A launch of ``op_kind``'s kernel alone (``EpDispatchCombine.launch_kernel``): the op's, or
+        ``fn`` loaded from ``spec``."""
+        kernel = None if fn is None else (spec, fn)
+        return lambda: self.op.launch_kernel(op_kind, self.cfg.max_tokens_per_rank, kernel)
 
     def result(self, op_kind: Op) -> bytes:
         """What the last launches of ``op_kind``'s kernel wrote: the wire rows (the quantize
@@ -152,7 +151,7 @@ def profile(mode: str, tokens: int, sweep: bool) -> list[dict]:
         for blocks, warps, unroll in (itertools.product(*grid) if sweep else ()):
             other = spec.replace(blocks=blocks, warps_per_block=warps, unroll=unroll)
             fn = s.variant(other)
-            if op_kind is Op.COMBINE and 2 * blocks > s.op._resident_blocks(fn, other):
+            if op_kind is Op.COMBINE and 2 * blocks > s.op.resident_blocks(fn, other):
                 continue  # virtual ranks: every block of both ranks' combine must be resident at once
             us = graph_us(s.launch(op_kind, fn, other))
             row("sweep", op_kind.value, us, nbytes, f"{blocks}x{warps}u{unroll}", s.result(op_kind) == stock)

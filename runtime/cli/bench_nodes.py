@@ -161,7 +161,7 @@ def run(cfg, options: NodesBenchOptions, print_fn=print) -> list[dict]:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     if options.output:
-        from epgen.cli.bench import environment
+        from epgen.harness.measure import environment
 
         with open(f"{options.output}.csv", "w", newline="") as f:
             w = csv.DictWriter(f, CSV_COLUMNS)

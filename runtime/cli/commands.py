@@ -410,7 +410,8 @@ def cmd_demo(args, parser, console) -> int:
 
 def _moe_demo(args, parser, console) -> int:
     """``epgen demo --moe``: the MoE layer (``epgen.cli.moe_demo``); --tokens defaults to MOE_DEMO_TOKENS."""
-    from epgen.cli.moe_demo import moe_config, run_moe_demo
+    from epgen.cli.moe_demo import run_moe_demo
+    from epgen.harness.moe_verify import moe_config
 
     given = [f for f, v in (("--kernel-family", args.kernel_family),
                             ("--low-latency-geometry", args.low_latency_geometry)) if v is not None]

@@ -34,7 +34,8 @@ from __future__ import annotations
 import attrs
 import torch
 
-from epgen.cli.bench import FAMILY_OPS, environment, measure
+from epgen.cli.bench import FAMILY_OPS
+from epgen.harness.measure import environment, measure
 from epgen.codegen.abi import LL_FLAG_SLOTS
 from epgen.codegen.arch import traits
 from epgen.codegen.tuning import DEFAULT_UNROLL, Geometry, default_geometry, pick_fewest_blocks, write_entry

@@ -177,3 +177,80 @@ def test_no_test_imports_another_test_module():
     bad = [f"{p.relative_to(ROOT)}:{line} imports {name}" for p in tests.rglob("*.py")
            for line, _, name, _ in _imports(p) if name and name.split(".")[0] in names]
     assert not bad, bad
+
+
+def _package_private_names() -> set[str]:
+    """Names with one leading underscore that the package defines: functions, classes, methods and
+    attributes assigned on ``self``."""
+    names = set()
+    for path in _modules().values():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _private_reaches(path: Path, private: set[str]) -> list[str]:
+    """Where the script ``path`` reaches the package other than through its public names: an
+    import of the command line's modules (it is run, not imported) or of a private module or
+    name, a private name of the package read off any object, and an assignment to an attribute of
+    an imported epgen module (a monkeypatch)."""
+    tree = ast.parse(path.read_text(), str(path))
+    where = path.relative_to(ROOT)
+    bad, modules = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for name in names:
+                if name == "epgen" or name.startswith("epgen."):
+                    if name == "epgen.cli" or name.startswith("epgen.cli.") or any(
+                            p.startswith("_") for p in name.split(".")):
+                        bad.append(f"{where}:{node.lineno}: imports {name}")
+                    if isinstance(node, ast.ImportFrom):
+                        bad += [f"{where}:{node.lineno}: imports {name}.{a.name}" for a in node.names
+                                if a.name.startswith("_")]
+                        modules |= {a.asname or a.name for a in node.names}
+                    else:
+                        modules |= {a.asname or a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.Attribute) and node.attr in private:
+            bad.append(f"{where}:{node.lineno}: reads .{node.attr}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in modules and node.attr not in private:
+                bad.append(f"{where}:{node.lineno}: assigns {ast.unparse(node)} (a monkeypatch of the package)")
+    return sorted(bad, key=lambda b: int(b.split(":")[1]))
+
+
+def test_tools_reach_the_package_through_public_names_only():
+    """The scripts under tools/ import no module of the command line and no private name, read no
+    private name of the package's objects, and patch none of its modules: what they measure goes
+    through the names a user has (``epgen.harness.measure``, ``EpDispatchCombine.kernel``...)."""
+    private = _package_private_names()
+    bad = [b for path in sorted((ROOT / "tools").glob("*.py")) for b in _private_reaches(path, private)]
+    assert not bad, "tools/ reaching past the public names:\n  " + "\n  ".join(bad)
+
+
+def test_the_public_name_rule_catches_what_it_forbids(tmp_path, monkeypatch):
+    """A private helper of the command line, a private method of the op, and a patched module
+    function are each caught with the line; a public name and torch's own private names are not."""
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    (tmp_path / "tools").mkdir()
+    script = tmp_path / "tools" / "probe.py"
+    script.write_text("import torch\n"
+                      "import epgen.codegen.tuning as tuning\n"
+                      "from epgen.cli.bench import measure\n"
+                      "from epgen.harness.measure import capture_graph\n"
+                      "op._pick(1, 2)\n"
+                      "tuning.local_geometry = lambda arch, op: None\n"
+                      "torch.cuda._sleep(10)\n"
+                      "from epgen.harness.measure import _private\n")
+    assert _private_reaches(script, {"_pick", "_private"}) == [
+        "tools/probe.py:3: imports epgen.cli.bench",
+        "tools/probe.py:5: reads ._pick",
+        "tools/probe.py:6: assigns tuning.local_geometry (a monkeypatch of the package)",
+        "tools/probe.py:8: imports epgen.harness.measure._private"]

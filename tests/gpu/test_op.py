@@ -187,7 +187,7 @@ def test_resident_blocks_of_every_variant_the_op_builds_equal_the_drivers(quant)
     for variants in op.plan.variants.values():
         for _, spec in variants:
             fn = op._kernels[spec]
-            assert op._resident_blocks(fn, spec) == _driver_blocks(fn, spec) * sms, spec.name
+            assert op.resident_blocks(fn, spec) == _driver_blocks(fn, spec) * sms, spec.name
             checked += 1
     op.close()
     assert checked >= 2

@@ -30,8 +30,8 @@ from epgen.codegen.spec import Op
 from epgen.harness import ROUTINGS
 import epgen.harness.verify as verify
 from epgen.harness.verify import (check_exact_combine, check_exact_dispatch, expect, integer_expert_stage,
-                                  integer_inputs, op_arg, op_inputs, per_rank, poison, run_exact_round, run_round,
-                                  wire_fp8_flavour, zero_copy_inputs)
+                                  integer_inputs, make_inputs, op_arg, op_inputs, per_rank, poison, run_exact_round,
+                                  run_round, wire_fp8_flavour, zero_copy_inputs)
 from epgen.host import GEOMETRY
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -447,11 +447,41 @@ def test_every_payload_and_wire_is_bit_equal_to_its_reference(arch, family, W, d
     op.close()
 
 
+def test_one_kernel_launched_alone_redoes_its_call_at_any_geometry(seed):
+    """``launch_kernel``: after a dispatch and combine, the combine kernel launched alone with the
+    op's launch argument writes the same output bits again, at the plan's geometry and at another
+    one loaded from ``kernel``'s spec (what tools/quant_profile.py and tools/local_sweep.py time);
+    a kernel of another op is refused naming both."""
+    config = cfg(2, "normal")
+    op = host_op(config, "sm_90", seed)
+    with seeded(op):
+        inputs = make_inputs(config, [TMAX, 13], "duplicates", seed)
+        op.dispatch(*op_inputs(op, inputs))
+        for r in op.local_ranks:
+            op.combine_input(r).normal_()
+        outs = [torch.empty(inp.x.shape[0], config.hidden, dtype=torch.bfloat16) for inp in inputs]
+        op.combine([op.combine_input(r) for r in op.local_ranks], out=outs)
+        op.synchronize()
+        want = [o.clone() for o in outs]
+        spec, _ = op.kernel(Op.COMBINE, TMAX)
+        other = spec.replace(blocks=spec.blocks + 3)
+        src = op.platform.render(other)
+        for kernel in (None, (other, op.platform.load_kernel(src.text, src.entry, op.device.index))):
+            for o in outs:
+                o.fill_(float("nan"))
+            op.launch_kernel(Op.COMBINE, TMAX, kernel)
+            op.synchronize()
+            for r, (got, exp) in enumerate(zip(outs, want)):
+                assert torch.equal(got.view(torch.int16), exp.view(torch.int16)), (r, kernel and kernel[0].name)
+        with pytest.raises(ValueError, match=f"kernel: its spec {other.name} is of op combine, not dispatch"):
+            op.launch_kernel(Op.DISPATCH, TMAX, (other, None))
+    op.close()
+
+
 def test_wire_rows_written_by_the_quantize_kernel_and_by_the_caller(seed):
     """tests/gpu/test_quantized_combine.py::test_the_quantize_kernel_writes_combine_wire_rows_for_rows_from_other_ranks
     and test_wire_rows_written_by_the_caller_give_the_same_output, gfx942 (e4m3fnuz codes)."""
     from epgen import quant
-    from epgen.harness.verify import make_inputs
 
     mode = "fp8_blockwise"
     config = _wire_cfg("normal", 2, "fp8", 4, mode)

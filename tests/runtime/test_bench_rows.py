@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from epgen.cli import bench
-from epgen.cli.bench import gathered_rows, op_row
+from epgen.cli.bench import op_row
+from epgen.harness.measure import gathered_rows
 from epgen.cli.options import BOTH_LOW_LATENCY_MAX_TOKENS, family_points
 from epgen.harness.timing import Timing
 from epgen.reference import dispatch
