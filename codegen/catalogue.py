@@ -68,7 +68,7 @@ COVERAGE_MODEL = "deepseek-v3"
 """The model whose kernels cover the template paths the headline variants leave out."""
 CATALOGUE_EXPERT_LAYOUT = (COVERAGE_MODEL, 16)
 """The model and expert alignment whose expert-layout kernels the catalogue holds (16: what
-torch's grouped GEMM reads best, README "Expert layout")."""
+torch's grouped GEMM reads best, docs/moe.md, "Which alignment")."""
 
 
 def catalogue_specs(arches=ARCHES) -> list[KernelSpec]:

@@ -75,7 +75,7 @@ class EpConfig:
             set a few seconds where a dead peer should be found fast (tests, a health check).
         layout: "rank" (default): dispatch returns rank-major receive rows and combine sums one
             row per (token, rank); "expert": the received rows are also expanded into per-expert
-            groups and combine applies the routing weights (README, "Expert layout").
+            groups and combine applies the routing weights (docs/moe.md).
         expert_alignment: the expert layout's groups start at multiples of this many rows (a power
             of two, 1 to 256; 1 with the rank layout). The expert layout holds at most 6143 local
             experts per rank (its expand kernel counts rows per (warp, expert) in 48 KiB of shared

@@ -1,6 +1,6 @@
 """EpDispatchCombine: the generated dispatch and combine kernels as a torch-facing op.
 
-Contract: README.md, "Contract". All kernels are rendered and compiled (or loaded from an
+Contract: docs/contract.md. All kernels are rendered and compiled (or loaded from an
 ahead-of-time build, ``epgen.aot``) at construction; dispatch() and combine() only check inputs
 and launch on torch's current stream (no host synchronization).
 """

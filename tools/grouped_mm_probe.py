@@ -1,5 +1,5 @@
 """Which group offsets torch._grouped_mm accepts on this GPU (bf16, 2-D x 3-D with offs): the fact
-behind README's expert-alignment advice. Prints one line per alignment."""
+behind docs/moe.md's "Which alignment" advice. Prints one line per alignment."""
 import torch
 
 a = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16)

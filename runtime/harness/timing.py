@@ -1,4 +1,4 @@
-"""Device-event timing shared by the demo and the benchmark (README.md, "Measuring").
+"""Device-event timing shared by the demo and the benchmark (docs/measuring.md).
 
 Two ways to time a pair of launches, both with device events around each launch:
 

@@ -21,8 +21,8 @@ global expert d * L + e):
    ``all_to_all_single``, and each rank sums, per token, the rows of the ranks it reached in
    ascending rank order in fp32, rounded once to bf16; a token with no valid expert gets zeros.
 
-That is the expert-major layout's weighted combine (README.md, "Expert layout, weighted combine
-and the MoE layer"; ``epgen.reference.combine_weighted``) with the bf16 wire, so the output meets
+That is the expert-major layout's weighted combine (docs/moe.md;
+``epgen.reference.combine_weighted``) with the bf16 wire, so the output meets
 ``epgen.layers.moe.dense_moe`` within its bound.
 
 Host synchronization: the split sizes of the ``all_to_all_single`` calls are host integers, read
