@@ -1,4 +1,5 @@
-"""Per-target facts: the one table that says what differs between gfx950, gfx1250 and sm_90.
+"""Per-target facts: the one table that says what differs between the arches (one row of
+``ARCH_TRAITS`` each).
 
 No other module compares arch names; everything reads a row of ``ARCH_TRAITS``.
 

@@ -3,7 +3,7 @@ reads, so a serving process constructs its op without compiling.
 
 Layout of a cache directory (``$EPGEN_CACHE_DIR``, default ``~/.cache/epgen``):
 
-* ``<arch>/<key>.hsaco`` (gfx950, gfx1250: AMD code objects, clang 22 from ``ziglang``) and
+* ``<arch>/<key>.hsaco`` (gfx942, gfx950, gfx1250: AMD code objects, clang 22 from ``ziglang``) and
   ``<arch>/<key>.cubin`` (sm_90: NVRTC CUBINs), where ``<key>`` is
   ``epgen.codegen.offline.code_object_key``: sha256 of the rendered text, the offline compile
   options (the runtime's, plus what CuPy appends) and the compiler's exact identity. Another

@@ -550,8 +550,9 @@ class _Refused(argparse.Action):
 def build_parser() -> argparse.ArgumentParser:
     from epgen import __version__
 
+    arches = ", ".join(flags.ARCHES[:-1]) + f" and {flags.ARCHES[-1]}"  # every row of ARCH_TRAITS
     p = argparse.ArgumentParser(prog="epgen", description="Generate, check and run MoE expert-parallel "
-                                "dispatch/combine kernels for gfx950, gfx1250 and sm_90.")
+                                f"dispatch/combine kernels for {arches}.")
     p.add_argument("--version", action="version", version=f"epgen {__version__}")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
