@@ -309,6 +309,37 @@ def test_templates_do_not_compare_arch_names():
         assert not re.search(r"""["'](gfx|sm_)""", src), name
 
 
+FAR_ENDIF_LINES = 15
+"""An ``{% endif %}`` more than this many lines below its ``{% if %}`` names the condition it closes
+in a comment right after it: ``{% endif %}{# spec.transport == "pull" #}``."""
+
+
+def _unlabelled_far_endifs(src: str) -> list[tuple[int, int, str]]:
+    """(endif line, if line, condition) of every ``{% endif %}`` more than FAR_ENDIF_LINES below its
+    ``{% if %}`` without a ``{# condition #}`` comment right after it (an ``{% elif %}`` or
+    ``{% else %}`` between them does not count as the opening)."""
+    tag, stack, bad = re.compile(r"\{%-?\s*(if|endif)\b(.*?)-?%\}"), [], []
+    for line_no, line in enumerate(src.splitlines(), 1):
+        for m in tag.finditer(line):
+            if m.group(1) == "if":
+                stack.append((line_no, m.group(2).strip()))
+                continue
+            start, cond = stack.pop()
+            if line_no - start > FAR_ENDIF_LINES and not line[m.end():].startswith("{# " + cond + " #}"):
+                bad.append((line_no, start, cond))
+    return bad
+
+
+def test_endifs_far_from_their_if_name_its_condition():
+    bad = [f"templates/{name}:{line}: closes the if of line {start} ({cond}); write {{% endif %}}{{# {cond} #}}"
+           for name in _all_template_names() for line, start, cond in _unlabelled_far_endifs(_source_of(name))]
+    assert not bad, "\n".join(bad)
+    near = "{% if a %}\n" + "x\n" * (FAR_ENDIF_LINES - 1) + "{% endif %}\n"
+    far = "{% if a %}\n" + "x\n" * FAR_ENDIF_LINES + "{% endif %}\n{% if b %}{% endif %}\n"
+    assert _unlabelled_far_endifs(near) == [] and _unlabelled_far_endifs(far) == [(FAR_ENDIF_LINES + 2, 1, "a")]
+    assert _unlabelled_far_endifs(far.replace("{% endif %}\n{% if b", "{% endif %}{# a #}\n{% if b")) == []
+
+
 # --------------------------------------------------------------------------------------------------
 # Constants printed from the spec
 # --------------------------------------------------------------------------------------------------
