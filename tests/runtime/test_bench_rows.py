@@ -8,6 +8,7 @@ import statistics
 import pytest
 import torch
 
+from epgen.codegen.spec import TIMED_OPS
 from epgen.cli import bench
 from epgen.cli.bench import gathered_rows, op_row
 from epgen.cli.options import BOTH_LOW_LATENCY_MAX_TOKENS, family_points
@@ -176,7 +177,7 @@ class _FakeOp:
         return ("low_latency" if tokens <= 128 else "normal") if kind == "auto" else kind
 
     def variant(self, op, tokens):
-        assert op in bench.FAMILY_OPS[self.family(tokens)], (op, tokens)
+        assert op in TIMED_OPS[self.family(tokens)], (op, tokens)
         return self.geometries[self.family(tokens)]
 
     def recv_buffers(self, rank):

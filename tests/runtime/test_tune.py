@@ -8,6 +8,7 @@ import attrs
 
 import pytest
 
+from epgen.codegen import planner
 from epgen.cli import tune
 from epgen.codegen.arch import ARCHES, traits
 from epgen.codegen.config import EpConfig
@@ -107,7 +108,7 @@ def test_low_latency_candidates_fit_the_flag_slots_and_build(arch, world_size):
                    kernel_family="low_latency")
     for g in geos:
         for op in LOW_LATENCY_OPS:
-            spec = cfg.spec(arch, op, g)
+            spec = planner.explicit_spec(cfg, arch, op, g)
             assert spec.threads in tune.LOW_LATENCY_CANDIDATE_THREADS and spec.world_size * spec.blocks <= 1024
 
 
@@ -141,9 +142,9 @@ def test_tune_writes_both_families_and_epconfig_reads_the_threshold(table_dir, m
     assert entries["dispatch_ll"]["measured_us"]["8"] == {"8x16u2": 12.0, "16x16u2": 10.2, "32x16u4": 10.0,
                                                           "normal": 14.5}
     cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096)
-    assert cfg.low_latency_tokens("sm_90") == 128
-    assert cfg.geometry("sm_90", Op.DISPATCH_LL_SEND, 1) == G16
-    assert cfg.geometry("sm_90", Op.COMBINE_LL_RECV, 1) == G8
+    assert planner.plan(cfg, "sm_90").low_latency_tokens == 128
+    assert planner.plan(cfg, "sm_90").geometry(Op.DISPATCH_LL_SEND, 1) == G16
+    assert planner.plan(cfg, "sm_90").geometry(Op.COMBINE_LL_RECV, 1) == G8
 
 
 def test_a_threshold_of_0_is_written_and_means_never(table_dir, monkeypatch, capsys):
@@ -160,11 +161,11 @@ def test_a_threshold_of_0_is_written_and_means_never(table_dir, monkeypatch, cap
     assert "--virtual" in entries["dispatch_ll"]["provenance"]
     assert "tuning table's geometry" in entries["dispatch_ll"]["provenance"]
     auto = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096)
-    assert auto.low_latency_tokens("sm_90") == 0
-    assert [s.op for s in auto.kernel_specs("sm_90")] == [Op.DISPATCH, Op.COMBINE]
-    assert all(auto.variants("sm_90", op) == () for op in LOW_LATENCY_OPS)
+    assert planner.plan(auto, "sm_90").low_latency_tokens == 0
+    assert [s.op for s in planner.specs(auto, "sm_90")] == [Op.DISPATCH, Op.COMBINE]
+    assert all(planner.plan(auto, "sm_90").variants.get((op, "push"), ()) == () for op in LOW_LATENCY_OPS)
     ll = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096, kernel_family="low_latency")
-    assert ll.low_latency_tokens("sm_90") == 4096 and [s.op for s in ll.kernel_specs("sm_90")] == list(LOW_LATENCY_OPS)
+    assert planner.plan(ll, "sm_90").low_latency_tokens == 4096 and [s.op for s in planner.specs(ll, "sm_90")] == list(LOW_LATENCY_OPS)
 
 
 def test_dry_run_prints_and_writes_nothing(table_dir, monkeypatch, capsys):
@@ -286,7 +287,7 @@ def test_tune_writes_each_dispatch_buckets_transport_and_epconfig_takes_it(table
                                                            "pull 64x32u4": 200.0}
     assert "pull where its pick is faster than push's" in entries["dispatch"]["provenance"]
     cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096)
-    assert cfg.transport("sm_90", 128) == "push" and cfg.transport("sm_90", 4096) == "pull"
+    assert planner.dispatch_transport(cfg, "sm_90", 128) == "push" and planner.dispatch_transport(cfg, "sm_90", 4096) == "pull"
 
 
 def test_tune_with_a_quantized_wire_writes_that_wires_combine_entry_alone(table_dir, monkeypatch, capsys):
@@ -305,5 +306,5 @@ def test_tune_with_a_quantized_wire_writes_that_wires_combine_entry_alone(table_
     assert entries[0]["buckets"] == [{"max_tokens": 4096, "blocks": 64, "warps_per_block": 16, "unroll": 4}]
     assert "--family normal --quant fp4_blockwise," in entries[0]["provenance"]
     cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096, combine_quant="fp4_blockwise")
-    assert cfg.geometry("sm_90", Op.COMBINE, 4096) == q64
-    assert attrs.evolve(cfg, combine_quant="fp8_blockwise").geometry("sm_90", Op.COMBINE, 4096) != q64
+    assert planner.plan(cfg, "sm_90").geometry(Op.COMBINE, 4096) == q64
+    assert planner.plan(attrs.evolve(cfg, combine_quant="fp8_blockwise"), "sm_90").geometry(Op.COMBINE, 4096) != q64
