@@ -76,6 +76,12 @@ class ArchTraits:
         shared_bytes_per_cu: LDS per CU (AMD) / shared memory per SM (NVIDIA), bytes.
         shared_reserved_per_block: shared memory the runtime reserves per resident block, bytes.
         max_blocks_per_cu: resident blocks per CU/SM.
+        compute_units: CUs (AMD) / SMs (NVIDIA) of the target's reference part, which the tuning
+            schedule's derived geometries are fractions of (``epgen.codegen.tuning.derived``):
+            gfx942 304 (MI300X), gfx950 256 (MI350X and MI355X), sm_90 132 (H100 SXM and H200), all
+            from the vendors' specification tables (ROCm "Accelerator and GPU hardware
+            specifications"; NVIDIA H100/H200 data sheets); gfx1250 256, a lead, not a published
+            count (the most blocks mori's published gfx1250 EP4 tables keep).
         release_needs_explicit_wait: the platform layer follows every system-scope release
             writeback with its own ``s_waitcnt vmcnt(0)`` (and emits a seq_cst fence as a
             release fence, that wait, then an acquire fence) instead of trusting the compiler to
@@ -112,6 +118,7 @@ class ArchTraits:
     shared_bytes_per_cu: int
     shared_reserved_per_block: int
     max_blocks_per_cu: int
+    compute_units: int
     release_needs_explicit_wait: bool
 
     @property
@@ -130,7 +137,7 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
             shared_bytes_per_block=64 * 1024, steady_clock_hz=100_000_000, fp8="e4m3fnuz",
             hw_fp8_convert=False, registers_per_simd=512, max_threads_per_block=1024, register_granule=8, max_waves_per_simd=8,
             simds_per_cu=4, shared_bytes_per_cu=64 * 1024, shared_reserved_per_block=0, max_blocks_per_cu=32,
-            release_needs_explicit_wait=True,
+            compute_units=304, release_needs_explicit_wait=True,
         ),
         ArchTraits(
             name="gfx950", vendor="amd", wave_size=64, platform_template="platform/amd.j2",
@@ -139,7 +146,7 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
             shared_bytes_per_block=160 * 1024, steady_clock_hz=100_000_000, fp8="e4m3fn",
             hw_fp8_convert=False, registers_per_simd=512, max_threads_per_block=1024, register_granule=8, max_waves_per_simd=8,
             simds_per_cu=4, shared_bytes_per_cu=160 * 1024, shared_reserved_per_block=0, max_blocks_per_cu=32,
-            release_needs_explicit_wait=True,
+            compute_units=256, release_needs_explicit_wait=True,
         ),
         ArchTraits(
             name="gfx1250", vendor="amd", wave_size=32, platform_template="platform/amd.j2",
@@ -148,7 +155,7 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
             shared_bytes_per_block=320 * 1024, steady_clock_hz=100_000_000, fp8="e4m3fn",
             hw_fp8_convert=False, registers_per_simd=1024, max_threads_per_block=1024, register_granule=8, max_waves_per_simd=16,
             simds_per_cu=4, shared_bytes_per_cu=320 * 1024, shared_reserved_per_block=0, max_blocks_per_cu=32,
-            release_needs_explicit_wait=False,
+            compute_units=256, release_needs_explicit_wait=False,
         ),
         ArchTraits(
             name="sm_90", vendor="nvidia", wave_size=32, platform_template="platform/nvidia.j2",
@@ -157,7 +164,7 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
             shared_bytes_per_block=227 * 1024, steady_clock_hz=1_000_000_000, fp8="e4m3fn",
             hw_fp8_convert=True, registers_per_simd=65536, max_threads_per_block=1024, register_granule=256, max_waves_per_simd=64,
             simds_per_cu=4, shared_bytes_per_cu=228 * 1024, shared_reserved_per_block=1024, max_blocks_per_cu=32,
-            release_needs_explicit_wait=False,
+            compute_units=132, release_needs_explicit_wait=False,
         ),
     )
 }

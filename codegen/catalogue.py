@@ -43,13 +43,14 @@ def shape_specs(*, hidden: int, topk: int, num_experts: int, world_size: int = C
         ValueError: naming the bad field (e.g. num_experts not a multiple of world_size).
     """
     from epgen.codegen.config import EpConfig
+    from epgen.codegen.planner import specs
 
     cfg = EpConfig(world_size=world_size, hidden=hidden, topk=topk, num_experts=num_experts,
                    max_tokens_per_rank=max_tokens_per_rank, dtype=dtype, combine_quant=combine_quant,
                    scale_bytes=scale_bytes, dispatch_geometry=geometry, combine_geometry=geometry, layout=layout,
                    expert_alignment=expert_alignment, max_recv_tokens=max_recv_tokens,
                    dispatch_transport=dispatch_transport)
-    return [s for arch in arches for s in cfg.kernel_specs(arch)]
+    return specs(cfg, arches)
 
 
 def model_specs(name: str, arches=ARCHES, topk: int | None = None, **kw) -> list[KernelSpec]:

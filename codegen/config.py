@@ -1,4 +1,7 @@
-"""EpConfig: what a user states about one expert-parallel layer; validated on construction."""
+"""EpConfig: what a user states about one expert-parallel layer, a value validated on construction.
+
+Which kernels a config launches is the planner's answer (``epgen.codegen.planner.plan``), not the
+config's."""
 
 from __future__ import annotations
 
@@ -7,17 +10,12 @@ import numbers
 import attrs
 
 from epgen.codegen.arch import ARCH_TRAITS
-from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES, combine_quant, dtype_info
+from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES
 from epgen.codegen.errors import FieldError
 from epgen.codegen.models import model as _model
-from epgen.codegen.abi import LL_FLAG_SLOTS
-from epgen.codegen.spec import (EXPERT_ALIGNMENTS, EXPERT_OPS, LL_MAX_TOKENS, LOW_LATENCY_OPS, PLAN_BLOCKS,
-                                PLAN_SHARED_LIMIT, QUANTIZED_COMBINE_THREADS, TRANSPORT_OPS, KernelSpec, Op)
-from epgen.codegen.tuning import (Geometry, TuningKey, bucket_transports, buckets, has_entry, local_geometry,
-                                  lookup, low_latency_default, transport)
-
-LOCAL_OPS = EXPERT_OPS + (Op.COMBINE_QUANTIZE,)
-"""Kernels local to a rank whose geometry is the tuning table's entry, else ``local_geometry``."""
+from epgen.codegen.planner import plan
+from epgen.codegen.spec import EXPERT_ALIGNMENTS, LL_MAX_TOKENS
+from epgen.codegen.tuning import Geometry
 
 LAYOUTS = ("rank", "expert")
 """``EpConfig.layout`` values."""
@@ -90,7 +88,7 @@ class EpConfig:
             max_tokens_per_rank rows, at most 65535 tokens a rank (fewer at W >= 16:
             ``KernelSpec.ll_shared_bytes``). "auto" (default): both, and each
             call takes the low-latency family when its token count is at most
-            ``low_latency_tokens(arch)`` (the tuning table's threshold, which ``epgen tune``
+            T_ll (``epgen.codegen.planner.KernelPlan.low_latency_tokens``: the tuning table's threshold, which ``epgen tune``
             measures; its stages are sized for that many). Both return the same outputs. With one
             process per GPU every rank must take the same family in a call (their token counts on
             the same side of the threshold); a rank waiting for a family its peer did not run times
@@ -207,7 +205,7 @@ class EpConfig:
         errors = []
         for arch in ARCH_TRAITS:
             try:
-                self.kernel_specs(arch)
+                plan(self, arch)
             except ValueError as e:
                 errors.append(e)
         if len(errors) == len(ARCH_TRAITS):
@@ -344,218 +342,6 @@ class EpConfig:
         return self.num_experts // self.world_size
 
     @property
-    def ops(self) -> tuple[Op, ...]:
-        """The kernels an op of this config compiles: the normal family's dispatch and combine
-        and the low-latency family's halves (``LOW_LATENCY_OPS``), as ``kernel_family`` says, and
-        in the expert layout its three local kernels (``EXPERT_OPS``), and the combine's quantize
-        kernel where the normal family needs one (``quantize_kernel``). On an arch where "auto"
-        finds a table threshold of 0 (``low_latency_tokens`` 0: the low-latency family never
-        won) the low-latency halves have no variants and no specs there. The pull dispatch's
-        second kernel (DISPATCH_PULL) follows the normal ops unless ``dispatch_transport`` is
-        "push"; under "auto" it exists only on an arch whose table has a pull bucket for the
-        shape (``_builds``).
-
-        Raises:
-            FieldError: nodes > 1 (a layer across nodes compiles its ``node_config()``'s kernels,
-                not flat ones of world_size ranks; so do ``variants`` and ``kernel_specs``).
-        """
-        if self.nodes > 1:
-            raise FieldError("nodes", f"EpConfig.nodes={self.nodes}: a layer across nodes compiles the kernels of its "
-                             f"node_config() ({self.ranks_per_node} ranks a node), not flat ones of world_size="
-                             f"{self.world_size}; ask node_config() for its ops, variants and specs")
-        normal = self.kernel_family != "low_latency"
-        pull = (Op.DISPATCH_PULL,) if normal and self.dispatch_transport != "push" else ()
-        return ((TRANSPORT_OPS if normal else ()) + pull
-                + (LOW_LATENCY_OPS if self.kernel_family != "normal" else ())
-                + (EXPERT_OPS if self.layout == "expert" else ())
-                + ((Op.COMBINE_QUANTIZE,) if normal and self.quantize_kernel else ()))
-
-    @property
-    def quantize_kernel(self) -> bool:
-        """Whether the normal family's combine needs the quantize kernel (``Op.COMBINE_QUANTIZE``):
-        a quantized combine wire in the rank layout with peers (W > 1). The expert layout's fold
-        writes the wire rows itself, and at W = 1 no row leaves the rank (its own rows are encoded
-        where the combine sums them)."""
-        return combine_quant(self.combine_quant).quantized and self.layout == "rank" and self.world_size > 1
-
-    def tuning_key(self, arch: str, op: Op) -> TuningKey:
-        """Key of this layer's ``op`` in the tuning tables (both halves of a low-latency op share
-        one entry, named after their template: "dispatch_ll", "combine_ll"; the pull dispatch's two
-        kernels take the "dispatch" entry's buckets). The normal family's combine with a quantized
-        wire, a kernel of its own, has its own entries: dtype the wire's name (``_table_key`` falls
-        back to the bf16 combine's entry where it has none)."""
-        dtype = self.dtype if op.payload else "bf16"
-        row_bytes = dtype_info(dtype).row_bytes(self.hidden)
-        if op is Op.COMBINE and combine_quant(self.combine_quant).quantized:
-            dtype = self.combine_quant
-        name = Op.DISPATCH.value if op is Op.DISPATCH_PULL else op.template
-        return TuningKey(arch=arch, world_size=self.world_size, row_bytes=row_bytes, topk=self.topk, dtype=dtype,
-                         op=name)
-
-    def _table_key(self, arch: str, op: Op) -> TuningKey:
-        """The key whose entry ``op`` takes: ``tuning_key``, or for a quantized wire's combine
-        without an entry of its own the bf16 combine's."""
-        key = self.tuning_key(arch, op)
-        if op is Op.COMBINE and key.dtype != "bf16" and not has_entry(key):
-            return attrs.evolve(key, dtype="bf16")
-        return key
-
-    def _low_latency_entry(self, arch: str, op: Op) -> tuple[int, Geometry]:
-        """(max tokens, geometry) of the low-latency ``op``'s table entry (its one bucket), else
-        ``tuning.low_latency_default``."""
-        default = low_latency_default(arch)
-        table = buckets(self.tuning_key(arch, op), default[1])
-        return table[0] if len(table) == 1 and table[0][0] < 1 << 30 else default
-
-    def low_latency_tokens(self, arch: str) -> int:
-        """T_ll: the most tokens a call may have to take the low-latency family on ``arch``, which
-        sizes its stages: 0 for "normal", max_tokens_per_rank for "low_latency", and for "auto"
-        the smaller of that, the tuning table's threshold (the smaller of the dispatch and
-        combine entries' bucket, ``tuning.LOW_LATENCY_MAX_TOKENS`` without one) and the receive
-        rows over W (the family places every row it receives: it never overflows). A threshold of 0
-        (``epgen tune`` measured the normal family faster at every count) means never: "auto"
-        then builds no low-latency kernels on ``arch``."""
-        if self.kernel_family == "normal":
-            return 0
-        if self.kernel_family == "low_latency":
-            return self.max_tokens_per_rank
-        threshold = min(self._low_latency_entry(arch, op)[0] for op in (Op.DISPATCH_LL_SEND, Op.COMBINE_LL_SEND))
-        return min(self.max_tokens_per_rank, threshold, LL_MAX_TOKENS, self.receive_rows // self.world_size)
-
-    @property
     def receive_rows(self) -> int:
         """N, the receive rows of each rank: ``max_recv_tokens``, or W x max_tokens_per_rank."""
         return self.max_recv_tokens or self.world_size * self.max_tokens_per_rank
-
-    def _explicit(self, op: Op) -> Geometry | None:
-        return {Op.DISPATCH: self.dispatch_geometry, Op.DISPATCH_PULL: self.dispatch_geometry,
-                Op.COMBINE: self.combine_geometry}.get(op)
-
-    def transport(self, arch: str, tokens: int) -> str:
-        """The transport the normal dispatch of a call with ``tokens`` takes on ``arch`` when x is
-        the op's ``dispatch_input``: "push" or "pull" as ``dispatch_transport`` forces, and for
-        "auto" the tuning bucket's (``epgen.codegen.tuning.transport``; "push" without one). An x
-        elsewhere makes "auto" push (``EpDispatchCombine.transport``)."""
-        if self.dispatch_transport != "auto" or self.kernel_family == "low_latency":
-            return "push" if self.kernel_family == "low_latency" else self.dispatch_transport
-        return transport(self.tuning_key(arch, Op.DISPATCH), tokens)
-
-    def transports(self, arch: str, op: Op) -> tuple[str, ...]:
-        """The transports of ``op``'s kernels an op of this config compiles on ``arch``: ("push",
-        "pull") for DISPATCH where the pull path is built (``_builds(arch, Op.DISPATCH_PULL)``),
-        else ("push",)."""
-        return ("push", "pull") if op is Op.DISPATCH and self._builds(arch, Op.DISPATCH_PULL) else ("push",)
-
-    def geometry(self, arch: str, op: Op, tokens: int) -> Geometry:
-        """Explicit geometry if given, else the tuning table's bucket for ``tokens``. The local
-        kernels (the expert layout's expand and fold, the combine's quantize kernel) take the
-        table's entry, else ``local_geometry``; expand at most
-        ``PLAN_BLOCKS`` blocks and as many warps as its per-warp expert counts fit in shared memory;
-        the plan splits the rows as expand does, so it takes expand's geometry."""
-        if op is Op.EXPAND_PLAN:  # splits the rows as expand does: the same blocks and warps
-            op = Op.EXPAND
-        if op.low_latency:  # at most LL_FLAG_SLOTS flags per range: W x blocks
-            g = self.low_latency_geometry or self._low_latency_entry(arch, op)[1]
-            return g if self.low_latency_geometry else attrs.evolve(
-                g, blocks=max(1, min(g.blocks, LL_FLAG_SLOTS // self.world_size)))
-        key = self._table_key(arch, op)
-        if op not in LOCAL_OPS:
-            explicit = self._explicit(op)
-            return self.fit_geometry(arch, op, explicit or lookup(key, tokens), explicit=explicit is not None)
-        g = lookup(key, tokens, local_geometry(arch, op.value))
-        if op is Op.EXPAND:
-            fit = (PLAN_SHARED_LIMIT // 4 - self.experts_per_rank - 1) // self.experts_per_rank  # expand's counts
-            g = attrs.evolve(g, blocks=min(g.blocks, PLAN_BLOCKS), warps_per_block=max(1, min(g.warps_per_block, fit)))
-        return g
-
-    def fit_geometry(self, arch: str, op: Op, g: Geometry, explicit: bool = False) -> Geometry:
-        """``g`` within ``op``'s register needs on ``arch``: a combine with a quantized wire at most
-        ``QUANTIZED_COMBINE_THREADS`` threads a block; a table geometry keeps its blocks and loses
-        warps, an explicit one is refused.
-
-        Raises:
-            FieldError: an explicit ``combine_geometry`` with more threads.
-        """
-        fit = QUANTIZED_COMBINE_THREADS // ARCH_TRAITS[arch].wave_size
-        if op is not Op.COMBINE or not combine_quant(self.combine_quant).quantized or g.warps_per_block <= fit:
-            return g
-        if explicit:
-            limits = ", ".join(f"{QUANTIZED_COMBINE_THREADS // t.wave_size} on {a}" for a, t in ARCH_TRAITS.items())
-            wave = ARCH_TRAITS[arch].wave_size
-            raise FieldError("combine_geometry", f"EpConfig.combine_geometry={g}: {g.warps_per_block} warps of {wave} "
-                             f"lanes are {g.warps_per_block * wave} threads on {arch}; a combine with a quantized wire "
-                             f"({self.combine_quant}) runs at most {QUANTIZED_COMBINE_THREADS} threads a block (it "
-                             f"adds the rank's own rows as they decode, in registers): warps at most {limits}")
-        return attrs.evolve(g, warps_per_block=fit)
-
-    def spec(self, arch: str, op: Op, geometry: Geometry, transport: str = "push") -> KernelSpec:
-        """The KernelSpec of ``op`` on ``arch`` with ``geometry`` (and ``transport``, DISPATCH
-        only); all of one layer's specs share one arena layout."""
-        return KernelSpec(op=op, arch=arch, dtype=self.dtype if op.payload else "bf16",
-                          hidden=self.hidden, topk=self.topk, experts_per_rank=self.experts_per_rank,
-                          world_size=self.world_size, max_tokens_per_rank=self.max_tokens_per_rank,
-                          scale_bytes=self.scale_bytes, combine_quant=self.combine_quant, blocks=geometry.blocks,
-                          warps_per_block=geometry.warps_per_block, unroll=geometry.unroll,
-                          recv_tokens=self.max_recv_tokens or 0,
-                          expert_alignment=self.expert_alignment if self.layout == "expert" else 0,
-                          ll_tokens=self.low_latency_tokens(arch), transport=transport)
-
-    def variants(self, arch: str, op: Op, transport: str = "push") -> tuple[tuple[int, KernelSpec], ...]:
-        """Every ``(max_tokens, spec)`` an ``EpDispatchCombine`` of this config compiles for
-        ``op`` on ``arch`` at construction, ascending: the explicit geometry alone (bucket
-        ``max_tokens_per_rank``), else the tuning table's buckets up to the first one that holds
-        ``max_tokens_per_rank``. A call with T tokens launches the first bucket with
-        ``max_tokens >= T``. (Virtual ranks may still clamp a table geometry's blocks at
-        construction, which depends on the GPU.) Empty for a low-latency half on an arch where
-        ``low_latency_tokens`` is 0. The pull path's kernels (DISPATCH_PULL, and DISPATCH with
-        ``transport`` "pull") take the same buckets, under "auto" only those whose transport is
-        "pull" (a call in another bucket pushes).
-
-        Raises:
-            ValueError: a spec breaks an ``arch`` limit (naming the field).
-        """
-        pull = op is Op.DISPATCH_PULL or transport == "pull"
-        if not self._builds(arch, Op.DISPATCH_PULL if pull else op):
-            return ()
-        explicit = self._explicit(op)
-        if op in LOCAL_OPS or op.low_latency:  # one variant: the local ops' work follows the rows
-            explicit = self.geometry(arch, op, self.max_tokens_per_rank)  # received; both low-latency halves agree on blocks
-        key = self._table_key(arch, op)
-        table = ((self.max_tokens_per_rank, self.fit_geometry(arch, op, explicit, explicit=True)),) if explicit else tuple(
-            (max_tokens, self.fit_geometry(arch, op, g)) for max_tokens, g in buckets(key))
-        pulls = dict(bucket_transports(key))
-        out = []
-        for max_tokens, geometry in table:
-            if not pull or explicit or self.dispatch_transport == "pull" or pulls.get(max_tokens) == "pull":
-                out.append((max_tokens, self.spec(arch, op, geometry, transport)))
-            if max_tokens >= self.max_tokens_per_rank:
-                break
-        return tuple(out)
-
-    def built_ops(self, arch: str) -> tuple[Op, ...]:
-        """The ops of ``ops`` an op of this config compiles on ``arch`` (``_builds``), in order."""
-        return tuple(op for op in self.ops if self._builds(arch, op))
-
-    def kernel_specs(self, arch: str, tokens: int | None = None) -> tuple[KernelSpec, ...]:
-        """The spec of each of ``ops`` (dispatch, combine, then the expert layout's) for ``arch``
-        at ``tokens`` (default max_tokens_per_rank); the dispatch of each of ``transports``."""
-        t = self.max_tokens_per_rank if tokens is None else tokens
-        return tuple(self.spec(arch, op, self.geometry(arch, op, t), tr) for op in self.built_ops(arch)
-                     for tr in self.transports(arch, op))
-
-    def _builds(self, arch: str, op: Op) -> bool:
-        """Whether an op of this config compiles ``op`` on ``arch``: every op of ``ops`` but the
-        low-latency halves where T_ll is 0 ("auto" with a table threshold of 0), and DISPATCH_PULL
-        under "auto" where no bucket of the dispatch entry up to max_tokens_per_rank says "pull";
-        never one outside ``ops`` (e.g. the quantize kernel at W = 1)."""
-        if op not in self.ops:
-            return False
-        if op.low_latency:
-            return self.low_latency_tokens(arch) > 0
-        if op is Op.DISPATCH_PULL:
-            if self.dispatch_transport == "pull":
-                return True
-            rows = bucket_transports(self.tuning_key(arch, Op.DISPATCH))
-            used = [tr for i, (t, tr) in enumerate(rows) if i == 0 or rows[i - 1][0] < self.max_tokens_per_rank]
-            return "pull" in used
-        return True

@@ -53,6 +53,7 @@ def space(model: str, *, world_size: int, max_tokens_per_rank: int, expert_align
     nothing."""
     from epgen.codegen.config import DISPATCH_TRANSPORTS, KERNEL_FAMILIES, LAYOUTS, EpConfig
     from epgen.codegen.errors import FieldError
+    from epgen.codegen.planner import plan
 
     specs = {}
     for dtype, wire, layout, family, transport in itertools.product(DTYPES, COMBINE_QUANTS, LAYOUTS, KERNEL_FAMILIES,
@@ -65,7 +66,7 @@ def space(model: str, *, world_size: int, max_tokens_per_rank: int, expert_align
         except FieldError:
             continue
         for arch in arches:
-            for s in cfg.kernel_specs(arch):
+            for s in plan(cfg, arch).specs_at():
                 specs.setdefault(path(s), s)
     return list(specs.values())
 

@@ -56,57 +56,165 @@ class Op(str, enum.Enum):
     DISPATCH_PULL = "dispatch_pull"
 
     @property
+    def row(self) -> "OpRow":
+        """This kernel kind's row of ``OP_TABLE``."""
+        return _ROWS[self]
+
+    @property
+    def call(self) -> "Op":
+        """The call this kernel serves: DISPATCH or COMBINE (``OpRow.call``)."""
+        return Op(self.row.call)
+
+    @property
     def remote(self) -> bool:
-        """The kernel reads or writes peers' arenas or waits for them (both families' transport ops)."""
-        return self in TRANSPORT_OPS or self in LOW_LATENCY_OPS or self is Op.DISPATCH_PULL
+        """The kernel reads or writes peers' arenas or waits for them (``OpRow.reach`` "remote")."""
+        return self.row.reach == "remote"
 
     @property
     def payload(self) -> bool:
-        """The kernel's dtype is the dispatch payload's (the dispatch kernels, expand_plan, expand);
-        the others take bf16 expert outputs."""
-        return self in (Op.DISPATCH, Op.DISPATCH_PULL, Op.EXPAND_PLAN, Op.EXPAND, Op.DISPATCH_LL, Op.DISPATCH_LL_SEND,
-                        Op.DISPATCH_LL_RECV)
+        """The kernel's dtype is the dispatch payload's (``OpRow.payload``); the others take bf16
+        expert outputs."""
+        return self.row.payload
 
     @property
     def low_latency(self) -> bool:
-        """One half of the low-latency family (``LOW_LATENCY_OPS``)."""
-        return self in LOW_LATENCY_OPS
-
-    @property
-    def transport(self) -> "Op":
-        """The transport op this kernel serves (DISPATCH or COMBINE: the low-latency halves, the pull
-        dispatch's second kernel and the combine's quantize kernel; the op itself otherwise)."""
-        return {Op.DISPATCH_PULL: Op.DISPATCH, Op.DISPATCH_LL: Op.DISPATCH, Op.DISPATCH_LL_SEND: Op.DISPATCH,
-                Op.DISPATCH_LL_RECV: Op.DISPATCH, Op.COMBINE_LL: Op.COMBINE, Op.COMBINE_LL_SEND: Op.COMBINE,
-                Op.COMBINE_LL_RECV: Op.COMBINE, Op.COMBINE_QUANTIZE: Op.COMBINE}.get(self, self)
+        """One half of the low-latency family (``OpRow.family``)."""
+        return self.row.family == "low_latency"
 
     def waits_within_grid(self, ranks: int) -> bool:
         """Whether blocks of this kernel wait for blocks of the same launch when one grid runs
         ``ranks`` ranks, so that the launch must make every block resident at once (a cooperative
-        launch): the whole low-latency op always (its receiving phase waits for the flags of every
-        block's sending phase, its own rank's included), and with several ranks a grid (virtual
-        ranks) the normal family's kernels and the pull kernel, whose blocks wait for signals the
-        other ranks' blocks of the grid raise. The halves of the low-latency op wait only for
-        kernels launched before them."""
-        return self in (Op.DISPATCH_LL, Op.COMBINE_LL) or (ranks > 1 and self in (Op.DISPATCH, Op.COMBINE,
-                                                                                  Op.DISPATCH_PULL))
+        launch): ``OpRow.waits`` "always" (the whole low-latency op: its receiving phase waits for
+        the flags of every block's sending phase, its own rank's included), "peers" with several
+        ranks a grid (virtual ranks: the normal family's kernels and the pull kernel, whose blocks
+        wait for signals the other ranks' blocks of the grid raise), "never" (the halves of the
+        low-latency op wait only for kernels launched before them; the local kernels)."""
+        return self.row.waits == "always" or (ranks > 1 and self.row.waits == "peers")
 
     @property
     def template(self) -> str:
-        """``templates/ops/<template>.j2`` renders it: a low-latency op and its two halves share one."""
-        return f"{self.transport.value}_ll" if self.low_latency else self.value
+        """``templates/ops/<template>.j2`` renders it (``OpRow.template``)."""
+        return self.row.template
+
+    @property
+    def tuning_entry(self) -> str:
+        """The tuning tables' op name whose buckets set its geometry (``OpRow.tuning_entry``)."""
+        return self.row.tuning_entry
 
 
-TRANSPORT_OPS = (Op.DISPATCH, Op.COMBINE)
-"""The normal family's ops that cross ranks (geometry flags and tuning tables name them)."""
+FAMILIES = ("normal", "low_latency")
+"""The kernel families a call takes (``EpConfig.kernel_family`` "auto" chooses per call)."""
+
 TRANSPORTS = ("push", "pull")
 """``KernelSpec.transport`` values: how the normal dispatch moves the payload rows."""
-EXPERT_OPS = (Op.EXPAND_PLAN, Op.EXPAND, Op.FOLD)
-"""The local ops the expert layout adds, in launch order (plan and expand after dispatch, fold
+
+
+def _in(choices):
+    return attrs.validators.in_(choices)
+
+
+@attrs.frozen
+class OpRow:
+    """The facts of one kernel kind (a row of ``OP_TABLE``); the planner (``epgen.codegen.planner``)
+    and the runtime's routes read them, nothing compares kernel kinds by name.
+
+    Attributes:
+        op: the kind.
+        call: the call it serves, "dispatch" or "combine".
+        family: the kernel family that launches it: "normal", "low_latency", or "both" (the
+            expert layout's local kernels, which either family's call runs).
+        token_layout: the token layout (``EpConfig.layout``) that builds it: "any", "rank" or
+            "expert".
+        transport: "pull": built only for the pull dispatch (``EpConfig.dispatch_transport`` not
+            "push"); "" otherwise.
+        quantized_wire: built only where the combine wire is quantized and rows leave the rank
+            (W > 1).
+        waits: whether its blocks wait for blocks of the same launch (``Op.waits_within_grid``):
+            "always", "peers" (with several ranks a grid), "never".
+        payload: its dtype is the dispatch payload's (else bf16 expert outputs).
+        reach: "remote" (reads or writes peers' arenas or waits for them) or "local".
+        template: ``templates/ops/<template>.j2`` renders it.
+        tuning_entry: the tuning tables' op name whose buckets set its geometry (the halves of a
+            low-latency op share their template's entry; the pull dispatch's kernels and the expand
+            plan share the dispatch's and expand's).
+        one_geometry: the kernel has one geometry for every call (the local kernels, whose work
+            follows the rows received, and the low-latency halves, whose stages are sized for T_ll)
+            instead of one per token bucket.
+        timed: the kernel whose time ``epgen bench`` and ``epgen tune`` report as its family's call
+            (the normal op; the low-latency sending half, whose geometry the entry sets).
+    """
+
+    op: str
+    call: str = attrs.field(validator=_in(("dispatch", "combine")))
+    family: str = attrs.field(validator=_in(FAMILIES + ("both",)))
+    token_layout: str = attrs.field(validator=_in(("any", "rank", "expert")))
+    waits: str = attrs.field(validator=_in(("always", "peers", "never")))
+    payload: bool
+    reach: str = attrs.field(validator=_in(("remote", "local")))
+    template: str
+    tuning_entry: str
+    one_geometry: bool = False
+    transport: str = attrs.field(default="", validator=_in(("", "pull")))
+    quantized_wire: bool = False
+    timed: bool = False
+
+
+_R = OpRow
+OP_TABLE = (
+    #  op                  call        family         layout    waits     payload reach     template      tuning entry
+    _R("dispatch",         "dispatch", "normal",      "any",    "peers",  True,  "remote", "dispatch",    "dispatch", timed=True),
+    _R("combine",          "combine",  "normal",      "any",    "peers",  False, "remote", "combine",     "combine", timed=True),
+    _R("dispatch_pull",    "dispatch", "normal",      "any",    "peers",  True,  "remote", "dispatch_pull", "dispatch",
+       transport="pull"),
+    _R("dispatch_ll",      "dispatch", "low_latency", "any",    "always", True,  "remote", "dispatch_ll", "dispatch_ll",
+       one_geometry=True),
+    _R("dispatch_ll_send", "dispatch", "low_latency", "any",    "never",  True,  "remote", "dispatch_ll", "dispatch_ll",
+       one_geometry=True, timed=True),
+    _R("dispatch_ll_recv", "dispatch", "low_latency", "any",    "never",  True,  "remote", "dispatch_ll", "dispatch_ll",
+       one_geometry=True),
+    _R("combine_ll",       "combine",  "low_latency", "any",    "always", False, "remote", "combine_ll",  "combine_ll",
+       one_geometry=True),
+    _R("combine_ll_send",  "combine",  "low_latency", "any",    "never",  False, "remote", "combine_ll",  "combine_ll",
+       one_geometry=True, timed=True),
+    _R("combine_ll_recv",  "combine",  "low_latency", "any",    "never",  False, "remote", "combine_ll",  "combine_ll",
+       one_geometry=True),
+    _R("expand_plan",      "dispatch", "both",        "expert", "never",  True,  "local",  "expand_plan", "expand",
+       one_geometry=True),
+    _R("expand",           "dispatch", "both",        "expert", "never",  True,  "local",  "expand",      "expand",
+       one_geometry=True),
+    _R("fold",             "combine",  "both",        "expert", "never",  False, "local",  "fold",        "fold",
+       one_geometry=True),
+    _R("combine_quantize", "combine",  "normal",      "rank",   "never",  False, "local",  "combine_quantize",
+       "combine_quantize", one_geometry=True, quantized_wire=True),
+)
+"""One row per kernel kind, in the order a layer's kernels are planned (the normal family's, the
+pull dispatch's second kernel, the low-latency family's, then the local ones). Adding a kernel
+kind is adding an ``Op`` member, a row here and a template (docs/architecture.md, "A new kernel
+kind")."""
+
+_ROWS = {Op(r.op): r for r in OP_TABLE}
+assert set(_ROWS) == set(Op), "every Op has one row of OP_TABLE"
+
+
+def ops_where(**facts) -> tuple[Op, ...]:
+    """The kernel kinds whose rows have every one of ``facts`` (``OpRow`` fields), in
+    ``OP_TABLE`` order."""
+    return tuple(Op(r.op) for r in OP_TABLE if all(getattr(r, k) == v for k, v in facts.items()))
+
+
+CALLS = ops_where(family="normal", timed=True)
+"""The normal family's kernels that are the calls themselves, DISPATCH and COMBINE (geometry flags
+and the ``dispatch_geometry`` / ``combine_geometry`` fields name them)."""
+LOW_LATENCY_OPS = ops_where(family="low_latency")
+"""The low-latency family's kernels: each call's whole kernel, then its sending and receiving
+halves."""
+EXPERT_OPS = ops_where(token_layout="expert")
+"""The local kernels the expert layout adds, in launch order (plan and expand after dispatch, fold
 before combine)."""
-LOW_LATENCY_OPS = (Op.DISPATCH_LL, Op.DISPATCH_LL_SEND, Op.DISPATCH_LL_RECV, Op.COMBINE_LL, Op.COMBINE_LL_SEND,
-                   Op.COMBINE_LL_RECV)
-"""The low-latency family's kernels: each transport op whole, then its sending and receiving halves."""
+LOCAL_OPS = ops_where(reach="local")
+"""Kernels local to a rank."""
+TIMED_OPS = {family: ops_where(family=family, timed=True) for family in FAMILIES}
+"""Per family, the (dispatch, combine) kernels ``epgen bench`` and ``epgen tune`` time."""
 
 
 def _positive(name: str, lo: int, hi: int):

@@ -34,6 +34,7 @@ from epgen.cache import cache_dir, code_object_path, directory_problem
 from epgen.codegen.atomic import write_atomically
 from epgen.codegen.config import EpConfig
 from epgen.codegen.offline import CodeObject, CompileError, ToolchainMissing, compile_code_object, compile_many, toolchain_status
+from epgen.codegen.planner import plan
 from epgen.codegen.render import render
 from epgen.codegen.spec import KernelSpec
 
@@ -44,16 +45,14 @@ MANIFEST_SCHEMA = 1
 def config_specs(cfg: EpConfig, arches) -> list[KernelSpec]:
     """Every spec ``EpDispatchCombine(cfg)`` compiles at construction on each of ``arches`` (a
     sequence of arch names, or one name)
-    (``EpConfig.variants``: each token bucket of dispatch, of each transport it builds, then of
-    combine), without repeats.
+    (``epgen.codegen.planner.KernelPlan.specs``: each token bucket of each kernel), without repeats.
 
     Raises:
         ValueError: a spec breaks an arch's limits (naming the field).
     """
     if isinstance(arches, str):  # one arch, e.g. "sm_90"
         arches = (arches,)
-    return list(dict.fromkeys(s for arch in arches for op in cfg.ops for tr in cfg.transports(arch, op)
-                              for _, s in cfg.variants(arch, op, tr)))
+    return list(dict.fromkeys(s for arch in arches for s in plan(cfg, arch).specs()))
 
 
 def build(specs: list[KernelSpec], directory: Path | None = None, max_workers: int | None = None,

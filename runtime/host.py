@@ -332,7 +332,7 @@ class HostPlatform:
         """The op's plan on the host: ``Plan.build`` with ``GEOMETRY`` where ``config`` names no
         geometry (the tables' are a GPU's: 24 to 264 blocks of up to 1,024 threads, a hundred
         thousand fibers a launch), and for the local kernels; ``op.config`` stays the caller's."""
-        from epgen.codegen.config import LOCAL_OPS
+        from epgen.codegen.spec import LOCAL_OPS
         from epgen.plan import Plan
 
         fields = ("dispatch_geometry", "combine_geometry") + (
@@ -343,7 +343,7 @@ class HostPlatform:
                                              warps_per_block=min(spec.warps_per_block, GEOMETRY.warps_per_block)))
                             for t, spec in variants)
                  for key, variants in plan.variants.items() if key[0] in LOCAL_OPS}
-        return attrs.evolve(plan, config=config, variants={**plan.variants, **local})
+        return attrs.evolve(plan, kernels=attrs.evolve(plan.kernels, config=config, variants={**plan.variants, **local}))
 
     def prepare(self, specs) -> None:
         """Compile the host sources of ``specs`` not in the cache yet, one compiler process per

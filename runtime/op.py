@@ -381,8 +381,8 @@ class EpDispatchCombine:
         self._kernels = {}  # spec -> loaded kernel
         plan = self.platform.plan(config, self.arch, len(self.local_ranks))
         self.platform.prepare([spec for variants in plan.variants.values() for _, spec in variants])
-        self.plan = attrs.evolve(plan, variants={key: self._load_variants(key[0], variants)
-                                                 for key, variants in plan.variants.items()})
+        self.plan = plan.with_variants({key: self._load_variants(key[0], variants)
+                                        for key, variants in plan.variants.items()})
         self.dispatch_spec = self.plan.dispatch_spec
         self.low_latency_tokens = self.plan.low_latency_tokens  # T_ll: 0 without the low-latency family
         # A whole low-latency op in one kernel needs every block of its grid resident at once (a
@@ -408,7 +408,7 @@ class EpDispatchCombine:
         self.arenas = Arenas(self.layout, W, self.local_ranks, self.device, group, platform=self.platform)
         self.errors = ErrorRecords(W, self.platform)
         self._args = {}
-        for op in config.ops:
+        for op in dict.fromkeys(op for op, _ in self.plan.variants):  # every kind of the config
             a = np.zeros((), dtype=_args_dtype(W))
             a["arena"] = self.arenas.pointers
             a["signals"] = self.arenas.signals
@@ -1000,7 +1000,7 @@ class EpDispatchCombine:
         """Load (or compile) each ``(max_tokens, spec)`` of ``op`` into ``self._kernels``; returns
         them, a table geometry clamped where virtual ranks need it (below)."""
         cfg = self.config
-        explicit = cfg.dispatch_geometry if op.transport is Op.DISPATCH else cfg.combine_geometry
+        explicit = cfg.dispatch_geometry if op.call is Op.DISPATCH else cfg.combine_geometry
         out = []
         for max_tokens, spec in variants:
             fn = self._compile(spec)
@@ -1014,7 +1014,7 @@ class EpDispatchCombine:
                         raise ValueError(
                             f"{op.value} geometry {spec.blocks}x{spec.warps_per_block}u{spec.unroll}: virtual ranks need all "
                             f"{spec.blocks * ranks} blocks resident at once but this GPU holds "
-                            f"{self.resident_blocks(fn, spec)}; lower EpConfig.{op.transport.value}_geometry blocks to "
+                            f"{self.resident_blocks(fn, spec)}; lower EpConfig.{op.call.value}_geometry blocks to "
                             f"{max(fits, 1)} or fewer warps")
                     spec = spec.replace(blocks=fits)  # table geometry, clamped so every rank fits
                     self._compile(spec)
@@ -1046,7 +1046,7 @@ class EpDispatchCombine:
     def _halves_after_refusal(self, op: Op, tokens: int, error: CooperativeLaunchTooLarge) -> list:
         """The runtime refused the whole low-latency ``op``'s cooperative grid as too large (its
         occupancy estimate, not ``epgen.codegen.occupancy``'s; nothing was enqueued): from now on
-        every call of ``op.transport`` takes the halves (warned once). Returns the steps that
+        every call of ``op.call`` takes the halves (warned once). Returns the steps that
         replace ``op`` in this call: the sending and the receiving half, as the split route
         launches them.
 
@@ -1055,7 +1055,7 @@ class EpDispatchCombine:
                 capture unusable; the op still takes the halves from now on, so capturing again
                 works (an eager call before a capture settles this outside it).
         """
-        call = op.transport
+        call = op.call
         self._fused[call] = False
         spec = self.variant(op, tokens)
         what = (f"{call.value}: the runtime refused the whole low-latency kernel {spec.name} ({spec.blocks} x "

@@ -1,7 +1,8 @@
 """Kernel plans: which kernels an ``EpDispatchCombine`` launches for each call, as data.
 
-A ``Plan`` is built once from an ``EpConfig``, the target arch and the tuning tables: the specs
-the op compiles (each kernel's token buckets) and the ``Route`` each call takes, a row of
+A ``Plan`` is the planner's ``KernelPlan`` of an ``EpConfig`` on the target arch (the specs the
+op compiles, each kernel's token buckets: ``epgen.codegen.planner``) plus the ``Route`` each call
+takes, a row of
 ``ROUTES`` per (call, kernel family, transport, split) listing the kernel ``Step``s in launch
 order. The op picks a route per call (family by token count, transport, the async_recv split)
 and runs its steps with one launch loop; a new kernel family, transport or wire is new rows
@@ -16,11 +17,8 @@ import attrs
 from epgen.codegen.arch import ARCH_TRAITS
 from epgen.codegen.config import EpConfig
 from epgen.codegen.dtypes import combine_quant
+from epgen.codegen.planner import Buckets, KernelPlan, plan
 from epgen.codegen.spec import KernelSpec, Op
-from epgen.codegen.tuning import bucket_transports
-
-FAMILIES = ("normal", "low_latency")
-"""The kernel families a call takes (``EpConfig.kernel_family`` "auto" chooses per call)."""
 
 IO_KINDS = ("none", "call", "fold")
 """What a step's launch argument carries per rank: "none" (the arena alone), "call" (the call's
@@ -89,7 +87,7 @@ class Route:
 
     Attributes:
         call: Op.DISPATCH or Op.COMBINE.
-        family: one of ``FAMILIES``.
+        family: one of ``epgen.codegen.spec.FAMILIES``.
         transport: "push" or "pull" (how the dispatch moves the payload rows; "push" for combine).
         split: the low-latency op as its two halves (async_recv, or a grid the GPU cannot hold at
             once) instead of one kernel.
@@ -133,36 +131,52 @@ ROUTES = (
 )
 """Every route of every op, before a config drops the kernels it does not build."""
 
-Variants = tuple[tuple[int, KernelSpec], ...]
-
 
 @attrs.frozen
 class Plan:
-    """What an op of ``config`` launches on ``arch``, built by ``Plan.build``.
+    """What an op of ``config`` launches on ``arch``, built by ``Plan.build``: the planner's
+    ``KernelPlan`` and the launch routes.
 
     Attributes:
-        config: the layer.
-        arch: the target.
+        kernels: the planner's plan (``epgen.codegen.planner.plan``): every kernel and its buckets.
         grid_ranks: ranks one launch's grid runs (W with virtual ranks, else 1).
-        variants: {(op, transport): ((max_tokens, spec), ...)} ascending, every kernel the op
-            compiles (``EpConfig.variants``; empty where the config builds none of that kernel).
         routes: {(call, family, transport, split): Route} of the routes the config builds.
-        low_latency_tokens: T_ll, the most tokens a call takes the low-latency family with (0: never).
         whole_low_latency: a low-latency call without async_recv may run the whole op in one
             cooperative launch (``WHOLE_LOW_LATENCY`` of the arch's vendor); False: always the halves.
-        transports: ((max_tokens, transport), ...) of the normal dispatch's buckets: "push",
+        transport_rules: ((max_tokens, rule), ...) of the normal dispatch's buckets: "push",
             "pull", or "zero_copy" (pull when x is ``dispatch_input`` on every rank this process
             drives, else push).
     """
 
-    config: EpConfig
-    arch: str
+    kernels: KernelPlan
     grid_ranks: int
-    variants: dict[tuple[Op, str], Variants]
     routes: dict[tuple[Op, str, str, bool], Route]
-    low_latency_tokens: int
-    transports: tuple[tuple[int, str], ...]
+    transport_rules: tuple[tuple[int, str], ...]
     whole_low_latency: bool
+
+    @property
+    def config(self) -> EpConfig:
+        return self.kernels.config
+
+    @property
+    def arch(self) -> str:
+        return self.kernels.arch
+
+    @property
+    def variants(self) -> dict[tuple[Op, str], Buckets]:
+        """{(op, transport): ((max_tokens, spec), ...)} ascending, every kernel the op compiles
+        (``KernelPlan.variants``; empty where the config builds none of that kernel)."""
+        return self.kernels.variants
+
+    @property
+    def low_latency_tokens(self) -> int:
+        """T_ll, the most tokens a call takes the low-latency family with (0: never)."""
+        return self.kernels.low_latency_tokens
+
+    def with_variants(self, variants: dict[tuple[Op, str], Buckets]) -> "Plan":
+        """This plan with the kernels' buckets replaced (the op clamps a table geometry's blocks
+        where virtual ranks need it)."""
+        return attrs.evolve(self, kernels=attrs.evolve(self.kernels, variants=variants))
 
     @classmethod
     def build(cls, config: EpConfig, arch: str, grid_ranks: int = 1) -> "Plan":
@@ -170,11 +184,10 @@ class Plan:
 
         Raises:
             ValueError: a spec breaks an ``arch`` limit (naming the field); config.nodes > 1
-                (``EpConfig.ops``: a layer across nodes plans its ``node_config()``).
+                (``epgen.codegen.planner.ops``: a layer across nodes plans its ``node_config()``).
         """
-        variants = {(op, "push"): tuple(config.variants(arch, op)) for op in config.ops}
-        variants[(Op.DISPATCH, "pull")] = tuple(config.variants(arch, Op.DISPATCH, "pull")) if "pull" in \
-            config.transports(arch, Op.DISPATCH) else ()
+        kernels = plan(config, arch)
+        variants = kernels.variants
         quantized = combine_quant(config.combine_quant).quantized
         expert = config.layout == "expert"
         routes = {}
@@ -187,16 +200,14 @@ class Plan:
             routes[(row.call, row.family, row.transport, row.split)] = attrs.evolve(
                 row, send=keep(row.send), recv=keep(row.recv), y=y)
         if config.dispatch_transport != "auto":
-            transports = ((1 << 30, config.dispatch_transport),)
+            rules = ((1 << 30, config.dispatch_transport),)
         elif grid_ranks < config.world_size:
             # one rank a process: no process sees its peers' x or token counts, and a rank that
             # pulls while a peer pushes corrupts rows, so "auto" pushes (set "pull" on every rank)
-            transports = ((1 << 30, "push"),)
+            rules = ((1 << 30, "push"),)
         else:
-            transports = tuple((t, "zero_copy" if tr == "pull" else tr)
-                               for t, tr in bucket_transports(config.tuning_key(arch, Op.DISPATCH)))
-        return cls(config=config, arch=arch, grid_ranks=grid_ranks, variants=variants, routes=routes,
-                   low_latency_tokens=config.low_latency_tokens(arch), transports=transports,
+            rules = tuple((t, "zero_copy" if tr == "pull" else tr) for t, tr in kernels.dispatch_transports)
+        return cls(kernels=kernels, grid_ranks=grid_ranks, routes=routes, transport_rules=rules,
                    whole_low_latency=WHOLE_LOW_LATENCY[ARCH_TRAITS[arch].vendor])
 
     @property
@@ -223,11 +234,11 @@ class Plan:
 
     def transport(self, tokens: int, zero_copy: bool, family: str | None = None) -> str:
         """The dispatch's transport for ``tokens``, given whether x is ``dispatch_input`` on every
-        rank this process drives: the bucket's rule (``transports``), "push" where the call's
+        rank this process drives: the bucket's rule (``transport_rules``), "push" where the call's
         family (``family``, default ``family(tokens)``) has no route of that transport (the
         low-latency family never pulls). A stated family decides it alone: ranks that state the
         same family take the same transport whatever their token counts."""
-        rule = next((tr for t, tr in self.transports if tokens <= t), self.transports[-1][1])
+        rule = next((tr for t, tr in self.transport_rules if tokens <= t), self.transport_rules[-1][1])
         want = ("pull" if zero_copy else "push") if rule == "zero_copy" else rule
         family = family or self.family(tokens)
         return want if (Op.DISPATCH, family, want, False) in self.routes else "push"
@@ -255,7 +266,7 @@ class Plan:
         """Token ranges ``(first, last)`` up to max_tokens_per_rank within which every call launches the
         same kernels: split at every variant's bucket, T_ll and each transport bucket."""
         tmax = self.config.max_tokens_per_rank
-        edges = {t for v in self.variants.values() for t, _ in v} | {t for t, _ in self.transports}
+        edges = {t for v in self.variants.values() for t, _ in v} | {t for t, _ in self.transport_rules}
         edges = sorted({min(t, tmax) for t in edges | {self.low_latency_tokens} if t > 0} | {tmax})
         return [(lo + 1, hi) for lo, hi in zip([0] + edges, edges)]
 

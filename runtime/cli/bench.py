@@ -39,7 +39,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from epgen.codegen.spec import Op
+from epgen.codegen.spec import TIMED_OPS
 from epgen.codegen.arch import traits
 from epgen.codegen.dtypes import combine_quant
 from epgen.codegen.render import render_ceiling
@@ -56,9 +56,6 @@ CSV_COLUMNS = ("op", "family", "dtype", "routing", "tokens", "rank", "world_size
                "nccl_gbps", "ratio_ceiling", "ratio_nccl", "blocks", "warps_per_block", "unroll", "transport")
 
 
-FAMILY_OPS = {"normal": (Op.DISPATCH, Op.COMBINE), "low_latency": (Op.DISPATCH_LL_SEND, Op.COMBINE_LL_SEND)}
-"""Per kernel family, the ops whose variant gives its dispatch's and its combine's geometry (both
-halves of a low-latency op share one)."""
 
 
 def _time(fn, iters: int, warmup: int = 3, queued: bool = True) -> tuple[Timing, bool]:
@@ -148,7 +145,7 @@ def bench_process(rank: int, world_size: int, layer: EpConfig, opts: BenchOption
             point = []
             for family, op, pair, n, wire, c_rows, c_wire, transport in timed:
                 method = QUEUED if pair.delay.covered and ceil_covered else SHORT_SLEEP
-                d_op, c_op = FAMILY_OPS[family]
+                d_op, c_op = TIMED_OPS[family]
                 # dispatch: the rows this rank received; combine: the rows it gathers for its tokens
                 point += [op_row(name, dtype, routing, T, me, world_size, t, host, method, rows_all, rows_wire, elem,
                                  wire_elem, ceil_gbps, nccl_gbps, geo, family=family, virtual=opts.virtual,
@@ -190,10 +187,10 @@ def op_row(name: str, dtype: str, routing: str, tokens: int, rank: int, world_si
     ``transport``: the dispatch's ("push" or "pull"; empty for a combine).
 
     Raises:
-        ValueError: ``family`` not one of FAMILY_OPS.
+        ValueError: ``family`` not one of TIMED_OPS.
     """
-    if family not in FAMILY_OPS:
-        raise ValueError(f"family={family!r}: must be one of {', '.join(FAMILY_OPS)}")
+    if family not in TIMED_OPS:
+        raise ValueError(f"family={family!r}: must be one of {', '.join(TIMED_OPS)}")
     w = gbps(rows_wire * wire_row_bytes, queued.median_us)
     return {"op": name, "family": family, "dtype": dtype, "routing": routing, "tokens": tokens, "rank": rank,
             "world_size": world_size, "virtual": bool(virtual),

@@ -381,6 +381,7 @@ def build_table(rows: list[dict], directory: Path, jobs: int):
 
 
 def cmd_demo(args, parser, console) -> int:
+    from epgen.codegen import planner
     from epgen.codegen.arch import ARCHES
     from epgen.codegen.config import EpConfig
 
@@ -397,7 +398,7 @@ def cmd_demo(args, parser, console) -> int:
                                  kernel_family=args.kernel_family or flags.CONFIG_DEFAULTS["kernel_family"],
                                  low_latency_geometry=args.low_latency_geometry)
         for arch in ARCHES:  # the demo compiles every arch's kernels
-            cfg.kernel_specs(arch)
+            planner.plan(cfg, arch)
     except ValueError as e:
         field = getattr(e, "field", None)
         flag = ("--tokens" if field == "max_tokens_per_rank" else "--low-latency-geometry"

@@ -10,6 +10,7 @@ from epgen.codegen.arch import ARCHES
 from epgen.codegen.catalogue import report_rows
 from epgen.codegen.report import resource_table
 from epgen.codegen.offline import toolchain_status
+from epgen.codegen import planner
 from epgen.codegen.config import EpConfig
 
 
@@ -28,7 +29,7 @@ def run_demo(cfg: EpConfig, model: str, iters: int, console: Console, quiet: boo
     for arch, reason in missing.items():
         if reason:
             console.print(f"{arch}: offline compile check skipped: {reason}")
-    specs = [s for arch in ARCHES if not missing[arch] for s in cfg.kernel_specs(arch)]
+    specs = planner.specs(cfg, [arch for arch in ARCHES if not missing[arch]])
     rows = []
     if specs:
         with console.status("compiling for " + ", ".join(a for a in ARCHES if not missing[a])):
@@ -75,7 +76,7 @@ def next_steps(model: str, table: bool) -> str:
 
 def _run_gpu(cfg: EpConfig, model: str, tokens: int, iters: int, console: Console, quiet: bool) -> dict:
     """Verify, time and print; returns the per-rank results (raises on a mismatch)."""
-    from epgen.cli.bench import FAMILY_OPS
+    from epgen.codegen.spec import TIMED_OPS
     from epgen.harness.verify import make_inputs, op_arg, op_inputs, run_round
     from epgen.op import EpDispatchCombine
     from epgen.harness.timing import gbps, time_pairs
@@ -95,7 +96,7 @@ def _run_gpu(cfg: EpConfig, model: str, tokens: int, iters: int, console: Consol
     d_t, c_t = time_pairs(lambda: op.dispatch(*args), lambda: op.combine(ys), iters=iters)
     bufs = [op.recv_buffers(r) for r in op.local_ranks]
     family = op.family(tokens)
-    dgeo, cgeo = (op.variant(o, tokens) for o in FAMILY_OPS[family])
+    dgeo, cgeo = (op.variant(o, tokens) for o in TIMED_OPS[family])
     table = Table(title=f"{model} on {torch.cuda.get_device_name(op.device)}: "
                         f"{'virtual ' if virtual else ''}W={W}, {tokens} tokens/rank, {family} family; "
                         f"dispatch {dgeo.blocks}x"

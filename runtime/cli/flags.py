@@ -22,7 +22,8 @@ from epgen.codegen.catalogue import CATALOGUE_MAX_TOKENS, CATALOGUE_WORLD_SIZE, 
 from epgen.codegen.config import DISPATCH_TRANSPORTS, KERNEL_FAMILIES, LAYOUTS, EpConfig
 from epgen.codegen.dtypes import COMBINE_QUANTS, DTYPES
 from epgen.codegen.models import MODELS, model
-from epgen.codegen.spec import LL_MAX_TOKENS, LOW_LATENCY_OPS, TRANSPORT_OPS, Op
+from epgen.codegen import planner
+from epgen.codegen.spec import CALLS, LL_MAX_TOKENS, LOW_LATENCY_OPS, Op
 from epgen.codegen.tuning import DEFAULT_UNROLL, Geometry
 from epgen.harness import ROUTINGS
 from epgen.cli.options import (BENCH_FAMILIES, BOTH_LOW_LATENCY_MAX_TOKENS, DEFAULT_MODEL, DEMO_ITERS,
@@ -139,7 +140,7 @@ def add_shape_args(p: argparse.ArgumentParser, *, model_help: str = "") -> None:
 
 
 def add_geometry_args(p: argparse.ArgumentParser) -> None:
-    for op in TRANSPORT_OPS:
+    for op in CALLS:
         p.add_argument(f"--{op.value}-geometry", type=geometry, default=None, help="BLOCKSxWARPS[uUNROLL] of the "
                        f"normal family's {op.value} kernel (default: the tuning table per token bucket)")
 
@@ -390,7 +391,7 @@ def specs_from(args, parser) -> list | None:
     if cfg is None:
         return selected_catalogue_specs(args, parser)  # None: every selector unset (sizes checked above)
     try:
-        return [s for arch in arches(args) for s in cfg.kernel_specs(arch)]
+        return planner.specs(cfg, arches(args))
     except ValueError as e:  # the spec's own message, plus the flag it came from
         parser.error(flag_error(e, args))
 
@@ -410,7 +411,7 @@ def selected_catalogue_specs(args, parser) -> list | None:
     if family:
         parser.error(f"{' '.join(family)}: needs a shape (--model or --hidden); the selectors --dtype/--topk/--quant "
                      "pick catalogue variants")
-    ops = {op for op, flag in ((Op.DISPATCH, args.dtype), (Op.COMBINE, args.quant)) if flag} or set(TRANSPORT_OPS)
+    ops = {op for op, flag in ((Op.DISPATCH, args.dtype), (Op.COMBINE, args.quant)) if flag} or set(CALLS)
     names = [m.name for m in MODELS.values() if m.num_experts >= (args.topk or 1)]  # top-k <= experts
     if not names:
         parser.error(f"--topk {args.topk}: no catalogue model has that many experts")
@@ -422,7 +423,7 @@ def selected_catalogue_specs(args, parser) -> list | None:
                          "name one with --model)")
     try:
         return [s for name in names for s in model_specs(name, arches(args), topk=args.topk, **_layer_kw(args))
-                if s.op.transport in ops]
+                if s.op.call in ops]
     except ValueError as e:
         parser.error(flag_error(e, args))
 
@@ -546,8 +547,7 @@ def gpu_preflight(args, parser, error, verb: str, layer: EpConfig, *, families: 
     arch = device_arch(torch.cuda.current_device())
     for cfg in cfgs:  # the tuning table's geometries: the world size and sizes against this arch's limits
         try:
-            for op in cfg.ops:
-                cfg.variants(arch, op)
+            planner.plan(cfg, arch)
         except ValueError as e:
             parser.error(f"{e} (--world-size {args.world_size} on this GPU's arch {arch})")
     _check_given_geometries(cfgs, (arch,), geometries, low_latency_geometries, parser)
@@ -559,20 +559,19 @@ def _check_given_geometries(cfgs, arches, geometries, low_latency_geometries, pa
     of ``arches`` runs for the kernels it applies to (the dispatch and combine, or the low-latency
     halves), naming the flag: given ``ARCHES`` before any GPU is looked for (a geometry no GPU can
     run), then this GPU's arch. A geometry for kernels this run builds on none of them is an error."""
-    for ops, given_by_flag in ((TRANSPORT_OPS, geometries), (LOW_LATENCY_OPS, low_latency_geometries)):
+    for ops, given_by_flag in ((CALLS, geometries), (LOW_LATENCY_OPS, low_latency_geometries)):
         family = "low-latency" if ops is LOW_LATENCY_OPS else "normal"
         for flag, given in (given_by_flag or {}).items():
             for g in [g for g in (given if isinstance(given, (list, tuple)) else [given]) if g is not None]:
                 errors = {}  # message -> the arches that raised it
                 for arch in arches:
                     try:
-                        holder = next((c for c in cfgs if set(ops) <= set(c.ops)
-                                       and all(c.variants(arch, op) for op in ops)), None)
+                        holder = next((c for c in cfgs if set(ops) <= set(planner.plan(c, arch).ops)), None)
                         if holder is None:
                             raise ValueError(f"{flag} {g}: applies to the {family} family's kernels, which this run "
                                              "does not build")
                         for op in ops:
-                            holder.spec(arch, op, holder.fit_geometry(arch, op, g, explicit=True))
+                            planner.explicit_spec(holder, arch, op, g)
                         break
                     except ValueError as e:
                         errors.setdefault(str(e), []).append(arch)

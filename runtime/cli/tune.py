@@ -34,14 +34,14 @@ from __future__ import annotations
 import attrs
 import torch
 
-from epgen.cli.bench import FAMILY_OPS
 from epgen.harness.measure import environment, measure
 from epgen.codegen.abi import LL_FLAG_SLOTS
 from epgen.codegen.arch import traits
-from epgen.codegen.tuning import DEFAULT_UNROLL, Geometry, default_geometry, pick_fewest_blocks, write_entry
+from epgen.codegen.planner import tuning_key
+from epgen.codegen.tuning import DEFAULT_UNROLL, Geometry, pick_fewest_blocks, write_entry
 from epgen.device import device_arch
 from epgen.codegen.config import EpConfig
-from epgen.codegen.spec import QUANTIZED_COMBINE_THREADS, Op
+from epgen.codegen.spec import QUANTIZED_COMBINE_THREADS, TIMED_OPS, Op
 from epgen.cli.options import TuneOptions, model_label, tune_counts
 
 
@@ -58,7 +58,7 @@ def default_candidates(arch: str, combine_quant: str = "none") -> tuple[Geometry
     for a quantized wire's combine, of ``QUANTIZED_COMBINE_THREADS`` and unroll 4 or 2 (its
     registers at unroll 4 allow one 512-thread block an SM on sm_90, at unroll 2 two: 132 x 16 u2
     led the geometry sweep of virtual W = 2 there, docs/measurements/quantized-combine.md#grid-rounding)."""
-    warps = default_geometry(arch).warps_per_block
+    warps = 1024 // traits(arch).wave_size
     if combine_quant == "none":
         return tuple(Geometry(b, warps, DEFAULT_UNROLL) for b in CANDIDATE_BLOCKS)
     warps = min(warps, QUANTIZED_COMBINE_THREADS // traits(arch).wave_size)
@@ -242,7 +242,7 @@ def _report(times: dict, sweeps: tuple[Sweep, ...], skipped: list, layer: EpConf
         """Table of op ``i`` (0 dispatch, 1 combine) of ``family`` (its times under ``key``,
         default the family): tokens x measured geometries, and the pick per count (or the pick at
         ``pick_at`` for every count)."""
-        op = FAMILY_OPS[family][i]
+        op = TIMED_OPS[family][i]
         key = key or family
         geos = list(dict.fromkeys(g for T in counts for g in times[(key, T)]))
         t = Table(title=f"epgen tune {op.template}{' (pull)' if key == 'pull' else ''}: {where}, us (slowest rank's "
@@ -262,7 +262,7 @@ def _report(times: dict, sweeps: tuple[Sweep, ...], skipped: list, layer: EpConf
     for sweep in sweeps:
         if sweep.family != "normal" or opts.family == "low_latency":
             continue  # the normal sweep tunes only when asked to; otherwise it is the reference
-        for i, op in enumerate(FAMILY_OPS["normal"]):
+        for i, op in enumerate(TIMED_OPS["normal"]):
             if op is Op.DISPATCH and layer.combine_quant != "none":
                 continue  # the dispatch does not depend on the combine wire: tuned without --quant
             counts = tuple(sorted(set(opts.tokens)))
@@ -283,7 +283,7 @@ def _report(times: dict, sweeps: tuple[Sweep, ...], skipped: list, layer: EpConf
                 measured = {str(T): {**{str(g): round(v[i], 1) for g, v in times[("normal", T)].items()},
                                      **({f"pull {g}": round(v[i], 1) for g, v in times[("pull", T)].items()}
                                         if pulled else {})} for T, _ in rows}
-                path = write_entry(key_cfg.tuning_key(arch, op), rows, _provenance(layer, opts, env, how),
+                path = write_entry(tuning_key(key_cfg, arch, op), rows, _provenance(layer, opts, env, how),
                                    measured, transports)
                 console.print(f"wrote {path}")
     if opts.family == "normal":
@@ -310,10 +310,10 @@ def _report(times: dict, sweeps: tuple[Sweep, ...], skipped: list, layer: EpConf
     how = (f"geometry: fewest blocks within 3% at {counts[-1]} tokens; threshold {choice.threshold}: the largest "
            f"count up to which dispatch_ll + combine_ll beat the normal family ({reference}) at every count of "
            f"{', '.join(map(str, counts))} (0: never)")
-    for i, (op, geo) in enumerate(zip(FAMILY_OPS["low_latency"], (choice.dispatch, choice.combine))):
+    for i, (op, geo) in enumerate(zip(TIMED_OPS["low_latency"], (choice.dispatch, choice.combine))):
         measured = {str(T): {**{str(g): round(v[i], 1) for g, v in times[("low_latency", T)].items()},
                              "normal": round(choice.normal_us[T][i], 1)} for T in counts}
-        path = write_entry(key_cfg.tuning_key(arch, op), [(choice.threshold, geo)],
+        path = write_entry(tuning_key(key_cfg, arch, op), [(choice.threshold, geo)],
                            _provenance(layer, opts, env, how), measured)
         console.print(f"wrote {path}")
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from epgen.codegen import planner
 from epgen.codegen import abi
 from epgen.codegen.arch import ARCHES, traits
 from epgen.codegen.config import EpConfig, Geometry
@@ -144,7 +145,7 @@ def _host_op(cfg: EpConfig) -> EpDispatchCombine:
     """An op with only the host state that recv_buffers and the fault messages read (no GPU)."""
     op = EpDispatchCombine.__new__(EpDispatchCombine)
     op.config, op.virtual, op.local_ranks = cfg, True, list(range(cfg.world_size))
-    op.dispatch_spec = cfg.spec("sm_90", Op.DISPATCH, cfg.dispatch_geometry)
+    op.dispatch_spec = planner.explicit_spec(cfg, "sm_90", Op.DISPATCH, cfg.dispatch_geometry)
     op.layout = op.dispatch_spec.layout
     local = {r: torch.zeros(op.layout.total_bytes, dtype=torch.uint8) for r in op.local_ranks}
     sig = slice(op.layout.signals, op.layout.signals + 4 * abi.SIGNAL_WORDS)  # CUDA: the arena's region

@@ -44,6 +44,7 @@ import re
 import attrs
 import pytest
 
+from epgen.codegen import planner
 from epgen.codegen.catalogue import catalogue_specs
 from epgen.codegen.config import EpConfig
 from epgen.codegen.offline import compile_assembly, compile_many, toolchain_status
@@ -400,7 +401,7 @@ def test_a_ready_flag_fan_out_costs_one_writeback_whatever_the_world_size(op):
     for w in (2, 8):
         cfg = EpConfig(world_size=w, hidden=2048, topk=4, num_experts=16, max_tokens_per_rank=64,
                        kernel_family="normal")
-        spec = cfg.spec("gfx950", Op(op), cfg.geometry("gfx950", Op(op), 64))
+        spec = planner.plan(cfg, "gfx950").variant(Op(op), 64)
         src = render(spec)
         counts.append(len(re.findall(r"^\s*buffer_wbl2\b", assembly(src.text, "gfx950", src.entry), re.M)))
     assert counts[0] == counts[1], counts
@@ -559,7 +560,7 @@ def _fence_removal_assembly(arch: str) -> dict[tuple[str, str | None], str]:
         cfg = EpConfig(world_size=2, hidden=2048, topk=4, num_experts=16, max_tokens_per_rank=64,
                        kernel_family=family)
         for op in ops:
-            src = render(cfg.spec(arch, Op(op), cfg.geometry(arch, Op(op), 64)))
+            src = render(planner.plan(cfg, arch).variant(Op(op), 64))
             keys.append((op, None))
             jobs.append((src.text, arch, src.entry))
             for name, (edit, applies, _, _) in FENCE_REMOVALS.items():

@@ -87,7 +87,7 @@ def _model_variants(arch: str) -> list[KernelSpec]:
     for name in MODELS:
         specs += [s for d in DTYPES for s in model_specs(name, (arch,), dtype=d)]
         specs += [s for q in COMBINE_QUANTS if q != "none"
-                  for s in model_specs(name, (arch,), combine_quant=q) if s.op.transport is Op.COMBINE]
+                  for s in model_specs(name, (arch,), combine_quant=q) if s.op.call is Op.COMBINE]
         specs += [s for d in DTYPES for s in model_specs(name, (arch,), dtype=d, dispatch_transport="pull")
                   if s.op is Op.DISPATCH_PULL or s.transport == "pull"]
     return list(dict.fromkeys(specs))

@@ -12,6 +12,7 @@ import attrs
 import numpy
 import pytest
 
+from epgen.codegen import planner
 from epgen.codegen import abi, protocol
 from epgen.codegen.config import EpConfig
 from epgen.codegen.render import render
@@ -77,7 +78,7 @@ def test_every_word_of_the_model_is_a_signal_of_the_table_or_a_region_and_the_ke
     signals = {s.name: s for s in abi.SIGNALS}
     cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=128, dispatch_transport="pull")
     for kernel, steps in protocol.KERNELS.items():
-        text = render(cfg.spec("sm_90", Op(kernel), cfg.geometry("sm_90", Op(kernel), 128))).text
+        text = render(planner.plan(cfg, "sm_90").variant(Op(kernel), 128)).text
         body = text[text.rindex("\n// ---- "):]  # the op's own part, after the platform layer and prelude
         for step in steps:
             assert step.word in signals or step.word in protocol.REGIONS, (kernel, step)

@@ -17,13 +17,13 @@ from epgen.codegen.dtypes import COMBINE_QUANTS
 from epgen.codegen.render import RUNTIME_OPTIONS, Source, environment, render
 from epgen.codegen import abi
 from epgen.codegen.abi import LL_FLAG_SLOTS
-from epgen.codegen.spec import LOW_LATENCY_OPS, SIGNAL_WORDS, TRANSPORT_OPS, KernelSpec, Op
+from epgen.codegen.spec import LOW_LATENCY_OPS, SIGNAL_WORDS, CALLS, KernelSpec, Op
 
 BASE = dict(
     op="dispatch", arch="gfx950", dtype="bf16", hidden=7168, topk=8, experts_per_rank=32, world_size=8,
     max_tokens_per_rank=4096, blocks=32, warps_per_block=16, unroll=4,
 )
-OPS = tuple(op.value for op in TRANSPORT_OPS + LOW_LATENCY_OPS)
+OPS = tuple(op.value for op in CALLS + LOW_LATENCY_OPS)
 """The ops rendered here: both families' transport kernels (the expert layout's are test_combine_wire's)."""
 LL_TOKENS = 33
 """T_ll of the low-latency specs here (odd, to tell it from the other constants)."""

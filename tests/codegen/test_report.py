@@ -1,5 +1,6 @@
 """Occupancy arithmetic of the resource report, hand-worked, and its variant labels."""
 
+from epgen.codegen import planner
 from epgen.codegen.offline import Resources
 from epgen.codegen.occupancy import occupancy, resident_blocks
 from epgen.codegen.spec import KernelSpec
@@ -58,7 +59,7 @@ def test_variant_labels_name_each_kernels_payload_or_wire():
 
     cfg = EpConfig(world_size=2, hidden=2048, topk=4, num_experts=8, max_tokens_per_rank=64, dtype="fp8",
                    combine_quant="fp8_blockwise", layout="expert", expert_alignment=16)
-    specs = [s.as_dict() for s in cfg.kernel_specs("sm_90")]
+    specs = [s.as_dict() for s in planner.specs(cfg, "sm_90")]
     labels, _ = variant_labels(specs)
     payload = {s["op"]: label.split()[0] for s, label in zip(specs, labels)}
     assert payload == {"dispatch": "fp8", "dispatch_ll": "fp8", "dispatch_ll_send": "fp8", "dispatch_ll_recv": "fp8",

@@ -14,13 +14,14 @@ import pytest
 
 import epgen
 import epgen.codegen
+from epgen.codegen import planner
 from epgen.codegen.arch import ARCH_TRAITS, ARCHES, traits
 from epgen.codegen.dtypes import DTYPES
 from epgen.codegen.models import MODELS
 from epgen.codegen.abi import LL_FLAG_SLOTS
 from epgen.codegen.errors import FieldError
 from epgen.codegen.spec import (ALIGN, EXPERT_OPS, LOW_LATENCY_OPS, MAX_TOKENS_LIMIT, PLAN_BLOCKS, SIGNAL_WORDS,
-                                TRANSPORT_OPS, ArenaLayout, KernelSpec, Op)
+                                CALLS, ArenaLayout, KernelSpec, Op)
 from epgen.codegen.config import EpConfig, Geometry
 from epgen.codegen import tuning
 
@@ -328,8 +329,8 @@ def test_dispatch_and_combine_share_layout(arch):
                  kernel_family="low_latency"),
     ]
     for cfg in configs:
-        specs = dict(zip(cfg.built_ops(arch), cfg.kernel_specs(arch)))
-        assert [s.op for s in specs.values()] == list(cfg.built_ops(arch))
+        specs = dict(zip(planner.plan(cfg, arch).ops, planner.specs(cfg, arch)))
+        assert [s.op for s in specs.values()] == list(planner.plan(cfg, arch).ops)
         payload = [s for s in specs.values() if s.op.payload]  # the dispatch kernels, expand_plan, expand
         local = [s for s in specs.values() if not s.op.payload]  # the combine kernels, fold
         d, c = payload[0], local[0]
@@ -338,7 +339,7 @@ def test_dispatch_and_combine_share_layout(arch):
         assert all(s.layout == dl for s in payload) and all(s.layout == cl for s in local)
         for r in SHARED_REGIONS:  # every region before the payload-sized ones (expert_x, ll_dispatch_stage)
             assert getattr(dl, r) == getattr(cl, r), r
-        assert dl.ll_tokens == cl.ll_tokens == cfg.low_latency_tokens(arch)
+        assert dl.ll_tokens == cl.ll_tokens == planner.plan(cfg, arch).low_latency_tokens
         assert dl.ll_stage_row_bytes == cl.ll_stage_row_bytes
         assert dl.capacity_rows == cl.capacity_rows == (cfg.max_recv_tokens or cfg.world_size * cfg.max_tokens_per_rank)
         # only the payload ops' total includes recv_x, expert_x and the low-latency dispatch stage
@@ -517,28 +518,28 @@ def test_config_builds_and_derives():
     c = cfg()
     assert c.experts_per_rank == 32
     for arch in ARCHES:
-        specs = c.kernel_specs(arch)
-        assert [s.op for s in specs] == list(c.built_ops(arch))
+        specs = planner.specs(c, arch)
+        assert [s.op for s in specs] == list(planner.plan(c, arch).ops)
         for s in specs:
             assert s.arch == arch
             assert (s.hidden, s.topk, s.world_size, s.max_tokens_per_rank) == (7168, 8, 8, 4096)
             assert s.experts_per_rank == 32 and s.num_experts == 256
             assert s.dtype == (c.dtype if s.op.payload else "bf16")
-            assert s.ll_tokens == c.low_latency_tokens(arch)
+            assert s.ll_tokens == planner.plan(c, arch).low_latency_tokens
 
 
 def test_config_geometry_reaches_specs():
     c = cfg(dispatch_geometry=Geometry(blocks=8, warps_per_block=4, unroll=2),
             combine_geometry=Geometry(blocks=64, warps_per_block=8, unroll=8), scale_bytes=32)
-    specs = {s.op: s for s in c.kernel_specs("gfx950")}
+    specs = {s.op: s for s in planner.specs(c, "gfx950")}
     d, k = specs[Op.DISPATCH], specs[Op.COMBINE]
     assert (d.blocks, d.warps_per_block, d.unroll, d.scale_bytes) == (8, 4, 2, 32)
     assert (k.blocks, k.warps_per_block, k.unroll, k.scale_bytes) == (64, 8, 8, 32)
-    ll = c.geometry("gfx950", Op.DISPATCH_LL_SEND, 1)  # the low-latency halves take their own geometry
+    ll = planner.plan(c, "gfx950").geometry(Op.DISPATCH_LL_SEND, 1)  # the low-latency halves take their own geometry
     for op in LOW_LATENCY_OPS:
         assert (specs[op].blocks, specs[op].warps_per_block, specs[op].unroll) == (ll.blocks, ll.warps_per_block, ll.unroll)
         assert specs[op].scale_bytes == 32
-    specs = {s.op: s for s in cfg(low_latency_geometry=Geometry(blocks=16, warps_per_block=2, unroll=1)).kernel_specs("gfx950")}
+    specs = {s.op: s for s in planner.specs(cfg(low_latency_geometry=Geometry(blocks=16, warps_per_block=2, unroll=1)), "gfx950")}
     for op in LOW_LATENCY_OPS:
         assert (specs[op].blocks, specs[op].warps_per_block, specs[op].unroll) == (16, 2, 1)
 
@@ -629,8 +630,8 @@ def test_every_catalogue_model_builds(name):
         assert c.experts_per_rank * w == m.num_experts
         assert c.experts_per_rank == m.num_experts // w
         for arch in ARCHES:
-            specs = c.kernel_specs(arch)
-            assert [s.op for s in specs] == list(c.built_ops(arch))
+            specs = planner.specs(c, arch)
+            assert [s.op for s in specs] == list(planner.plan(c, arch).ops)
             assert all(s.num_experts == m.num_experts for s in specs)
 
 
@@ -694,7 +695,7 @@ def test_the_low_latency_receive_rows_hold_every_row_a_call_can_send():
             **{**LL, "op": "dispatch", "recv_tokens": 1000})
     spec(**{**LL, "recv_tokens": 1024})
     cfg = EpConfig(world_size=8, hidden=2048, topk=4, num_experts=16, max_tokens_per_rank=256, max_recv_tokens=400)
-    assert [cfg.low_latency_tokens(a) for a in ARCHES] == [50] * len(ARCHES)
+    assert [planner.plan(cfg, a).low_latency_tokens for a in ARCHES] == [50] * len(ARCHES)
     with pytest.raises(ValueError, match=r"EpConfig.max_recv_tokens=400.*kernel_family='low_latency' receives up to "
                                          r"world_size x max_tokens_per_rank = 2048 rows"):
         EpConfig(world_size=8, hidden=2048, topk=4, num_experts=16, max_tokens_per_rank=256, max_recv_tokens=400,
@@ -750,13 +751,14 @@ def test_the_field_named_by_a_low_latency_error():
 def test_op_templates_and_families():
     assert [op.template for op in LOW_LATENCY_OPS] == ["dispatch_ll"] * 3 + ["combine_ll"] * 3
     assert all(op.low_latency and op.remote for op in LOW_LATENCY_OPS)
-    assert [op.transport for op in LOW_LATENCY_OPS] == [Op.DISPATCH] * 3 + [Op.COMBINE] * 3
+    assert [op.call for op in LOW_LATENCY_OPS] == [Op.DISPATCH] * 3 + [Op.COMBINE] * 3
     assert [op.payload for op in LOW_LATENCY_OPS] == [True] * 3 + [False] * 3
     assert not any(op.low_latency for op in Op if op not in LOW_LATENCY_OPS)
-    assert Op.COMBINE_QUANTIZE.transport is Op.COMBINE and not Op.COMBINE_QUANTIZE.remote
+    assert Op.COMBINE_QUANTIZE.call is Op.COMBINE and not Op.COMBINE_QUANTIZE.remote
     assert all(op.template == op.value for op in Op if op not in LOW_LATENCY_OPS)
-    assert all(op.transport is op for op in Op if op not in LOW_LATENCY_OPS + (Op.COMBINE_QUANTIZE, Op.DISPATCH_PULL))
-    assert Op.DISPATCH_PULL.template == "dispatch_pull" and Op.DISPATCH_PULL.transport is Op.DISPATCH
+    assert [op.call for op in EXPERT_OPS] == [Op.DISPATCH, Op.DISPATCH, Op.COMBINE]
+    assert Op.DISPATCH.call is Op.DISPATCH and Op.COMBINE.call is Op.COMBINE
+    assert Op.DISPATCH_PULL.template == "dispatch_pull" and Op.DISPATCH_PULL.call is Op.DISPATCH
     assert Op.DISPATCH_PULL.payload and Op.DISPATCH_PULL.remote and not Op.DISPATCH_PULL.low_latency
 
 
@@ -769,11 +771,11 @@ def test_the_quantize_kernel_serves_the_normal_rank_layout_combine_with_peers(wo
     # encodes the rows it sends
     c = EpConfig(world_size=world_size, hidden=512, topk=2, num_experts=8, max_tokens_per_rank=256, layout=layout,
                  kernel_family=family, combine_quant="fp8_blockwise")
-    assert (Op.COMBINE_QUANTIZE in c.ops) is built and c.quantize_kernel is (layout == "rank" and world_size > 1)
-    assert Op.COMBINE_QUANTIZE not in cfg(kernel_family=family, layout=layout).ops  # the bf16 wire never needs one
+    assert (Op.COMBINE_QUANTIZE in planner.ops(c)) is built
+    assert Op.COMBINE_QUANTIZE not in planner.ops(cfg(kernel_family=family, layout=layout))  # the bf16 wire never needs one
     if built:
-        (max_tokens, s), = c.variants("sm_90", Op.COMBINE_QUANTIZE)
-        assert (s.blocks, s.threads, s.unroll) == tuning.LOCAL_GEOMETRY["combine_quantize"]
+        (max_tokens, s), = planner.plan(c, "sm_90").variants.get((Op.COMBINE_QUANTIZE, "push"), ())
+        assert (s.blocks, s.threads, s.unroll) == tuning.MEASURED_DEFAULTS["sm_90"]["combine_quantize"][0][1:]
 
 
 def test_the_quantize_op_needs_a_quantized_wire():
@@ -787,13 +789,13 @@ def test_a_quantized_combine_runs_at_most_512_threads_a_block():
     # 8 waves on gfx950, 16 on gfx1250); a table geometry keeps its blocks, an explicit one is refused
     c = EpConfig.for_model("deepseek-v3", world_size=4, max_tokens_per_rank=4096, combine_quant="fp8_blockwise")
     bf16 = EpConfig.for_model("deepseek-v3", world_size=4, max_tokens_per_rank=4096)  # no table entries: defaults
-    table = {arch: tuning.lookup(bf16.tuning_key(arch, Op.COMBINE), 4096) for arch in ("sm_90", "gfx950", "gfx1250")}
+    table = {arch: tuning.schedule(planner.shape_key(bf16, arch)).bucket("combine", 4096).geometry for arch in ("sm_90", "gfx950", "gfx1250")}
     for arch, want in (("sm_90", 16), ("gfx950", 8), ("gfx1250", 16)):
-        g = c.geometry(arch, Op.COMBINE, 4096)
+        g = planner.plan(c, arch).geometry(Op.COMBINE, 4096)
         assert (g.blocks, g.warps_per_block, g.unroll) == (table[arch].blocks, min(want, table[arch].warps_per_block),
                                                            table[arch].unroll)
-        assert all(s.threads <= 512 for _, s in c.variants(arch, Op.COMBINE))
-    assert bf16.geometry("sm_90", Op.COMBINE, 4096) == table["sm_90"]  # the bf16 wire keeps 32 warps
+        assert all(s.threads <= 512 for _, s in planner.plan(c, arch).variants.get((Op.COMBINE, "push"), ()))
+    assert planner.plan(bf16, "sm_90").geometry(Op.COMBINE, 4096) == table["sm_90"]  # the bf16 wire keeps 32 warps
     with pytest.raises(ValueError, match=r"^EpConfig.combine_geometry=16x32u4: .* a combine with a quantized wire "
                                          r"\(fp8_blockwise\) runs at most 512 threads a block .*: warps at most 8 on "
                                          r"gfx942, 8 on gfx950, 16 on gfx1250, 16 on sm_90$"):
@@ -801,8 +803,8 @@ def test_a_quantized_combine_runs_at_most_512_threads_a_block():
     fits = attrs.evolve(c, combine_geometry=Geometry(blocks=16, warps_per_block=16, unroll=4))  # sm_90, gfx1250
     with pytest.raises(ValueError, match=r"^EpConfig.combine_geometry=16x16u4: 16 warps of 64 lanes are 1024 threads "
                                          r"on gfx950; .* warps at most 8 on gfx942, 8 on gfx950"):
-        fits.variants("gfx950", Op.COMBINE)
-    assert fits.variants("sm_90", Op.COMBINE)[0][1].warps_per_block == 16
+        planner.plan(fits, "gfx950").variants.get((Op.COMBINE, "push"), ())
+    assert planner.plan(fits, "sm_90").variants.get((Op.COMBINE, "push"), ())[0][1].warps_per_block == 16
     # the kernel's own rule: a spec built by hand (epgen diff --a/--b) cannot hold more either
     with pytest.raises(ValueError, match=r"^KernelSpec.warps_per_block=32: 1024 threads; a combine with a quantized "
                                          r"wire \(fp8_blockwise\) runs at most 512 threads a block$"):
@@ -821,13 +823,13 @@ def test_kernel_family_must_be_one_of_three(value):
 
 def test_the_low_latency_family_holds_at_most_65535_tokens_a_rank():
     c = EpConfig(world_size=2, hidden=256, topk=2, num_experts=4, max_tokens_per_rank=65535, kernel_family="low_latency")
-    assert c.low_latency_tokens("gfx950") == 65535
+    assert planner.plan(c, "gfx950").low_latency_tokens == 65535
     with pytest.raises(ValueError, match=r"^EpConfig.max_tokens_per_rank=65536: kernel_family='low_latency' holds at "
                                          r"most 65535 tokens a rank \(use 'auto' or 'normal'\)"):
         EpConfig(world_size=2, hidden=256, topk=2, num_experts=4, max_tokens_per_rank=65536, kernel_family="low_latency")
     for family in ("auto", "normal"):  # auto caps T_ll instead
         c = EpConfig(world_size=2, hidden=256, topk=2, num_experts=4, max_tokens_per_rank=65536, kernel_family=family)
-        assert c.low_latency_tokens("gfx950") == (0 if family == "normal" else 128)
+        assert planner.plan(c, "gfx950").low_latency_tokens == (0 if family == "normal" else 128)
 
 
 @pytest.mark.parametrize("value", ["64x8u2", (64, 8, 2), 64])
@@ -842,26 +844,26 @@ def test_an_explicit_low_latency_geometry_is_not_clamped_but_refused():
         cfg(low_latency_geometry=Geometry(blocks=129, warps_per_block=8, unroll=2))  # W = 8: at most 128
     with pytest.raises(ValueError, match=r"^EpConfig.low_latency_geometry=.*: applies to kernel_family 'auto' or "):
         cfg(low_latency_geometry=Geometry(blocks=64, warps_per_block=8, unroll=2), kernel_family="normal")
-    assert cfg(low_latency_geometry=Geometry(blocks=128, warps_per_block=8, unroll=2)).geometry(
-        "sm_90", Op.COMBINE_LL, 1).blocks == 128
+    explicit = cfg(low_latency_geometry=Geometry(blocks=128, warps_per_block=8, unroll=2))
+    assert planner.plan(explicit, "sm_90").geometry(Op.COMBINE_LL, 1).blocks == 128
 
 
 @pytest.mark.parametrize("family,layout,ops", [
-    ("auto", "rank", TRANSPORT_OPS + (Op.DISPATCH_PULL,) + LOW_LATENCY_OPS),
-    ("normal", "rank", TRANSPORT_OPS + (Op.DISPATCH_PULL,)),
+    ("auto", "rank", CALLS + (Op.DISPATCH_PULL,) + LOW_LATENCY_OPS),
+    ("normal", "rank", CALLS + (Op.DISPATCH_PULL,)),
     ("low_latency", "rank", LOW_LATENCY_OPS),
-    ("auto", "expert", TRANSPORT_OPS + (Op.DISPATCH_PULL,) + LOW_LATENCY_OPS + EXPERT_OPS),
-    ("normal", "expert", TRANSPORT_OPS + (Op.DISPATCH_PULL,) + EXPERT_OPS),
+    ("auto", "expert", CALLS + (Op.DISPATCH_PULL,) + LOW_LATENCY_OPS + EXPERT_OPS),
+    ("normal", "expert", CALLS + (Op.DISPATCH_PULL,) + EXPERT_OPS),
     ("low_latency", "expert", LOW_LATENCY_OPS + EXPERT_OPS),
 ])
 def test_config_ops_per_family(family, layout, ops):
     c = cfg(kernel_family=family, layout=layout, max_tokens_per_rank=512)
-    assert c.ops == ops
+    assert planner.ops(c) == ops
     # no gfx950 table bucket says "pull": "auto" builds no pull kernels there
-    assert [s.op for s in c.kernel_specs("gfx950")] == [op for op in ops if op is not Op.DISPATCH_PULL]
+    assert [s.op for s in planner.specs(c, "gfx950")] == [op for op in ops if op is not Op.DISPATCH_PULL]
     want = {"normal": 0, "low_latency": 512, "auto": 128}[family]  # auto: tuning.LOW_LATENCY_MAX_TOKENS
-    assert c.low_latency_tokens("gfx950") == want
-    assert all(s.ll_tokens == want for s in c.kernel_specs("gfx950"))  # every spec of the layer: one arena layout
+    assert planner.plan(c, "gfx950").low_latency_tokens == want
+    assert all(s.ll_tokens == want for s in planner.specs(c, "gfx950"))  # every spec of the layer: one arena layout
 
 
 # --------------------------------------------------------------------------------------------------
@@ -899,34 +901,34 @@ def test_pull_refused_with_the_low_latency_family_alone():
     with pytest.raises(ValueError, match=r"^EpConfig.dispatch_transport='pull': applies to the normal family"):
         cfg(dispatch_transport="pull", kernel_family="low_latency")
     c = cfg(kernel_family="low_latency", dispatch_transport="auto")
-    assert Op.DISPATCH_PULL not in c.ops and c.transport("sm_90", 1) == "push"
+    assert Op.DISPATCH_PULL not in planner.ops(c) and planner.dispatch_transport(c, "sm_90", 1) == "push"
 
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_transport_selection_and_the_kernels_each_builds(arch):
     push, pull, auto = (cfg(dispatch_transport=t, max_tokens_per_rank=512) for t in ("push", "pull", "auto"))
-    assert Op.DISPATCH_PULL not in push.ops and push.transports(arch, Op.DISPATCH) == ("push",)
-    assert push.transport(arch, 1) == "push" and pull.transport(arch, 1) == "pull"
-    assert pull.transports(arch, Op.DISPATCH) == ("push", "pull")
-    specs = pull.kernel_specs(arch)
-    assert [(s.op, s.transport) for s in specs if s.op.transport is Op.DISPATCH and not s.op.low_latency] == [
+    assert Op.DISPATCH_PULL not in planner.ops(push) and planner.plan(push, arch).transports(Op.DISPATCH) == ("push",)
+    assert planner.dispatch_transport(push, arch, 1) == "push" and planner.dispatch_transport(pull, arch, 1) == "pull"
+    assert planner.plan(pull, arch).transports(Op.DISPATCH) == ("push", "pull")
+    specs = planner.specs(pull, arch)
+    assert [(s.op, s.transport) for s in specs if s.op.call is Op.DISPATCH and s.op.remote and not s.op.low_latency] == [
         (Op.DISPATCH, "push"), (Op.DISPATCH, "pull"), (Op.DISPATCH_PULL, "push")]
     # the pull path's kernels take the dispatch entry's buckets and geometry
-    assert pull.tuning_key(arch, Op.DISPATCH_PULL) == pull.tuning_key(arch, Op.DISPATCH)
+    assert planner.tuning_key(pull, arch, Op.DISPATCH_PULL) == planner.tuning_key(pull, arch, Op.DISPATCH)
     for tr, op in (("pull", Op.DISPATCH), ("push", Op.DISPATCH_PULL)):
-        got = pull.variants(arch, op, tr)
-        want = pull.variants(arch, Op.DISPATCH)
+        got = planner.plan(pull, arch).variants.get((op, tr), ())
+        want = planner.plan(pull, arch).variants.get((Op.DISPATCH, "push"), ())
         assert [(t, s.blocks, s.warps_per_block, s.unroll) for t, s in got] == [
             (t, s.blocks, s.warps_per_block, s.unroll) for t, s in want]
         assert all(s.op is op and s.transport == tr for _, s in got)
     # no shipped table bucket says pull: "auto" pushes and builds no pull kernels
-    assert auto.transport(arch, 1) == "push" and auto.transports(arch, Op.DISPATCH) == ("push",)
-    assert auto.variants(arch, Op.DISPATCH_PULL) == () and auto.variants(arch, Op.DISPATCH, "pull") == ()
+    assert planner.dispatch_transport(auto, arch, 1) == "push" and planner.plan(auto, arch).transports(Op.DISPATCH) == ("push",)
+    assert planner.plan(auto, arch).variants.get((Op.DISPATCH_PULL, "push"), ()) == () and planner.plan(auto, arch).variants.get((Op.DISPATCH, "pull"), ()) == ()
 
 
 def test_explicit_dispatch_geometry_applies_to_both_pull_kernels():
     g = Geometry(blocks=8, warps_per_block=4, unroll=2)
     c = cfg(dispatch_transport="pull", dispatch_geometry=g)
     for op, tr in ((Op.DISPATCH, "pull"), (Op.DISPATCH_PULL, "push")):
-        ((t, s),) = c.variants("gfx950", op, tr)
+        ((t, s),) = planner.plan(c, "gfx950").variants.get((op, tr), ())
         assert (t, s.blocks, s.warps_per_block, s.unroll) == (c.max_tokens_per_rank, 8, 4, 2)

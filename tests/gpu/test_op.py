@@ -6,6 +6,7 @@ W = 1; W = 4 and 8 as virtual ranks on one GPU; W = 2, 3 and 4 as processes (``e
 import pytest
 import torch
 
+from epgen.codegen import planner
 from epgen.harness.verify import PROCESS_WORLD_SIZES, model_config, per_rank, run_round
 from epgen.codegen.spec import Op
 from epgen.codegen.config import EpConfig, Geometry
@@ -208,7 +209,7 @@ def test_resident_blocks_formula_equals_the_driver_across_block_sizes(op_name, w
     # the fp4 wire's combine holds the most registers, up to the threads a quantized combine may run
     quant = "fp4_blockwise" if warps * 32 <= QUANTIZED_COMBINE_THREADS else "none"
     cfg = EpConfig.for_model("deepseek-v3", world_size=8, max_tokens_per_rank=TMAX, combine_quant=quant)
-    spec = cfg.spec("sm_90", Op(op_name), Geometry(16, warps, 4))
+    spec = planner.explicit_spec(cfg, "sm_90", Op(op_name), Geometry(16, warps, 4))
     src = render(spec)
     with cupy.cuda.Device(0):
         fn = load_kernel(src.text, src.entry)

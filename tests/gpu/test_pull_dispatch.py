@@ -10,6 +10,7 @@ Every call checks what it took with ``op.transport``; inputs either sit in ``op.
 import pytest
 import torch
 
+from epgen.codegen import planner
 from epgen.codegen.config import EpConfig, Geometry
 from epgen.codegen.spec import Op
 from epgen.harness.verify import (PROCESS_WORLD_SIZES, check_exact_combine, check_exact_dispatch, expect, integer_expert_stage,
@@ -58,7 +59,7 @@ def _rounds(op, cfg, zero_copy: bool, kinds=KINDS, seed=0):
                 verify.op_inputs = original
             assert cfg.combine_quant == "none" or stats["wire_mismatches"] == 0, (tokens, kind, stats)
             x = op_arg(op, [op.dispatch_input(r)[: tokens[r]] for r in op.local_ranks])
-            assert op.transport(mine, x) == "pull"
+            assert planner.dispatch_transport(op, mine, x) == "pull"
     return seed
 
 
@@ -170,7 +171,7 @@ def test_push_and_pull_calls_alternate_in_one_op(world_size, table_dir):
     base = EpConfig.for_model("deepseek-v3", world_size=world_size, max_tokens_per_rank=256, kernel_family="normal",
                               dispatch_geometry=GEO, combine_geometry=GEO, timeout_s=10.0)
     arch = Platform.current().arch(torch.cuda.current_device())
-    tuning.write_entry(base.tuning_key(arch, Op.DISPATCH), [(256, GEO)], "test: a pull bucket", {},
+    tuning.write_entry(planner.tuning_key(base, arch, Op.DISPATCH), [(256, GEO)], "test: a pull bucket", {},
                        transports={256: "pull"})
     op = EpDispatchCombine(base, virtual=world_size > 1, validate=True)
     taken = []
@@ -180,7 +181,7 @@ def test_push_and_pull_calls_alternate_in_one_op(world_size, table_dir):
         if zero_copy:
             inputs = zero_copy_inputs(op, inputs)
         x = op_arg(op, [inputs[r].x for r in op.local_ranks])
-        taken.append(op.transport(200, x))
+        taken.append(planner.dispatch_transport(op, 200, x))
         run_exact_round(op, base, inputs)
     assert taken == ["pull", "push", "pull"] * 2 + ["pull", "push"]
     op.close()
@@ -231,7 +232,7 @@ def test_graph_of_pull_dispatch_and_combine_with_fresh_inputs_in_dispatch_input(
         except AssertionError as e:
             raise AssertionError(f"{what}: {e}") from None
 
-    assert op.transport(T, args[0]) == "pull"
+    assert planner.dispatch_transport(op, T, args[0]) == "pull"
     run_and_check(static, step, "eager call")
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from epgen.codegen import planner
 from epgen.codegen import abi
 from epgen.codegen.spec import Op
 from epgen.op import EpDispatchCombine, EpError, _args_dtype
@@ -219,7 +220,7 @@ def test_more_than_65536_rows_received_by_one_rank_virtual8():
     T = 8200  # 8 ranks x 8200 tokens, top-8, all to rank 0: 65600 rows there
     cfg = EpConfig(world_size=8, hidden=7168, topk=8, num_experts=256, max_tokens_per_rank=T,
                    dispatch_geometry=GEO, combine_geometry=GEO, timeout_s=TIMEOUT_S)
-    arenas = 8 * cfg.spec("sm_90", Op.DISPATCH, GEO).layout.total_bytes
+    arenas = 8 * planner.explicit_spec(cfg, "sm_90", Op.DISPATCH, GEO).layout.total_bytes
     assert arenas < 20 * 2**30, f"arenas {arenas / 2**30:.1f} GiB"  # ~14.0 GiB; inputs and checks add ~5 GiB
     op = _op(cfg, True)
     try:
@@ -526,12 +527,12 @@ class EmulatedOp(EpDispatchCombine):
         self.device = torch.device("cpu")
         self.local_ranks = list(range(config.world_size))
         self.arch = "sm_90"  # the specs' arch (the op's transport and family picks read it)
-        specs = {op: config.spec(self.arch, op, config.geometry(self.arch, op, config.max_tokens_per_rank))
-                 for op in config.ops}
+        specs = {op: planner.plan(config, self.arch).variant(op, config.max_tokens_per_rank)
+                 for op in planner.ops(config)}
         self.plan = attrs.evolve(Plan.build(config, self.arch, len(self.local_ranks)), variants={
             (op, "push"): ((config.max_tokens_per_rank, spec),) for op, spec in specs.items()})
         self._kernels = {spec: op for op, spec in specs.items()}  # fn: the op
-        self.dispatch_spec = specs[next(op for op in config.ops if op.payload)]
+        self.dispatch_spec = specs[next(op for op in planner.ops(config) if op.payload)]
         self.low_latency_tokens = self.dispatch_spec.ll_tokens
         self._fused = {op: fused and self.low_latency_tokens > 0 for op in (Op.DISPATCH, Op.COMBINE)}
         self.layout = self.dispatch_spec.layout
@@ -542,7 +543,7 @@ class EmulatedOp(EpDispatchCombine):
         self.arenas = types.SimpleNamespace(local=local, local_signals={r: t[sig] for r, t in local.items()},
                                             close=lambda: None)
         self.errors = _Records(config.world_size)
-        self._args = {op: np.zeros((), dtype=_args_dtype(config.world_size)) for op in config.ops}
+        self._args = {op: np.zeros((), dtype=_args_dtype(config.world_size)) for op in planner.ops(config)}
         self._pending_tokens = None
         self._pending_family = None
         self._recv_handle = None

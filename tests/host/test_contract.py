@@ -23,6 +23,7 @@ import attrs
 import pytest
 import torch
 
+from epgen.codegen import planner
 from epgen import reference
 from epgen.codegen import abi
 from epgen.codegen.arch import traits
@@ -172,7 +173,7 @@ def test_auto_takes_each_family_by_token_count_and_both_agree(table_dir, seed):
     arch, W = AUTO
     config = cfg(W, "auto")
     for op_ in (Op.DISPATCH_LL_SEND, Op.COMBINE_LL_SEND):
-        tuning.write_entry(config.tuning_key(arch, op_), [(8, GEOMETRY)], "test: T_ll 8", {})
+        tuning.write_entry(planner.tuning_key(config, arch, op_), [(8, GEOMETRY)], "test: T_ll 8", {})
     op = host_op(config, arch, seed)
     T_ll = op.low_latency_tokens
     assert T_ll == 8
@@ -327,7 +328,7 @@ def test_push_and_pull_calls_alternate_in_one_op(table_dir, seed):
 
     arch, W = "gfx942", 2
     config = cfg(W, "normal")
-    tuning.write_entry(config.tuning_key(arch, Op.DISPATCH), [(TMAX, GEOMETRY)], "test: a pull bucket", {},
+    tuning.write_entry(planner.tuning_key(config, arch, Op.DISPATCH), [(TMAX, GEOMETRY)], "test: a pull bucket", {},
                        transports={TMAX: "pull"})
     op = host_op(config, arch, seed)
     taken = []

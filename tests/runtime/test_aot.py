@@ -17,6 +17,7 @@ from pathlib import Path
 import attrs
 import pytest
 
+from epgen.codegen import planner
 from epgen import aot, loader
 
 from epgen.cli import import_timing
@@ -59,8 +60,9 @@ def test_build_writes_each_variant_and_the_manifest(built):
     specs = config_specs(CFG, ARCHES)
     assert doc["directory"] == str(out) and doc["import_times"] is None
     assert [r["entry"] for r in doc["code_objects"]] == [s.name for s in specs]
-    built = [CFG.built_ops(a) for a in ARCHES]  # "auto" dispatch_transport: no table bucket pulls, no pull kernels
-    assert len(specs) == sum(map(len, built)) and all(len(b) == 2 + 6 for b in built)  # dispatch, combine; 6 low-latency
+    built = [planner.plan(CFG, a).ops for a in ARCHES]  # "auto" dispatch_transport: no table bucket pulls, no pull kernels
+    assert len(specs) == sum(len(planner.plan(CFG, a).specs()) for a in ARCHES)  # every bucket of every kernel
+    assert all(len(b) == 2 + 6 for b in built)  # dispatch, combine; 6 low-latency
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["schema"] == 1 and set(manifest["code_objects"]) == {r["file"] for r in doc["code_objects"]}
     for spec, row in zip(specs, doc["code_objects"]):
@@ -88,7 +90,7 @@ def test_a_second_build_merges_into_the_manifest(built, tmp_path):
 
 def test_config_specs_are_the_op_variants_once_each():
     cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=8192)  # measured sm_90 table
-    per_op = [s for op in cfg.ops for _, s in cfg.variants("sm_90", op)]
+    per_op = [s for op in planner.ops(cfg) for _, s in planner.plan(cfg, "sm_90").variants.get((op, "push"), ())]
     specs = config_specs(cfg, ("sm_90",))
     assert specs == list(dict.fromkeys(per_op)) and len(specs) < len(per_op)  # two buckets share a geometry
     both = config_specs(cfg, ("sm_90", "gfx950"))  # arch by arch, in the order given
@@ -295,7 +297,7 @@ def test_build_table_names_files_and_compilers(tmp_path):
     if offline.toolchain_status("sm_90"):
         pytest.skip(offline.toolchain_status("sm_90"))
     rc, stdout = _cli("build", "--model", MODEL, "--arch", "sm_90", "-o", str(tmp_path / "c"))
-    assert rc == 0 and f"epgen build: {len(CFG.built_ops('sm_90'))} code objects" in stdout and "nvrtc " in stdout
+    assert rc == 0 and f"epgen build: {len(planner.plan(CFG, 'sm_90').ops)} code objects" in stdout and "nvrtc " in stdout
     assert all(s.name in stdout.replace("\n", "") for s in config_specs(CFG, ("sm_90",)))
 
 

@@ -8,6 +8,7 @@ import statistics
 import pytest
 import torch
 
+from epgen.codegen.spec import TIMED_OPS
 from epgen.cli import bench
 from epgen.cli.bench import op_row
 from epgen.harness.measure import gathered_rows
@@ -177,7 +178,7 @@ class _FakeOp:
         return ("low_latency" if tokens <= 128 else "normal") if kind == "auto" else kind
 
     def variant(self, op, tokens):
-        assert op in bench.FAMILY_OPS[self.family(tokens)], (op, tokens)
+        assert op in TIMED_OPS[self.family(tokens)], (op, tokens)
         return self.geometries[self.family(tokens)]
 
     def recv_buffers(self, rank):

@@ -12,10 +12,10 @@ import pytest
 
 from epgen.cli import main
 from epgen.codegen.arch import ARCHES
-from epgen.codegen.spec import LOW_LATENCY_OPS, TRANSPORT_OPS
-from epgen.codegen.tuning import low_latency_default
+from epgen.codegen.spec import LOW_LATENCY_OPS, CALLS
+from epgen.codegen.tuning import defaults
 
-OPS = [op.value for op in TRANSPORT_OPS + LOW_LATENCY_OPS]
+OPS = [op.value for op in CALLS + LOW_LATENCY_OPS]
 """The kernels of one rank-layout shape (EpConfig's default kernel_family "auto": both families), in order."""
 
 
@@ -368,7 +368,7 @@ def test_report_rows_use_null_and_tables_read_at_80_and_120_columns(capsys):
         assert "…" not in text and all(len(line) <= width for line in text.splitlines())
         lines = [line for line in text.splitlines() if line.startswith("sm_90 ")]
         assert [line.split()[1:4] for line in lines] == [["dispatch", "bf16", "24x32u4"], ["combine", "bf16", "24x32u4"]] + [
-            [op, "bf16", str(low_latency_default("sm_90")[1])] for op in OPS[2:]]  # no table entry for the shape
+            [op, "bf16", str(defaults("sm_90", "dispatch_ll", 4096)[0].geometry)] for op in OPS[2:]]  # no table entry for the shape
         assert "every row: w8 h4096 k2 l1 t4096" in text
 
 

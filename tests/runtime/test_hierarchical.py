@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from epgen.codegen import planner
 from epgen import reference
 from epgen.codegen.config import EpConfig
 from epgen.codegen.spec import Op
@@ -167,11 +168,11 @@ def test_node_config():
                     max_tokens_per_rank=128).node_config().world_size == 8  # W beyond one kernel's 64 ranks
     assert small_config(scale_bytes=3).node_scale_bytes == 16 + 8 + 3 + 1
     # the layer's kernels are the node-local op's: no flat 16-rank (or, at 320 ranks, impossible) specs
-    for query in (lambda: cfg.ops, lambda: cfg.kernel_specs("sm_90"), lambda: cfg.variants("sm_90", Op.COMBINE)):
+    for query in (lambda: planner.ops(cfg), lambda: planner.specs(cfg, "sm_90"), lambda: planner.plan(cfg, "sm_90").variants.get((Op.COMBINE, "push"), ())):
         with pytest.raises(ValueError, match=r"^EpConfig.nodes=2: a layer across nodes compiles the kernels of its "
                                              r"node_config\(\) \(8 ranks a node\), not flat ones of world_size=16"):
             query()
-    assert [s.world_size for s in node.kernel_specs("sm_90")] == [8] * len(node.kernel_specs("sm_90"))
+    assert [s.world_size for s in planner.specs(node, "sm_90")] == [8] * len(planner.specs(node, "sm_90"))
     for kw, field, match in [
         (dict(nodes=3), "nodes", r"EpConfig.nodes=3: must divide world_size=16"),
         (dict(nodes=0), "nodes", r"EpConfig.nodes=0: must be a positive int"),

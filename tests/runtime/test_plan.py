@@ -20,6 +20,7 @@ import attrs
 import pytest
 
 from epgen.cli import main
+from epgen.codegen import planner
 from epgen.codegen.config import EpConfig, Geometry
 from epgen.codegen.spec import Op
 from epgen.plan import Plan, describe
@@ -101,7 +102,7 @@ def test_a_config_drops_the_routes_whose_kernels_it_does_not_build():
         (Op.DISPATCH, "normal", "push", False): ["dispatch"],
         (Op.COMBINE, "normal", "push", False): ["combine_quantize", "combine"],
     }
-    assert rank.route(Op.COMBINE, "normal").y == "in_place" and rank.transports == ((1 << 30, "push"),)
+    assert rank.route(Op.COMBINE, "normal").y == "in_place" and rank.transport_rules == ((1 << 30, "push"),)
     one = Plan.build(attrs.evolve(SMALL, world_size=1, kernel_family="low_latency"), "sm_90")
     assert [key[1] for key in one.routes] == ["low_latency"] * 4
     with pytest.raises(KeyError):
@@ -112,7 +113,7 @@ def test_the_buckets_split_where_any_kernel_family_or_transport_changes(table_di
     from epgen.codegen import tuning
 
     cfg = attrs.evolve(SMALL, max_tokens_per_rank=1000, kernel_family="auto")
-    tuning.write_entry(cfg.tuning_key("sm_90", Op.DISPATCH), [(64, Geometry(4, 4, 2)), (512, Geometry(8, 4, 2))],
+    tuning.write_entry(planner.tuning_key(cfg, "sm_90", Op.DISPATCH), [(64, Geometry(4, 4, 2)), (512, Geometry(8, 4, 2))],
                        "test", {}, transports={64: "push", 512: "pull"})
     plan = Plan.build(cfg, "sm_90", grid_ranks=2)
     assert plan.buckets() == [(1, 64), (65, 128), (129, 512), (513, 1000)]
@@ -122,7 +123,7 @@ def test_the_buckets_split_where_any_kernel_family_or_transport_changes(table_di
         (t, op, tr, when) for t in ((129, 512), (513, 1000)) for op, tr, when in (
             ("dispatch", "push", ""), ("dispatch", "pull", "x in dispatch_input"),
             ("dispatch_pull", "pull", "x in dispatch_input"))}
-    assert Plan.build(cfg, "sm_90", grid_ranks=1).transports == ((1 << 30, "push"),)  # one rank a process
+    assert Plan.build(cfg, "sm_90", grid_ranks=1).transport_rules == ((1 << 30, "push"),)  # one rank a process
 
 
 def test_epgen_plan_prints_each_bucket_kernels(capsys):

@@ -8,6 +8,7 @@ import attrs
 
 import pytest
 
+from epgen.codegen import planner, tuning
 from epgen.cli import tune
 from epgen.codegen.arch import ARCHES, traits
 from epgen.codegen.config import EpConfig
@@ -107,7 +108,7 @@ def test_low_latency_candidates_fit_the_flag_slots_and_build(arch, world_size):
                    kernel_family="low_latency")
     for g in geos:
         for op in LOW_LATENCY_OPS:
-            spec = cfg.spec(arch, op, g)
+            spec = planner.explicit_spec(cfg, arch, op, g)
             assert spec.threads in tune.LOW_LATENCY_CANDIDATE_THREADS and spec.world_size * spec.blocks <= 1024
 
 
@@ -141,9 +142,9 @@ def test_tune_writes_both_families_and_epconfig_reads_the_threshold(table_dir, m
     assert entries["dispatch_ll"]["measured_us"]["8"] == {"8x16u2": 12.0, "16x16u2": 10.2, "32x16u4": 10.0,
                                                           "normal": 14.5}
     cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096)
-    assert cfg.low_latency_tokens("sm_90") == 128
-    assert cfg.geometry("sm_90", Op.DISPATCH_LL_SEND, 1) == G16
-    assert cfg.geometry("sm_90", Op.COMBINE_LL_RECV, 1) == G8
+    assert planner.plan(cfg, "sm_90").low_latency_tokens == 128
+    assert planner.plan(cfg, "sm_90").geometry(Op.DISPATCH_LL_SEND, 1) == G16
+    assert planner.plan(cfg, "sm_90").geometry(Op.COMBINE_LL_RECV, 1) == G8
 
 
 def test_a_threshold_of_0_is_written_and_means_never(table_dir, monkeypatch, capsys):
@@ -160,11 +161,11 @@ def test_a_threshold_of_0_is_written_and_means_never(table_dir, monkeypatch, cap
     assert "--virtual" in entries["dispatch_ll"]["provenance"]
     assert "tuning table's geometry" in entries["dispatch_ll"]["provenance"]
     auto = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096)
-    assert auto.low_latency_tokens("sm_90") == 0
-    assert [s.op for s in auto.kernel_specs("sm_90")] == [Op.DISPATCH, Op.COMBINE]
-    assert all(auto.variants("sm_90", op) == () for op in LOW_LATENCY_OPS)
+    assert planner.plan(auto, "sm_90").low_latency_tokens == 0
+    assert [s.op for s in planner.specs(auto, "sm_90")] == [Op.DISPATCH, Op.COMBINE]
+    assert all(planner.plan(auto, "sm_90").variants.get((op, "push"), ()) == () for op in LOW_LATENCY_OPS)
     ll = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096, kernel_family="low_latency")
-    assert ll.low_latency_tokens("sm_90") == 4096 and [s.op for s in ll.kernel_specs("sm_90")] == list(LOW_LATENCY_OPS)
+    assert planner.plan(ll, "sm_90").low_latency_tokens == 4096 and [s.op for s in planner.specs(ll, "sm_90")] == list(LOW_LATENCY_OPS)
 
 
 def test_dry_run_prints_and_writes_nothing(table_dir, monkeypatch, capsys):
@@ -286,7 +287,7 @@ def test_tune_writes_each_dispatch_buckets_transport_and_epconfig_takes_it(table
                                                            "pull 64x32u4": 200.0}
     assert "pull where its pick is faster than push's" in entries["dispatch"]["provenance"]
     cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096)
-    assert cfg.transport("sm_90", 128) == "push" and cfg.transport("sm_90", 4096) == "pull"
+    assert planner.dispatch_transport(cfg, "sm_90", 128) == "push" and planner.dispatch_transport(cfg, "sm_90", 4096) == "pull"
 
 
 def test_tune_with_a_quantized_wire_writes_that_wires_combine_entry_alone(table_dir, monkeypatch, capsys):
@@ -305,5 +306,40 @@ def test_tune_with_a_quantized_wire_writes_that_wires_combine_entry_alone(table_
     assert entries[0]["buckets"] == [{"max_tokens": 4096, "blocks": 64, "warps_per_block": 16, "unroll": 4}]
     assert "--family normal --quant fp4_blockwise," in entries[0]["provenance"]
     cfg = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096, combine_quant="fp4_blockwise")
-    assert cfg.geometry("sm_90", Op.COMBINE, 4096) == q64
-    assert attrs.evolve(cfg, combine_quant="fp8_blockwise").geometry("sm_90", Op.COMBINE, 4096) != q64
+    assert planner.plan(cfg, "sm_90").geometry(Op.COMBINE, 4096) == q64
+    assert planner.plan(attrs.evolve(cfg, combine_quant="fp8_blockwise"), "sm_90").geometry(Op.COMBINE, 4096) != q64
+
+
+RECORDED_H200 = {
+    # docs/measurements/normal-family.md#tune, epgen tune (d969dd9) on 2 x H200, deepseek-v3, us:
+    # tokens: (dispatch, combine) per blocks of 32 warps, unroll 4
+    128: {8: (24.7, 18.8), 16: (22.5, 16.9), 24: (44.2, 26.0), 32: (21.5, 16.7), 48: (27.8, 16.5), 64: (20.8, 16.3),
+          132: (27.6, 16.7)},
+    1024: {8: (91.7, 73.3), 16: (63.7, 56.4), 24: (65.8, 56.3), 32: (62.7, 55.2), 48: (61.1, 56.0), 64: (58.0, 56.4),
+           132: (57.2, 55.1)},
+    4096: {8: (322.2, 252.1), 16: (207.8, 188.3), 24: (216.1, 187.6), 32: (202.3, 186.4), 48: (193.9, 189.8),
+           64: (186.2, 188.9), 132: (178.8, 185.8)},
+    8192: {8: (633.0, 488.9), 16: (401.5, 364.1), 24: (417.8, 364.0), 32: (390.7, 362.8), 48: (375.4, 370.0),
+           64: (356.6, 367.2), 132: (343.0, 361.7)},
+}
+
+
+def test_the_tune_verb_on_a_recorded_timing_table_writes_the_picks_the_measurement_lists(table_dir, monkeypatch,
+                                                                                         capsys):
+    """The tune verb's logic on the CPU: fed the H200 timings of docs/measurements/normal-family.md#tune,
+    it writes the picks that page lists (fewest blocks within 3 %), and the schedule then answers
+    them as measured."""
+    monkeypatch.setattr(tune, "environment", _env)
+    times = {("normal", T): {Geometry(b, 32, 4): pair for b, pair in row.items()} for T, row in RECORDED_H200.items()}
+    opts = TuneOptions(tokens=tuple(RECORDED_H200), family="normal",
+                       geometries=tuple(Geometry(b, 32, 4) for b in RECORDED_H200[128]))
+    layer = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=8192)
+    _report(opts, times, layer)
+    assert "wrote" in capsys.readouterr().out
+    s = tuning.schedule(planner.shape_key(layer, "sm_90"))
+    assert [(b.max_tokens, b.geometry.blocks) for b in s.entries["dispatch"]] == [(128, 64), (1024, 64), (4096, 132),
+                                                                                  (8192, 132)]
+    assert [(b.max_tokens, b.geometry.blocks) for b in s.entries["combine"]] == [(128, 32), (1024, 16), (4096, 16),
+                                                                                 (8192, 16)]
+    assert {b.source.kind for b in s.entries["dispatch"] + s.entries["combine"]} == {"measured"}
+    assert "fewest blocks within 3%" in s.entries["dispatch"][0].source.detail

@@ -4,6 +4,7 @@ raises naming the argument, its value and the rule."""
 import pytest
 import torch
 
+from epgen.codegen import planner
 from epgen.codegen import tuning
 from epgen.codegen.config import EpConfig
 from epgen.codegen.dtypes import dtype_info
@@ -144,7 +145,7 @@ def test_fp8_x_is_checked_in_the_targets_flavour():
     # The op passes its dispatch spec's dtype_info: fp8 in the arch's flavour (ArchTraits.fp8).
     # gfx942's (e4m3fnuz) refuses e4m3fn rows and takes its own.
     cfg = EpConfig.for_model("gpt-oss-120b", world_size=2, max_tokens_per_rank=64, dtype="fp8")
-    fnuz = cfg.spec("gfx942", Op.DISPATCH, cfg.geometry("gfx942", Op.DISPATCH, 64)).dtype_info
+    fnuz = planner.plan(cfg, "gfx942").variant(Op.DISPATCH, 64).dtype_info
     assert fnuz.torch_dtype == torch.float8_e4m3fnuz
     _, w, i, s = good(8, cfg)
     ocp = torch.zeros(8, cfg.hidden, dtype=torch.float8_e4m3fn)
@@ -199,7 +200,7 @@ def test_auto_pulls_only_where_one_process_decides_for_every_rank(table_dir, vir
     cfg = EpConfig(world_size=2, hidden=256, topk=2, num_experts=4, max_tokens_per_rank=64, kernel_family="normal",
                    dispatch_transport=transport)
     if transport == "auto":  # a pull bucket
-        tuning.write_entry(cfg.tuning_key("sm_90", Op.DISPATCH), [(64, Geometry(4, 4, 2))], "test", {},
+        tuning.write_entry(planner.tuning_key(cfg, "sm_90", Op.DISPATCH), [(64, Geometry(4, 4, 2))], "test", {},
                            transports={64: "pull"})
     op = object.__new__(EpDispatchCombine)  # the decision alone: no GPU
     region = torch.zeros(64, 256, dtype=torch.bfloat16)
