@@ -798,6 +798,9 @@ class EpDispatchCombine:
         # after every rank's dispatch_input rows, are the handshake the pull kernel relies on; it leaves
         # num_recv 0, so the layout's tables are restored after it, on the stream.
         self._run([handshake], 0, {"call": io})
+        # this call supersedes the last dispatch (nothing to keep of it), and the handshake left
+        # num_recv 0: every table of the layout goes back
+        self._pending_tokens, self._resident_call = None, None
         self._make_resident(layout)
         self._run((pull,) + tuple(s for s in route.recv if s.op is Op.EXPAND), max(layout.tokens), {})
         self._pending_tokens, self._pending_family = list(layout.tokens), layout.family
