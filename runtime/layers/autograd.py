@@ -158,13 +158,15 @@ def _back(op, values: list):
 class DispatchFunction(torch.autograd.Function):
     """``dispatch`` as a ``torch.autograd.Function``: ``apply(op, indices, keep, *xs, *weights)``
     with n = len(op.local_ranks) tensors of each; returns the n dispatched x then the n weights
-    (``Dispatched``'s); ``keep`` (a dict) receives the layout and the non-differentiable outputs."""
+    (``Dispatched``'s); ``keep`` (a dict) passes the call's "family" in and receives the layout and
+    the non-differentiable outputs."""
 
     @staticmethod
     def forward(ctx, op, indices, keep, *tensors):
         n = len(op.local_ranks)
         xs, ws = list(tensors[:n]), list(tensors[n:])
-        outs = op.dispatch(_back(op, xs), _back(op, ws), _back(op, list(indices)))
+        family = {"family": keep["family"]} if keep.get("family") else {}
+        outs = op.dispatch(_back(op, xs), _back(op, ws), _back(op, list(indices)), **family)
         layout = op.keep_layout()
         outs = _per_rank(op, outs)
         rx, rw = [], []
@@ -301,7 +303,7 @@ class CombineFunction(torch.autograd.Function):
         return (None, None, *grad_y, *grad_w)
 
 
-def dispatch(op, x, weights, indices) -> Dispatched:
+def dispatch(op, x, weights, indices, family: str | None = None) -> Dispatched:
     """Differentiable ``op.dispatch`` (module docstring: its derivatives and what it saves).
 
     Args:
@@ -310,6 +312,8 @@ def dispatch(op, x, weights, indices) -> Dispatched:
         x: [T, H] bf16 (a list in virtual mode), may require grad.
         weights: [T, K] float32 routing weights (a list in virtual mode), may require grad.
         indices: [T, K] int32 expert ids (a list in virtual mode).
+        family: the forward dispatch's kernel family, as ``EpDispatchCombine.dispatch``'s (the
+            backward's kernels follow the layout).
 
     Returns:
         ``Dispatched`` (its x and weights differentiable; its layout for ``combine``).
@@ -321,7 +325,7 @@ def dispatch(op, x, weights, indices) -> Dispatched:
     """
     xs, ws, ids = _per_rank(op, x), _per_rank(op, weights), _per_rank(op, indices)
     _ops_checks(op, "epgen.autograd.dispatch", any(isinstance(w, torch.Tensor) and w.requires_grad for w in ws))
-    keep = {}
+    keep = {"family": family}
     out = DispatchFunction.apply(op, ids, keep, *xs, *ws)
     n = len(xs)
     meta = keep["outs"]
