@@ -20,7 +20,7 @@ from epgen.arena import Arenas, ErrorRecords
 from epgen.codegen import abi
 from epgen.codegen.arch import ARCH_TRAITS
 from epgen.codegen.dtypes import DTypeInfo
-from epgen.codegen.spec import EXPERT_OPS, KernelSpec, Op
+from epgen.codegen.spec import EXPERT_OPS, PLAN_BLOCKS, KernelSpec, Op
 from epgen.codegen.config import EpConfig
 from epgen.platform import HIP_KERNEL_ARGS_BYTES, CooperativeLaunchTooLarge, Platform, capturing
 
@@ -122,6 +122,67 @@ class CombineWireInput:
     rank: int
     codes: torch.Tensor
     scales: torch.Tensor | None
+
+
+class DispatchLayout:
+    """Where one dispatch put every row, kept by ``EpDispatchCombine.keep_layout()`` so that a
+    later ``combine(y, layout=...)`` or a cached-layout ``dispatch(x, layout=...)`` can use it
+    after any number of other calls on the same op.
+
+    It holds copies (made on the stream, no host synchronization) of the arena tables that the
+    combine and the cached dispatch read, per rank this process drives: ``send_slot`` and
+    ``send_pos`` ([T, W] int32: each local token's receive row on every rank), the receive rows'
+    metadata (``recv_src`` [N, 2], ``recv_weights`` [N, K], ``recv_indices`` [N, K] int32,
+    ``recv_scales`` [N, S]), ``num_recv``, and in the expert layout its tables (``slot_row``
+    [N, K], expert counts and offsets, ``expert_weights`` [R], ``expert_src`` [R, 3], the
+    expansion's per-block bases). No payload row is kept. Bytes per rank: ``nbytes`` (``docs/training.md``
+    gives the formula: 8 T W + N (8 + 8 K + S) + 4 in the rank layout, plus N K 4 + R 16 + 4 (2 L + 1)
+    + 4 L PLAN_BLOCKS in the expert layout; N receive rows, R expert rows).
+
+    Expiry: never by later calls (its tables are its own); it belongs to its op and becomes
+    unusable (a clear error, before any launch) when the op is closed or when a recoverable fault
+    was cleared after it was kept (``EpError``: the op restarts from a dispatch).
+
+    Attributes:
+        call: the number of the op's dispatch call it was kept from (1 for the first).
+        family: the kernel family that dispatch took ("normal" or "low_latency"); its combine takes
+            the same.
+        tokens: T of each rank this process drives (the layout's x rows).
+        ranks: those ranks.
+        nbytes: bytes this layout holds, all ranks together.
+    """
+
+    def __init__(self, op: "EpDispatchCombine", call: int, family: str, tokens: list[int],
+                 saved: list[dict[str, torch.Tensor]]):
+        self._op = op
+        self._epoch = op._epoch
+        self.call = call
+        self.family = family
+        self.tokens = list(tokens)
+        self.ranks = list(op.local_ranks)
+        self._saved = saved
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for tables in self._saved for t in tables.values())
+
+    def table(self, rank: int, name: str) -> torch.Tensor:
+        """A kept table of ``rank`` as a typed tensor: "recv_src" [N, 2], "recv_weights" [N, K],
+        "recv_indices" [N, K], "num_recv" [1], "send_slot" [T, W] int32 (and in the expert layout
+        "slot_row" [N, K], "expert_weights" [R], "expert_offsets" [L + 1]). Read-only use.
+
+        Raises:
+            ValueError: a rank not in ``ranks``, or a name this layout does not keep."""
+        if rank not in self.ranks:
+            raise ValueError(f"rank={rank}: this layout holds ranks {self.ranks}")
+        saved = self._saved[self.ranks.index(rank)]
+        if name not in saved:
+            raise ValueError(f"name={name!r}: this layout keeps {sorted(saved)}")
+        return saved[name]
+
+    def __repr__(self):
+        return (f"DispatchLayout(call={self.call}, family={self.family!r}, tokens={self.tokens}, ranks={self.ranks}, "
+                f"nbytes={self.nbytes})")
 
 
 class RecvHandle:
@@ -418,6 +479,16 @@ class EpDispatchCombine:
             self._args[op] = a
         self._pending_tokens = None  # token counts of the dispatch that combine will undo
         self._pending_family = None  # the kernel family that dispatch took (its combine takes the same)
+        # Layouts (DispatchLayout): the dispatch calls so far; the call whose tables the arena holds
+        # (None: unknown, or changed by an unweighted combine); the last dispatch (call, family,
+        # tokens), which the implicit combine undoes, and its kept copy (taken by keep_layout, or
+        # before another layout overwrites its tables); the count of cleared faults (a layout kept
+        # before one is stale).
+        self._calls = 0
+        self._resident_call = None
+        self._last = None
+        self._last_saved = None
+        self._epoch = 0
         self._recv_handle = None  # an async_recv call's RecvHandle until it is waited for
         self._fault = None
 
@@ -529,7 +600,7 @@ class EpDispatchCombine:
         return CombineWireInput(rank=rank, codes=rows[:, :quant.code_bytes(cfg.hidden)],
                                 scales=rows[:, offset:offset + 4 * count].view(torch.float32) if count else None)
 
-    def _wire_inputs(self, y) -> bool:
+    def _wire_inputs(self, y, family: str, tokens: list[int]) -> bool:
         """Whether ``combine``'s y is ``combine_wire_input()`` (a list of them, one per rank, in
         virtual mode), checked against this op, its ranks and the dispatch being combined."""
         items = y if self.virtual and isinstance(y, (list, tuple)) else [y]
@@ -541,9 +612,9 @@ class EpDispatchCombine:
                              f"({self.local_ranks}), in that order; got {[getattr(v, 'rank', type(v).__name__) for v in items]}")
         if any(v.codes.data_ptr() != self.combine_wire_input(v.rank).codes.data_ptr() for v in items):
             raise ValueError("y: a CombineWireInput of another op; pass this op's combine_wire_input()")
-        if self._pending_family != "normal":
+        if family != "normal":
             raise ValueError("y=combine_wire_input(): the low-latency combine encodes its rows as it sends them and "
-                             f"cannot take them pre-quantized; this dispatch took it ({max(self._pending_tokens)} tokens, "
+                             f"cannot take them pre-quantized; this dispatch took it ({max(tokens)} tokens, "
                              f"low_latency_tokens={self.low_latency_tokens}); build the op with "
                              "EpConfig(kernel_family='normal') to pass wire rows at every size")
         return True
@@ -599,8 +670,21 @@ class EpDispatchCombine:
             raise ValueError(f"x{tag}.data_ptr()={p:#x}: {p - start} bytes into dispatch_input(); an x in "
                              "dispatch_input must start at its first row (pass op.dispatch_input()[:T])")
 
-    def dispatch(self, x, weights, indices, scales=None, family: str | None = None, *, async_recv: bool = False):
+    def dispatch(self, x, weights=None, indices=None, scales=None, family: str | None = None, *,
+                 async_recv: bool = False, layout: DispatchLayout | None = None):
         """Send each token to every distinct rank that holds one of its top-k experts.
+
+        With ``layout`` (a ``DispatchLayout`` of this op, ``keep_layout()``): a cached-layout
+        dispatch. x's rows go to exactly the receive rows (and expert rows) of the layout's
+        dispatch, with no routing phase and no index exchange; weights, indices, scales and family
+        are not taken (the outputs' metadata are the layout's). It runs the pull transport's two
+        kernels (the dispatch kernel with no tokens, as the handshake that publishes every rank's
+        ``dispatch_input``, then DISPATCH_PULL over the layout's receive rows) and, in the expert
+        layout, the expansion's copy kernel (not its plan), after restoring the layout's tables:
+        an op built with ``EpConfig(dispatch_transport="pull")`` (the other settings build no pull
+        kernels). x must have the layout's T rows on each rank; every rank passes the layout of the
+        same dispatch call. The call then counts as the op's last dispatch (an implicit
+        ``combine(y)`` undoes it).
 
         Args (one rank; in virtual mode each is a list with one entry per rank):
             x: [T, H] payload dtype (fp4: [T, H/2] uint8, two codes a byte), T <= max_tokens_per_rank
@@ -616,6 +700,7 @@ class EpDispatchCombine:
             async_recv: (keyword) launch only the low-latency family's sending half and return a
                 ``RecvHandle`` whose ``wait()`` launches the receiving half (and the expert
                 layout's expansion) and returns the outputs. Needs T <= ``low_latency_tokens``.
+            layout: (keyword) a cached-layout dispatch (above).
 
         The normal family moves the rows by ``transport(T, x)``: "push" (one kernel), or "pull"
         (the dispatch kernel sends the metadata, then DISPATCH_PULL loads each received row from
@@ -634,7 +719,10 @@ class EpDispatchCombine:
             TypeError, ValueError: an input breaks the rules above (before any launch), an x that
                 overlaps ``dispatch_input`` but does not start at it, ``async_recv`` without a
                 low-latency family for T, a ``family`` the op has no kernels for or that cannot
-                take T, or no ``family`` where an "auto" op cannot see its peers' T.
+                take T, or no ``family`` where an "auto" op cannot see its peers' T; with ``layout``:
+                a layout of another op or stale (``DispatchLayout``), an x whose T differs from the
+                layout's, weights / indices / scales / family / async_recv given, or an op without
+                the pull kernels.
             RuntimeError: an async_recv call's handle has not been waited for, or the runtime refused
                 the whole low-latency op's cooperative grid as too large while a graph was being
                 captured (later calls take the halves; eagerly, the call takes them at once).
@@ -642,6 +730,8 @@ class EpDispatchCombine:
         """
         self._raise_if_faulted()
         self._check_no_recv_pending("dispatch")
+        if layout is not None:
+            return self._cached_dispatch(x, weights, indices, scales, family, async_recv, layout)
         xs, ws, ids, ss = self._per_rank(x, "x"), self._per_rank(weights, "weights"), \
             self._per_rank(indices, "indices"), self._per_rank(scales, "scales", optional=True)
         cfg = self.config
@@ -665,6 +755,9 @@ class EpDispatchCombine:
         self._run(route.send, max(tokens), {"call": io})
         self._pending_tokens = tokens
         self._pending_family = family
+        self._calls += 1
+        self._resident_call = self._calls
+        self._last, self._last_saved = (self._calls, family, list(tokens)), None
 
         def finish():
             self._run(route.recv, max(tokens), {"call": io})
@@ -672,6 +765,135 @@ class EpDispatchCombine:
             return outs if self.virtual else outs[0]
 
         return self._finish_or_handle(finish, async_recv)
+
+    def _cached_dispatch(self, x, weights, indices, scales, family, async_recv, layout):
+        """``dispatch(x, layout=layout)`` (its docstring)."""
+        self._check_layout(layout, "dispatch")
+        given = [n for n, v in (("weights", weights), ("indices", indices), ("scales", scales), ("family", family))
+                 if v is not None] + (["async_recv"] if async_recv else [])
+        if given:
+            raise ValueError(f"dispatch(layout=...): {', '.join(given)} given; a cached-layout dispatch moves x alone "
+                             "along the layout (its metadata are the layout's)")
+        route = self.plan.routes.get((Op.DISPATCH, "normal", "pull", False))
+        if route is None:
+            raise ValueError(f"dispatch(layout=...): a cached-layout dispatch runs the pull dispatch's kernels, which "
+                             f"this op does not build (EpConfig.dispatch_transport={self.config.dispatch_transport!r}, "
+                             f"kernel_family={self.config.kernel_family!r}); build it with "
+                             "EpConfig(dispatch_transport='pull') and a normal family ('auto' or 'normal')")
+        xs = self._per_rank(x, "x")
+        cols = self.payload.columns(self.config.hidden)
+        for i, rank in enumerate(self.local_ranks):
+            tag = f"[rank {rank}]" if self.virtual else ""
+            _check_tensor(xs[i], f"x{tag}", dtype=self.payload.torch_dtype, shape=(layout.tokens[i], cols),
+                          device=self.device, vectors=True)
+            self._check_dispatch_input_use(rank, xs[i], tag)
+        handshake, pull = route.send
+        io = []
+        for i, rank in enumerate(self.local_ranks):
+            rows = self.dispatch_input(rank)
+            if xs[i].data_ptr() != rows.data_ptr() and layout.tokens[i]:
+                rows[: layout.tokens[i]].copy_(xs[i])
+            io.append(dict(x=rows.data_ptr(), num_tokens=0))
+        # The dispatch kernel with no tokens routes nothing and sends nothing: its done flags, released
+        # after every rank's dispatch_input rows, are the handshake the pull kernel relies on; it leaves
+        # num_recv 0, so the layout's tables are restored after it, on the stream.
+        self._run([handshake], 0, {"call": io})
+        # this call supersedes the last dispatch (nothing to keep of it), and the handshake left
+        # num_recv 0: every table of the layout goes back
+        self._pending_tokens, self._resident_call = None, None
+        self._make_resident(layout)
+        self._run((pull,) + tuple(s for s in route.recv if s.op is Op.EXPAND), max(layout.tokens), {})
+        self._pending_tokens, self._pending_family = list(layout.tokens), layout.family
+        self._last, self._last_saved = (layout.call, layout.family, list(layout.tokens)), layout
+        outs = [self.expert_buffers(r) if self.expert_layout else self.recv_buffers(r) for r in self.local_ranks]
+        return outs if self.virtual else outs[0]
+
+    # ---- layouts -----------------------------------------------------------------------------
+    def _tables(self, rank: int, tokens: int) -> dict[str, torch.Tensor]:
+        """The arena tables of ``rank`` that a combine and a cached dispatch read (``DispatchLayout``),
+        as typed views, for a dispatch of ``tokens`` tokens on that rank."""
+        lay, cfg, cap, K, W = self.layout, self.config, self.layout.capacity_rows, self.config.topk, self.config.world_size
+        views = dict(send_slot=self._view(rank, lay.send_slot, (tokens, W), torch.int32),
+                     send_pos=self._view(rank, lay.send_pos, (tokens, W), torch.int32),
+                     recv_src=self._view(rank, lay.recv_src, (cap, 2), torch.int32),
+                     recv_weights=self._view(rank, lay.recv_weights, (cap, K), torch.float32),
+                     recv_indices=self._view(rank, lay.recv_indices, (cap, K), torch.int32),
+                     num_recv=self._signal_view(rank, "num_recv"))
+        if cfg.scale_bytes:
+            views["recv_scales"] = self._view(rank, lay.recv_scales, (cap, cfg.scale_bytes), torch.uint8)
+        if self.expert_layout:
+            R, L = lay.expert_rows, cfg.experts_per_rank
+            views.update(slot_row=self._view(rank, lay.slot_row, (cap, K), torch.int32),
+                         expert_counts=self._view(rank, lay.expert_counts, (L,), torch.int32),
+                         expert_offsets=self._view(rank, lay.expert_offsets, (L + 1,), torch.int32),
+                         expert_weights=self._view(rank, lay.expert_weights, (R,), torch.float32),
+                         expert_src=self._view(rank, lay.expert_src, (R, 3), torch.int32),
+                         expert_block_base=self._view(rank, lay.expert_block_base, (PLAN_BLOCKS, L), torch.int32))
+        return views
+
+    def _snapshot(self, call: int, family: str, tokens: list[int]) -> DispatchLayout:
+        """A DispatchLayout of the tables the arena holds now (copies on the stream)."""
+        saved = [{name: view.clone() for name, view in self._tables(rank, tokens[i]).items()}
+                 for i, rank in enumerate(self.local_ranks)]
+        return DispatchLayout(self, call, family, tokens, saved)
+
+    def keep_layout(self) -> DispatchLayout:
+        """The layout of the last dispatch (a full or a cached one), kept for a later
+        ``combine(y, layout=...)`` or ``dispatch(x, layout=...)``: copies of its tables made on the
+        current stream (no host synchronization; ``DispatchLayout`` lists them and their bytes),
+        once per dispatch (a second call returns the same object; a cached dispatch's layout is
+        the one it was given). Call it after the dispatch and before the next one.
+
+        Raises:
+            RuntimeError: no dispatch yet, or the arena holds another layout's tables now (a
+                combine or cached dispatch with another layout ran since the last dispatch, which
+                was combined), or an async_recv dispatch's handle has not been waited for.
+            EpError: an earlier call timed out in a kernel.
+        """
+        self._raise_if_faulted()
+        self._check_no_recv_pending("keep_layout")
+        if self._last is None:
+            raise RuntimeError("keep_layout: needs a dispatch first")
+        if self._last_saved is None:
+            call, family, tokens = self._last
+            if self._resident_call != call:
+                raise RuntimeError(f"keep_layout: the arena no longer holds dispatch call {call}'s tables (a combine "
+                                   "or cached dispatch with another layout ran after it was combined); keep a "
+                                   "layout right after its dispatch")
+            self._last_saved = self._snapshot(call, family, tokens)
+        return self._last_saved
+
+    def _check_layout(self, layout, what: str):
+        """A layout this op may use now: of this op, kept since the last cleared fault."""
+        if not isinstance(layout, DispatchLayout):
+            raise TypeError(f"{what}: layout must be a DispatchLayout (op.keep_layout()), got {type(layout).__name__}")
+        if layout._op is not self:
+            raise ValueError(f"{what}: layout={layout!r} was kept by another op; a layout works on its own op only")
+        if layout._epoch != self._epoch:
+            raise ValueError(f"{what}: layout={layout!r} is stale: a fault was cleared after it was kept (the op "
+                             "restarted from a dispatch); dispatch again and keep that layout")
+
+    def _make_resident(self, layout: DispatchLayout, unit_weights: bool = False):
+        """Put ``layout``'s tables into the arena (copies on the stream; nothing when they are there),
+        first keeping those of the last dispatch while an implicit combine still has to undo it;
+        ``unit_weights``: every expert row's weight 1 (the arena then holds no call's tables)."""
+        if self._resident_call == layout.call and not unit_weights:
+            return
+        if self._last is not None and self._last_saved is None and self._pending_tokens is not None \
+                and self._resident_call == self._last[0]:
+            self._last_saved = self._snapshot(*self._last)
+        for i, rank in enumerate(self.local_ranks):
+            tables = self._tables(rank, layout.tokens[i])
+            for name, view in tables.items():
+                view.copy_(layout._saved[i][name])
+            if unit_weights:
+                tables["expert_weights"].fill_(1.0)
+        self._resident_call = None if unit_weights else layout.call
+
+    def _make_last_resident(self):
+        """Before an implicit combine, expand or fold: the arena holds the last dispatch's tables."""
+        if self._resident_call != self._last[0]:
+            self._make_resident(self._last_saved)
 
     def _family_for_call(self, tokens: int, async_recv: bool, family: str | None) -> str:
         """The family of a dispatch of ``tokens`` (the most of the ranks this process drives): the
@@ -731,6 +953,7 @@ class EpDispatchCombine:
             EpError: an earlier call timed out in a kernel (recoverable faults are raised by synchronize).
         """
         self._expert_stage("expand", "it expands that dispatch's rows")
+        self._make_last_resident()
         self._run([s for s in self.plan.route(Op.DISPATCH, self._pending_family).recv if s.op in EXPERT_OPS], 0, {})
 
     def fold(self, y):
@@ -751,6 +974,7 @@ class EpDispatchCombine:
             check_combine_inputs(self.config, self.device, ys[i], None, self._pending_tokens[i],
                                  self.layout.expert_rows, f"[rank {rank}]" if self.virtual else "")
         route = self.plan.route(Op.COMBINE, self._pending_family)
+        self._make_last_resident()
         self._run([s for s in route.send if s.op is Op.FOLD], 0, {"fold": self._fold_io(ys)})
 
     def _expert_stage(self, name: str, why: str):
@@ -767,7 +991,8 @@ class EpDispatchCombine:
         """The fold's io records: each rank's expert outputs y."""
         return [dict(y=y.data_ptr(), y_rows=y.shape[0]) for y in ys]
 
-    def combine(self, y, out=None, *, async_recv: bool = False):
+    def combine(self, y, out=None, *, async_recv: bool = False, layout: DispatchLayout | None = None,
+                weighted: bool = True):
         """Sum, for each token of the last dispatch, the expert outputs of the ranks it reached.
 
         Args:
@@ -790,6 +1015,15 @@ class EpDispatchCombine:
                 ``RecvHandle`` whose ``wait()`` launches the receiving half and returns the output.
                 Needs a dispatch that took the low-latency family. The family is always the one
                 the dispatch took.
+            layout: (keyword) combine along this ``DispatchLayout`` of the op (``keep_layout()``)
+                instead of the last dispatch: y holds the expert outputs of the layout's rows, out
+                has its T rows; any number of times, after any other calls. Every rank passes the
+                layout of the same dispatch call. The last dispatch stays the one an implicit
+                combine undoes (its tables are kept first when the layout's replace them).
+            weighted: (keyword) expert layout: False sums a token's expert rows with weight 1
+                (the fold's products w x y become y; rounding as with weights), the backward of
+                the expansion; True (default) applies the routing weights. Needs ``layout`` when
+                False. The rank layout's combine is unweighted whatever this says.
 
         Returns:
             [T, H] bf16 per rank (a list in virtual mode): the expert outputs as the combine wire
@@ -806,29 +1040,44 @@ class EpDispatchCombine:
                 been waited for, or the runtime refused the whole low-latency op's cooperative grid
                 as too large while a graph was being captured (as in ``dispatch``).
             TypeError, ValueError: bad y (before any launch), or ``async_recv`` after a dispatch
-                that took the normal family.
+                that took the normal family; a layout of another op or stale (``DispatchLayout``),
+                or ``weighted=False`` without a layout or in the rank layout.
             EpError: an earlier call timed out in a kernel (recoverable faults are raised by synchronize).
         """
         self._raise_if_faulted()
         self._check_no_recv_pending("combine")
-        if self._pending_tokens is None:
-            raise RuntimeError("combine: needs a dispatch first (each dispatch is combined once)")
         if not isinstance(async_recv, bool):
             raise TypeError(f"async_recv={async_recv!r}: must be a bool")
-        low_latency = self._pending_family == "low_latency"
+        if not isinstance(weighted, bool):
+            raise TypeError(f"weighted={weighted!r}: must be a bool")
+        if layout is not None:
+            self._check_layout(layout, "combine")
+        elif self._pending_tokens is None:
+            raise RuntimeError("combine: needs a dispatch first (each dispatch is combined once; combine(y, "
+                               "layout=op.keep_layout()) combines a kept layout again)")
+        if not weighted and (layout is None or not self.expert_layout):
+            raise ValueError("combine(weighted=False): takes a layout, in the expert layout (the rank layout's "
+                             "combine has no weights)")
+        pending, family = (layout.tokens, layout.family) if layout is not None else (self._pending_tokens,
+                                                                                   self._pending_family)
+        low_latency = family == "low_latency"
         if async_recv and not low_latency:
             raise ValueError("combine(async_recv=True): the split needs the low-latency family, and the dispatch "
-                             f"being combined took the normal family ({max(self._pending_tokens)} tokens; "
+                             f"being combined took the normal family ({max(pending)} tokens; "
                              f"low_latency_tokens={self.low_latency_tokens})")
         cfg = self.config
-        wire_input = self._wire_inputs(y)
+        wire_input = self._wire_inputs(y, family, pending)
         ys, given = self._per_rank(y, "y"), self._per_rank(out, "out", optional=True)
-        route = self.plan.route(Op.COMBINE, self._pending_family, "push", async_recv or not self._fused[Op.COMBINE])
+        route = self.plan.route(Op.COMBINE, family, "push", async_recv or not self._fused[Op.COMBINE])
         capacity = self.layout.expert_rows if self.expert_layout else self.layout.capacity_rows
         for i, rank in enumerate(self.local_ranks):  # every rank's inputs before any copy or launch
             tag = f"[rank {rank}]" if self.virtual else ""
-            check_combine_inputs(cfg, self.device, None if wire_input else ys[i], given[i], self._pending_tokens[i],
+            check_combine_inputs(cfg, self.device, None if wire_input else ys[i], given[i], pending[i],
                                  capacity, tag, in_place=not wire_input and route.y == "in_place")
+        if layout is not None:
+            self._make_resident(layout, unit_weights=not weighted)
+        else:
+            self._make_last_resident()
         outs, io = [], []
         for i, rank in enumerate(self.local_ranks):
             # y: the rows this rank's kernels read as bf16 (Route.y: y itself, the fold's rows, or
@@ -840,15 +1089,16 @@ class EpDispatchCombine:
                 source, rows = ys[i] if route.y == "in_place" else self._combine_in(rank), ys[i].shape[0]
                 if route.y == "copy" and ys[i].data_ptr() != source.data_ptr():
                     source[:rows].copy_(ys[i])
-            T = self._pending_tokens[i]
+            T = pending[i]
             o = given[i] if given[i] is not None else torch.empty((T, cfg.hidden), dtype=torch.bfloat16,
                                                                   device=self.device)
             io.append(dict(out=o.data_ptr(), num_tokens=T, y_rows=rows, y=source.data_ptr() if source is not None else 0))
             outs.append(o)
         records = {"call": io, "fold": [] if wire_input else self._fold_io(ys)}
-        tokens = max(self._pending_tokens)
+        tokens = max(pending)
         self._run([s for s in route.send if not (wire_input and s.encodes)], tokens, records)
-        self._pending_tokens = None
+        if layout is None:
+            self._pending_tokens = None
 
         def finish():
             self._run(route.recv, tokens, records)
@@ -907,6 +1157,8 @@ class EpDispatchCombine:
                                   "raises it there too and clears it, then dispatch again]", recoverable=True)
                 self.errors.clear()  # the stream is idle: no kernel of this op can write a record now
                 self._pending_tokens = None
+                self._epoch += 1  # every layout kept so far is stale
+                self._last = self._last_saved = self._resident_call = None
                 raise EpError(f"{text} [cleared: the op runs again from the next dispatch]", recoverable=True)
         raise EpError(f"{self._fault} [this op is unusable after that fault; build a new EpDispatchCombine]")
 

@@ -26,11 +26,13 @@ import attrs
 import torch
 
 from epgen.codegen.config import EpConfig
+from epgen.layers import autograd
 from epgen.codegen.dtypes import COMBINE_QUANTS, element_format
 from epgen.codegen.dtypes import fp8_flavour as fp8_flavour_row
 from epgen.quant import combine_error_bound, combine_roundtrip
 
-__all__ = ["ExpertWeights", "MoELayer", "dense_moe", "grouped_mm_available", "grouped_mm_refusal", "route_topk",
+__all__ = ["ExpertWeights", "MoELayer", "dense_moe", "grouped_mm_available", "grouped_mm_refusal", "moe_gradients",
+           "route_topk",
            "swiglu_experts", "swiglu_reference"]
 
 U_BF16 = 2.0**-8
@@ -297,6 +299,11 @@ def swiglu_experts(x: torch.Tensor, offsets: torch.Tensor, w: ExpertWeights, *, 
             straight into the output.
     Padding rows (zeros in x) go through the expert like any row and give zeros.
 
+    Under autograd (grad mode on and x or a weight requiring grad) both paths are differentiable
+    with the same rounding points: the grouped path runs its silu and product out of place, the
+    loop concatenates its groups (zeros for the rows past offsets[L]); ``out`` is refused there
+    (torch has no gradient for an out= matmul).
+
     Args:
         x: [R, H] bfloat16, contiguous, on the weights' device.
         offsets: [L + 1] int32 on x's device; offsets[0] = 0, non-decreasing, offsets[L] <= R
@@ -315,7 +322,8 @@ def swiglu_experts(x: torch.Tensor, offsets: torch.Tensor, w: ExpertWeights, *, 
         TypeError: grouped not None, True or False; w not an ExpertWeights, a tensor argument not
             a tensor.
         ValueError: shapes, dtypes, devices or contiguity as above; grouped=True where the grouped
-            path cannot run (naming why); the loop path's offsets breaking the rules above.
+            path cannot run (naming why); the loop path's offsets breaking the rules above;
+            ``out`` under autograd.
     """
     _check_flag("grouped", grouped)
     _check_expert_stage(x, offsets, w, out)
@@ -324,17 +332,27 @@ def swiglu_experts(x: torch.Tensor, offsets: torch.Tensor, w: ExpertWeights, *, 
         grouped = refusal is None
     elif grouped and refusal is not None:
         raise ValueError(f"grouped=True: {refusal}")
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w.gate, w.up, w.down))
+    if training and out is not None:
+        raise ValueError("out: not taken under autograd (torch has no gradient for an out= matmul); pass out=None")
     if grouped:
         ends = offsets[1:]
         g = torch._grouped_mm(x, w.gate, offs=ends)
         v = torch._grouped_mm(x, w.up, offs=ends)
-        torch.nn.functional.silu(g, inplace=True)
-        g.mul_(v)
+        if training:
+            g = torch.nn.functional.silu(g) * v
+        else:
+            torch.nn.functional.silu(g, inplace=True)
+            g.mul_(v)
         y = torch._grouped_mm(g, w.down, offs=ends)
         if out is None:
             return y
         return out.copy_(y)
     bounds = _host_offsets(offsets, x.shape[0])  # the loop path's one host synchronization
+    if training:
+        groups = [(torch.nn.functional.silu(x[a:b] @ w.gate[e]) * (x[a:b] @ w.up[e])) @ w.down[e]
+                  for e, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
+        return torch.cat(groups + [x.new_zeros(x.shape[0] - bounds[-1], x.shape[1])])
     y = out if out is not None else torch.empty_like(x)
     for e in range(w.num_experts):
         start, end = bounds[e], bounds[e + 1]
@@ -621,6 +639,178 @@ def dense_moe(xs: list[torch.Tensor], topk_weights: list[torch.Tensor], topk_ids
     return outs, bounds
 
 
+def _swiglu64(x, gate, up, down):
+    """One expert in float64 without rounding: y = (silu(x @ gate) * (x @ up)) @ down."""
+    return (torch.nn.functional.silu(x @ gate) * (x @ up)) @ down
+
+
+def _round(v_exact: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """E_v = u |v*| + (1 + u) e + eta: |v_C - v*| <= E_v for a rounding v = bf16(p) whose float32
+    input is within e of the exact v* (``moe_gradients``)."""
+    return U_BF16 * v_exact.abs() + (1 + U_BF16) * e + ETA_BF16
+
+
+def moe_gradients(xs: list[torch.Tensor], topk_weights: list[torch.Tensor], topk_ids: list[torch.Tensor],
+                  weights: list[ExpertWeights], probes: list[torch.Tensor]):
+    """The layer's gradients from a dense float64 autograd reference, and bounds on how far the
+    layer's bf16 backward may be from them.
+
+    The loss is L = sum over ranks r and tokens t of <out_r[t], probes_r[t]>. The reference is the
+    layer (semantics of ``dense_moe``) in float64 with no rounding at all: out[t] = sum over the
+    token's distinct valid experts e of w_e y_e(x_t), w_e the sum of the slot weights naming e,
+    y_e = (silu(x Wg_e) (x Wu_e)) Wd_e; its gradients by ``torch.autograd`` in float64: exact up to
+    float64 rounding (about 2^-50 relative, neglected against the bf16 terms).
+
+    Bound, element-wise, by first-order-free propagation as in ``dense_moe`` (every step a
+    rounding v = bf16(p) or exact; for a rounding with |p_C - v*| <= e: |v_C - v*| <= E_v =
+    u |v*| + (1 + u) e + eta, u = 2^-8, eta = 2^-134; gamma_n float32 accumulation; v* exact, taken
+    from the float64 reference; |v_C| <= |v*| + E_v). The layer's backward, per expanded row p of
+    (token t, expert e), with g = probes[t] (bf16: the combine's backward moves it exactly):
+
+        forward     E_g, E_v, E_s, E_h, E_y as ``dense_moe`` (with |v*| for |v_D|)
+        weight      w_p = float32 sum of the slots' weights: e_w = gamma_K sum |w_k|
+        grad y      gy = bf16(float32(w_p g)):       e = |g| e_w + 2^-24 |w g|
+        grad h      gh = bf16(gy @ Wd^T):            e = E_gy @ |Wd^T| + gamma_H (|gy| + E_gy) @ |Wd^T|
+        grad Wd     bf16(h^T @ gy) over the rows of e: e = E_h^T @ (|gy| + E_gy) + |h|^T @ E_gy
+                                                        + gamma_n (|h| + E_h)^T @ (|gy| + E_gy)
+        grad s, v   gs = bf16(gh v), gv = bf16(gh s): e = E_gh (|v| + E_v) + |gh| E_v (and s for v)
+        grad g      gg = bf16(silu'_32(g) gs):        e = m1 E_gs + (|gs| + E_gs)(E_g / 2 + c m1), m1 =
+                    min(|silu'(g*)| + E_g / 2, 1.1) (|silu''| <= 1/2; c = 2^-20 the float32 evaluation)
+        grad Wg, Wu bf16(x^T @ gg), bf16(x^T @ gv): e = |x|^T @ E + gamma_n |x|^T @ (|.| + E)
+        grad x row  bf16(bf16(gg @ Wg^T) + bf16(gv @ Wu^T)): each product as grad h, then the sum
+        grad x      per rank bf16(sum of its rows, float32), then bf16(sum over ranks, float32):
+                    e = sum E + gamma_2K (or gamma_W) sum (|.| + E)
+        grad w_k    float32 <y_p, g> (y the forward's bf16 output; exact transport):
+                    e = E_y @ |g| + gamma_H (|y| + E_y) @ |g|
+
+    Nothing is dropped; the model assumes products of bf16 numbers exact in float32 and float32
+    accumulation in every GEMM of the backward (torch's CPU GEMMs and ``torch._grouped_mm``; on
+    CUDA with ``allow_bf16_reduced_precision_reduction = False``).
+
+    Args:
+        xs, topk_weights, topk_ids, weights: as ``dense_moe``.
+        probes: per rank r, [T_r, H] bfloat16, the loss's gradient with respect to out.
+
+    Returns:
+        (grads, bounds), each a dict: "x" and "topk_weights" (per rank, [T_r, H] and [T_r, K]
+        float64), "gate", "up", "down" (per rank, [L, H, I], [L, H, I], [L, I, H] float64).
+
+    Raises:
+        TypeError, ValueError: as ``dense_moe``; a probe not [T_r, H] bfloat16 (naming its rank).
+    """
+    world, topk = _check_dense_inputs(xs, topk_weights, topk_ids, weights, "none")
+    for r, (p, x) in enumerate(zip(probes, xs)):
+        _check_tensor(f"probes[rank {r}]", p, dim=2, dtype=torch.bfloat16)
+        if p.shape != x.shape:
+            raise ValueError(f"probes[rank {r}]: shape {tuple(p.shape)} must be xs[rank {r}]'s {tuple(x.shape)}")
+    L, H, I = weights[0].num_experts, weights[0].hidden, weights[0].intermediate
+    f64 = torch.float64
+    sizes = [x.shape[0] for x in xs]
+    x = torch.cat(list(xs)).to(f64).requires_grad_()
+    wt32 = torch.cat(list(topk_weights))
+    wt = wt32.to(f64).requires_grad_()
+    ids = torch.cat(list(topk_ids)).long()
+    P = torch.cat(list(probes)).to(f64)
+    n = x.shape[0]
+    params = [[getattr(w, name).to(f64).requires_grad_() for name in ("gate", "up", "down")] for w in weights]
+    first = ids >= 0
+    for k in range(topk):
+        for j in range(k):
+            first[:, k] &= ids[:, j] != ids[:, k]
+
+    # the dense float64 reference and its gradients by autograd
+    out = torch.zeros(n, H, dtype=f64)
+    for e in range(world * L):
+        rows, slots = (first & (ids == e)).nonzero(as_tuple=True)
+        if rows.numel():
+            gate, up, down = (t[e % L] for t in params[e // L])
+            w_e = (wt[rows] * (ids[rows] == e)).sum(dim=1)
+            out = out.index_add(0, rows, w_e[:, None] * _swiglu64(x[rows], gate, up, down))
+    flat = [x, wt] + [t for p in params for t in p]
+    got = torch.autograd.grad((out * P).sum(), flat, allow_unused=True)
+    got = [torch.zeros_like(t) if g is None else g for g, t in zip(got, flat)]
+
+    # the bounds
+    gam = _gamma
+    E_x_rank = torch.zeros(world, n, H, dtype=f64)  # per destination rank: e of the fold's input
+    mag_x_rank = torch.zeros(world, n, H, dtype=f64)
+    E_wt = torch.zeros(n, topk, dtype=f64)
+    E_par = [[torch.zeros_like(t) for t in p] for p in params]
+    with torch.no_grad():
+        xd = x.detach()
+        for e in range(world * L):
+            rows, slots = (first & (ids == e)).nonzero(as_tuple=True)
+            if not rows.numel():
+                continue
+            d, le = e // L, e % L
+            Wg, Wu, Wd = (t.detach()[le] for t in params[d])
+            X, g = xd[rows], P[rows]
+            Xa = X.abs()
+            # forward, exact values and bounds
+            gs_ = X @ Wg
+            vs_ = X @ Wu
+            E_g = _round(gs_, gam(H) * (Xa @ Wg.abs()))
+            E_v = _round(vs_, gam(H) * (Xa @ Wu.abs()))
+            sig = torch.sigmoid(gs_)
+            s_ = gs_ * sig
+            d1 = sig * (1 + gs_ * (1 - sig))  # silu'
+            m1 = (d1.abs() + E_g).clamp(max=SILU_SLOPE_MAX)
+            E_s = _round(s_, m1 * E_g + SILU_REL * (s_.abs() + 2 * m1 * E_g) + SILU_ABS)
+            h_ = s_ * vs_
+            E_h = _round(h_, E_s * (vs_.abs() + E_v) + (s_.abs() + E_s) * E_v)
+            y_ = h_ @ Wd
+            E_y = _round(y_, E_h @ Wd.abs() + gam(I) * ((h_.abs() + E_h) @ Wd.abs()))
+            # backward
+            naming = (ids[rows] == e)
+            w_ = (wt.detach()[rows] * naming).sum(dim=1, keepdim=True)
+            e_w = gam(topk) * (wt.detach()[rows].abs() * naming).sum(dim=1, keepdim=True)
+            gy_ = w_ * g
+            E_gy = _round(gy_, g.abs() * e_w + 2.0**-24 * gy_.abs())
+            gh_ = gy_ @ Wd.T
+            E_gh = _round(gh_, E_gy @ Wd.abs().T + gam(H) * ((gy_.abs() + E_gy) @ Wd.abs().T))
+            nrow = rows.numel()
+            gd_ = h_.T @ gy_
+            E_par[d][2][le] = _round(gd_, E_h.T @ (gy_.abs() + E_gy) + h_.abs().T @ E_gy
+                                     + gam(nrow) * ((h_.abs() + E_h).T @ (gy_.abs() + E_gy)))
+            gs2 = gh_ * vs_
+            E_gs = _round(gs2, E_gh * (vs_.abs() + E_v) + gh_.abs() * E_v)
+            gv_ = gh_ * s_
+            E_gv = _round(gv_, E_gh * (s_.abs() + E_s) + gh_.abs() * E_s)
+            gg_ = d1 * gs2
+            m1b = (d1.abs() + E_g / 2).clamp(max=SILU_SLOPE_MAX)
+            E_gg = _round(gg_, m1b * E_gs + (gs2.abs() + E_gs) * (E_g / 2 + SILU_REL * m1b))
+            E_par[d][0][le] = _round(X.T @ gg_, Xa.T @ E_gg + gam(nrow) * (Xa.T @ (gg_.abs() + E_gg)))
+            E_par[d][1][le] = _round(X.T @ gv_, Xa.T @ E_gv + gam(nrow) * (Xa.T @ (gv_.abs() + E_gv)))
+            a_, b_ = gg_ @ Wg.T, gv_ @ Wu.T
+            E_a = _round(a_, E_gg @ Wg.abs().T + gam(I) * ((gg_.abs() + E_gg) @ Wg.abs().T))
+            E_b = _round(b_, E_gv @ Wu.abs().T + gam(I) * ((gv_.abs() + E_gv) @ Wu.abs().T))
+            gx_ = a_ + b_
+            E_gx = _round(gx_, E_a + E_b)
+            E_x_rank[d].index_add_(0, rows, E_gx)
+            mag_x_rank[d].index_add_(0, rows, gx_.abs() + E_gx)
+            E_gw = (E_y * g.abs()).sum(1) + gam(H) * ((y_.abs() + E_y) * g.abs()).sum(1)
+            E_wt[rows] += torch.where(naming, E_gw[:, None], 0.0)
+        # grad x: the fold per rank, then the sum over ranks
+        e_out = torch.zeros(n, H, dtype=f64)
+        mag_out = torch.zeros(n, H, dtype=f64)
+        for d in range(world):
+            F_ = mag_x_rank[d] - E_x_rank[d]  # an upper bound of sum |gx_p|: the fold's exact input magnitude
+            E_F = _round(F_, E_x_rank[d] + gam(2 * topk) * mag_x_rank[d])
+            e_out += E_F
+            mag_out += F_ + E_F
+        E_x = _round(got[0], e_out + gam(world) * mag_out)
+
+    def per_rank(t):
+        return list(torch.split(t.detach(), sizes))
+
+    grads = {"x": per_rank(got[0]), "topk_weights": per_rank(got[1])}
+    bounds = {"x": per_rank(E_x), "topk_weights": per_rank(E_wt)}
+    for i, name in enumerate(("gate", "up", "down")):
+        grads[name] = [got[2 + 3 * d + i] for d in range(world)]
+        bounds[name] = [E_par[d][i] for d in range(world)]
+    return grads, bounds
+
+
 # --- routing -------------------------------------------------------------------------------------
 
 
@@ -828,6 +1018,11 @@ class MoELayer(torch.nn.Module):
     def forward(self, x, topk_weights, topk_ids, family=None):
         """dispatch, experts, combine: out [T, H] bf16 per rank (a list in virtual mode).
 
+        Under autograd (grad mode on, and x, topk_weights or an expert weight requiring grad) the
+        three stages are differentiable (``epgen.autograd``: the backward runs the op's kernels
+        along the dispatch's kept layout; the op needs ``EpConfig(dispatch_transport="pull")``):
+        gradients reach x, topk_weights and every ExpertWeights tensor that requires grad.
+
         Args:
             x: [T, H] bf16 tokens, T <= config.max_tokens_per_rank.
             topk_weights: [T, K] float32 routing weights (e.g. ``route_topk``).
@@ -839,6 +1034,14 @@ class MoELayer(torch.nn.Module):
         Raises:
             As ``EpDispatchCombine.dispatch`` / ``combine`` and ``swiglu_experts``.
         """
+        xs, ws = (list(v) if self.op.virtual else [v] for v in (x, topk_weights))
+        tensors = xs + ws + [t for w in self.weights for t in (w.gate, w.up, w.down)]
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+            d = autograd.dispatch(self.op, x, topk_weights, topk_ids, family=family)
+            rows = list(d.x) if self.op.virtual else [d.x]
+            offsets = list(d.offsets) if self.op.virtual else [d.offsets]
+            ys = [swiglu_experts(r, o, w, grouped=self.grouped_mm) for r, o, w in zip(rows, offsets, self.weights)]
+            return autograd.combine(self.op, ys if self.op.virtual else ys[0], d)
         return self.combine(self.experts(self.dispatch(x, topk_weights, topk_ids, family)))
 
     def close(self):

@@ -65,7 +65,7 @@ WINGS = {
     "integrations": ("epgen.integrations",),
     "harness": ("epgen.harness",),
     "cli": ("epgen.cli", "epgen.__main__"),
-    "front": ("epgen", "epgen.moe", "epgen.hierarchical"),
+    "front": ("epgen", "epgen.autograd", "epgen.moe", "epgen.hierarchical"),
 }
 """The wing of each module: a name or the package it lies in (``runtime/__init__.py``'s map).
 "front" is the public face: the package's own ``__init__`` and the re-exports of public paths."""
