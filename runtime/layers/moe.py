@@ -29,6 +29,7 @@ from epgen.codegen.config import EpConfig
 from epgen.codegen.dtypes import COMBINE_QUANTS, element_format
 from epgen.codegen.dtypes import fp8_flavour as fp8_flavour_row
 from epgen.quant import combine_error_bound, combine_roundtrip
+from epgen.tensors import check_tensor
 
 __all__ = ["ExpertWeights", "MoELayer", "dense_moe", "grouped_mm_available", "grouped_mm_refusal", "route_topk",
            "swiglu_experts", "swiglu_reference"]
@@ -64,14 +65,6 @@ def _gamma(n: int) -> float:
     return n * EPS_FP32_ACC / (1.0 - n * EPS_FP32_ACC)
 
 
-def _check_tensor(name: str, value, *, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name}: must be a torch.Tensor, got {type(value).__name__}")
-    if value.dim() != dim or value.dtype != dtype:
-        raise ValueError(f"{name}: shape {tuple(value.shape)} {value.dtype} must be {dim}-D {dtype}")
-    return value
-
-
 # --- weights -------------------------------------------------------------------------------------
 
 
@@ -101,9 +94,8 @@ class ExpertWeights:
 
     def __attrs_post_init__(self):
         for name in ("gate", "up", "down"):
-            t = _check_tensor(f"ExpertWeights.{name}", getattr(self, name), dim=3, dtype=torch.bfloat16)
-            if not t.is_contiguous():
-                raise ValueError(f"ExpertWeights.{name}: strides {t.stride()} must be contiguous")
+            t = check_tensor(f"ExpertWeights.{name}", getattr(self, name), dtype=torch.bfloat16, dim=3,
+                             contiguous=True)
             if t.numel() == 0:
                 raise ValueError(f"ExpertWeights.{name}: shape {tuple(t.shape)} must have L, H, I >= 1")
         L, H, I = self.gate.shape
@@ -249,19 +241,10 @@ def _check_flag(name: str, value) -> None:
 def _check_expert_stage(x, offsets, w, out) -> None:
     if not isinstance(w, ExpertWeights):
         raise TypeError(f"w: must be an ExpertWeights, got {type(w).__name__}")
-    x = _check_tensor("x", x, dim=2, dtype=torch.bfloat16)
-    if x.shape[1] != w.hidden or not x.is_contiguous() or x.device != w.device:
-        raise ValueError(f"x: shape {tuple(x.shape)} on {x.device} must be [R, H={w.hidden}] contiguous on the "
-                         f"weights' device {w.device}")
-    offsets = _check_tensor("offsets", offsets, dim=1, dtype=torch.int32)
-    if offsets.shape[0] != w.num_experts + 1 or offsets.device != x.device:
-        raise ValueError(f"offsets: shape {tuple(offsets.shape)} on {offsets.device} must be [L + 1 = "
-                         f"{w.num_experts + 1}] on {x.device}")
+    x = check_tensor("x", x, dtype=torch.bfloat16, shape=(None, w.hidden), device=w.device, contiguous=True)
+    offsets = check_tensor("offsets", offsets, dtype=torch.int32, shape=(w.num_experts + 1,), device=w.device)
     if out is not None:
-        out = _check_tensor("out", out, dim=2, dtype=torch.bfloat16)
-        if tuple(out.shape) != tuple(x.shape) or not out.is_contiguous() or out.device != x.device:
-            raise ValueError(f"out: shape {tuple(out.shape)} on {out.device} must be [R, H] = {list(x.shape)} "
-                             f"contiguous on {x.device} (like x)")
+        check_tensor("out", out, dtype=torch.bfloat16, shape=tuple(x.shape), device=w.device, contiguous=True)
 
 
 def _host_offsets(offsets: torch.Tensor, rows: int) -> list[int]:
@@ -452,9 +435,9 @@ def _check_dense_inputs(xs, topk_weights, topk_ids, weights, combine_quant):
         raise ValueError(f"combine_quant={combine_quant!r}: must be one of {', '.join(COMBINE_QUANTS)}")
     topk = None
     for r in range(world):
-        x = _check_tensor(f"xs[rank {r}]", xs[r], dim=2, dtype=torch.bfloat16)
-        wt = _check_tensor(f"topk_weights[rank {r}]", topk_weights[r], dim=2, dtype=torch.float32)
-        ids = _check_tensor(f"topk_ids[rank {r}]", topk_ids[r], dim=2, dtype=torch.int32)
+        x = check_tensor(f"xs[rank {r}]", xs[r], dtype=torch.bfloat16, dim=2)
+        wt = check_tensor(f"topk_weights[rank {r}]", topk_weights[r], dtype=torch.float32, dim=2)
+        ids = check_tensor(f"topk_ids[rank {r}]", topk_ids[r], dtype=torch.int32, dim=2)
         topk = wt.shape[1] if topk is None else topk
         if x.shape[1] != w0.hidden or x.device != w0.device:
             raise ValueError(f"xs[rank {r}]: shape {tuple(x.shape)} on {x.device} must be [T, H={w0.hidden}] on "
@@ -649,8 +632,7 @@ def route_topk(logits: torch.Tensor, k: int, *, renormalize: bool = True):
             (naming the first such row and expert); a row with fewer than k experts above -inf,
             an all -inf row included (naming the first such row).
     """
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits: must be a torch.Tensor, got {type(logits).__name__}")
+    check_tensor("logits", logits)
     if logits.dim() != 2 or not logits.dtype.is_floating_point:
         raise ValueError(f"logits: shape {tuple(logits.shape)} {logits.dtype} must be [T, E] floating")
     experts = logits.shape[1]

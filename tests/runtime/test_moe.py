@@ -120,9 +120,9 @@ def test_expert_weights_validation():
         ExpertWeights(gate=g, up=g, down=g)
     with pytest.raises(ValueError, match=r"ExpertWeights.up: shape \(2, 8, 5\) must equal gate's"):
         ExpertWeights(gate=g, up=torch.zeros(2, 8, 5, dtype=torch.bfloat16), down=torch.zeros(2, 4, 8, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match=r"ExpertWeights.gate: shape \(2, 8, 4\) torch.float32 must be 3-D torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"ExpertWeights.gate.dtype=torch.float32: must be torch.bfloat16"):
         ExpertWeights(gate=g.float(), up=g, down=torch.zeros(2, 4, 8, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match=r"ExpertWeights.down: strides .* must be contiguous"):
+    with pytest.raises(ValueError, match=r"ExpertWeights.down: must be contiguous"):
         ExpertWeights(gate=g, up=g, down=torch.zeros(2, 8, 4, dtype=torch.bfloat16).transpose(1, 2))
     with pytest.raises(ValueError, match=r"hidden=0: must be a positive int"):
         ExpertWeights.random(2, 0, 4, generator=gen(0))
@@ -217,13 +217,13 @@ def test_swiglu_writes_out_and_checks_its_inputs():
         swiglu_experts(x, torch.tensor([0, 3, 2, 2, 6], dtype=torch.int32), w, grouped=False)
     with pytest.raises(ValueError, match=r"offsets=\[0, 3, 5, 5, 13\]: .* end at most at R=12"):
         swiglu_experts(x, torch.tensor([0, 3, 5, 5, 13], dtype=torch.int32), w, grouped=False)
-    with pytest.raises(ValueError, match=r"offsets: shape \(4,\) on cpu must be \[L \+ 1 = 5\]"):
+    with pytest.raises(ValueError, match=r"offsets.shape=\[4\]: must be \[5\]"):
         swiglu_experts(x, offsets[:4], w)
-    with pytest.raises(ValueError, match=r"offsets: shape \(5,\) torch.int64 must be 1-D torch.int32"):
+    with pytest.raises(ValueError, match=r"offsets.dtype=torch.int64: must be torch.int32"):
         swiglu_experts(x, offsets.long(), w)
-    with pytest.raises(ValueError, match=r"x: shape \(12, 32\) on cpu must be \[R, H=64\] contiguous"):
+    with pytest.raises(ValueError, match=r"x.shape=\[12, 32\]: must be \[\*, 64\]"):
         swiglu_experts(x[:, :32], offsets, w)
-    with pytest.raises(ValueError, match=r"out: shape \(11, 64\) on cpu must be \[R, H\] = \[12, 64\]"):
+    with pytest.raises(ValueError, match=r"out.shape=\[11, 64\]: must be \[12, 64\]"):
         swiglu_experts(x, offsets, w, out=x[:11].clone())
     with pytest.raises(TypeError, match=r"w: must be an ExpertWeights, got tuple"):
         swiglu_experts(x, offsets, (w.gate, w.up, w.down))

@@ -72,7 +72,7 @@ def test_wrong_device_and_type():
     x, w, i, s = good(8)
     with pytest.raises(ValueError, match=r"x\.device=cpu: must be cuda:0"):
         check_dispatch_inputs(CFG, dtype_info(CFG.dtype), torch.device("cuda", 0), x, w, i, s)
-    with pytest.raises(TypeError, match="x: expected a torch.Tensor, got list"):
+    with pytest.raises(TypeError, match="x: must be a torch.Tensor, got list"):
         check_dispatch_inputs(CFG, dtype_info(CFG.dtype), CPU, x.tolist(), w, i, s)
 
 
