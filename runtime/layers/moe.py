@@ -231,6 +231,12 @@ def _grouped_refusal(x: torch.Tensor, w: ExpertWeights, out) -> str | None:
     return None
 
 
+def _check_bool(name: str, value) -> None:
+    """True or False; anything else (a string, 0, 1, None) is a TypeError naming it."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r}: must be True or False")
+
+
 def _check_flag(name: str, value) -> None:
     """A tri-state flag: None (automatic), True or False; anything else (a string, 0, 1) is a
     TypeError naming it."""
@@ -257,7 +263,7 @@ def _host_offsets(offsets: torch.Tensor, rows: int) -> list[int]:
 
 
 def swiglu_experts(x: torch.Tensor, offsets: torch.Tensor, w: ExpertWeights, *, grouped: bool | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, offsets_checked: bool = False) -> torch.Tensor:
     """Every expert's SwiGLU FFN on its group of rows of the expert-major layout.
 
     Rows [offsets[e], offsets[e + 1]) of x belong to local expert e; for each such row
@@ -272,9 +278,9 @@ def swiglu_experts(x: torch.Tensor, offsets: torch.Tensor, w: ExpertWeights, *, 
 
     Paths:
         grouped: three ``torch._grouped_mm`` calls (gate, up, down; group ends offsets[1:]) and an
-            in-place silu and product; no host synchronization, so it can be captured in a CUDA
-            graph. ``torch._grouped_mm`` has no output argument, so with ``out`` given y is copied
-            into it (one [R, H] copy).
+            in-place silu and product; with ``offsets_checked`` no host synchronization, so it can
+            be captured in a CUDA graph. ``torch._grouped_mm`` has no output argument, so with
+            ``out`` given y is copied into it (one [R, H] copy).
         loop: reads offsets to the host once (one synchronization: NOT capturable in a CUDA
             graph), then per non-empty group two matmuls, silu, product and a matmul written
             straight into the output.
@@ -283,24 +289,29 @@ def swiglu_experts(x: torch.Tensor, offsets: torch.Tensor, w: ExpertWeights, *, 
     Args:
         x: [R, H] bfloat16, contiguous, on the weights' device.
         offsets: [L + 1] int32 on x's device; offsets[0] = 0, non-decreasing, offsets[L] <= R
-            (checked by the loop path, which reads them; the grouped path trusts them).
+            (read to the host and checked, one synchronization, unless ``offsets_checked``).
         w: the rank's ExpertWeights.
         grouped: None picks grouped when ``grouped_mm_available(x.device)`` and the operands suit
             it (H and I multiples of 8; on CUDA 16-byte aligned pointers), else the loop; True
             forces grouped, False the loop.
         out: optional [R, H] bfloat16 contiguous tensor for y (e.g. ``op.combine_input(rank)``).
-
+        offsets_checked: the caller vouches for ``offsets`` (the op's ``ExpertDispatchOutput.offsets``,
+            which its expand kernel wrote to these rules): the grouped path then reads nothing to
+            the host (capturable); the loop path reads them either way. Offsets that break the
+            rules give wrong rows there, silently.
     Returns:
         y [R, H] bfloat16 (``out`` itself when given); rows >= offsets[L] are undefined (the loop
         leaves them as they were, the grouped path holds whatever its kernels left there).
 
     Raises:
-        TypeError: grouped not None, True or False; w not an ExpertWeights, a tensor argument not
-            a tensor.
+        TypeError: grouped not None, True or False; offsets_checked not True or False; w not an
+            ExpertWeights, a tensor argument not a tensor.
         ValueError: shapes, dtypes, devices or contiguity as above; grouped=True where the grouped
-            path cannot run (naming why); the loop path's offsets breaking the rules above.
+            path cannot run (naming why); offsets breaking the rules above (unless
+            ``offsets_checked`` on the grouped path).
     """
     _check_flag("grouped", grouped)
+    _check_bool("offsets_checked", offsets_checked)
     _check_expert_stage(x, offsets, w, out)
     refusal = _grouped_refusal(x, w, out)
     if grouped is None:
@@ -308,6 +319,8 @@ def swiglu_experts(x: torch.Tensor, offsets: torch.Tensor, w: ExpertWeights, *, 
     elif grouped and refusal is not None:
         raise ValueError(f"grouped=True: {refusal}")
     if grouped:
+        if not offsets_checked:
+            _host_offsets(offsets, x.shape[0])  # one host synchronization
         ends = offsets[1:]
         g = torch._grouped_mm(x, w.gate, offs=ends)
         v = torch._grouped_mm(x, w.up, offs=ends)
@@ -627,12 +640,13 @@ def route_topk(logits: torch.Tensor, k: int, *, renormalize: bool = True):
         of two equal probabilities wins is torch.topk's choice).
 
     Raises:
-        TypeError: logits not a tensor.
+        TypeError: logits not a tensor; renormalize not True or False.
         ValueError: logits not 2-D floating, or k not an int in [1, E]; a NaN or +inf logit
             (naming the first such row and expert); a row with fewer than k experts above -inf,
             an all -inf row included (naming the first such row).
     """
     check_tensor("logits", logits)
+    _check_bool("renormalize", renormalize)
     if logits.dim() != 2 or not logits.dtype.is_floating_point:
         raise ValueError(f"logits: shape {tuple(logits.shape)} {logits.dtype} must be [T, E] floating")
     experts = logits.shape[1]
@@ -796,7 +810,7 @@ class MoELayer(torch.nn.Module):
         ys = []
         for rank, w, d in zip(self.ranks, self.weights, outs):
             if self.grouped_mm:  # torch._grouped_mm allocates its output: combine reads it in place
-                ys.append(swiglu_experts(d.x, d.offsets, w, grouped=True))
+                ys.append(swiglu_experts(d.x, d.offsets, w, grouped=True, offsets_checked=True))
             else:
                 buf = self.op.combine_input(rank)[: d.x.shape[0]]
                 ys.append(swiglu_experts(d.x, d.offsets, w, grouped=False, out=buf))

@@ -161,7 +161,7 @@ class AllToAllMoE:
         offsets[1:] = torch.bincount(expert, minlength=L).cumsum(0)
         acc = torch.zeros((R, H), dtype=torch.float32, device=self.device)
         if row.numel():
-            y = swiglu_experts(recv_x[row], offsets, self.weights)
+            y = swiglu_experts(recv_x[row], offsets, self.weights, offsets_checked=True)  # built above
             wy = wsum[row, slot][:, None] * y.float()  # [n, H], each product rounded to fp32
             pos = torch.full((R, K), -1, dtype=torch.int64, device=self.device)
             pos[row, slot] = torch.arange(row.numel(), device=self.device)

@@ -3,6 +3,8 @@ bound, and MoELayer's glue around an emulated op built from epgen.reference."""
 
 from __future__ import annotations
 
+import re
+
 import attrs
 import pytest
 import torch
@@ -64,6 +66,13 @@ def test_route_topk_is_softmax_top_k():
 def test_route_topk_rejects(logits, k, match):
     with pytest.raises(ValueError, match=match):
         route_topk(logits, k)
+
+
+@pytest.mark.parametrize("renormalize", ["no", 0, 1, None])
+def test_route_topk_refuses_a_renormalize_that_is_not_a_bool(renormalize):
+    """renormalize='no' used to renormalize (a non-empty string is true); every non-bool is refused."""
+    with pytest.raises(TypeError, match=rf"renormalize={renormalize!r}: must be True or False"):
+        route_topk(torch.zeros(3, 8), 2, renormalize=renormalize)
 
 
 def logits_with(*cells):
@@ -217,6 +226,14 @@ def test_swiglu_writes_out_and_checks_its_inputs():
         swiglu_experts(x, torch.tensor([0, 3, 2, 2, 6], dtype=torch.int32), w, grouped=False)
     with pytest.raises(ValueError, match=r"offsets=\[0, 3, 5, 5, 13\]: .* end at most at R=12"):
         swiglu_experts(x, torch.tensor([0, 3, 5, 5, 13], dtype=torch.int32), w, grouped=False)
+    for grouped in (None, True, False):  # the grouped path reads them too unless the caller vouches
+        for bad in ([0, 3, 2, 2, 6], [0, 3, 5, 5, 13], [1, 3, 5, 5, 9]):
+            with pytest.raises(ValueError, match=re.escape(f"offsets={bad}: must start at 0, never decrease")):
+                swiglu_experts(x, torch.tensor(bad, dtype=torch.int32), w, grouped=grouped)
+    with pytest.raises(TypeError, match=r"offsets_checked=None: must be True or False"):
+        swiglu_experts(x, offsets, w, offsets_checked=None)
+    assert torch.equal(swiglu_experts(x, offsets, w, grouped=True, offsets_checked=True)[:9],
+                       swiglu_experts(x, offsets, w, grouped=True)[:9])
     with pytest.raises(ValueError, match=r"offsets.shape=\[4\]: must be \[5\]"):
         swiglu_experts(x, offsets[:4], w)
     with pytest.raises(ValueError, match=r"offsets.dtype=torch.int64: must be torch.int32"):
