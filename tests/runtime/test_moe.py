@@ -671,3 +671,25 @@ def test_bench_moe_checks_the_gpu_and_the_rules_that_need_its_count(bench_moe, c
         "--model deepseek-v3)")
     opts = bench_moe.parse_args(["--world-size", "2", "--tokens", "64", "96"])
     assert (opts.world_size, opts.tokens) == (2, (64, 96)) and opts.output.endswith("bench_moe-ep2-h200")
+
+
+# --- tools/bench_transformers.py without a GPU ---------------------------------------------------
+
+
+def test_bench_transformers_says_it_needs_a_gpu(monkeypatch, capsys):
+    """Without a GPU the transformers bench stops at its flags with one line, as bench_moe does (it
+    used to start a one-rank NCCL group and fail inside torch)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "bench_transformers.py"
+    spec = importlib.util.spec_from_file_location("bench_transformers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv, message in ((["--tokens", "8"], "needs a GPU (torch.cuda.is_available() is False)"),
+                          (["--tokens", "8", "0"], "--tokens 0: every value must be at least 1")):
+        with pytest.raises(SystemExit) as e:
+            module.main(argv)
+        assert e.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
