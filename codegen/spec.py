@@ -280,149 +280,206 @@ def _align16(n: int) -> int:
 
 
 @attrs.frozen
-class ArenaLayout:
-    """Byte offsets of the regions of one rank's symmetric arena (identical on every rank).
-
-    Regions, in order (each 256-byte aligned):
-      signals      [SIGNAL_WORDS] uint32  call counters, arrival counters, per-peer flags, the
-                   low-latency family's flags (``abi.SIGNALS``)
-      send_slot    [Tmax, W] int32  for each local token and destination rank, the receive row
-                   the token took in that rank's buffer, or -1 (written by dispatch, read by
-                   combine; the low-latency dispatch writes only the rank's own column)
-      send_pos     [Tmax, W] int32  the pair's position among the rows its dispatch block sends to
-                   that rank, or -1 (dispatch only: written by its routing phase, read by its copy)
-      recv_src     [cap, 2] int32  (source rank, source token) of each received row
-      recv_weights [cap, K] float32
-      recv_indices [cap, K] int32
-      recv_scales  [cap, S] uint8  (absent when S = 0)
-      combine_in   [cap, H] bf16  expert outputs that combine gathers (zero-copy target; in the
-                   expert layout the folded rows)
-      combine_wire [cap, wire row] the quantized combine rows peers read (absent when the
-                   combine wire is bf16: peers then read combine_in)
-    and in the expert layout (absent otherwise; local to the rank, peers never touch them):
-      slot_row     [cap, K] int32  expanded row of receive row i's top-k slot k, or -1 (a slot
-                   naming another rank's expert, or a local expert an earlier slot named)
-      expert_counts [L] int32  rows of each local expert
-      expert_offsets [L + 1] int32  group starts, multiples of A
-      expert_weights [R] float32  summed routing weight of each expanded row
-      expert_src   [R, 3] int32  (source rank, source token, first top-k slot)
-      expert_block_base [PLAN_BLOCKS, L] int32  per (expand block, expert): how many of the
-                   block's rows name the expert (plan), then where they start (the plan's last
-                   block rewrites it; expand reads it)
-      expert_scales [R, S] uint8
-      expert_y     [R, H] bf16  the expert outputs fold reads (the expert layout's zero-copy target)
-    and with the low-latency family (``ll_tokens`` = T_ll > 0; absent otherwise):
-      ll_calls     [4, LL_FLAG_SLOTS] uint32  finished calls of each low-latency kernel's block b
-                   (dispatch send, dispatch recv, combine send, combine recv): every block counts
-                   its own, so no block waits for another to learn the call's generation
-      ll_combine_stage [2, W, T_ll, stage row] combine wire rows pushed here by rank d for this
-                   rank's token t at [g % 2, d, t] (g the combine generation; stage row = the wire
-                   row rounded up to 16 bytes, bf16 rows for the bf16 wire)
-    then the payload rows, last because their row size is the dispatch dtype's, which combine
-    and fold specs do not know (they are built with ``payload_row_bytes`` 0 and never use them):
-      recv_x       [cap, H] dispatch dtype
-      expert_x     [R, H] dispatch dtype (expert layout)
-      dispatch_in  [Tmax, H] dispatch dtype: the rows this rank publishes for the pull dispatch
-                   (its peers read token t's row here; the caller writes x into it: zero copy)
-      ll_dispatch_stage [2, W, T_ll, record] rows pushed here by source rank s at [g % 2, s, slot]
-                   (low-latency family): record = payload row, then (source rank, token), K weights,
-                   K expert ids, S scale bytes, padded to 16 bytes (``ll_meta_bytes``; 0, as
-                   ``payload_row_bytes``, in combine and fold specs)
-
+class ArenaSizes:
+    """The numbers a rank's arena is sized from (``KernelSpec.layout`` fills them): W, Tmax,
     ``cap`` = ``KernelSpec.capacity_rows`` receive rows (W x Tmax unless capped), ``R`` =
-    ``KernelSpec.expert_rows``. All sizes in bytes. The two stages alternate by generation parity:
-    a sender writes stage g % 2 only after every receiver has finished with call g - 2 (it waited
-    for their call g - 1 flags, raised after it), so consecutive calls never overwrite rows a
-    receiver still reads.
+    ``KernelSpec.expert_rows`` (0 in the rank layout), L, H, K, S, the combine wire's row bytes (0
+    for the bf16 wire), the dispatch dtype's row bytes (0 in combine and fold specs, which never
+    touch the payload rows) and T_ll (0 without the low-latency family)."""
 
-    Where the signal words live: on CUDA in the ``signals`` region of this arena (one
-    allocation; the host passes ``arena + signals`` as the launch argument ``signals``). On ROCm
-    the arena is ordinary ``hipMalloc`` memory (coarse-grained) and the signal words live in a
-    separate uncached (fine-grained) allocation of ``SIGNAL_WORDS`` words passed the same way;
-    the arena's own ``signals`` region is then unused. Every other region is bulk data in the
-    arena on both vendors (``epgen.platform``, ``epgen.codegen.abi.ARGS``).
-    """
-
-    signals: int
-    send_slot: int
-    send_pos: int
-    recv_src: int
-    recv_weights: int
-    recv_indices: int
-    recv_scales: int
-    combine_in: int
-    combine_wire: int
-    slot_row: int
-    expert_counts: int
-    expert_offsets: int
-    expert_weights: int
-    expert_src: int
-    expert_block_base: int
-    expert_scales: int
-    expert_y: int
-    ll_calls: int
-    ll_combine_stage: int
-    recv_x: int
-    expert_x: int
-    dispatch_in: int
-    ll_dispatch_stage: int
-    payload_row_bytes: int
+    world_size: int
+    max_tokens_per_rank: int
     capacity_rows: int
     expert_rows: int
-    ll_tokens: int
-    ll_stage_row_bytes: int
-    ll_meta_bytes: int
-    world_size: int
+    experts_per_rank: int
+    hidden: int
+    topk: int
+    scale_bytes: int
+    wire_row_bytes: int
+    payload_row_bytes: int
+    ll_tokens: int = 0
+
+    @property
+    def expert(self) -> bool:
+        return self.expert_rows > 0
+
+    @property
+    def stage_row_bytes(self) -> int:
+        """A low-latency combine stage row: the wire row (bf16 rows for the bf16 wire) rounded up
+        to 16 bytes; 0 without the family."""
+        return _align16(self.wire_row_bytes or self.hidden * 2) if self.ll_tokens else 0
+
+    @property
+    def meta_bytes(self) -> int:
+        """What follows the payload row in a low-latency dispatch record: (source rank, token), K
+        weights, K expert ids, S scale bytes, padded to 16 bytes; 0 without the family or payload."""
+        return _align16(8 + 8 * self.topk + self.scale_bytes) if self.ll_tokens and self.payload_row_bytes else 0
+
+
+@attrs.frozen
+class Region:
+    """One region of a rank's arena (a row of ``ARENA_REGIONS``).
+
+    Attributes:
+        name: the ``ArenaLayout`` attribute that holds its byte offset; the kernels' constant is
+            ``c_name`` (``kOff`` and the name in CamelCase).
+        shape: its rows and element type as the kernels index it (printed beside the constant).
+        doc: what it holds, who writes it and who reads it.
+        size: its bytes, from ``ArenaSizes`` (0: absent; the next region starts at its offset).
+        needs: what a spec's layout must have for its kernels to declare it (``ArenaLayout.declared``):
+            "expert" (the expert layout), "payload" (the dispatch dtype's rows), "low_latency"
+            (T_ll > 0).
+    """
+
+    name: str
+    shape: str
+    doc: str
+    size: object
+    needs: tuple[str, ...] = ()
+
+    @property
+    def c_name(self) -> str:
+        return "kOff" + "".join(part.capitalize() for part in self.name.split("_"))
+
+
+ARENA_REGIONS = (
+    Region("signals", "[SIGNAL_WORDS] uint32", "call counters, arrival counters, per-peer flags, the low-latency "
+           "family's flags (``abi.SIGNALS``)", lambda d: SIGNAL_WORDS * 4),
+    Region("send_slot", "[Tmax, W] int32", "for each local token and destination rank, the receive row the token "
+           "took in that rank's buffer, or -1 (written by dispatch, read by combine; the low-latency dispatch writes "
+           "only the rank's own column)", lambda d: d.max_tokens_per_rank * d.world_size * 4),
+    Region("send_pos", "[Tmax, W] int32", "the pair's position among the rows its dispatch block sends to that "
+           "rank, or -1 (dispatch only: written by its routing phase, read by its copy)",
+           lambda d: d.max_tokens_per_rank * d.world_size * 4),
+    Region("recv_src", "[cap, 2] int32", "(source rank, source token) of each received row",
+           lambda d: d.capacity_rows * 8),
+    Region("recv_weights", "[cap, K] float32", "each received row's routing weights",
+           lambda d: d.capacity_rows * d.topk * 4),
+    Region("recv_indices", "[cap, K] int32", "each received row's expert ids", lambda d: d.capacity_rows * d.topk * 4),
+    Region("recv_scales", "[cap, S] uint8", "each received row's scales (absent when S = 0)",
+           lambda d: d.capacity_rows * d.scale_bytes),
+    Region("combine_in", "[cap, H] bf16", "expert outputs that combine gathers (zero-copy target; in the expert "
+           "layout the folded rows)", lambda d: d.capacity_rows * d.hidden * 2),
+    Region("combine_wire", "[cap, wire row] bytes", "the quantized combine rows peers read (absent when the combine "
+           "wire is bf16: peers then read combine_in)", lambda d: d.capacity_rows * d.wire_row_bytes),
+    # the expert layout's regions: local to the rank, peers never touch them
+    Region("slot_row", "[cap, K] int32", "expanded row of receive row i's top-k slot k, or -1 (a slot naming "
+           "another rank's expert, or a local expert an earlier slot named)",
+           lambda d: d.capacity_rows * d.topk * 4 if d.expert else 0, ("expert",)),
+    Region("expert_counts", "[L] int32", "rows of each local expert",
+           lambda d: d.experts_per_rank * 4 if d.expert else 0, ("expert",)),
+    Region("expert_offsets", "[L + 1] int32", "group starts, multiples of A",
+           lambda d: (d.experts_per_rank + 1) * 4 if d.expert else 0, ("expert",)),
+    Region("expert_weights", "[R] float32", "summed routing weight of each expanded row",
+           lambda d: d.expert_rows * 4, ("expert",)),
+    Region("expert_src", "[R, 3] int32", "(source rank, source token, first top-k slot) of each expanded row",
+           lambda d: d.expert_rows * 12, ("expert",)),
+    Region("expert_block_base", "[PLAN_BLOCKS, L] int32", "per (expand block, expert): how many of the block's rows "
+           "name the expert (plan), then where they start (the plan's last block rewrites it; expand reads it)",
+           lambda d: PLAN_BLOCKS * d.experts_per_rank * 4 if d.expert else 0, ("expert",)),
+    Region("expert_scales", "[R, S] uint8", "each expanded row's scales", lambda d: d.expert_rows * d.scale_bytes,
+           ("expert",)),
+    Region("expert_y", "[R, H] bf16", "the expert outputs fold reads (the expert layout's zero-copy target)",
+           lambda d: d.expert_rows * d.hidden * 2, ("expert",)),
+    # the low-latency family's regions (T_ll > 0)
+    Region("ll_calls", "[4, LL_FLAG_SLOTS] uint32", "finished calls of each low-latency kernel's block b (dispatch "
+           "send, dispatch recv, combine send, combine recv): every block counts its own, so no block waits for "
+           "another to learn the call's generation", lambda d: LL_CALL_COUNTERS * 4 if d.ll_tokens else 0,
+           ("low_latency",)),
+    Region("ll_combine_stage", "[2, W, T_ll, stage row]", "combine wire rows pushed here by rank d for this rank's "
+           "token t at [g % 2, d, t] (g the combine generation; ``ArenaSizes.stage_row_bytes``)",
+           lambda d: 2 * d.world_size * d.ll_tokens * d.stage_row_bytes, ("low_latency",)),
+    # the payload rows, last: their row size is the dispatch dtype's, which combine and fold specs do
+    # not know (they are built with payload_row_bytes 0 and never use them)
+    Region("recv_x", "[cap, H] dispatch dtype", "the received payload rows",
+           lambda d: d.capacity_rows * d.payload_row_bytes),
+    Region("expert_x", "[R, H] dispatch dtype", "the expanded payload rows (expert layout)",
+           lambda d: d.expert_rows * d.payload_row_bytes, ("expert", "payload")),
+    Region("dispatch_in", "[Tmax, H] dispatch dtype", "the rows this rank publishes for the pull dispatch (its "
+           "peers read token t's row here; the caller writes x into it: zero copy)",
+           lambda d: d.max_tokens_per_rank * d.payload_row_bytes, ("payload",)),
+    Region("ll_dispatch_stage", "[2, W, T_ll, record]", "rows pushed here by source rank s at [g % 2, s, slot] "
+           "(low-latency family): record = payload row, then ``ArenaSizes.meta_bytes``",
+           lambda d: 2 * d.world_size * d.ll_tokens * (d.payload_row_bytes + d.meta_bytes),
+           ("low_latency", "payload")),
+)
+"""The regions of one rank's symmetric arena, in order, each 256-byte aligned (identical on every
+rank). ``ArenaLayout`` holds their offsets; the kernels' prelude declares each one their spec's
+layout has (``ArenaLayout.declared``). ``cap``, ``R`` and the other letters are ``ArenaSizes``'; all
+sizes in bytes.
+
+The two low-latency stages alternate by generation parity: a sender writes stage g % 2 only after
+every receiver has finished with call g - 2 (it waited for their call g - 1 flags, raised after
+it), so consecutive calls never overwrite rows a receiver still reads.
+
+Where the signal words live: on CUDA in the ``signals`` region of this arena (one allocation; the
+host passes ``arena + signals`` as the launch argument ``signals``). On ROCm the arena is ordinary
+``hipMalloc`` memory (coarse-grained) and the signal words live in a separate uncached
+(fine-grained) allocation of ``SIGNAL_WORDS`` words passed the same way; the arena's own
+``signals`` region is then unused. Every other region is bulk data in the arena on both vendors
+(``epgen.platform``, ``epgen.codegen.abi.ARGS``)."""
+
+
+@attrs.frozen
+class ArenaLayout:
+    """Byte offsets of the regions (``ARENA_REGIONS``) of one rank's arena, read as attributes
+    (``layout.recv_x``), and the sizes they were laid out from (``sizes``)."""
+
+    offsets: tuple[tuple[str, int], ...]
+    sizes: ArenaSizes
+    total_bytes: int
+
+    def __getattr__(self, name: str) -> int:
+        for region, offset in object.__getattribute__(self, "offsets"):
+            if region == name:
+                return offset
+        raise AttributeError(f"ArenaLayout has no region or attribute {name!r}; regions: "
+                             f"{', '.join(r.name for r in ARENA_REGIONS)}")
+
+    @classmethod
+    def build(cls, sizes: ArenaSizes) -> "ArenaLayout":
+        """Each region of ``ARENA_REGIONS`` at the 256-byte boundary after the one before."""
+        off, offsets = 0, []
+        for region in ARENA_REGIONS:
+            offsets.append((region.name, off))
+            off = _align(off + region.size(sizes))
+        return cls(offsets=tuple(offsets), sizes=sizes, total_bytes=off)
+
+    def declared(self) -> list[tuple[Region, int]]:
+        """(region, offset) of every region a kernel of this layout declares: those whose
+        ``needs`` it has."""
+        d = self.sizes
+        has = {"expert": d.expert, "payload": d.payload_row_bytes > 0, "low_latency": d.ll_tokens > 0}
+        return [(r, off) for r, (_, off) in zip(ARENA_REGIONS, self.offsets) if all(has[n] for n in r.needs)]
+
+    @property
+    def payload_row_bytes(self) -> int:
+        return self.sizes.payload_row_bytes
+
+    @property
+    def capacity_rows(self) -> int:
+        return self.sizes.capacity_rows
+
+    @property
+    def expert_rows(self) -> int:
+        return self.sizes.expert_rows
+
+    @property
+    def ll_tokens(self) -> int:
+        return self.sizes.ll_tokens
+
+    @property
+    def ll_stage_row_bytes(self) -> int:
+        return self.sizes.stage_row_bytes
+
+    @property
+    def ll_meta_bytes(self) -> int:
+        return self.sizes.meta_bytes
 
     @property
     def ll_record_bytes(self) -> int:
         """Bytes of one low-latency dispatch record: payload row, then ``ll_meta_bytes``."""
-        return self.payload_row_bytes + self.ll_meta_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes to allocate for one arena."""
-        return _align(self.ll_dispatch_stage + 2 * self.world_size * self.ll_tokens * self.ll_record_bytes)
-
-    @classmethod
-    def build(cls, *, world_size, max_tokens_per_rank, capacity_rows, expert_rows, experts_per_rank, hidden, topk,
-              scale_bytes, wire_row_bytes, payload_row_bytes, ll_tokens=0):
-        cap, R, T_ll = capacity_rows, expert_rows, ll_tokens
-        expert = R > 0
-        # low-latency stages: combine rows as the wire carries them (bf16 without a quantized wire)
-        stage_row = _align16(wire_row_bytes or hidden * 2) if T_ll else 0
-        meta = _align16(8 + 8 * topk + scale_bytes) if T_ll and payload_row_bytes else 0
-        off = 0
-        fields = {}
-        for name, size in (
-            ("signals", SIGNAL_WORDS * 4),
-            ("send_slot", max_tokens_per_rank * world_size * 4),
-            ("send_pos", max_tokens_per_rank * world_size * 4),
-            ("recv_src", cap * 8),
-            ("recv_weights", cap * topk * 4),
-            ("recv_indices", cap * topk * 4),
-            ("recv_scales", cap * scale_bytes),
-            ("combine_in", cap * hidden * 2),
-            ("combine_wire", cap * wire_row_bytes),
-            ("slot_row", cap * topk * 4 if expert else 0),
-            ("expert_counts", experts_per_rank * 4 if expert else 0),
-            ("expert_offsets", (experts_per_rank + 1) * 4 if expert else 0),
-            ("expert_weights", R * 4),
-            ("expert_src", R * 12),
-            ("expert_block_base", PLAN_BLOCKS * experts_per_rank * 4 if expert else 0),
-            ("expert_scales", R * scale_bytes),
-            ("expert_y", R * hidden * 2),
-            ("ll_calls", LL_CALL_COUNTERS * 4 if T_ll else 0),
-            ("ll_combine_stage", 2 * world_size * T_ll * stage_row),
-            ("recv_x", cap * payload_row_bytes),
-            ("expert_x", R * payload_row_bytes),
-            ("dispatch_in", max_tokens_per_rank * payload_row_bytes),
-            ("ll_dispatch_stage", 0),
-        ):
-            fields[name] = off
-            off = _align(off + size)
-        return cls(**fields, payload_row_bytes=payload_row_bytes, capacity_rows=cap, expert_rows=R, ll_tokens=T_ll,
-                   ll_stage_row_bytes=stage_row, ll_meta_bytes=meta, world_size=world_size)
+        return self.sizes.payload_row_bytes + self.sizes.meta_bytes
 
 
 @attrs.frozen
@@ -644,7 +701,7 @@ class KernelSpec:
     @property
     def layout(self) -> ArenaLayout:
         """Arena layout; dispatch and combine specs of one op agree on every shared offset."""
-        return ArenaLayout.build(
+        return ArenaLayout.build(ArenaSizes(
             world_size=self.world_size,
             max_tokens_per_rank=self.max_tokens_per_rank,
             capacity_rows=self.capacity_rows,
@@ -656,7 +713,7 @@ class KernelSpec:
             wire_row_bytes=self.quant.wire_row_bytes(self.hidden) if self.quant.quantized else 0,
             payload_row_bytes=self.row_bytes if self.op.payload else 0,
             ll_tokens=self.ll_tokens,
-        )
+        ))
 
     @property
     def name(self) -> str:

@@ -11,6 +11,8 @@ Package map (folder in the checkout -> import package):
 * ``templates/`` -> ``epgen.templates``: the Jinja templates (package data);
 * ``runtime/``   -> ``epgen``, in wings, each named for its layer:
 
+  * ``tensors``, at the top: ``check_tensor``, the one check of a tensor argument (imports torch
+    only; every other wing may use it);
   * the core, at the top: ``op`` (the op), ``plan`` (which kernels each call launches, as data),
     ``arena``, ``platform`` (its buffers, signals and error records), ``host`` (the same on the
     CPU: the kernels run by an emulation, docs/host.md), ``loader``,
@@ -25,9 +27,9 @@ Package map (folder in the checkout -> import package):
   * ``harness/`` -> ``epgen.harness``: verification, timing and rank processes;
   * ``cli/`` -> ``epgen.cli``: the command line (verbs, flags, options).
 
-The rules, one way (``tests/codegen/test_imports.py`` enforces each): ``epgen.codegen`` imports
-nothing else of ``epgen``; the core imports codegen and the core; the references import
-codegen and the references; the layers add the core and the references; the integrations and
+The rules, one way (``tests/codegen/test_imports.py`` enforces each): ``epgen.codegen`` and
+``epgen.tensors`` import nothing else of ``epgen``; the core imports codegen, tensors and the
+core; the references import codegen, tensors and the references; the layers add the core and the references; the integrations and
 the harness each add the layers; the command line may import everything and nothing imports it
 but ``epgen.__main__``.
 This module and the re-export modules (``epgen.moe``, ``epgen.hierarchical``) are the public

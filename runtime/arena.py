@@ -66,7 +66,7 @@ class Arenas:
 
     On CUDA a rank's signal words are the ``layout.signals`` region of its arena; on ROCm they
     are a separate uncached allocation (``Platform.alloc_signals``), exchanged with a second IPC
-    handle (see ``epgen.codegen.spec.ArenaLayout``).
+    handle (see ``epgen.codegen.spec.ARENA_REGIONS``).
 
     Args:
         layout: the arena layout (``layout.total_bytes`` per arena).

@@ -23,6 +23,7 @@ from epgen.codegen.dtypes import DTypeInfo
 from epgen.codegen.spec import EXPERT_OPS, PLAN_BLOCKS, KernelSpec, Op
 from epgen.codegen.config import EpConfig
 from epgen.platform import HIP_KERNEL_ARGS_BYTES, CooperativeLaunchTooLarge, Platform, capturing
+from epgen.tensors import check_tensor
 
 
 class EpError(RuntimeError):
@@ -256,38 +257,13 @@ def _rank_io(**fields: int) -> tuple[int, ...]:
     return tuple(fields.get(f.name, 0) for f in abi.RANK_IO)
 
 
-def _check_tensor(t, name: str, *, dtype, shape, device, vectors: bool = False):
-    """Check one input tensor: a torch.Tensor of ``dtype``, ``shape`` (None: any size), on
-    ``device``, contiguous, and with ``vectors`` (x and out) starting on a 16-byte boundary
-    (``ArchTraits.vector_bytes``). The kernels read the rows of x with 16-byte
-    vector loads and write the rows of out with 16-byte vector stores, which fault (sm_90) on a
-    misaligned address, e.g. a view at a storage offset that is not a multiple of 16 bytes (an
-    empty tensor is not read and passes).
-    weights and indices are read one element at a time (4-byte loads, which torch's element
-    alignment covers), scales one byte at a time, and y is copied into the arena by torch
-    unless it is ``combine_input()`` itself, so those need no more than their dtype's alignment.
-
-    Raises:
-        TypeError: ``t`` is not a tensor.
-        ValueError: naming ``name`` and the broken rule (dtype, shape, device, contiguity, or the
-            address modulo 16).
-    """
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise ValueError(f"{name}.dtype={t.dtype}: must be {dtype}")
-    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
-        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{name}.shape={list(t.shape)}: must be {want}")
-    if t.device != device:
-        raise ValueError(f"{name}.device={t.device}: must be {device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: must be contiguous (call .contiguous() first)")
-    vector_bytes = max(a.vector_bytes for a in ARCH_TRAITS.values())
-    if vectors and t.numel() and t.data_ptr() % vector_bytes:
-        raise ValueError(f"{name}.data_ptr()={t.data_ptr():#x}: {t.data_ptr() % vector_bytes} bytes past a "
-                         f"{vector_bytes}-byte boundary; the kernels move its rows with {vector_bytes}-byte vector "
-                         f"accesses, so it must start on one (a view at an odd storage offset: pass .clone())")
+VECTOR_BYTES = max(a.vector_bytes for a in ARCH_TRAITS.values())
+"""The kernels read the rows of x and write the rows of out with vector accesses of this many bytes
+(``ArchTraits.vector_bytes``), which fault (sm_90) on a misaligned address, e.g. a view at a storage
+offset that is not a multiple of 16 bytes: those tensors must start on such a boundary (an empty
+tensor is not read and passes). weights and indices are read one element at a time (4-byte loads,
+which torch's element alignment covers), scales one byte at a time, and y is copied into the arena
+by torch unless a kernel reads it in place, so those need no more than their dtype's alignment."""
 
 
 def check_dispatch_inputs(cfg: EpConfig, payload: DTypeInfo, device: torch.device, x, weights, indices, scales,
@@ -306,15 +282,16 @@ def check_dispatch_inputs(cfg: EpConfig, payload: DTypeInfo, device: torch.devic
         TypeError: an argument is not a tensor.
         ValueError: naming the argument (with ``tag``, e.g. "[rank 3]"), its value and the rule.
     """
-    _check_tensor(x, f"x{tag}", dtype=payload.torch_dtype, shape=(None, payload.columns(cfg.hidden)), device=device,
-                  vectors=True)
+    check_tensor(f"x{tag}", x, dtype=payload.torch_dtype, shape=(None, payload.columns(cfg.hidden)), device=device,
+                 contiguous=True, vector_bytes=VECTOR_BYTES)
     T = x.shape[0]
     if T > cfg.max_tokens_per_rank:
         raise ValueError(f"x{tag}.shape[0]={T}: more tokens than max_tokens_per_rank={cfg.max_tokens_per_rank}")
-    _check_tensor(weights, f"weights{tag}", dtype=torch.float32, shape=(T, cfg.topk), device=device)
-    _check_tensor(indices, f"indices{tag}", dtype=torch.int32, shape=(T, cfg.topk), device=device)
+    check_tensor(f"weights{tag}", weights, dtype=torch.float32, shape=(T, cfg.topk), device=device, contiguous=True)
+    check_tensor(f"indices{tag}", indices, dtype=torch.int32, shape=(T, cfg.topk), device=device, contiguous=True)
     if cfg.scale_bytes:
-        _check_tensor(scales, f"scales{tag}", dtype=torch.uint8, shape=(T, cfg.scale_bytes), device=device)
+        check_tensor(f"scales{tag}", scales, dtype=torch.uint8, shape=(T, cfg.scale_bytes), device=device,
+                     contiguous=True)
     elif scales is not None:
         raise ValueError(f"scales{tag}: given, but EpConfig.scale_bytes=0")
     return T
@@ -336,15 +313,15 @@ def check_combine_inputs(cfg: EpConfig, device: torch.device, y, out, tokens: in
     """
     expert = cfg.layout == "expert"
     if y is not None:
-        _check_tensor(y, f"y{tag}", dtype=torch.bfloat16, shape=(None, cfg.hidden), device=device,
-                      vectors=expert or in_place)
+        check_tensor(f"y{tag}", y, dtype=torch.bfloat16, shape=(None, cfg.hidden), device=device, contiguous=True,
+                     vector_bytes=VECTOR_BYTES if expert or in_place else 0)
         if y.shape[0] > capacity:
             what = ("the expert layout's rows (max_recv_tokens x min(topk, experts per rank) + padding)" if expert
                     else "the receive capacity (max_recv_tokens, or world_size x max_tokens_per_rank)")
             raise ValueError(f"y{tag}.shape[0]={y.shape[0]}: more rows than {what}, {capacity}")
     if out is not None:
-        _check_tensor(out, f"out{tag}", dtype=torch.bfloat16, shape=(tokens, cfg.hidden), device=device,
-                      vectors=True)
+        check_tensor(f"out{tag}", out, dtype=torch.bfloat16, shape=(tokens, cfg.hidden), device=device,
+                     contiguous=True, vector_bytes=VECTOR_BYTES)
 
 
 class EpDispatchCombine:
@@ -784,8 +761,8 @@ class EpDispatchCombine:
         cols = self.payload.columns(self.config.hidden)
         for i, rank in enumerate(self.local_ranks):
             tag = f"[rank {rank}]" if self.virtual else ""
-            _check_tensor(xs[i], f"x{tag}", dtype=self.payload.torch_dtype, shape=(layout.tokens[i], cols),
-                          device=self.device, vectors=True)
+            check_tensor(f"x{tag}", xs[i], dtype=self.payload.torch_dtype, shape=(layout.tokens[i], cols),
+                         device=self.device, contiguous=True, vector_bytes=VECTOR_BYTES)
             self._check_dispatch_input_use(rank, xs[i], tag)
         handshake, pull = route.send
         io = []

@@ -36,6 +36,9 @@ node d // G), the hierarchical op delivers exactly ``dispatch``'s rows (each tok
 rank holding one of its experts), and its combine sums in two levels: per (token, node) the wire
 rows of the node's ranks in ascending rank, fp32, rounded to bf16 once; then those partial sums in
 ascending node, fp32, rounded once more.
+
+Errors: a tensor argument that is not a torch.Tensor raises TypeError; every other rule a
+function's ``Raises`` names raises ValueError (``epgen.tensors.check_tensor`` and the checks here).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import attrs
 import torch
 
 from epgen.quant import combine_roundtrip
+from epgen.tensors import check_tensor
 
 __all__ = [
     "ExpertRows",
@@ -71,19 +75,6 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name}={value!r}: must be an int")
     if value < 1:
         raise ValueError(f"{name}={value}: must be at least 1")
-
-
-def _check_tensor(name: str, value) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{name}: must be a torch.Tensor, got {type(value).__name__}")
-    return value
-
-
-def _check_2d(name: str, value) -> torch.Tensor:
-    t = _check_tensor(name, value)
-    if t.dim() != 2:
-        raise ValueError(f"{name}: shape {tuple(t.shape)} must be 2-D")
-    return t
 
 
 def _check_expert_ids(name: str, indices: torch.Tensor, num_experts: int) -> None:
@@ -133,9 +124,7 @@ def route(indices: torch.Tensor, *, experts_per_rank: int, world_size: int) -> t
     """
     _check_positive_int("experts_per_rank", experts_per_rank)
     _check_positive_int("world_size", world_size)
-    indices = _check_2d("indices", indices)
-    if indices.dtype != torch.int32:
-        raise ValueError(f"indices: dtype {indices.dtype} must be torch.int32")
+    indices = check_tensor("indices", indices, dtype=torch.int32, dim=2)
     _check_expert_ids("indices", indices, world_size * experts_per_rank)
     return _route(indices, experts_per_rank, world_size)
 
@@ -162,15 +151,13 @@ class RecvRows:
     src: torch.Tensor
 
     def __attrs_post_init__(self):
-        src = _check_2d("RecvRows.src", self.src)
-        if src.shape[1] != 2 or src.dtype != torch.int32:
-            raise ValueError(f"RecvRows.src: shape {tuple(src.shape)} {src.dtype} must be [R, 2] torch.int32")
+        src = check_tensor("RecvRows.src", self.src, dtype=torch.int32, shape=(None, 2))
         rows = src.shape[0]
         for name in ("x", "weights", "indices", "scales"):
             value = getattr(self, name)
             if value is None and name == "scales":
                 continue
-            value = _check_2d(f"RecvRows.{name}", value)
+            value = check_tensor(f"RecvRows.{name}", value, dim=2)
             if value.shape[0] != rows:
                 raise ValueError(
                     f"RecvRows.{name}: {value.shape[0]} rows must match the {rows} rows of RecvRows.src"
@@ -195,16 +182,16 @@ def _validate_dispatch(xs, weights, indices, scales, experts_per_rank) -> None:
             got = len(value) if isinstance(value, (list, tuple)) else type(value).__name__
             raise ValueError(f"{name}: must be a list of {world} tensors (one per rank, like xs), got {got}")
 
-    x0 = _check_2d("xs[rank 0]", xs[0])
-    w0 = _check_2d("weights[rank 0]", weights[0])
-    i0 = _check_2d("indices[rank 0]", indices[0])
+    x0 = check_tensor("xs[rank 0]", xs[0], dim=2)
+    w0 = check_tensor("weights[rank 0]", weights[0], dim=2)
+    i0 = check_tensor("indices[rank 0]", indices[0], dim=2)
     hidden, dtype, device, topk = x0.shape[1], x0.dtype, x0.device, w0.shape[1]
     if i0.shape[1] != topk:
         raise ValueError(f"weights[rank 0] has {topk} columns, indices[rank 0] has {i0.shape[1]}: both must be "
                          "[T, K] with the same top-k K")
-    s0 = _check_2d("scales[rank 0]", scales[0]) if scales is not None else None
+    s0 = check_tensor("scales[rank 0]", scales[0], dim=2) if scales is not None else None
     for r in range(world):
-        x = _check_2d(f"xs[rank {r}]", xs[r])
+        x = check_tensor(f"xs[rank {r}]", xs[r], dim=2)
         tokens = x.shape[0]
         if x.shape[1] != hidden or x.dtype != dtype or x.device != device:
             raise ValueError(
@@ -218,7 +205,7 @@ def _validate_dispatch(xs, weights, indices, scales, experts_per_rank) -> None:
         if scales is not None:
             expect["scales"] = (scales[r], (tokens, s0.shape[1]), s0.dtype)
         for name, (value, shape, want_dtype) in expect.items():
-            t = _check_2d(f"{name}[rank {r}]", value)
+            t = check_tensor(f"{name}[rank {r}]", value, dim=2)
             if tuple(t.shape) != shape or t.dtype != want_dtype or t.device != device:
                 raise ValueError(
                     f"{name}[rank {r}]: shape {tuple(t.shape)} {t.dtype} on {t.device} must be "
@@ -330,7 +317,7 @@ def combine(ys: list[torch.Tensor], recv: list[RecvRows], num_tokens: list[int])
         if not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0:
             raise ValueError(f"num_tokens[rank {r}]={t!r}: must be an int >= 0")
         num_tokens[r] = int(t)
-    y0 = _check_2d("ys[rank 0]", ys[0])
+    y0 = check_tensor("ys[rank 0]", ys[0], dim=2)
     hidden, dtype, device = y0.shape[1], y0.dtype, y0.device
     if not dtype.is_floating_point:
         raise ValueError(f"ys[rank 0]: dtype {dtype} must be a floating dtype")
@@ -343,7 +330,7 @@ def combine(ys: list[torch.Tensor], recv: list[RecvRows], num_tokens: list[int])
     acc = torch.zeros(offsets[-1], hidden, dtype=torch.float32, device=device)
 
     for d in range(world):
-        y = _check_2d(f"ys[rank {d}]", ys[d])
+        y = check_tensor(f"ys[rank {d}]", ys[d], dim=2)
         if not isinstance(recv[d], RecvRows):
             raise ValueError(f"recv[rank {d}]: must be a RecvRows, got {type(recv[d]).__name__}")
         rows = recv[d].num_rows
@@ -424,8 +411,7 @@ def combine_hierarchical(
     if world % gpus_per_node:
         raise ValueError(f"gpus_per_node={gpus_per_node}: must divide the {world} ranks of ys")
     for d, y in enumerate(ys):
-        if _check_2d(f"ys[rank {d}]", y).dtype != torch.bfloat16:
-            raise ValueError(f"ys[rank {d}]: dtype {y.dtype} must be torch.bfloat16")
+        check_tensor(f"ys[rank {d}]", y, dtype=torch.bfloat16, dim=2)
     wire = [combine_roundtrip(combine_quant, y, fp8_flavour=fp8_flavour) for y in ys]
     acc = None
     for n in range(world // gpus_per_node):
@@ -480,29 +466,24 @@ class ExpertRows:
     recv_row: torch.Tensor
 
     def __attrs_post_init__(self):
-        src = _check_2d("ExpertRows.src", self.src)
-        if src.shape[1] != 3 or src.dtype != torch.int32:
-            raise ValueError(f"ExpertRows.src: shape {tuple(src.shape)} {src.dtype} must be [R, 3] torch.int32")
+        src = check_tensor("ExpertRows.src", self.src, dtype=torch.int32, shape=(None, 3))
         rows = src.shape[0]
         for name in ("x", "scales"):
             value = getattr(self, name)
             if value is None and name == "scales":
                 continue
-            value = _check_2d(f"ExpertRows.{name}", value)
+            value = check_tensor(f"ExpertRows.{name}", value, dim=2)
             if value.shape[0] != rows:
                 raise ValueError(
                     f"ExpertRows.{name}: {value.shape[0]} rows must match the {rows} rows of ExpertRows.src"
                 )
-        counts = _check_tensor("ExpertRows.counts", self.counts)
-        if counts.dim() != 1 or counts.shape[0] < 1 or counts.dtype != torch.int32:
-            raise ValueError(f"ExpertRows.counts: shape {tuple(counts.shape)} {counts.dtype} must be [L] "
-                             f"torch.int32 with L >= 1")
+        counts = check_tensor("ExpertRows.counts", self.counts, dtype=torch.int32, dim=1)
+        if counts.shape[0] < 1:
+            raise ValueError(f"ExpertRows.counts.shape={list(counts.shape)}: must be [L] with L >= 1")
         local = counts.shape[0]
         for name, length, dtype in (("weights", rows, torch.float32), ("offsets", local + 1, torch.int32),
                                     ("recv_row", rows, torch.int64)):
-            t = _check_tensor(f"ExpertRows.{name}", getattr(self, name))
-            if tuple(t.shape) != (length,) or t.dtype != dtype:
-                raise ValueError(f"ExpertRows.{name}: shape {tuple(t.shape)} {t.dtype} must be [{length}] {dtype}")
+            check_tensor(f"ExpertRows.{name}", getattr(self, name), dtype=dtype, shape=(length,))
         cnt, off = counts.tolist(), self.offsets.tolist()
         if min(cnt) < 0:
             raise ValueError(f"ExpertRows.counts={cnt}: must be >= 0")
@@ -641,9 +622,7 @@ def _fold(y, rows, num_recv_rows, y_name: str, rows_name: str) -> torch.Tensor:
         raise ValueError(f"{rows_name}: must be an ExpertRows, got {type(rows).__name__}")
     if not isinstance(num_recv_rows, numbers.Integral) or isinstance(num_recv_rows, bool) or num_recv_rows < 0:
         raise ValueError(f"num_recv_rows={num_recv_rows!r}: must be an int >= 0")
-    y = _check_2d(y_name, y)
-    if y.dtype != torch.bfloat16:
-        raise ValueError(f"{y_name}: dtype {y.dtype} must be torch.bfloat16")
+    y = check_tensor(y_name, y, dtype=torch.bfloat16, dim=2)
     used = rows.num_rows
     if y.shape[0] < used:
         raise ValueError(f"{y_name}: n={y.shape[0]} rows, fewer than offsets[L]={used} of {rows_name}: y must hold "
@@ -750,8 +729,8 @@ def combine_weighted(
     for d in range(world):
         if not isinstance(recv[d], RecvRows):
             raise ValueError(f"recv[rank {d}]: must be a RecvRows, got {type(recv[d]).__name__}")
-        y = _check_2d(f"ys[rank {d}]", ys[d])
-        if y.shape[1] != _check_2d("ys[rank 0]", ys[0]).shape[1]:
+        y = check_tensor(f"ys[rank {d}]", ys[d], dim=2)
+        if y.shape[1] != check_tensor("ys[rank 0]", ys[0], dim=2).shape[1]:
             raise ValueError(f"ys[rank {d}]: shape {tuple(y.shape)} {y.dtype}: hidden size {y.shape[1]} must be "
                              f"ys[rank 0]'s {ys[0].shape[1]} (the same H on every rank)")
         folded = _fold(ys[d], expert[d], recv[d].num_rows, f"ys[rank {d}]", f"expert[rank {d}]")
@@ -805,7 +784,7 @@ def align_rows(ref_src: torch.Tensor, test_src: torch.Tensor) -> torch.Tensor:
             test, not in ref) and up to 5 duplicated keys of each side.
     """
     for name, value in (("ref_src", ref_src), ("test_src", test_src)):
-        t = _check_2d(name, value)
+        t = check_tensor(name, value, dim=2)
         if t.shape[1] < 2 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise ValueError(f"{name}: shape {tuple(t.shape)} {t.dtype} must be [R, C] integer with C >= 2")
     cols = ref_src.shape[1]

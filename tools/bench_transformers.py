@@ -147,10 +147,14 @@ def time_call(fn, x, cycles_per_us: float, calls: int = 20, repeats: int = 5) ->
                 best=min(queued), host=statistics.median(host))
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="tokens a rank (default %(default)s)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if min(args.tokens) < 1:
+        parser.error(f"--tokens {min(args.tokens)}: every value must be at least 1")
+    if not torch.cuda.is_available():
+        parser.error("needs a GPU (torch.cuda.is_available() is False)")
     rank, world = init_group()
     from epgen.integrations.transformers import expert_parallel
     from epgen.reference import relative_l2

@@ -211,22 +211,22 @@ constexpr ep_u32 kCapacityRows = 32768u;  // receive rows of each rank
 constexpr int kLlTokens = 128;  // tokens a rank may pass to the low-latency family
 constexpr int kLlFlagSlots = 1024;  // flags of each low-latency range (and call counters per kernel)
 
-// ---- arena layout (ArenaLayout: identical on every rank) ----
-constexpr ep_u64 kOffSignals = 0ull;
-constexpr ep_u64 kOffSendSlot = 37120ull;
-constexpr ep_u64 kOffSendPos = 168192ull;
-constexpr ep_u64 kOffRecvSrc = 299264ull;
-constexpr ep_u64 kOffRecvWeights = 561408ull;
-constexpr ep_u64 kOffRecvIndices = 1609984ull;
-constexpr ep_u64 kOffRecvScales = 2658560ull;
-constexpr ep_u64 kOffCombineIn = 2658560ull;
-constexpr ep_u64 kOffCombineWire = 472420608ull;
-constexpr ep_u64 kOffRecvX = 501797120ull;
-constexpr ep_u64 kOffDispatchIn = 619237632ull;
-constexpr ep_u64 kOffLlCalls = 472420608ull;
-constexpr ep_u64 kOffLlCombineStage = 472436992ull;
+// ---- arena layout (ARENA_REGIONS: identical on every rank; byte offsets) ----
+constexpr ep_u64 kOffSignals = 0ull;                      // [SIGNAL_WORDS] uint32
+constexpr ep_u64 kOffSendSlot = 37120ull;                 // [Tmax, W] int32
+constexpr ep_u64 kOffSendPos = 168192ull;                 // [Tmax, W] int32
+constexpr ep_u64 kOffRecvSrc = 299264ull;                 // [cap, 2] int32
+constexpr ep_u64 kOffRecvWeights = 561408ull;             // [cap, K] float32
+constexpr ep_u64 kOffRecvIndices = 1609984ull;            // [cap, K] int32
+constexpr ep_u64 kOffRecvScales = 2658560ull;             // [cap, S] uint8
+constexpr ep_u64 kOffCombineIn = 2658560ull;              // [cap, H] bf16
+constexpr ep_u64 kOffCombineWire = 472420608ull;          // [cap, wire row] bytes
+constexpr ep_u64 kOffLlCalls = 472420608ull;              // [4, LL_FLAG_SLOTS] uint32
+constexpr ep_u64 kOffLlCombineStage = 472436992ull;       // [2, W, T_ll, stage row]
+constexpr ep_u64 kOffRecvX = 501797120ull;                // [cap, H] dispatch dtype
+constexpr ep_u64 kOffDispatchIn = 619237632ull;           // [Tmax, H] dispatch dtype
+constexpr ep_u64 kOffLlDispatchStage = 633917696ull;      // [2, W, T_ll, record]
 constexpr int kLlStageRowBytes = 14336;
-constexpr ep_u64 kOffLlDispatchStage = 633917696ull;
 constexpr int kLlMetaBytes = 80;
 constexpr int kLlRecordBytes = 3664;
 

@@ -209,19 +209,19 @@ constexpr ep_u32 kCapacityRows = 32768u;  // receive rows of each rank
 constexpr int kLlTokens = 128;  // tokens a rank may pass to the low-latency family
 constexpr int kLlFlagSlots = 1024;  // flags of each low-latency range (and call counters per kernel)
 
-// ---- arena layout (ArenaLayout: identical on every rank) ----
-constexpr ep_u64 kOffSignals = 0ull;
-constexpr ep_u64 kOffSendSlot = 37120ull;
-constexpr ep_u64 kOffSendPos = 168192ull;
-constexpr ep_u64 kOffRecvSrc = 299264ull;
-constexpr ep_u64 kOffRecvWeights = 561408ull;
-constexpr ep_u64 kOffRecvIndices = 1085696ull;
-constexpr ep_u64 kOffRecvScales = 1609984ull;
-constexpr ep_u64 kOffCombineIn = 1609984ull;
-constexpr ep_u64 kOffCombineWire = 190353664ull;
-constexpr ep_u64 kOffRecvX = 202166528ull;
-constexpr ep_u64 kOffLlCalls = 190353664ull;
-constexpr ep_u64 kOffLlCombineStage = 190370048ull;
+// ---- arena layout (ARENA_REGIONS: identical on every rank; byte offsets) ----
+constexpr ep_u64 kOffSignals = 0ull;                      // [SIGNAL_WORDS] uint32
+constexpr ep_u64 kOffSendSlot = 37120ull;                 // [Tmax, W] int32
+constexpr ep_u64 kOffSendPos = 168192ull;                 // [Tmax, W] int32
+constexpr ep_u64 kOffRecvSrc = 299264ull;                 // [cap, 2] int32
+constexpr ep_u64 kOffRecvWeights = 561408ull;             // [cap, K] float32
+constexpr ep_u64 kOffRecvIndices = 1085696ull;            // [cap, K] int32
+constexpr ep_u64 kOffRecvScales = 1609984ull;             // [cap, S] uint8
+constexpr ep_u64 kOffCombineIn = 1609984ull;              // [cap, H] bf16
+constexpr ep_u64 kOffCombineWire = 190353664ull;          // [cap, wire row] bytes
+constexpr ep_u64 kOffLlCalls = 190353664ull;              // [4, LL_FLAG_SLOTS] uint32
+constexpr ep_u64 kOffLlCombineStage = 190370048ull;       // [2, W, T_ll, stage row]
+constexpr ep_u64 kOffRecvX = 202166528ull;                // [cap, H] dispatch dtype
 constexpr int kLlStageRowBytes = 5760;
 
 // Signal words (uint32 index into the signals region). Call counters hold the generation of

@@ -211,27 +211,27 @@ constexpr int kLlFlagSlots = 1024;  // flags of each low-latency range (and call
 constexpr ep_u32 kExpertRows = 262624u;  // expert layout rows: N x min(K, L) + L x (A - 1)
 constexpr int kExpertAlign = 16;
 
-// ---- arena layout (ArenaLayout: identical on every rank) ----
-constexpr ep_u64 kOffSignals = 0ull;
-constexpr ep_u64 kOffSendSlot = 37120ull;
-constexpr ep_u64 kOffSendPos = 168192ull;
-constexpr ep_u64 kOffRecvSrc = 299264ull;
-constexpr ep_u64 kOffRecvWeights = 561408ull;
-constexpr ep_u64 kOffRecvIndices = 1609984ull;
-constexpr ep_u64 kOffRecvScales = 2658560ull;
-constexpr ep_u64 kOffCombineIn = 2658560ull;
-constexpr ep_u64 kOffCombineWire = 472420608ull;
-constexpr ep_u64 kOffSlotRow = 619221248ull;
-constexpr ep_u64 kOffExpertCounts = 620269824ull;
-constexpr ep_u64 kOffExpertOffsets = 620270080ull;
-constexpr ep_u64 kOffExpertWeights = 620270336ull;
-constexpr ep_u64 kOffExpertSrc = 621320960ull;
-constexpr ep_u64 kOffExpertBlockBase = 624472576ull;
-constexpr ep_u64 kOffExpertScales = 624505344ull;
-constexpr ep_u64 kOffExpertY = 624505344ull;
-constexpr ep_u64 kOffRecvX = 4398674432ull;
-constexpr ep_u64 kOffLlCalls = 4389483008ull;
-constexpr ep_u64 kOffLlCombineStage = 4389499392ull;
+// ---- arena layout (ARENA_REGIONS: identical on every rank; byte offsets) ----
+constexpr ep_u64 kOffSignals = 0ull;                      // [SIGNAL_WORDS] uint32
+constexpr ep_u64 kOffSendSlot = 37120ull;                 // [Tmax, W] int32
+constexpr ep_u64 kOffSendPos = 168192ull;                 // [Tmax, W] int32
+constexpr ep_u64 kOffRecvSrc = 299264ull;                 // [cap, 2] int32
+constexpr ep_u64 kOffRecvWeights = 561408ull;             // [cap, K] float32
+constexpr ep_u64 kOffRecvIndices = 1609984ull;            // [cap, K] int32
+constexpr ep_u64 kOffRecvScales = 2658560ull;             // [cap, S] uint8
+constexpr ep_u64 kOffCombineIn = 2658560ull;              // [cap, H] bf16
+constexpr ep_u64 kOffCombineWire = 472420608ull;          // [cap, wire row] bytes
+constexpr ep_u64 kOffSlotRow = 619221248ull;              // [cap, K] int32
+constexpr ep_u64 kOffExpertCounts = 620269824ull;         // [L] int32
+constexpr ep_u64 kOffExpertOffsets = 620270080ull;        // [L + 1] int32
+constexpr ep_u64 kOffExpertWeights = 620270336ull;        // [R] float32
+constexpr ep_u64 kOffExpertSrc = 621320960ull;            // [R, 3] int32
+constexpr ep_u64 kOffExpertBlockBase = 624472576ull;      // [PLAN_BLOCKS, L] int32
+constexpr ep_u64 kOffExpertScales = 624505344ull;         // [R, S] uint8
+constexpr ep_u64 kOffExpertY = 624505344ull;              // [R, H] bf16
+constexpr ep_u64 kOffLlCalls = 4389483008ull;             // [4, LL_FLAG_SLOTS] uint32
+constexpr ep_u64 kOffLlCombineStage = 4389499392ull;      // [2, W, T_ll, stage row]
+constexpr ep_u64 kOffRecvX = 4398674432ull;               // [cap, H] dispatch dtype
 constexpr int kLlStageRowBytes = 4480;
 
 // Signal words (uint32 index into the signals region). Call counters hold the generation of

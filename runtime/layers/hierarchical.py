@@ -30,8 +30,9 @@ import torch.distributed as dist
 from epgen import reference
 from epgen.codegen.config import EpConfig
 from epgen.codegen.dtypes import combine_quant, dtype_info
-from epgen.op import DispatchOutput, EpError, _check_tensor, check_combine_inputs, check_dispatch_inputs
+from epgen.op import DispatchOutput, EpError, check_combine_inputs, check_dispatch_inputs
 from epgen.quant import combine_roundtrip
+from epgen.tensors import check_tensor
 
 __all__ = ["HierarchicalEp", "HierarchicalError", "ReferenceNodeOp", "process_groups"]
 
@@ -499,8 +500,8 @@ class HierarchicalEp:
         given = self._lists(out, "out", optional=True)
         for i, r in enumerate(self.ranks):
             if given[i] is not None:
-                _check_tensor(given[i], f"out[rank {r}]", dtype=torch.bfloat16,
-                              shape=(self._pending[i].tokens, cfg.hidden), device=self.device)
+                check_tensor(f"out[rank {r}]", given[i], dtype=torch.bfloat16,
+                             shape=(self._pending[i].tokens, cfg.hidden), device=self.device, contiguous=True)
         pending, self._pending = self._pending, None
         self._mark()
         partial = self._node_call("combine", self.node_op.combine, y)

@@ -30,6 +30,7 @@ from epgen.layers import autograd
 from epgen.codegen.dtypes import COMBINE_QUANTS, element_format
 from epgen.codegen.dtypes import fp8_flavour as fp8_flavour_row
 from epgen.quant import combine_error_bound, combine_roundtrip
+from epgen.tensors import check_tensor
 
 __all__ = ["ExpertWeights", "MoELayer", "dense_moe", "grouped_mm_available", "grouped_mm_refusal", "moe_gradients",
            "route_topk",
@@ -66,14 +67,6 @@ def _gamma(n: int) -> float:
     return n * EPS_FP32_ACC / (1.0 - n * EPS_FP32_ACC)
 
 
-def _check_tensor(name: str, value, *, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name}: must be a torch.Tensor, got {type(value).__name__}")
-    if value.dim() != dim or value.dtype != dtype:
-        raise ValueError(f"{name}: shape {tuple(value.shape)} {value.dtype} must be {dim}-D {dtype}")
-    return value
-
-
 # --- weights -------------------------------------------------------------------------------------
 
 
@@ -103,9 +96,8 @@ class ExpertWeights:
 
     def __attrs_post_init__(self):
         for name in ("gate", "up", "down"):
-            t = _check_tensor(f"ExpertWeights.{name}", getattr(self, name), dim=3, dtype=torch.bfloat16)
-            if not t.is_contiguous():
-                raise ValueError(f"ExpertWeights.{name}: strides {t.stride()} must be contiguous")
+            t = check_tensor(f"ExpertWeights.{name}", getattr(self, name), dtype=torch.bfloat16, dim=3,
+                             contiguous=True)
             if t.numel() == 0:
                 raise ValueError(f"ExpertWeights.{name}: shape {tuple(t.shape)} must have L, H, I >= 1")
         L, H, I = self.gate.shape
@@ -241,6 +233,12 @@ def _grouped_refusal(x: torch.Tensor, w: ExpertWeights, out) -> str | None:
     return None
 
 
+def _check_bool(name: str, value) -> None:
+    """True or False; anything else (a string, 0, 1, None) is a TypeError naming it."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r}: must be True or False")
+
+
 def _check_flag(name: str, value) -> None:
     """A tri-state flag: None (automatic), True or False; anything else (a string, 0, 1) is a
     TypeError naming it."""
@@ -251,19 +249,10 @@ def _check_flag(name: str, value) -> None:
 def _check_expert_stage(x, offsets, w, out) -> None:
     if not isinstance(w, ExpertWeights):
         raise TypeError(f"w: must be an ExpertWeights, got {type(w).__name__}")
-    x = _check_tensor("x", x, dim=2, dtype=torch.bfloat16)
-    if x.shape[1] != w.hidden or not x.is_contiguous() or x.device != w.device:
-        raise ValueError(f"x: shape {tuple(x.shape)} on {x.device} must be [R, H={w.hidden}] contiguous on the "
-                         f"weights' device {w.device}")
-    offsets = _check_tensor("offsets", offsets, dim=1, dtype=torch.int32)
-    if offsets.shape[0] != w.num_experts + 1 or offsets.device != x.device:
-        raise ValueError(f"offsets: shape {tuple(offsets.shape)} on {offsets.device} must be [L + 1 = "
-                         f"{w.num_experts + 1}] on {x.device}")
+    x = check_tensor("x", x, dtype=torch.bfloat16, shape=(None, w.hidden), device=w.device, contiguous=True)
+    offsets = check_tensor("offsets", offsets, dtype=torch.int32, shape=(w.num_experts + 1,), device=w.device)
     if out is not None:
-        out = _check_tensor("out", out, dim=2, dtype=torch.bfloat16)
-        if tuple(out.shape) != tuple(x.shape) or not out.is_contiguous() or out.device != x.device:
-            raise ValueError(f"out: shape {tuple(out.shape)} on {out.device} must be [R, H] = {list(x.shape)} "
-                             f"contiguous on {x.device} (like x)")
+        check_tensor("out", out, dtype=torch.bfloat16, shape=tuple(x.shape), device=w.device, contiguous=True)
 
 
 def _host_offsets(offsets: torch.Tensor, rows: int) -> list[int]:
@@ -276,7 +265,7 @@ def _host_offsets(offsets: torch.Tensor, rows: int) -> list[int]:
 
 
 def swiglu_experts(x: torch.Tensor, offsets: torch.Tensor, w: ExpertWeights, *, grouped: bool | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, offsets_checked: bool = False) -> torch.Tensor:
     """Every expert's SwiGLU FFN on its group of rows of the expert-major layout.
 
     Rows [offsets[e], offsets[e + 1]) of x belong to local expert e; for each such row
@@ -291,9 +280,9 @@ def swiglu_experts(x: torch.Tensor, offsets: torch.Tensor, w: ExpertWeights, *, 
 
     Paths:
         grouped: three ``torch._grouped_mm`` calls (gate, up, down; group ends offsets[1:]) and an
-            in-place silu and product; no host synchronization, so it can be captured in a CUDA
-            graph. ``torch._grouped_mm`` has no output argument, so with ``out`` given y is copied
-            into it (one [R, H] copy).
+            in-place silu and product; with ``offsets_checked`` no host synchronization, so it can
+            be captured in a CUDA graph. ``torch._grouped_mm`` has no output argument, so with
+            ``out`` given y is copied into it (one [R, H] copy).
         loop: reads offsets to the host once (one synchronization: NOT capturable in a CUDA
             graph), then per non-empty group two matmuls, silu, product and a matmul written
             straight into the output.
@@ -307,25 +296,29 @@ def swiglu_experts(x: torch.Tensor, offsets: torch.Tensor, w: ExpertWeights, *, 
     Args:
         x: [R, H] bfloat16, contiguous, on the weights' device.
         offsets: [L + 1] int32 on x's device; offsets[0] = 0, non-decreasing, offsets[L] <= R
-            (checked by the loop path, which reads them; the grouped path trusts them).
+            (read to the host and checked, one synchronization, unless ``offsets_checked``).
         w: the rank's ExpertWeights.
         grouped: None picks grouped when ``grouped_mm_available(x.device)`` and the operands suit
             it (H and I multiples of 8; on CUDA 16-byte aligned pointers), else the loop; True
             forces grouped, False the loop.
         out: optional [R, H] bfloat16 contiguous tensor for y (e.g. ``op.combine_input(rank)``).
-
+        offsets_checked: the caller vouches for ``offsets`` (the op's ``ExpertDispatchOutput.offsets``,
+            which its expand kernel wrote to these rules): the grouped path then reads nothing to
+            the host (capturable); the loop path reads them either way. Offsets that break the
+            rules give wrong rows there, silently.
     Returns:
         y [R, H] bfloat16 (``out`` itself when given); rows >= offsets[L] are undefined (the loop
         leaves them as they were, the grouped path holds whatever its kernels left there).
 
     Raises:
-        TypeError: grouped not None, True or False; w not an ExpertWeights, a tensor argument not
-            a tensor.
+        TypeError: grouped not None, True or False; offsets_checked not True or False; w not an
+            ExpertWeights, a tensor argument not a tensor.
         ValueError: shapes, dtypes, devices or contiguity as above; grouped=True where the grouped
-            path cannot run (naming why); the loop path's offsets breaking the rules above;
-            ``out`` under autograd.
+            path cannot run (naming why); offsets breaking the rules above (unless
+            ``offsets_checked`` on the grouped path); ``out`` under autograd.
     """
     _check_flag("grouped", grouped)
+    _check_bool("offsets_checked", offsets_checked)
     _check_expert_stage(x, offsets, w, out)
     refusal = _grouped_refusal(x, w, out)
     if grouped is None:
@@ -336,6 +329,8 @@ def swiglu_experts(x: torch.Tensor, offsets: torch.Tensor, w: ExpertWeights, *, 
     if training and out is not None:
         raise ValueError("out: not taken under autograd (torch has no gradient for an out= matmul); pass out=None")
     if grouped:
+        if not offsets_checked:
+            _host_offsets(offsets, x.shape[0])  # one host synchronization
         ends = offsets[1:]
         g = torch._grouped_mm(x, w.gate, offs=ends)
         v = torch._grouped_mm(x, w.up, offs=ends)
@@ -470,9 +465,9 @@ def _check_dense_inputs(xs, topk_weights, topk_ids, weights, combine_quant):
         raise ValueError(f"combine_quant={combine_quant!r}: must be one of {', '.join(COMBINE_QUANTS)}")
     topk = None
     for r in range(world):
-        x = _check_tensor(f"xs[rank {r}]", xs[r], dim=2, dtype=torch.bfloat16)
-        wt = _check_tensor(f"topk_weights[rank {r}]", topk_weights[r], dim=2, dtype=torch.float32)
-        ids = _check_tensor(f"topk_ids[rank {r}]", topk_ids[r], dim=2, dtype=torch.int32)
+        x = check_tensor(f"xs[rank {r}]", xs[r], dtype=torch.bfloat16, dim=2)
+        wt = check_tensor(f"topk_weights[rank {r}]", topk_weights[r], dtype=torch.float32, dim=2)
+        ids = check_tensor(f"topk_ids[rank {r}]", topk_ids[r], dtype=torch.int32, dim=2)
         topk = wt.shape[1] if topk is None else topk
         if x.shape[1] != w0.hidden or x.device != w0.device:
             raise ValueError(f"xs[rank {r}]: shape {tuple(x.shape)} on {x.device} must be [T, H={w0.hidden}] on "
@@ -700,7 +695,7 @@ def moe_gradients(xs: list[torch.Tensor], topk_weights: list[torch.Tensor], topk
     """
     world, topk = _check_dense_inputs(xs, topk_weights, topk_ids, weights, "none")
     for r, (p, x) in enumerate(zip(probes, xs)):
-        _check_tensor(f"probes[rank {r}]", p, dim=2, dtype=torch.bfloat16)
+        check_tensor(f"probes[rank {r}]", p, dim=2, dtype=torch.bfloat16)
         if p.shape != x.shape:
             raise ValueError(f"probes[rank {r}]: shape {tuple(p.shape)} must be xs[rank {r}]'s {tuple(x.shape)}")
     L, H, I = weights[0].num_experts, weights[0].hidden, weights[0].intermediate
@@ -834,13 +829,13 @@ def route_topk(logits: torch.Tensor, k: int, *, renormalize: bool = True):
         of two equal probabilities wins is torch.topk's choice).
 
     Raises:
-        TypeError: logits not a tensor.
+        TypeError: logits not a tensor; renormalize not True or False.
         ValueError: logits not 2-D floating, or k not an int in [1, E]; a NaN or +inf logit
             (naming the first such row and expert); a row with fewer than k experts above -inf,
             an all -inf row included (naming the first such row).
     """
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits: must be a torch.Tensor, got {type(logits).__name__}")
+    check_tensor("logits", logits)
+    _check_bool("renormalize", renormalize)
     if logits.dim() != 2 or not logits.dtype.is_floating_point:
         raise ValueError(f"logits: shape {tuple(logits.shape)} {logits.dtype} must be [T, E] floating")
     experts = logits.shape[1]
@@ -1004,7 +999,7 @@ class MoELayer(torch.nn.Module):
         ys = []
         for rank, w, d in zip(self.ranks, self.weights, outs):
             if self.grouped_mm:  # torch._grouped_mm allocates its output: combine reads it in place
-                ys.append(swiglu_experts(d.x, d.offsets, w, grouped=True))
+                ys.append(swiglu_experts(d.x, d.offsets, w, grouped=True, offsets_checked=True))
             else:
                 buf = self.op.combine_input(rank)[: d.x.shape[0]]
                 ys.append(swiglu_experts(d.x, d.offsets, w, grouped=False, out=buf))

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from epgen.layers.moe import ExpertWeights, swiglu_experts
+from epgen.tensors import check_tensor
 
 __all__ = ["AllToAllMoE"]
 
@@ -87,14 +88,9 @@ class AllToAllMoE:
 
     def _check(self, x, topk_weights, topk_ids) -> None:
         H, K, E = self.hidden, self.topk, self.num_experts
-        for name, t, dtype, width in (("x", x, torch.bfloat16, H), ("topk_weights", topk_weights, torch.float32, K),
-                                      ("topk_ids", topk_ids, torch.int32, K)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != dtype or t.dim() != 2 or t.shape[1] != width or t.shape[0] != x.shape[0]:
-                raise ValueError(f"{name}: {list(t.shape)} {t.dtype} must be [T={x.shape[0]}, {width}] {dtype}")
-            if t.device != self.device:
-                raise ValueError(f"{name}.device={t.device}: must be the weights' device {self.device}")
+        x = check_tensor("x", x, dtype=torch.bfloat16, shape=(None, H), device=self.device)
+        check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(x.shape[0], K), device=self.device)
+        check_tensor("topk_ids", topk_ids, dtype=torch.int32, shape=(x.shape[0], K), device=self.device)
         bad = (topk_ids != -1) & ((topk_ids < 0) | (topk_ids >= E))
         if bool(bad.any()):  # a host sync
             t, k = (int(v) for v in bad.nonzero()[0])
@@ -165,7 +161,7 @@ class AllToAllMoE:
         offsets[1:] = torch.bincount(expert, minlength=L).cumsum(0)
         acc = torch.zeros((R, H), dtype=torch.float32, device=self.device)
         if row.numel():
-            y = swiglu_experts(recv_x[row], offsets, self.weights)
+            y = swiglu_experts(recv_x[row], offsets, self.weights, offsets_checked=True)  # built above
             wy = wsum[row, slot][:, None] * y.float()  # [n, H], each product rounded to fp32
             pos = torch.full((R, K), -1, dtype=torch.int64, device=self.device)
             pos[row, slot] = torch.arange(row.numel(), device=self.device)

@@ -14,6 +14,9 @@ Modules (every public name is re-exported here, ``epgen.quant.X``):
   their error bounds.
 * ``epgen.quant.wire``: the combine leg's wire, ``combine_wire_rows``, ``combine_roundtrip`` and
   ``combine_error_bound``, in the target's fp8 flavour (``fp8_flavour``, ``arch_fp8_flavour``).
+
+Errors: a tensor argument that is not a torch.Tensor raises TypeError; every other rule a
+function's ``Raises`` names raises ValueError (``epgen.tensors.check_tensor``).
 """
 
 from __future__ import annotations

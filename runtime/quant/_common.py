@@ -1,34 +1,17 @@
 """Argument checks and block reshaping shared by the codecs, the quantizers and the wire reference.
 
 Every check raises ValueError naming the argument, its value (or the first offending entry) and
-the rule.
+the rule (a tensor argument that is not a tensor: TypeError, from ``epgen.tensors.check_tensor``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from epgen.tensors import check_tensor
+
 ELEMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # all exact in float32
 BLOCK_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def dtype_names(dtypes) -> str:
-    return " or ".join(str(d) for d in dtypes)
-
-
-def check_tensor(name: str, value, dtypes) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{name}: must be a torch.Tensor, got {type(value).__name__}")
-    if value.dtype not in dtypes:
-        raise ValueError(f"{name}: dtype {value.dtype} must be {dtype_names(dtypes)}")
-    return value
-
-
-def check_2d(name: str, value, dtypes) -> torch.Tensor:
-    t = check_tensor(name, value, dtypes)
-    if t.dim() != 2:
-        raise ValueError(f"{name}: shape {tuple(t.shape)} must be 2-D [T, H]")
-    return t
 
 
 def check_block(block, *, even: bool) -> int:
@@ -55,7 +38,7 @@ def first_bad(name: str, mask: torch.Tensor, values: torch.Tensor) -> str:
 
 
 def check_codes(name: str, codes, limit: int | None = None) -> torch.Tensor:
-    codes = check_tensor(name, codes, (torch.uint8,))
+    codes = check_tensor(name, codes, dtype=torch.uint8)
     if limit is not None:
         bad = codes > limit
         if bool(bad.any()):

@@ -34,7 +34,8 @@ import math
 import torch
 
 from epgen.codegen.dtypes import FP8_FLAVOURS, MINIFLOATS, MiniFloat, fp8_flavour
-from epgen.quant._common import ELEMENT_DTYPES, check_codes, check_tensor, first_bad
+from epgen.quant._common import ELEMENT_DTYPES, check_codes, first_bad
+from epgen.tensors import check_tensor
 
 __all__ = [
     "E8M0_MAX_EXP",
@@ -153,9 +154,10 @@ def fp8_e4m3_encode(x: torch.Tensor, flavour: str = "e4m3fn") -> torch.Tensor:
     round to 448 anyway; saturation only changes what would overflow to NaN.
 
     Raises:
-        ValueError: x not a tensor, or not float32 / bfloat16 / float16; unknown ``flavour``.
+        TypeError: x not a tensor.
+        ValueError: x not float32 / bfloat16 / float16; unknown ``flavour``.
     """
-    x = check_tensor("x", x, ELEMENT_DTYPES)
+    x = check_tensor("x", x, dtype=ELEMENT_DTYPES)
     return _encode_minifloat(x, fp8_flavour(flavour, "flavour").numbers)
 
 
@@ -196,10 +198,11 @@ def fp4_e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     Below 1 the step is the subnormal 0.5 and the error at most 0.25 (at 0.25 and 0.75).
 
     Raises:
-        ValueError: x not a tensor, not float32 / bfloat16 / float16, or holding a NaN (e2m1 has
+        TypeError: x not a tensor.
+        ValueError: x not float32 / bfloat16 / float16, or holding a NaN (e2m1 has
             no NaN code; the message gives the first NaN's index).
     """
-    x = check_tensor("x", x, ELEMENT_DTYPES)
+    x = check_tensor("x", x, dtype=ELEMENT_DTYPES)
     nan = torch.isnan(x)
     if bool(nan.any()):
         raise ValueError(f"{first_bad('x', nan, x)}: fp4 e2m1 has no NaN code; x must not hold NaN")
@@ -278,7 +281,7 @@ def e8m0_encode(scale: torch.Tensor, rounding: str = "exact") -> torch.Tensor:
     """
     if rounding not in ("exact", "floor", "ceil"):
         raise ValueError(f"rounding={rounding!r}: must be 'exact', 'floor' or 'ceil'")
-    s = check_tensor("scale", scale, ELEMENT_DTYPES).to(torch.float32)
+    s = check_tensor("scale", scale, dtype=ELEMENT_DTYPES).to(torch.float32)
     bad = ~(torch.isfinite(s) & (s > 0))
     if bool(bad.any()):
         raise ValueError(f"{first_bad('scale', bad, s)}: e8m0 scales must be finite and > 0")

@@ -31,7 +31,6 @@ from epgen.codegen.dtypes import COMBINE_QUANTS, MX_BLOCK, dtype_info, fp8_flavo
 from epgen.quant._common import (
     BLOCK_DTYPES,
     amax_scale,
-    check_2d,
     check_block,
     first_bad,
     padded_blocks,
@@ -49,6 +48,7 @@ from epgen.quant.codecs import (
     pack_fp4,
     unpack_fp4,
 )
+from epgen.tensors import check_tensor
 
 __all__ = [
     "MODES",
@@ -84,7 +84,7 @@ def _blocks(x, block: int, *, even: bool) -> tuple[torch.Tensor, int]:
     """Validate a [T, H] quantizer input; return it as float32 [T, ceil(H / block), block], the
     last block zero-padded (which changes no block's amax), and H."""
     block = check_block(block, even=even)
-    x = check_2d("x", x, BLOCK_DTYPES)
+    x = check_tensor("x", x, dtype=BLOCK_DTYPES, dim=2)
     tokens, hidden = x.shape
     if even and hidden % 2:
         raise ValueError(f"x: hidden size H={hidden} must be even (two fp4 codes a byte)")
@@ -101,8 +101,8 @@ def _blocks(x, block: int, *, even: bool) -> tuple[torch.Tensor, int]:
 def _check_scaled(codes_name, codes, scales, scale_dtype, block, *, packed: bool) -> tuple[int, int]:
     """Validate a dequantizer's (codes, scales); return (T, H)."""
     block = check_block(block, even=packed)
-    codes = check_2d(codes_name, codes, (torch.uint8,))
-    scales = check_2d("scales", scales, (scale_dtype,))
+    codes = check_tensor(codes_name, codes, dtype=torch.uint8, dim=2)
+    scales = check_tensor("scales", scales, dtype=scale_dtype, dim=2)
     tokens, width = codes.shape
     hidden = 2 * width if packed else width
     want = (tokens, -(-hidden // block))
@@ -214,7 +214,7 @@ def fp8_direct_cast(x: torch.Tensor, *, flavour: str = "e4m3fn") -> torch.Tensor
         ValueError: x not a 2-D bfloat16 / float32 tensor; an unknown ``flavour``.
     """
     fp8_flavour(flavour, "flavour")
-    x = check_2d("x", x, BLOCK_DTYPES)
+    x = check_tensor("x", x, dtype=BLOCK_DTYPES, dim=2)
     return fp8_e4m3_encode(x, flavour)
 
 
@@ -226,7 +226,7 @@ def dequantize_fp8_direct(codes: torch.Tensor, *, flavour: str = "e4m3fn") -> to
         ValueError: codes not a 2-D uint8 tensor; an unknown ``flavour``.
     """
     fp8_flavour(flavour, "flavour")
-    return fp8_e4m3_decode(check_2d("codes", codes, (torch.uint8,)), flavour)
+    return fp8_e4m3_decode(check_tensor("codes", codes, dtype=torch.uint8, dim=2), flavour)
 
 
 def quantize_fp4_mx(x: torch.Tensor, block: int = MODES["fp4_mx"]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,8 @@ import torch
 from epgen.codegen.arch import traits
 from epgen.codegen.dtypes import COMBINE_FLUSH_LOG2, MiniFloat, combine_quant, dtype_info, element_format
 from epgen.codegen.dtypes import fp8_flavour as _fp8_flavour_row
-from epgen.quant._common import BLOCK_DTYPES, amax_scale, check_2d, first_bad, padded_blocks, unblock
+from epgen.quant._common import BLOCK_DTYPES, amax_scale, first_bad, padded_blocks, unblock
+from epgen.tensors import check_tensor
 from epgen.quant.quantizers import (
     dequantize_fp4_blockwise,
     dequantize_fp8_blockwise,
@@ -73,7 +74,7 @@ def _check_combine(mode: str, y, fp8_flavour: str) -> torch.Tensor:
     quant = combine_quant(mode)  # ValueError naming the known modes
     if quant.quantized:
         _wire_codec(mode)  # ValueError for a wire the reference cannot encode
-    y = check_2d("y", y, BLOCK_DTYPES)
+    y = check_tensor("y", y, dtype=BLOCK_DTYPES, dim=2)
     if y.shape[1] == 0:
         raise ValueError(f"y: shape {tuple(y.shape)}: hidden size H must be positive")
     if y.shape[1] * dtype_info(quant.element).bits % 8:

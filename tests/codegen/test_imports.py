@@ -58,6 +58,7 @@ def _graph() -> dict[str, set[str]]:
 
 WINGS = {
     "codegen": ("epgen.codegen",),
+    "tensors": ("epgen.tensors",),
     "core": ("epgen.op", "epgen.arena", "epgen.platform", "epgen.loader", "epgen.cache",
              "epgen.device", "epgen.aot", "epgen.config", "epgen.plan", "epgen.host"),
     "references": ("epgen.reference", "epgen.quant"),
@@ -72,12 +73,13 @@ WINGS = {
 
 MAY_IMPORT = {
     "codegen": {"codegen"},
-    "core": {"codegen", "core"},
-    "references": {"codegen", "references"},
-    "layers": {"codegen", "core", "references", "layers"},
-    "integrations": {"codegen", "core", "references", "layers", "integrations"},
-    "harness": {"codegen", "core", "references", "layers", "harness"},
-    "cli": {"codegen", "core", "references", "layers", "harness", "cli", "front"},
+    "tensors": set(),
+    "core": {"codegen", "tensors", "core"},
+    "references": {"codegen", "tensors", "references"},
+    "layers": {"codegen", "tensors", "core", "references", "layers"},
+    "integrations": {"codegen", "tensors", "core", "references", "layers", "integrations"},
+    "harness": {"codegen", "tensors", "core", "references", "layers", "harness"},
+    "cli": {"codegen", "tensors", "core", "references", "layers", "harness", "cli", "front"},
     "front": {"codegen", "core", "references", "layers"},
 }
 """Which wings a module of each wing may import: nothing imports the command line from outside it
@@ -98,8 +100,9 @@ def _wing_violations(edges) -> list[str]:
     for mod, target, where in edges:
         wing, target_wing = _wing(mod), _wing(target)
         if target_wing not in MAY_IMPORT[wing]:
+            allowed = f"{', '.join(sorted(MAY_IMPORT[wing]))} only" if MAY_IMPORT[wing] else "nothing of epgen"
             bad.append(f"{where}: {mod} ({wing}) imports {target} ({target_wing}); the {wing} wing may import "
-                       f"{', '.join(sorted(MAY_IMPORT[wing]))} only")
+                       f"{allowed}")
     return bad
 
 
@@ -131,14 +134,17 @@ def test_the_wing_rule_names_the_offending_import():
     bad = _wing_violations([("epgen.harness.verify", "epgen.cli.options", "runtime/harness/verify.py:16"),
                             ("epgen.layers.moe", "epgen.harness.timing", "runtime/layers/moe.py:3"),
                             ("epgen.op", "epgen.layers.hierarchical", "runtime/op.py:9"),
-                            ("epgen.cli.bench", "epgen.layers.moe", "runtime/cli/bench.py:2")])
+                            ("epgen.cli.bench", "epgen.layers.moe", "runtime/cli/bench.py:2"),
+                            ("epgen.tensors", "epgen.codegen.arch", "runtime/tensors.py:5")])
     assert bad == [
         "runtime/harness/verify.py:16: epgen.harness.verify (harness) imports epgen.cli.options (cli); the harness "
-        "wing may import codegen, core, harness, layers, references only",
+        "wing may import codegen, core, harness, layers, references, tensors only",
         "runtime/layers/moe.py:3: epgen.layers.moe (layers) imports epgen.harness.timing (harness); the layers wing "
-        "may import codegen, core, layers, references only",
+        "may import codegen, core, layers, references, tensors only",
         "runtime/op.py:9: epgen.op (core) imports epgen.layers.hierarchical (layers); the core wing may import "
-        "codegen, core only"]
+        "codegen, core, tensors only",
+        "runtime/tensors.py:5: epgen.tensors (tensors) imports epgen.codegen.arch (codegen); the tensors wing may "
+        "import nothing of epgen"]
     assert _wing("epgen.codegen.offline.nvrtc") == "codegen" and _wing("epgen.quant.wire") == "references"
 
 

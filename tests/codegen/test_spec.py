@@ -21,9 +21,10 @@ from epgen.codegen.models import MODELS
 from epgen.codegen.abi import LL_FLAG_SLOTS
 from epgen.codegen.errors import FieldError
 from epgen.codegen.spec import (ALIGN, EXPERT_OPS, LOW_LATENCY_OPS, MAX_TOKENS_LIMIT, PLAN_BLOCKS, SIGNAL_WORDS,
-                                CALLS, ArenaLayout, KernelSpec, Op)
+                                CALLS, ARENA_REGIONS, KernelSpec, Op)
 from epgen.codegen.config import EpConfig, Geometry
 from epgen.codegen import tuning
+from epgen.codegen.render import render
 
 FIELDS = [f.name for f in attrs.fields(KernelSpec)]
 
@@ -236,7 +237,7 @@ SHARED_REGIONS = REGIONS[: REGIONS.index("recv_x") + 1]
 
 
 def _documented_sizes(s: KernelSpec) -> dict[str, int]:
-    """Region sizes as ArenaLayout's docstring states them."""
+    """Region sizes as the shapes of ARENA_REGIONS state them, computed apart from their ``size``."""
     cap, tmax, w, t_ll = s.capacity_rows, s.max_tokens_per_rank, s.world_size, s.ll_tokens
     stage_row = -(-(s.quant.wire_row_bytes(s.hidden) if s.quant.quantized else s.hidden * 2) // 16) * 16
     meta = -(-(8 + 8 * s.topk + s.scale_bytes) // 16) * 16  # (source rank, token), K weights, K ids, S bytes
@@ -267,11 +268,38 @@ def _documented_sizes(s: KernelSpec) -> dict[str, int]:
     }
 
 
-def test_arena_layout_regions_in_docstring_order():
-    doc = ArenaLayout.__doc__
-    positions = [doc.index(f"\n      {r} ") for r in REGIONS]
-    assert positions == sorted(positions)
-    assert [f.name for f in attrs.fields(ArenaLayout)][: len(REGIONS)] == REGIONS
+def test_arena_regions_are_declared_once_in_order():
+    """ARENA_REGIONS is the one list: the layout's offsets, the prelude's constants (``c_name``) and
+    their shapes come from it; an unknown region name raises naming the known ones."""
+    assert [r.name for r in ARENA_REGIONS] == REGIONS
+    assert [r.c_name for r in ARENA_REGIONS][:3] == ["kOffSignals", "kOffSendSlot", "kOffSendPos"]
+    assert len({r.c_name for r in ARENA_REGIONS}) == len(REGIONS) and all(r.shape and r.doc for r in ARENA_REGIONS)
+    lay = spec().layout
+    assert [name for name, _ in lay.offsets] == REGIONS
+    with pytest.raises(AttributeError, match="no region or attribute 'recv_y'; regions: signals, send_slot"):
+        lay.recv_y
+
+
+@pytest.mark.parametrize("ll", [0, 37], ids=["normal", "ll"])
+@pytest.mark.parametrize("expert", [0, 16], ids=["rank", "expert"])
+@pytest.mark.parametrize("op", ["dispatch", "combine", "dispatch_ll"])
+def test_the_prelude_declares_the_regions_its_layout_has(op, expert, ll):
+    """Every region is declared as ``constexpr ep_u64 kOff<Name> = <offset>ull;  // <shape>`` where
+    the spec's layout has what it needs (the expert layout, the payload rows, the low-latency
+    family), and nowhere else."""
+    if op == "dispatch_ll" and not ll:
+        pytest.skip("a low-latency kernel needs ll_tokens >= 1")
+    s = spec(op=op, warps_per_block=8, expert_alignment=expert, ll_tokens=ll)
+    text = render(s).text
+    declared = dict(re.findall(r"constexpr ep_u64 (kOff\w+) = (\d+)ull;", text))
+    lay = s.layout
+    want = {r.c_name: str(getattr(lay, r.name)) for r in ARENA_REGIONS
+            if (expert or "expert" not in r.needs) and (ll or "low_latency" not in r.needs)
+            and (s.op.payload or "payload" not in r.needs)}
+    assert {k: v for k, v in declared.items() if k != "kOffCombineSrc"} == want
+    for r in ARENA_REGIONS:
+        if r.c_name in want:
+            assert re.search(rf"{r.c_name} = \d+ull; +// {re.escape(r.shape)}\n", text), r.c_name
 
 
 @pytest.mark.parametrize("ll", [0, 37], ids=["normal", "ll"])

@@ -3,6 +3,8 @@ bound, and MoELayer's glue around an emulated op built from epgen.reference."""
 
 from __future__ import annotations
 
+import re
+
 import attrs
 import pytest
 import torch
@@ -66,6 +68,13 @@ def test_route_topk_rejects(logits, k, match):
         route_topk(logits, k)
 
 
+@pytest.mark.parametrize("renormalize", ["no", 0, 1, None])
+def test_route_topk_refuses_a_renormalize_that_is_not_a_bool(renormalize):
+    """renormalize='no' used to renormalize (a non-empty string is true); every non-bool is refused."""
+    with pytest.raises(TypeError, match=rf"renormalize={renormalize!r}: must be True or False"):
+        route_topk(torch.zeros(3, 8), 2, renormalize=renormalize)
+
+
 def logits_with(*cells):
     """[4, 8] zeros with the (row, expert, value) cells set."""
     t = torch.zeros(4, 8)
@@ -120,9 +129,9 @@ def test_expert_weights_validation():
         ExpertWeights(gate=g, up=g, down=g)
     with pytest.raises(ValueError, match=r"ExpertWeights.up: shape \(2, 8, 5\) must equal gate's"):
         ExpertWeights(gate=g, up=torch.zeros(2, 8, 5, dtype=torch.bfloat16), down=torch.zeros(2, 4, 8, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match=r"ExpertWeights.gate: shape \(2, 8, 4\) torch.float32 must be 3-D torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"ExpertWeights.gate.dtype=torch.float32: must be torch.bfloat16"):
         ExpertWeights(gate=g.float(), up=g, down=torch.zeros(2, 4, 8, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match=r"ExpertWeights.down: strides .* must be contiguous"):
+    with pytest.raises(ValueError, match=r"ExpertWeights.down: must be contiguous"):
         ExpertWeights(gate=g, up=g, down=torch.zeros(2, 8, 4, dtype=torch.bfloat16).transpose(1, 2))
     with pytest.raises(ValueError, match=r"hidden=0: must be a positive int"):
         ExpertWeights.random(2, 0, 4, generator=gen(0))
@@ -217,13 +226,21 @@ def test_swiglu_writes_out_and_checks_its_inputs():
         swiglu_experts(x, torch.tensor([0, 3, 2, 2, 6], dtype=torch.int32), w, grouped=False)
     with pytest.raises(ValueError, match=r"offsets=\[0, 3, 5, 5, 13\]: .* end at most at R=12"):
         swiglu_experts(x, torch.tensor([0, 3, 5, 5, 13], dtype=torch.int32), w, grouped=False)
-    with pytest.raises(ValueError, match=r"offsets: shape \(4,\) on cpu must be \[L \+ 1 = 5\]"):
+    for grouped in (None, True, False):  # the grouped path reads them too unless the caller vouches
+        for bad in ([0, 3, 2, 2, 6], [0, 3, 5, 5, 13], [1, 3, 5, 5, 9]):
+            with pytest.raises(ValueError, match=re.escape(f"offsets={bad}: must start at 0, never decrease")):
+                swiglu_experts(x, torch.tensor(bad, dtype=torch.int32), w, grouped=grouped)
+    with pytest.raises(TypeError, match=r"offsets_checked=None: must be True or False"):
+        swiglu_experts(x, offsets, w, offsets_checked=None)
+    assert torch.equal(swiglu_experts(x, offsets, w, grouped=True, offsets_checked=True)[:9],
+                       swiglu_experts(x, offsets, w, grouped=True)[:9])
+    with pytest.raises(ValueError, match=r"offsets.shape=\[4\]: must be \[5\]"):
         swiglu_experts(x, offsets[:4], w)
-    with pytest.raises(ValueError, match=r"offsets: shape \(5,\) torch.int64 must be 1-D torch.int32"):
+    with pytest.raises(ValueError, match=r"offsets.dtype=torch.int64: must be torch.int32"):
         swiglu_experts(x, offsets.long(), w)
-    with pytest.raises(ValueError, match=r"x: shape \(12, 32\) on cpu must be \[R, H=64\] contiguous"):
+    with pytest.raises(ValueError, match=r"x.shape=\[12, 32\]: must be \[\*, 64\]"):
         swiglu_experts(x[:, :32], offsets, w)
-    with pytest.raises(ValueError, match=r"out: shape \(11, 64\) on cpu must be \[R, H\] = \[12, 64\]"):
+    with pytest.raises(ValueError, match=r"out.shape=\[11, 64\]: must be \[12, 64\]"):
         swiglu_experts(x, offsets, w, out=x[:11].clone())
     with pytest.raises(TypeError, match=r"w: must be an ExpertWeights, got tuple"):
         swiglu_experts(x, offsets, (w.gate, w.up, w.down))
@@ -654,3 +671,25 @@ def test_bench_moe_checks_the_gpu_and_the_rules_that_need_its_count(bench_moe, c
         "--model deepseek-v3)")
     opts = bench_moe.parse_args(["--world-size", "2", "--tokens", "64", "96"])
     assert (opts.world_size, opts.tokens) == (2, (64, 96)) and opts.output.endswith("bench_moe-ep2-h200")
+
+
+# --- tools/bench_transformers.py without a GPU ---------------------------------------------------
+
+
+def test_bench_transformers_says_it_needs_a_gpu(monkeypatch, capsys):
+    """Without a GPU the transformers bench stops at its flags with one line, as bench_moe does (it
+    used to start a one-rank NCCL group and fail inside torch)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "bench_transformers.py"
+    spec = importlib.util.spec_from_file_location("bench_transformers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv, message in ((["--tokens", "8"], "needs a GPU (torch.cuda.is_available() is False)"),
+                          (["--tokens", "8", "0"], "--tokens 0: every value must be at least 1")):
+        with pytest.raises(SystemExit) as e:
+            module.main(argv)
+        assert e.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message)

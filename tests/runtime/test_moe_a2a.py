@@ -81,9 +81,9 @@ def _errors_worker(rank: int, world_size: int, store: str) -> None:
             AllToAllMoE((w.gate, w.up, w.down), num_experts=5, topk=2)
         layer = AllToAllMoE(w, num_experts=5, topk=2)
         x, wt, ids = torch.zeros(2, H, dtype=torch.bfloat16), torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.int32)
-        with pytest.raises(ValueError, match=r"x: \[2, 64\] torch.float32 must be \[T=2, 64\] torch.bfloat16"):
+        with pytest.raises(ValueError, match=r"x.dtype=torch.float32: must be torch.bfloat16"):
             layer.forward(x.float(), wt, ids)
-        with pytest.raises(ValueError, match=r"topk_ids: \[2, 3\] torch.int32 must be \[T=2, 2\] torch.int32"):
+        with pytest.raises(ValueError, match=r"topk_ids.shape=\[2, 3\]: must be \[2, 2\]"):
             layer.forward(x, wt, torch.zeros(2, 3, dtype=torch.int32))
         bad = ids.clone()
         bad[1, 1] = 5

@@ -273,20 +273,20 @@ def test_pack_order_and_round_trip():
         (pack_fp4, torch.tensor([1, 2, 3], dtype=U8), r"codes: shape \(3,\).*even"),
         (pack_fp4, torch.tensor([1, 16], dtype=U8), r"codes\[1\]=16.*\[0, 15\]"),
         (pack_fp4, torch.tensor(3, dtype=U8), r"codes: shape \(\).*even"),
-        (pack_fp4, torch.tensor([1, 2], dtype=torch.int32), r"codes: dtype torch.int32 must be torch.uint8"),
+        (pack_fp4, torch.tensor([1, 2], dtype=torch.int32), r"codes\.dtype=torch.int32: must be torch.uint8"),
         (unpack_fp4, torch.tensor(3, dtype=U8), r"packed: shape \(\).*1-D"),
         (unpack_fp4, [1, 2], r"packed: must be a torch.Tensor, got list"),
         (fp4_e2m1_decode, torch.tensor([[0, 15], [16, 200]], dtype=U8),
          r"codes\[1, 0\]=16 \(1 more\).*\[0, 15\]"),
-        (fp8_e4m3_decode, torch.tensor([1.0]), r"codes: dtype torch.float32 must be torch.uint8"),
+        (fp8_e4m3_decode, torch.tensor([1.0]), r"codes\.dtype=torch.float32: must be torch.uint8"),
         (fp8_e4m3_encode, torch.tensor([1.0], dtype=torch.float64),
-         r"x: dtype torch.float64 must be torch.float32 or"),
-        (fp8_e4m3_encode, torch.tensor([1], dtype=torch.int32), r"x: dtype torch.int32 must be"),
+         r"x\.dtype=torch.float64: must be torch.float32 or"),
+        (fp8_e4m3_encode, torch.tensor([1], dtype=torch.int32), r"x\.dtype=torch.int32: must be"),
         (fp4_e2m1_encode, 1.5, r"x: must be a torch.Tensor, got float"),
     ],
 )
 def test_element_codec_bad_inputs(fn, arg, pattern):
-    with pytest.raises(ValueError, match=pattern):
+    with pytest.raises(TypeError if "torch.Tensor, got" in pattern else ValueError, match=pattern):
         fn(arg)
 
 
@@ -323,7 +323,7 @@ def test_e8m0_encode_exact_floor_ceil():
         (f32([2.0**-130]), "floor", r"scale\[0\]=.*\[-127, 127\]"),
         (f32([3e38]), "ceil", r"\[-127, 127\]"),
         (f32([1.0]), "nearest", r"rounding='nearest': must be 'exact', 'floor' or 'ceil'"),
-        (torch.tensor([1.0], dtype=torch.float64), "exact", r"scale: dtype torch.float64"),
+        (torch.tensor([1.0], dtype=torch.float64), "exact", r"scale\.dtype=torch.float64"),
     ],
 )
 def test_e8m0_encode_bad_inputs(scale, rounding, pattern):
@@ -598,19 +598,19 @@ QUANTIZERS = [quantize_fp8_blockwise, quantize_fp4_mx, quantize_fp4_blockwise]
     "x,kwargs,pattern",
     [
         ([[1.0]], {}, r"x: must be a torch.Tensor, got list"),
-        (torch.zeros(128), {}, r"x: shape \(128,\) must be 2-D"),
-        (torch.zeros(2, 2, 128), {}, r"x: shape \(2, 2, 128\) must be 2-D"),
+        (torch.zeros(128), {}, r"x\.shape=\[128\]: must be 2-D"),
+        (torch.zeros(2, 2, 128), {}, r"x\.shape=\[2, 2, 128\]: must be 2-D"),
         (torch.zeros(2, 128, dtype=torch.float64), {},
-         r"x: dtype torch.float64 must be torch.float32 or torch.bfloat16"),
-        (torch.zeros(2, 128, dtype=torch.float16), {}, r"x: dtype torch.float16 must be"),
-        (torch.zeros(2, 128, dtype=torch.int32), {}, r"x: dtype torch.int32 must be"),
+         r"x\.dtype=torch.float64: must be torch.float32 or torch.bfloat16"),
+        (torch.zeros(2, 128, dtype=torch.float16), {}, r"x\.dtype=torch.float16: must be"),
+        (torch.zeros(2, 128, dtype=torch.int32), {}, r"x\.dtype=torch.int32: must be"),
         (torch.zeros(2, 128), {"block": 0}, r"block=0: must be a positive"),
         (torch.zeros(2, 128), {"block": True}, r"block=True: must be an int"),
         (torch.zeros(2, 128), {"block": 32.0}, r"block=32.0: must be an int"),
     ],
 )
 def test_quantizer_bad_inputs(quantize, x, kwargs, pattern):
-    with pytest.raises(ValueError, match=pattern):
+    with pytest.raises(TypeError if "torch.Tensor, got" in pattern else ValueError, match=pattern):
         quantize(x, **kwargs)
 
 
@@ -633,28 +633,28 @@ def test_fp4_quantizers_need_even_block(quantize):
     "fn,args,pattern",
     [
         (dequantize_fp8_blockwise, (torch.zeros(2, 256, dtype=U8), torch.ones(2, 2, dtype=torch.float64)),
-         r"scales: dtype torch.float64 must be torch.float32"),
+         r"scales\.dtype=torch.float64: must be torch.float32"),
         (dequantize_fp8_blockwise, (torch.zeros(2, 256, dtype=U8), torch.ones(2, 3)),
          r"scales: shape \(2, 3\) must be \[2, 2\]"),
         (dequantize_fp8_blockwise, (torch.zeros(2, 200, dtype=U8), torch.ones(2, 1)),
          r"scales: shape \(2, 1\) must be \[2, 2\]"),
         (dequantize_fp8_blockwise, (torch.zeros(256, dtype=U8), torch.ones(2, 2)),
-         r"codes: shape \(256,\) must be 2-D"),
+         r"codes\.shape=\[256\]: must be 2-D"),
         (dequantize_fp8_blockwise, (torch.zeros(2, 256), torch.ones(2, 2)),
-         r"codes: dtype torch.float32 must be torch.uint8"),
+         r"codes\.dtype=torch.float32: must be torch.uint8"),
         (dequantize_fp4_mx, (torch.zeros(2, 64, dtype=U8), torch.ones(2, 4)),
-         r"scales: dtype torch.float32 must be torch.uint8"),
+         r"scales\.dtype=torch.float32: must be torch.uint8"),
         (dequantize_fp4_mx, (torch.zeros(2, 64, dtype=U8), torch.ones(2, 2, dtype=U8)),
          r"scales: shape \(2, 2\) must be \[2, 4\]"),
         (dequantize_fp4_mx, (torch.zeros(2, 24, dtype=U8), torch.ones(2, 1, dtype=U8)),
          r"scales: shape \(2, 1\) must be \[2, 2\] .*packed of shape \(2, 24\) and block=32"),
         (dequantize_fp4_blockwise, (torch.zeros(2, 64, dtype=U8), torch.ones(2, 4, dtype=U8)),
-         r"scales: dtype torch.uint8 must be torch.float32"),
+         r"scales\.dtype=torch.uint8: must be torch.float32"),
         (dequantize_fp4_blockwise, (torch.zeros(3, 64, dtype=U8), torch.ones(2, 4)),
          r"scales: shape \(2, 4\) must be \[3, 4\]"),
-        (dequantize_fp8_direct, (torch.zeros(4, dtype=U8),), r"codes: shape \(4,\) must be 2-D"),
-        (fp8_direct_cast, (torch.zeros(4),), r"x: shape \(4,\) must be 2-D"),
-        (fp8_direct_cast, (torch.zeros(1, 4, dtype=torch.float64),), r"x: dtype torch.float64"),
+        (dequantize_fp8_direct, (torch.zeros(4, dtype=U8),), r"codes\.shape=\[4\]: must be 2-D"),
+        (fp8_direct_cast, (torch.zeros(4),), r"x\.shape=\[4\]: must be 2-D"),
+        (fp8_direct_cast, (torch.zeros(1, 4, dtype=torch.float64),), r"x\.dtype=torch.float64"),
     ],
 )
 def test_dequantizer_bad_inputs(fn, args, pattern):
@@ -802,7 +802,7 @@ def test_combine_wire_rejects_bad_arguments():
 
     with pytest.raises(ValueError, match=r"combine_quant='fp4_mx': must be one of none, fp8_direct_cast"):
         combine_roundtrip("fp4_mx", torch.zeros(2, 32))
-    with pytest.raises(ValueError, match=r"y: shape \(4,\) must be 2-D"):
+    with pytest.raises(ValueError, match=r"y\.shape=\[4\]: must be 2-D"):
         combine_error_bound("fp8_blockwise", torch.zeros(4))
     with pytest.raises(ValueError, match=r"y\[0, 0\]=inf \(127 more\): must be finite for mode 'fp8_blockwise'"):
         combine_roundtrip("fp8_blockwise", torch.full((1, 128), float("inf")))

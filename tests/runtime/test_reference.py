@@ -64,7 +64,7 @@ def test_route_three_ranks_and_empty():
 def test_route_rejects_bad_ids_and_args():
     with pytest.raises(ValueError, match=r"indices\[token 1, slot 0\]=4: expert ids must be -1 or in \[0, 4\)"):
         route(i32([[0, 1], [4, 0]]), experts_per_rank=2, world_size=2)
-    with pytest.raises(ValueError, match=r"indices: dtype torch.int64 must be torch.int32"):
+    with pytest.raises(ValueError, match=r"indices\.dtype=torch.int64: must be torch.int32"):
         route(torch.tensor([[0, 1]]), experts_per_rank=2, world_size=2)
     with pytest.raises(ValueError, match=r"experts_per_rank=0: must be at least 1"):
         route(i32([[0, 1]]), experts_per_rank=0, world_size=2)

@@ -73,7 +73,7 @@ def test_wrong_device_and_type():
     x, w, i, s = good(8)
     with pytest.raises(ValueError, match=r"x\.device=cpu: must be cuda:0"):
         check_dispatch_inputs(CFG, dtype_info(CFG.dtype), torch.device("cuda", 0), x, w, i, s)
-    with pytest.raises(TypeError, match="x: expected a torch.Tensor, got list"):
+    with pytest.raises(TypeError, match="x: must be a torch.Tensor, got list"):
         check_dispatch_inputs(CFG, dtype_info(CFG.dtype), CPU, x.tolist(), w, i, s)
 
 
@@ -208,3 +208,29 @@ def test_auto_pulls_only_where_one_process_decides_for_every_rank(table_dir, vir
     op.plan = Plan.build(cfg, "sm_90", len(op.local_ranks))
     op.dispatch_input = lambda rank=None: region
     assert op._transport(64, [region[:64]] * len(op.local_ranks)) == want
+
+
+def test_check_tensor_names_the_first_rule_broken():
+    """epgen.tensors.check_tensor: the one check behind the op, the references and the layers."""
+    from epgen.tensors import check_tensor
+
+    t = torch.zeros(4, 8, dtype=torch.bfloat16)
+    assert check_tensor("x", t, dtype=torch.bfloat16, shape=(None, 8), device=CPU, contiguous=True,
+                        vector_bytes=16) is t
+    with pytest.raises(TypeError, match=r"^x: must be a torch.Tensor, got list$"):
+        check_tensor("x", [1.0])
+    with pytest.raises(ValueError, match=r"^x\.dtype=torch.bfloat16: must be torch.float32 or torch.float16$"):
+        check_tensor("x", t, dtype=(torch.float32, torch.float16), dim=3)  # dtype before dims
+    with pytest.raises(ValueError, match=r"^x\.shape=\[4, 8\]: must be 3-D$"):
+        check_tensor("x", t, dim=3)
+    with pytest.raises(ValueError, match=r"^x\.shape=\[4, 8\]: must be \[\*, 7\]$"):
+        check_tensor("x", t, shape=(None, 7))
+    with pytest.raises(ValueError, match=r"^x\.shape=\[4, 8\]: must be \[4, 8, \*\]$"):
+        check_tensor("x", t, shape=(4, 8, None))
+    with pytest.raises(ValueError, match=r"^x\.device=cpu: must be meta$"):
+        check_tensor("x", t, device=torch.device("meta"))
+    with pytest.raises(ValueError, match=r"^x: must be contiguous \(call \.contiguous\(\) first\)$"):
+        check_tensor("x", t.t(), contiguous=True)
+    with pytest.raises(ValueError, match=r"^x\.data_ptr\(\)=0x[0-9a-f]+: 2 bytes past a 16-byte boundary"):
+        check_tensor("x", t.view(-1)[1:], vector_bytes=16)
+    assert check_tensor("x", t.view(-1)[1:1], vector_bytes=16).numel() == 0  # an empty view is not read
