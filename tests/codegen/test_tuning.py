@@ -94,7 +94,7 @@ def test_explicit_geometry_overrides_table():
 
 
 def test_variants_are_the_buckets_an_op_compiles(table_dir):
-    """EpConfig.variants, what EpDispatchCombine compiles and epgen build builds: the table's
+    """KernelPlan.variants, what EpDispatchCombine compiles and epgen build builds: the table's
     buckets up to the first that holds max_tokens_per_rank, or the explicit geometry alone."""
     rows = [(128, Geometry(8, 32, 4)), (1024, Geometry(48, 32, 2)), (4096, Geometry(64, 32, 4)),
             (8192, Geometry(64, 32, 4))]
