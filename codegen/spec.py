@@ -162,8 +162,10 @@ class OpRow:
 _R = OpRow
 OP_TABLE = (
     #  op                  call        family         layout    waits     payload reach     template      tuning entry
-    _R("dispatch",         "dispatch", "normal",      "any",    "peers",  True,  "remote", "dispatch",    "dispatch", timed=True),
-    _R("combine",          "combine",  "normal",      "any",    "peers",  False, "remote", "combine",     "combine", timed=True),
+    _R("dispatch",         "dispatch", "normal",      "any",    "peers",  True,  "remote", "dispatch",    "dispatch",
+       timed=True),
+    _R("combine",          "combine",  "normal",      "any",    "peers",  False, "remote", "combine",     "combine",
+       timed=True),
     _R("dispatch_pull",    "dispatch", "normal",      "any",    "peers",  True,  "remote", "dispatch_pull", "dispatch",
        transport="pull"),
     _R("dispatch_ll",      "dispatch", "low_latency", "any",    "always", True,  "remote", "dispatch_ll", "dispatch_ll",
