@@ -539,7 +539,8 @@ def test_config_geometry_reaches_specs():
     for op in LOW_LATENCY_OPS:
         assert (specs[op].blocks, specs[op].warps_per_block, specs[op].unroll) == (ll.blocks, ll.warps_per_block, ll.unroll)
         assert specs[op].scale_bytes == 32
-    specs = {s.op: s for s in planner.specs(cfg(low_latency_geometry=Geometry(blocks=16, warps_per_block=2, unroll=1)), "gfx950")}
+    stated = cfg(low_latency_geometry=Geometry(blocks=16, warps_per_block=2, unroll=1))
+    specs = {s.op: s for s in planner.specs(stated, "gfx950")}
     for op in LOW_LATENCY_OPS:
         assert (specs[op].blocks, specs[op].warps_per_block, specs[op].unroll) == (16, 2, 1)
 
@@ -789,7 +790,8 @@ def test_a_quantized_combine_runs_at_most_512_threads_a_block():
     # 8 waves on gfx950, 16 on gfx1250); a table geometry keeps its blocks, an explicit one is refused
     c = EpConfig.for_model("deepseek-v3", world_size=4, max_tokens_per_rank=4096, combine_quant="fp8_blockwise")
     bf16 = EpConfig.for_model("deepseek-v3", world_size=4, max_tokens_per_rank=4096)  # no table entries: defaults
-    table = {arch: tuning.schedule(planner.shape_key(bf16, arch)).bucket("combine", 4096).geometry for arch in ("sm_90", "gfx950", "gfx1250")}
+    table = {arch: tuning.schedule(planner.shape_key(bf16, arch)).bucket("combine", 4096).geometry
+             for arch in ("sm_90", "gfx950", "gfx1250")}
     for arch, want in (("sm_90", 16), ("gfx950", 8), ("gfx1250", 16)):
         g = planner.plan(c, arch).geometry(Op.COMBINE, 4096)
         assert (g.blocks, g.warps_per_block, g.unroll) == (table[arch].blocks, min(want, table[arch].warps_per_block),
@@ -923,7 +925,8 @@ def test_transport_selection_and_the_kernels_each_builds(arch):
         assert all(s.op is op and s.transport == tr for _, s in got)
     # no shipped table bucket says pull: "auto" pushes and builds no pull kernels
     assert planner.dispatch_transport(auto, arch, 1) == "push" and planner.plan(auto, arch).transports(Op.DISPATCH) == ("push",)
-    assert planner.plan(auto, arch).variants.get((Op.DISPATCH_PULL, "push"), ()) == () and planner.plan(auto, arch).variants.get((Op.DISPATCH, "pull"), ()) == ()
+    assert planner.plan(auto, arch).variants[(Op.DISPATCH_PULL, "push")] == ()
+    assert planner.plan(auto, arch).variants[(Op.DISPATCH, "pull")] == ()
 
 
 def test_explicit_dispatch_geometry_applies_to_both_pull_kernels():
