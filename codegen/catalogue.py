@@ -34,7 +34,7 @@ def shape_specs(*, hidden: int, topk: int, num_experts: int, world_size: int = C
                 dispatch_transport: str = "auto") -> list[KernelSpec]:
     """Dispatch and combine specs of one shape for each arch (and the expert layout's kernels with
     ``layout="expert"``, and the pull dispatch's two kernels with ``dispatch_transport="pull"``):
-    ``geometry`` for both transport ops, or the tuning table's geometry at
+    ``geometry`` for both calls (dispatch and combine), or the tuning table's geometry at
     ``max_tokens_per_rank``; ``combine_quant`` is the combine wire, ``scale_bytes`` the per-token
     scale bytes dispatch forwards; ``layout``, ``expert_alignment``, ``max_recv_tokens`` and
     ``dispatch_transport`` as ``EpConfig``'s.

@@ -87,9 +87,9 @@ class EpConfig:
             (built for decode sizes; the only family with ``async_recv``); its stages hold W x
             max_tokens_per_rank rows, at most 65535 tokens a rank (fewer at W >= 16:
             ``KernelSpec.ll_shared_bytes``). "auto" (default): both, and each
-            call takes the low-latency family when its token count is at most
-            T_ll (``epgen.codegen.planner.KernelPlan.low_latency_tokens``: the tuning table's threshold, which ``epgen tune``
-            measures; its stages are sized for that many). Both return the same outputs. With one
+            call takes the low-latency family when its token count is at most T_ll
+            (``epgen.codegen.planner.KernelPlan.low_latency_tokens``: the tuning table's threshold,
+            which ``epgen tune`` measures; its stages are sized for that many). Both return the same outputs. With one
             process per GPU every rank must take the same family in a call (their token counts on
             the same side of the threshold); a rank waiting for a family its peer did not run times
             out (``EpError`` naming the phase).

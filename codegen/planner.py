@@ -21,7 +21,8 @@ from epgen.codegen.dtypes import combine_quant
 from epgen.codegen.errors import FieldError
 from epgen.codegen.spec import (LL_MAX_TOKENS, OP_TABLE, PLAN_BLOCKS, PLAN_SHARED_LIMIT, QUANTIZED_COMBINE_THREADS,
                                 KernelSpec, Op)
-from epgen.codegen.tuning import NO_LIMIT, Bucket, Geometry, Schedule, ShapeKey, TuningKey, entry_key, schedule
+from epgen.codegen.tuning import (Bucket, Geometry, Schedule, ShapeKey, Source, TuningKey, entry_key,
+                                  schedule)
 
 if TYPE_CHECKING:  # the config imports the planner to validate itself
     from epgen.codegen.config import EpConfig
@@ -208,6 +209,15 @@ class KernelPlan:
         spec = self.variant(op, tokens, transport)
         return Geometry(spec.blocks, spec.warps_per_block, spec.unroll)
 
+    def source(self, op: Op, tokens: int) -> Source:
+        """Where the geometry ``op`` launches for ``tokens`` came from: "stated" where the config
+        gives it, else the schedule bucket's source (a one-geometry kernel's: the bucket at
+        max_tokens_per_rank)."""
+        if _explicit(self.config, op) is not None:
+            return Source("stated", "EpConfig's geometry field")
+        t = self.config.max_tokens_per_rank if op.row.one_geometry else tokens
+        return self.schedule.bucket(op.tuning_entry, t).source
+
     def transports(self, op: Op) -> tuple[str, ...]:
         """The transports of ``op``'s kernels this arch builds: ("push", "pull") for DISPATCH where
         the pull path is built, else ("push",) (() where ``op`` is not built)."""
@@ -264,7 +274,8 @@ def specs(config: EpConfig, arches, tokens: int | None = None) -> list[KernelSpe
     Raises:
         as ``plan``.
     """
-    return [s for arch in ((arches,) if isinstance(arches, str) else arches) for s in plan(config, arch).specs_at(tokens)]
+    arches = (arches,) if isinstance(arches, str) else arches
+    return [s for arch in arches for s in plan(config, arch).specs_at(tokens)]
 
 
 def explicit_spec(config: EpConfig, arch: str, op: Op, geometry: Geometry) -> KernelSpec:
@@ -291,5 +302,5 @@ def dispatch_transport(config: EpConfig, arch: str, tokens: int) -> str:
     return next((b.transport for b in buckets if tokens <= b.max_tokens), buckets[-1].transport)
 
 
-__all__ = ["Buckets", "KernelPlan", "NO_LIMIT", "dispatch_transport", "explicit_spec", "ops", "plan", "shape_key",
+__all__ = ["Buckets", "KernelPlan", "dispatch_transport", "explicit_spec", "ops", "plan", "shape_key",
            "specs", "tuning_key"]

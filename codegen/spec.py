@@ -31,7 +31,7 @@ class Op(str, enum.Enum):
     and offsets, each expanded row's source, weight and position), EXPAND (copies received rows to
     their expanded positions) and FOLD (sums a token's weighted expert outputs of one rank into
     the row combine sends). The low-latency family (``templates/ops/dispatch_ll.j2``,
-    ``combine_ll.j2``) runs each transport op as a sending half, which pushes rows into fixed slots
+    ``combine_ll.j2``) runs each call (dispatch, combine) as a sending half, which pushes rows into fixed slots
     of the receivers' arenas and raises one flag per (receiver, block), and a receiving half, which
     waits for those flags and finishes the op: both in one kernel (DISPATCH_LL, COMBINE_LL) or each
     in its own (the ``_SEND`` and ``_RECV`` ops: the async_recv split). COMBINE_QUANTIZE (local)
@@ -162,8 +162,10 @@ class OpRow:
 _R = OpRow
 OP_TABLE = (
     #  op                  call        family         layout    waits     payload reach     template      tuning entry
-    _R("dispatch",         "dispatch", "normal",      "any",    "peers",  True,  "remote", "dispatch",    "dispatch", timed=True),
-    _R("combine",          "combine",  "normal",      "any",    "peers",  False, "remote", "combine",     "combine", timed=True),
+    _R("dispatch",         "dispatch", "normal",      "any",    "peers",  True,  "remote", "dispatch",    "dispatch",
+       timed=True),
+    _R("combine",          "combine",  "normal",      "any",    "peers",  False, "remote", "combine",     "combine",
+       timed=True),
     _R("dispatch_pull",    "dispatch", "normal",      "any",    "peers",  True,  "remote", "dispatch_pull", "dispatch",
        transport="pull"),
     _R("dispatch_ll",      "dispatch", "low_latency", "any",    "always", True,  "remote", "dispatch_ll", "dispatch_ll",
@@ -699,7 +701,7 @@ class KernelSpec:
         return 1 << (self.topk - 1).bit_length()
 
     @property
-    def layout(self) -> ArenaLayout:
+    def arena_layout(self) -> ArenaLayout:
         """Arena layout; dispatch and combine specs of one op agree on every shared offset."""
         return ArenaLayout.build(ArenaSizes(
             world_size=self.world_size,
@@ -749,7 +751,7 @@ class KernelSpec:
     def template_vars(self) -> dict:
         """The one mapping handed to Jinja."""
         t = self.traits
-        lay = self.layout
+        lay = self.arena_layout
         return {
             "schema_version": SCHEMA_VERSION,
             "abi": abi,

@@ -68,8 +68,8 @@ class TuningKey:
     op: str
 
 
-SOURCES = ("measured", "published", "derived")
-"""``Source.kind`` values."""
+SOURCES = ("measured", "published", "derived", "stated")
+"""``Source.kind`` values ("stated": the geometry the config states, ``epgen.codegen.planner``)."""
 
 
 @attrs.frozen
@@ -78,8 +78,8 @@ class Source:
 
     Attributes:
         kind: "measured" (on this arch: a table entry ``epgen tune`` wrote, or a measured default),
-            "published" (a peer's published geometry, not measured here) or "derived" (computed from
-            the arch's facts, ``derived``).
+            "published" (a peer's published geometry, not measured here), "derived" (computed from
+            the arch's facts, ``derived``) or "stated" (the config's own geometry; the planner's).
         detail: the table entry's provenance (naming the run or the publication), or the rule.
     """
 
@@ -319,7 +319,8 @@ def defaults(arch: str, entry: str, row_bytes: int) -> tuple[Bucket, ...]:
     measured = MEASURED_DEFAULTS.get(arch, {}).get(entry)
     if measured is None:
         return derived(arch, entry, row_bytes)
-    return _buckets(traits(arch), measured, Source("measured", f"{arch} default (epgen.codegen.tuning.MEASURED_DEFAULTS)"))
+    source = Source("measured", f"{arch} default (epgen.codegen.tuning.MEASURED_DEFAULTS)")
+    return _buckets(traits(arch), measured, source)
 
 
 def write_entry(key: TuningKey, rows: list[tuple[int, Geometry]], provenance: str, measured: dict,

@@ -343,7 +343,8 @@ class HostPlatform:
                                              warps_per_block=min(spec.warps_per_block, GEOMETRY.warps_per_block)))
                             for t, spec in variants)
                  for key, variants in plan.variants.items() if key[0] in LOCAL_OPS}
-        return attrs.evolve(plan, kernels=attrs.evolve(plan.kernels, config=config, variants={**plan.variants, **local}))
+        kernels = attrs.evolve(plan.kernels, config=config, variants={**plan.variants, **local})
+        return attrs.evolve(plan, kernels=kernels)
 
     def prepare(self, specs) -> None:
         """Compile the host sources of ``specs`` not in the cache yet, one compiler process per

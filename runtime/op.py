@@ -432,18 +432,18 @@ class EpDispatchCombine:
         self._fused = {call: self.plan.whole_low_latency and self.low_latency_tokens > 0 and all(
             self.resident_blocks(self._kernels[spec], spec) // ranks >= spec.blocks
             for spec in self.plan.whole_grid_specs(call)) for call in (Op.DISPATCH, Op.COMBINE)}
-        self.layout = self.dispatch_spec.layout
+        self.arena_layout = self.dispatch_spec.arena_layout
         self.expert_layout = config.layout == "expert"
         free = self.platform.free_bytes(self.device)
-        need = self.layout.total_bytes * len(self.local_ranks)
+        need = self.arena_layout.total_bytes * len(self.local_ranks)
         if need > free:
             raise ValueError(f"EpConfig.max_tokens_per_rank={config.max_tokens_per_rank}: the arenas need "
-                             f"{need / 2**30:.1f} GiB ({len(self.local_ranks)} x {self.layout.total_bytes / 2**30:.2f} GiB:"
-                             f" {self.layout.capacity_rows} receive rows of payload and combine input"
-                             f"{f', {self.layout.expert_rows} expert layout rows' if self.expert_layout else ''}) but "
+                             f"{need / 2**30:.1f} GiB ({len(self.local_ranks)} x {self.arena_layout.total_bytes / 2**30:.2f} GiB:"
+                             f" {self.arena_layout.capacity_rows} receive rows of payload and combine input"
+                             f"{f', {self.arena_layout.expert_rows} expert layout rows' if self.expert_layout else ''}) but "
                              f"{self.device} has {free / 2**30:.1f} GiB free; lower max_tokens_per_rank or set "
                              "EpConfig.max_recv_tokens")
-        self.arenas = Arenas(self.layout, W, self.local_ranks, self.device, group, platform=self.platform)
+        self.arenas = Arenas(self.arena_layout, W, self.local_ranks, self.device, group, platform=self.platform)
         self.errors = ErrorRecords(W, self.platform)
         self._args = {}
         for op in dict.fromkeys(op for op, _ in self.plan.variants):  # every kind of the config
@@ -483,7 +483,7 @@ class EpDispatchCombine:
     def recv_buffers(self, rank: int | None = None) -> DispatchOutput:
         """The receive-side views of ``rank`` (default: this process's rank)."""
         rank = self._local(rank)
-        lay, cfg, cap = self.layout, self.config, self.layout.capacity_rows
+        lay, cfg, cap = self.arena_layout, self.config, self.arena_layout.capacity_rows
         return DispatchOutput(
             recv_x=self._view(rank, lay.recv_x, (cap, self.dispatch_spec.dtype_info.columns(cfg.hidden)),
                               self.dispatch_spec.dtype_info.torch_dtype),
@@ -504,7 +504,7 @@ class EpDispatchCombine:
         if not self.expert_layout:
             raise RuntimeError("expert_buffers: needs EpConfig(layout='expert'); this op's layout is 'rank'")
         rank = self._local(rank)
-        lay, cfg, R, L = self.layout, self.config, self.layout.expert_rows, self.config.experts_per_rank
+        lay, cfg, R, L = self.arena_layout, self.config, self.arena_layout.expert_rows, self.config.experts_per_rank
         info = self.dispatch_spec.dtype_info
         return ExpertDispatchOutput(
             x=self._view(rank, lay.expert_x, (R, info.columns(cfg.hidden)), info.torch_dtype),
@@ -527,7 +527,7 @@ class EpDispatchCombine:
         combine skip its copy (zero-copy)."""
         rank = self._local(rank)
         if self.expert_layout:
-            return self._view(rank, self.layout.expert_y, (self.layout.expert_rows, self.config.hidden),
+            return self._view(rank, self.arena_layout.expert_y, (self.arena_layout.expert_rows, self.config.hidden),
                               torch.bfloat16)
         return self._combine_in(rank)
 
@@ -544,12 +544,12 @@ class EpDispatchCombine:
         """
         rank = self._local(rank)
         info = self.dispatch_spec.dtype_info
-        return self._view(rank, self.layout.dispatch_in, (self.config.max_tokens_per_rank, info.columns(self.config.hidden)),
+        return self._view(rank, self.arena_layout.dispatch_in, (self.config.max_tokens_per_rank, info.columns(self.config.hidden)),
                           info.torch_dtype)
 
     def _combine_in(self, rank: int) -> torch.Tensor:
         """[N, H] bf16 view of ``rank``'s combine_in region (the rows the normal combine's peers read)."""
-        return self._view(rank, self.layout.combine_in, (self.layout.capacity_rows, self.config.hidden),
+        return self._view(rank, self.arena_layout.combine_in, (self.arena_layout.capacity_rows, self.config.hidden),
                           torch.bfloat16)
 
     def combine_wire_input(self, rank: int | None = None) -> CombineWireInput:
@@ -571,8 +571,8 @@ class EpDispatchCombine:
             raise RuntimeError("combine_wire_input: the expert layout's fold writes the wire rows; pass y "
                                "(the expert outputs) to combine")
         rank = self._local(rank)
-        cap, row = self.layout.capacity_rows, quant.wire_row_bytes(cfg.hidden)
-        rows = self._view(rank, self.layout.combine_wire, (cap, row), torch.uint8)
+        cap, row = self.arena_layout.capacity_rows, quant.wire_row_bytes(cfg.hidden)
+        rows = self._view(rank, self.arena_layout.combine_wire, (cap, row), torch.uint8)
         offset, count = quant.scale_offset(cfg.hidden), quant.scale_count(cfg.hidden)
         return CombineWireInput(rank=rank, codes=rows[:, :quant.code_bytes(cfg.hidden)],
                                 scales=rows[:, offset:offset + 4 * count].view(torch.float32) if count else None)
@@ -789,7 +789,7 @@ class EpDispatchCombine:
     def _tables(self, rank: int, tokens: int) -> dict[str, torch.Tensor]:
         """The arena tables of ``rank`` that a combine and a cached dispatch read (``DispatchLayout``),
         as typed views, for a dispatch of ``tokens`` tokens on that rank."""
-        lay, cfg, cap, K, W = self.layout, self.config, self.layout.capacity_rows, self.config.topk, self.config.world_size
+        lay, cfg, cap, K, W = self.arena_layout, self.config, self.arena_layout.capacity_rows, self.config.topk, self.config.world_size
         views = dict(send_slot=self._view(rank, lay.send_slot, (tokens, W), torch.int32),
                      send_pos=self._view(rank, lay.send_pos, (tokens, W), torch.int32),
                      recv_src=self._view(rank, lay.recv_src, (cap, 2), torch.int32),
@@ -949,7 +949,7 @@ class EpDispatchCombine:
         ys = self._per_rank(y, "y")
         for i, rank in enumerate(self.local_ranks):
             check_combine_inputs(self.config, self.device, ys[i], None, self._pending_tokens[i],
-                                 self.layout.expert_rows, f"[rank {rank}]" if self.virtual else "")
+                                 self.arena_layout.expert_rows, f"[rank {rank}]" if self.virtual else "")
         route = self.plan.route(Op.COMBINE, self._pending_family)
         self._make_last_resident()
         self._run([s for s in route.send if s.op is Op.FOLD], 0, {"fold": self._fold_io(ys)})
@@ -1046,7 +1046,7 @@ class EpDispatchCombine:
         wire_input = self._wire_inputs(y, family, pending)
         ys, given = self._per_rank(y, "y"), self._per_rank(out, "out", optional=True)
         route = self.plan.route(Op.COMBINE, family, "push", async_recv or not self._fused[Op.COMBINE])
-        capacity = self.layout.expert_rows if self.expert_layout else self.layout.capacity_rows
+        capacity = self.arena_layout.expert_rows if self.expert_layout else self.arena_layout.capacity_rows
         for i, rank in enumerate(self.local_ranks):  # every rank's inputs before any copy or launch
             tag = f"[rank {rank}]" if self.virtual else ""
             check_combine_inputs(cfg, self.device, None if wire_input else ys[i], given[i], pending[i],
@@ -1061,7 +1061,7 @@ class EpDispatchCombine:
             # combine_in, where peers reach them, filled from y unless y is combine_input()
             # itself); 0 with wire rows. y_rows: the caller's rows, which the kernels check against
             # the rows the dispatch produced (num_recv, or expert_offsets[L] in the expert layout)
-            source, rows = None, self.layout.capacity_rows
+            source, rows = None, self.arena_layout.capacity_rows
             if not wire_input:
                 source, rows = ys[i] if route.y == "in_place" else self._combine_in(rank), ys[i].shape[0]
                 if route.y == "copy" and ys[i].data_ptr() != source.data_ptr():
@@ -1176,7 +1176,7 @@ class EpDispatchCombine:
     def _describe(self, rank, code, a, b, c) -> str:
         return f"rank {rank}: " + abi.fault_message(code, a, b, c, rank=rank, num_experts=self.config.num_experts,
                                                     timeout_s=self.config.timeout_s,
-                                                    capacity_rows=self.layout.capacity_rows)
+                                                    capacity_rows=self.arena_layout.capacity_rows)
 
     # ---- launch ------------------------------------------------------------------------------
     def _per_rank(self, value, name: str, optional: bool = False) -> list:

@@ -273,9 +273,10 @@ class Plan:
     def table(self) -> list[dict]:
         """One row per kernel each call launches, per token bucket (``buckets``): tokens (first,
         last), family, call, transport, split, stage ("call" or "finish"), op, spec name, geometry
-        (BLOCKSxWARPSuUNROLL), threads, grid (blocks x grid_ranks), cooperative, and ``when`` (the
-        route's condition: "", "x in dispatch_input", "async_recv or grid too large"; where the
-        vendor takes the halves, "not on <vendor>" for the whole low-latency op and "" for its halves)."""
+        (BLOCKSxWARPSuUNROLL), source (``KernelPlan.source``'s kind), threads, grid (blocks x
+        grid_ranks), cooperative, and ``when`` (the route's condition: "", "x in dispatch_input",
+        "async_recv or grid too large"; where the vendor takes the halves, "not on <vendor>" for the
+        whole low-latency op and "" for its halves)."""
         rows = []
         for lo, hi in self.buckets():
             family = self.family(hi)
@@ -293,6 +294,7 @@ class Plan:
                         rows.append(dict(tokens=(lo, hi), family=family, call=route.call.value,
                                          transport=route.transport, split=route.split, stage=stage, op=s.op.value,
                                          spec=spec.name, geometry=f"{spec.blocks}x{spec.warps_per_block}u{spec.unroll}",
+                                         source=self.kernels.source(s.op, hi).kind,
                                          threads=spec.threads, grid=spec.blocks * self.grid_ranks,
                                          cooperative=s.op.waits_within_grid(self.grid_ranks), when=when))
         return rows
@@ -302,8 +304,8 @@ def describe(plan: Plan, model: str | None = None) -> str:
     """``plan`` as text: a heading (shape, world size, family and transport settings), then per
     token bucket the kernels each call launches, in order: call, route (transport, or the
     low-latency op whole or split, with when it applies), stage ("finish": at the end of the call,
-    or in ``RecvHandle.wait`` with async_recv), kernel, geometry, grid blocks x threads and the
-    spec's entry name."""
+    or in ``RecvHandle.wait`` with async_recv), kernel, geometry, its source (measured, published,
+    derived or stated: ``KernelPlan.source``), grid blocks x threads and the spec's entry name."""
     cfg = plan.config
     ranks = "virtual ranks, one grid" if plan.grid_ranks > 1 else "one process a GPU" if cfg.world_size > 1 else "one rank"
     family = cfg.kernel_family + (f" (low-latency up to {plan.low_latency_tokens} tokens)"
@@ -311,14 +313,14 @@ def describe(plan: Plan, model: str | None = None) -> str:
     lines = [f"{model or f'H={cfg.hidden} K={cfg.topk} E={cfg.num_experts}'} on {plan.arch}: W={cfg.world_size} "
              f"({ranks}), Tmax={cfg.max_tokens_per_rank}, {cfg.dtype}, combine wire {cfg.combine_quant}, layout "
              f"{cfg.layout}, family {family}, dispatch transport {cfg.dispatch_transport}"]
-    header = ("tokens", "call", "route", "stage", "kernel", "geometry", "grid", "spec")
+    header = ("tokens", "call", "route", "stage", "kernel", "geometry", "source", "grid", "spec")
     table, last = [header], None
     for r in plan.table():
         route = r["transport"] if r["family"] == "normal" else "split" if r["split"] else "whole"
         route = f"{r['family']}/{route}" + (f" ({r['when']})" if r["when"] else "")
         bucket = f"{r['tokens'][0]}-{r['tokens'][1]}"
         table.append((bucket if bucket != last else "", r["call"], route, r["stage"], r["op"], r["geometry"],
-                      f"{r['grid']}x{r['threads']}" + (" coop" if r["cooperative"] else ""), r["spec"]))
+                      r["source"], f"{r['grid']}x{r['threads']}" + (" coop" if r["cooperative"] else ""), r["spec"]))
         last = bucket
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in table]

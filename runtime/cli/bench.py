@@ -105,8 +105,8 @@ def bench_process(rank: int, world_size: int, layer: EpConfig, opts: BenchOption
     me = first.local_ranks[0]
     ceiling = _Ceiling(first.arch, first.device)
     peer = (me + 1) % world_size
-    src_ptr = first.arenas.pointers[me] + first.layout.recv_x
-    dst_ptr = first.arenas.pointers[peer] + first.layout.combine_in  # peer's arena (own memory when W = 1)
+    src_ptr = first.arenas.pointers[me] + first.arena_layout.recv_x
+    dst_ptr = first.arenas.pointers[peer] + first.arena_layout.combine_in  # peer's arena (own memory when W = 1)
     row_bytes = first.dispatch_spec.row_bytes
     combine_wire = combine_quant(cfg0.combine_quant)  # bf16 rows unless quantized
     combine_dtype = combine_wire.name if combine_wire.quantized else "bf16"

@@ -45,7 +45,17 @@ from epgen.codegen.spec import QUANTIZED_COMBINE_THREADS, TIMED_OPS, Op
 from epgen.cli.options import TuneOptions, model_label, tune_counts
 
 
-CANDIDATE_BLOCKS = (8, 16, 24, 32, 48, 64, 132)
+CANDIDATE_SHARES = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2, 1, 2)
+"""The normal family's candidate blocks as shares of the arch's CUs or SMs
+(``ArchTraits.compute_units``): on the H200's 132 SMs 8 to 132 blocks, the range its picks came
+from (docs/measurements/normal-family.md#tune), and 2 x the SMs, where mori's MI350X dispatch still
+gained (its seeds' sweep)."""
+
+
+def candidate_blocks(arch: str) -> tuple[int, ...]:
+    """``CANDIDATE_SHARES`` of ``arch``'s compute units, ascending, without repeats."""
+    return tuple(sorted({max(1, int(traits(arch).compute_units * share)) for share in CANDIDATE_SHARES}))
+
 LOW_LATENCY_CANDIDATE_BLOCKS = (16, 32, 64, 128)
 LOW_LATENCY_CANDIDATE_THREADS = (256, 512)
 LOW_LATENCY_CANDIDATE_UNROLL = 4
@@ -54,15 +64,15 @@ LOW_LATENCY_CANDIDATE_UNROLL = 4
 
 
 def default_candidates(arch: str, combine_quant: str = "none") -> tuple[Geometry, ...]:
-    """CANDIDATE_BLOCKS blocks of 1024 threads (the arch's wave size decides the warps), unroll 4;
+    """``candidate_blocks`` blocks of 1024 threads (the arch's wave size decides the warps), unroll 4;
     for a quantized wire's combine, of ``QUANTIZED_COMBINE_THREADS`` and unroll 4 or 2 (its
     registers at unroll 4 allow one 512-thread block an SM on sm_90, at unroll 2 two: 132 x 16 u2
     led the geometry sweep of virtual W = 2 there, docs/measurements/quantized-combine.md#grid-rounding)."""
     warps = 1024 // traits(arch).wave_size
     if combine_quant == "none":
-        return tuple(Geometry(b, warps, DEFAULT_UNROLL) for b in CANDIDATE_BLOCKS)
+        return tuple(Geometry(b, warps, DEFAULT_UNROLL) for b in candidate_blocks(arch))
     warps = min(warps, QUANTIZED_COMBINE_THREADS // traits(arch).wave_size)
-    return tuple(Geometry(b, warps, u) for u in (DEFAULT_UNROLL, 2) for b in CANDIDATE_BLOCKS)
+    return tuple(Geometry(b, warps, u) for u in (DEFAULT_UNROLL, 2) for b in candidate_blocks(arch))
 
 
 def default_low_latency_candidates(arch: str, world_size: int) -> tuple[Geometry, ...]:

@@ -123,7 +123,7 @@ def _ys(op, cfg, want, perms, seed, zero_copy):
         y = torch.randn(w.num_rows, cfg.hidden, generator=g).to(torch.bfloat16)
         ref.append(y)
         dst = (op.combine_input(op.local_ranks[d]) if zero_copy else
-               torch.empty(op.layout.expert_rows, cfg.hidden, dtype=torch.bfloat16, device=op.device))
+               torch.empty(op.arena_layout.expert_rows, cfg.hidden, dtype=torch.bfloat16, device=op.device))
         dst.fill_(float("nan"))
         rows = perm >= 0
         dst[perm[rows].to(op.device)] = y[rows].to(op.device)

@@ -198,7 +198,7 @@ class DispatchFunction(torch.autograd.Function):
 
 
 def _zero_rows(op) -> torch.Tensor:
-    rows = op.layout.expert_rows if op.expert_layout else op.layout.capacity_rows
+    rows = op.arena_layout.expert_rows if op.expert_layout else op.arena_layout.capacity_rows
     return torch.zeros(rows, op.config.hidden, dtype=_row_dtype(op), device=op.device)
 
 
@@ -224,7 +224,7 @@ def _weight_grads(op, layout, grads: list) -> list:
     for i, rank in enumerate(_local(op)):
         g = grads[i]
         if op.expert_layout:
-            R = op.layout.expert_rows
+            R = op.arena_layout.expert_rows
             rows = torch.zeros(R, H, dtype=dtype, device=op.device)
             if g is not None:
                 slot_row = layout.table(rank, "slot_row")  # [N, K]: the expanded row of each first slot
@@ -244,7 +244,7 @@ def _weight_grads(op, layout, grads: list) -> list:
                 mask = live[:, :, None].expand(-1, -1, c)
                 rows.index_put_((target[mask], column[mask]), pieces[mask])
         else:
-            N = op.layout.capacity_rows
+            N = op.arena_layout.capacity_rows
             rows = torch.zeros(N, H, dtype=dtype, device=op.device)
             if g is not None:
                 pieces = _split(_rows_below(g, layout.table(rank, "num_recv")), dtype)  # [N, K, c]
@@ -373,7 +373,7 @@ class _ReferenceLayout:
         self.op, self.recv, self.expert, self.tokens, self.family = op, recv, expert, list(tokens), "normal"
 
     def table(self, rank: int, name: str) -> torch.Tensor:
-        r, N, K = self.recv[rank], self.op.layout.capacity_rows, self.op.config.topk
+        r, N, K = self.recv[rank], self.op.arena_layout.capacity_rows, self.op.config.topk
         n = r.num_rows
         if name == "num_recv":
             return torch.tensor([n], dtype=torch.int32)
@@ -412,14 +412,14 @@ class ReferenceEp:
         self.local_ranks = list(range(W))
         self.expert_layout = config.layout == "expert"
         A = config.expert_alignment if self.expert_layout else 1
-        self.layout = _Rows(capacity_rows=N, expert_rows=N * min(K, L) + L * (A - 1) if self.expert_layout else 0)
+        self.arena_layout = _Rows(capacity_rows=N, expert_rows=N * min(K, L) + L * (A - 1) if self.expert_layout else 0)
         self._last = None
 
     def _pad(self, t: torch.Tensor, rows: int, fill=0) -> torch.Tensor:
         return torch.cat([t, torch.full((rows - t.shape[0], *t.shape[1:]), fill, dtype=t.dtype)])
 
     def dispatch(self, x, weights=None, indices=None, *, layout=None):
-        L, N = self.config.experts_per_rank, self.layout.capacity_rows
+        L, N = self.config.experts_per_rank, self.arena_layout.capacity_rows
         if layout is None:  # the reference routes with float32 weights; the rows carry the caller's
             recv = ref.dispatch(list(x), [w.float() for w in weights], list(indices), experts_per_rank=L)
             expert = ref.expand(recv, experts_per_rank=L, alignment=self.config.expert_alignment) \
@@ -437,7 +437,7 @@ class ReferenceEp:
             if not self.expert_layout:
                 outs.append(recv)
                 continue
-            e, R = layout.expert[d], self.layout.expert_rows
+            e, R = layout.expert[d], self.arena_layout.expert_rows
             live = e.recv_row >= 0
             ex = torch.zeros(e.num_rows, self.config.hidden, dtype=rows.dtype)
             ex[live] = rows[e.recv_row[live]]

@@ -146,9 +146,9 @@ def _host_op(cfg: EpConfig) -> EpDispatchCombine:
     op = EpDispatchCombine.__new__(EpDispatchCombine)
     op.config, op.virtual, op.local_ranks = cfg, True, list(range(cfg.world_size))
     op.dispatch_spec = planner.explicit_spec(cfg, "sm_90", Op.DISPATCH, cfg.dispatch_geometry)
-    op.layout = op.dispatch_spec.layout
-    local = {r: torch.zeros(op.layout.total_bytes, dtype=torch.uint8) for r in op.local_ranks}
-    sig = slice(op.layout.signals, op.layout.signals + 4 * abi.SIGNAL_WORDS)  # CUDA: the arena's region
+    op.arena_layout = op.dispatch_spec.arena_layout
+    local = {r: torch.zeros(op.arena_layout.total_bytes, dtype=torch.uint8) for r in op.local_ranks}
+    sig = slice(op.arena_layout.signals, op.arena_layout.signals + 4 * abi.SIGNAL_WORDS)  # CUDA: the arena's region
     op.arenas = types.SimpleNamespace(local=local, local_signals={r: t[sig] for r, t in local.items()})
     return op
 
@@ -160,7 +160,7 @@ CFG = EpConfig(world_size=2, hidden=2048, topk=4, num_experts=8, max_tokens_per_
 def test_num_recv_is_read_at_the_word_the_kernel_writes():
     op = _host_op(CFG)
     index, _ = _consts(render(op.dispatch_spec).text, "kSig", "int")["kSigNumRecv"]
-    words = op.arenas.local[1][op.layout.signals:op.layout.signals + 4 * abi.SIGNAL_WORDS].view(torch.int32)
+    words = op.arenas.local[1][op.arena_layout.signals:op.arena_layout.signals + 4 * abi.SIGNAL_WORDS].view(torch.int32)
     words[index] = 13
     assert op.recv_buffers(1).num_recv.tolist() == [13]
     assert op.recv_buffers(0).num_recv.tolist() == [0]

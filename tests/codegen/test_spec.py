@@ -309,7 +309,7 @@ def test_the_prelude_declares_the_regions_its_layout_has(op, expert, ll):
 def test_layout_aligned_monotonic_non_overlapping(op, shape, expert, ll):
     s = spec(op=op, **shape, warps_per_block=8).replace(expert_alignment=expert)  # 512 threads: any wire's combine
     s = s.replace(ll_tokens=min(ll, s.max_tokens_per_rank))
-    lay = s.layout
+    lay = s.arena_layout
     sizes = _documented_sizes(s)
     offs = [getattr(lay, r) for r in REGIONS]
     assert lay.signals == 0
@@ -363,8 +363,8 @@ def test_dispatch_and_combine_share_layout(arch):
         local = [s for s in specs.values() if not s.op.payload]  # the combine kernels, fold
         d, c = payload[0], local[0]
         assert d.op in (Op.DISPATCH, Op.DISPATCH_LL) and c.op in (Op.COMBINE, Op.COMBINE_LL)
-        dl, cl = d.layout, c.layout
-        assert all(s.layout == dl for s in payload) and all(s.layout == cl for s in local)
+        dl, cl = d.arena_layout, c.arena_layout
+        assert all(s.arena_layout == dl for s in payload) and all(s.arena_layout == cl for s in local)
         for r in SHARED_REGIONS:  # every region before the payload-sized ones (expert_x, ll_dispatch_stage)
             assert getattr(dl, r) == getattr(cl, r), r
         assert dl.ll_tokens == cl.ll_tokens == planner.plan(cfg, arch).low_latency_tokens
@@ -567,7 +567,8 @@ def test_config_geometry_reaches_specs():
     for op in LOW_LATENCY_OPS:
         assert (specs[op].blocks, specs[op].warps_per_block, specs[op].unroll) == (ll.blocks, ll.warps_per_block, ll.unroll)
         assert specs[op].scale_bytes == 32
-    specs = {s.op: s for s in planner.specs(cfg(low_latency_geometry=Geometry(blocks=16, warps_per_block=2, unroll=1)), "gfx950")}
+    stated = cfg(low_latency_geometry=Geometry(blocks=16, warps_per_block=2, unroll=1))
+    specs = {s.op: s for s in planner.specs(stated, "gfx950")}
     for op in LOW_LATENCY_OPS:
         assert (specs[op].blocks, specs[op].warps_per_block, specs[op].unroll) == (16, 2, 1)
 
@@ -685,10 +686,10 @@ def test_combine_quant_names_layout_and_errors():
     base = spec(op="combine", hidden=2880, warps_per_block=8)  # 512 threads on gfx950: the quantized combine's most
     quantized = base.replace(combine_quant="fp8_blockwise")
     assert quantized.name == base.name + "_qfp8b" and quantized.fan_in == 1 and base.fan_in == 2
-    assert base.layout.combine_wire == base.layout.recv_x  # no wire region without quantization
-    assert quantized.layout.recv_x - quantized.layout.combine_wire >= quantized.capacity_rows * (2880 + 96)
+    assert base.arena_layout.combine_wire == base.arena_layout.recv_x  # no wire region without quantization
+    assert quantized.arena_layout.recv_x - quantized.arena_layout.combine_wire >= quantized.capacity_rows * (2880 + 96)
     d = spec(op="dispatch", hidden=2880)
-    assert d.replace(combine_quant="fp4_blockwise").layout.recv_x > d.layout.recv_x  # both ops share one layout
+    assert d.replace(combine_quant="fp4_blockwise").arena_layout.recv_x > d.arena_layout.recv_x  # both ops share one layout
     with pytest.raises(ValueError, match=r"KernelSpec.combine_quant='fp16': must be one of none, fp8_direct_cast"):
         base.replace(combine_quant="fp16")
 
@@ -817,7 +818,8 @@ def test_a_quantized_combine_runs_at_most_512_threads_a_block():
     # 8 waves on gfx950, 16 on gfx1250); a table geometry keeps its blocks, an explicit one is refused
     c = EpConfig.for_model("deepseek-v3", world_size=4, max_tokens_per_rank=4096, combine_quant="fp8_blockwise")
     bf16 = EpConfig.for_model("deepseek-v3", world_size=4, max_tokens_per_rank=4096)  # no table entries: defaults
-    table = {arch: tuning.schedule(planner.shape_key(bf16, arch)).bucket("combine", 4096).geometry for arch in ("sm_90", "gfx950", "gfx1250")}
+    table = {arch: tuning.schedule(planner.shape_key(bf16, arch)).bucket("combine", 4096).geometry
+             for arch in ("sm_90", "gfx950", "gfx1250")}
     for arch, want in (("sm_90", 16), ("gfx950", 8), ("gfx1250", 16)):
         g = planner.plan(c, arch).geometry(Op.COMBINE, 4096)
         assert (g.blocks, g.warps_per_block, g.unroll) == (table[arch].blocks, min(want, table[arch].warps_per_block),
@@ -902,7 +904,7 @@ def test_pull_names_and_rules():
     push, pull = spec(), spec(transport="pull")
     assert pull.name == push.name + "_pull" and push.transport == "push"
     assert spec(op="dispatch_pull").name.startswith("epgen_dispatch_pull_gfx950_bf16_")
-    assert pull.layout == push.layout == spec(op="dispatch_pull").layout  # one arena for every payload kernel
+    assert pull.arena_layout == push.arena_layout == spec(op="dispatch_pull").arena_layout  # one arena for every payload kernel
     with pytest.raises(ValueError, match=r"^KernelSpec.transport='pull': only op 'dispatch' pulls \(op 'combine'"):
         spec(op="combine", transport="pull")
     with pytest.raises(ValueError, match=r"^KernelSpec.transport='pull': only op 'dispatch' pulls \(op 'dispatch_pull'"):
@@ -913,10 +915,10 @@ def test_pull_names_and_rules():
 
 def test_dispatch_in_is_tmax_payload_rows_after_expert_x_and_absent_from_combine_specs():
     d, c = spec(dtype="fp4", scale_bytes=16), spec(op="combine", scale_bytes=16)
-    assert d.layout.dispatch_in - d.layout.expert_x >= 0
-    assert d.layout.ll_dispatch_stage - d.layout.dispatch_in >= d.max_tokens_per_rank * d.row_bytes
+    assert d.arena_layout.dispatch_in - d.arena_layout.expert_x >= 0
+    assert d.arena_layout.ll_dispatch_stage - d.arena_layout.dispatch_in >= d.max_tokens_per_rank * d.row_bytes
     assert d.row_bytes == 7168 // 2  # fp4: two codes a byte
-    assert c.layout.dispatch_in == c.layout.ll_dispatch_stage == c.layout.recv_x  # combine: payload regions empty
+    assert c.arena_layout.dispatch_in == c.arena_layout.ll_dispatch_stage == c.arena_layout.recv_x  # combine: payload regions empty
 
 
 @pytest.mark.parametrize("value", ["both", "", "Pull", None, 1])
@@ -951,7 +953,8 @@ def test_transport_selection_and_the_kernels_each_builds(arch):
         assert all(s.op is op and s.transport == tr for _, s in got)
     # no shipped table bucket says pull: "auto" pushes and builds no pull kernels
     assert planner.dispatch_transport(auto, arch, 1) == "push" and planner.plan(auto, arch).transports(Op.DISPATCH) == ("push",)
-    assert planner.plan(auto, arch).variants.get((Op.DISPATCH_PULL, "push"), ()) == () and planner.plan(auto, arch).variants.get((Op.DISPATCH, "pull"), ()) == ()
+    assert planner.plan(auto, arch).variants[(Op.DISPATCH_PULL, "push")] == ()
+    assert planner.plan(auto, arch).variants[(Op.DISPATCH, "pull")] == ()
 
 
 def test_explicit_dispatch_geometry_applies_to_both_pull_kernels():

@@ -94,7 +94,7 @@ def test_explicit_geometry_overrides_table():
 
 
 def test_variants_are_the_buckets_an_op_compiles(table_dir):
-    """EpConfig.variants, what EpDispatchCombine compiles and epgen build builds: the table's
+    """KernelPlan.variants, what EpDispatchCombine compiles and epgen build builds: the table's
     buckets up to the first that holds max_tokens_per_rank, or the explicit geometry alone."""
     rows = [(128, Geometry(8, 32, 4)), (1024, Geometry(48, 32, 2)), (4096, Geometry(64, 32, 4)),
             (8192, Geometry(64, 32, 4))]
@@ -164,7 +164,8 @@ def test_a_low_latency_threshold_of_0_builds_no_low_latency_kernels_for_auto(tab
     assert [s.op for s in planner.specs(cfg, "sm_90")] == [Op.DISPATCH, Op.COMBINE]
     assert [planner.plan(cfg, "sm_90").variants.get((op, "push"), ()) for op in LOW_LATENCY_OPS] == [()] * len(LOW_LATENCY_OPS)
     assert planner.plan(cfg, "gfx950").low_latency_tokens == tuning.LOW_LATENCY_MAX_TOKENS  # no entry there: the default
-    assert [s.ll_tokens for s in planner.specs(cfg, "gfx950")] == [tuning.LOW_LATENCY_MAX_TOKENS] * len(planner.plan(cfg, "gfx950").ops)
+    gfx950 = planner.plan(cfg, "gfx950")
+    assert [s.ll_tokens for s in gfx950.specs_at()] == [tuning.LOW_LATENCY_MAX_TOKENS] * len(gfx950.ops)
     ll = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096, kernel_family="low_latency")
     specs = planner.specs(ll, "sm_90")
     assert [s.op for s in specs] == list(LOW_LATENCY_OPS)
@@ -228,10 +229,12 @@ def test_a_quantized_wires_combine_has_its_own_entry_else_takes_the_bf16_ones(ta
     bf16 = attrs.evolve(KEY, op="combine")
     tuning.write_entry(bf16, [(4096, Geometry(16, 32, 4)), (8192, Geometry(24, 32, 4))], "bf16", {})
     # no entry of its own: the bf16 combine's buckets, its warps cut to 512 threads
-    assert [(t, s.blocks, s.warps_per_block) for t, s in planner.plan(cfg, "sm_90").variants.get((Op.COMBINE, "push"), ())] == [(4096, 16, 16),
-                                                                                                (8192, 24, 16)]
+    def combine():
+        return [(t, s.blocks, s.warps_per_block) for t, s in planner.plan(cfg, "sm_90").variants[(Op.COMBINE, "push")]]
+
+    assert combine() == [(4096, 16, 16), (8192, 24, 16)]
     tuning.write_entry(key, [(8192, Geometry(64, 16, 4))], "fp8", {})
-    assert [(t, s.blocks, s.warps_per_block) for t, s in planner.plan(cfg, "sm_90").variants.get((Op.COMBINE, "push"), ())] == [(8192, 64, 16)]
+    assert combine() == [(8192, 64, 16)]
     assert planner.plan(cfg, "sm_90").geometry(Op.COMBINE, 100) == Geometry(64, 16, 4)
     assert planner.plan(attrs.evolve(cfg, combine_quant="none"), "sm_90").geometry(Op.COMBINE, 100) == Geometry(16, 32, 4)
 
@@ -248,11 +251,13 @@ def test_a_pull_bucket_makes_auto_pull_there_and_build_only_that_buckets_pull_ke
         (128, "push"), (4096, "pull")]
     assert [planner.dispatch_transport(cfg, "sm_90", t) for t in (1, 128, 129, 4096, 10**6)] == ["push", "push", "pull", "pull", "pull"]
     assert planner.plan(cfg, "sm_90").transports(Op.DISPATCH) == ("push", "pull")
-    assert [(t, s.blocks, s.transport) for t, s in planner.plan(cfg, "sm_90").variants.get((Op.DISPATCH, "pull"), ())] == [(4096, 24, "pull")]
-    assert [(t, s.blocks, s.op) for t, s in planner.plan(cfg, "sm_90").variants.get((Op.DISPATCH_PULL, "push"), ())] == [(4096, 24, Op.DISPATCH_PULL)]
+    variants = planner.plan(cfg, "sm_90").variants
+    assert [(t, s.blocks, s.transport) for t, s in variants[(Op.DISPATCH, "pull")]] == [(4096, 24, "pull")]
+    assert [(t, s.blocks, s.op) for t, s in variants[(Op.DISPATCH_PULL, "push")]] == [(4096, 24, Op.DISPATCH_PULL)]
     assert planner.plan(cfg, "gfx950").transports(Op.DISPATCH) == ("push",)  # other arches keep theirs
     push = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=4096, dispatch_transport="push")
-    assert planner.dispatch_transport(push, "sm_90", 4096) == "push" and planner.plan(push, "sm_90").variants.get((Op.DISPATCH_PULL, "push"), ()) == ()
+    assert planner.dispatch_transport(push, "sm_90", 4096) == "push"
+    assert Op.DISPATCH_PULL not in planner.ops(push) and planner.plan(push, "sm_90").variants[(Op.DISPATCH, "pull")] == ()
     small = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=128)  # never reaches the pull bucket
     assert planner.plan(small, "sm_90").transports(Op.DISPATCH) == ("push",)
 

@@ -195,7 +195,7 @@ def test_a_wait_that_cannot_complete_raises_a_timeout_within_the_bound(half):
     run_exact_round(op, cfg, integer_inputs(cfg, [8, 8], "uniform", 1, device=op.device))
     op.synchronize()
     kernel = 1 if half == "dispatch" else 3  # ll_calls rows: dispatch send, dispatch recv, combine send, combine recv
-    calls = op.arenas.local[0][op.layout.ll_calls:op.layout.ll_calls + 4 * 4 * abi.LL_FLAG_SLOTS].view(torch.int32)
+    calls = op.arenas.local[0][op.arena_layout.ll_calls:op.arena_layout.ll_calls + 4 * 4 * abi.LL_FLAG_SLOTS].view(torch.int32)
     calls.view(4, abi.LL_FLAG_SLOTS)[kernel] += 2  # rank 0's receiving half now waits for a call 2 ahead
     inputs = integer_inputs(cfg, [8, 8], "uniform", 2, device=op.device)
     start = time.monotonic()

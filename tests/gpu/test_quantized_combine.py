@@ -273,7 +273,7 @@ def test_graph_replays_of_the_quantized_combine_take_fresh_inputs(layout):
 
     cfg, op = _op(4, "fp8_blockwise", virtual=True, tmax=256, validate=False, layout=layout)  # no sync in a capture
     static = make_inputs(cfg, [256] * 4, "uniform", 1, device=op.device)
-    rows = op.layout.expert_rows if layout == "expert" else op.layout.capacity_rows
+    rows = op.arena_layout.expert_rows if layout == "expert" else op.arena_layout.capacity_rows
     ys = [torch.zeros(rows, cfg.hidden, dtype=torch.bfloat16, device=op.device) for _ in range(4)]
     scale = torch.ones(1, device=op.device)
     outs = {}

@@ -220,7 +220,7 @@ def test_more_than_65536_rows_received_by_one_rank_virtual8():
     T = 8200  # 8 ranks x 8200 tokens, top-8, all to rank 0: 65600 rows there
     cfg = EpConfig(world_size=8, hidden=7168, topk=8, num_experts=256, max_tokens_per_rank=T,
                    dispatch_geometry=GEO, combine_geometry=GEO, timeout_s=TIMEOUT_S)
-    arenas = 8 * planner.explicit_spec(cfg, "sm_90", Op.DISPATCH, GEO).layout.total_bytes
+    arenas = 8 * planner.explicit_spec(cfg, "sm_90", Op.DISPATCH, GEO).arena_layout.total_bytes
     assert arenas < 20 * 2**30, f"arenas {arenas / 2**30:.1f} GiB"  # ~14.0 GiB; inputs and checks add ~5 GiB
     op = _op(cfg, True)
     try:
@@ -535,11 +535,11 @@ class EmulatedOp(EpDispatchCombine):
         self.dispatch_spec = specs[next(op for op in planner.ops(config) if op.payload)]
         self.low_latency_tokens = self.dispatch_spec.ll_tokens
         self._fused = {op: fused and self.low_latency_tokens > 0 for op in (Op.DISPATCH, Op.COMBINE)}
-        self.layout = self.dispatch_spec.layout
+        self.arena_layout = self.dispatch_spec.arena_layout
         self.expert_layout = False
         self.platform = types.SimpleNamespace(launch=self._emulate)
-        local = {r: torch.zeros(self.layout.total_bytes, dtype=torch.uint8) for r in self.local_ranks}
-        sig = slice(self.layout.signals, self.layout.signals + 4 * abi.SIGNAL_WORDS)  # CUDA: the arena's region
+        local = {r: torch.zeros(self.arena_layout.total_bytes, dtype=torch.uint8) for r in self.local_ranks}
+        sig = slice(self.arena_layout.signals, self.arena_layout.signals + 4 * abi.SIGNAL_WORDS)  # CUDA: the arena's region
         self.arenas = types.SimpleNamespace(local=local, local_signals={r: t[sig] for r, t in local.items()},
                                             close=lambda: None)
         self.errors = _Records(config.world_size)
@@ -560,7 +560,7 @@ class EmulatedOp(EpDispatchCombine):
 
     def _send_slot(self, rank):
         cfg = self.config
-        return self._view(rank, self.layout.send_slot, (cfg.max_tokens_per_rank, cfg.world_size), torch.int32)
+        return self._view(rank, self.arena_layout.send_slot, (cfg.max_tokens_per_rank, cfg.world_size), torch.int32)
 
     def _emulate(self, op, grid, block, args_address, device, cooperative):
         assert grid == (self.plan.variant(op, 0).blocks, len(self.local_ranks), 1) and device == self.device

@@ -323,7 +323,7 @@ def test_pull_dispatch_equals_the_reference(arch, W, seed):
 
 def test_push_and_pull_calls_alternate_in_one_op(table_dir, seed):
     """tests/gpu/test_pull_dispatch.py::test_push_and_pull_calls_alternate_in_one_op: an "auto"
-    transport op whose table bucket says pull; x in dispatch_input pulls, elsewhere pushes."""
+    op whose dispatch table bucket says pull; x in dispatch_input pulls, elsewhere pushes."""
     from epgen.codegen import tuning
 
     arch, W = "gfx942", 2
@@ -611,7 +611,7 @@ def test_a_kernel_that_cannot_complete_raises_a_timeout_naming_the_phase(seed):
     op = host_op(config, "gfx942", seed, validate=False)
     with seeded(op):
         run_exact_round(op, config, integer_inputs(config, [8, 8], "uniform", 1))
-        calls = op.arenas.local[0][op.layout.ll_calls:op.layout.ll_calls + 4 * 4 * abi.LL_FLAG_SLOTS].view(torch.int32)
+        calls = op.arenas.local[0][op.arena_layout.ll_calls:op.arena_layout.ll_calls + 4 * 4 * abi.LL_FLAG_SLOTS].view(torch.int32)
         calls.view(4, abi.LL_FLAG_SLOTS)[1] += 2
         inputs = integer_inputs(config, [8, 8], "uniform", 2)
         with pytest.raises(EpError) as e:

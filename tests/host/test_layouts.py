@@ -152,6 +152,6 @@ def test_layout_bytes():
     g = torch.Generator().manual_seed(1)
     x, w, ids = _inputs(g, [T, 3])
     op.dispatch(x, w, ids)
-    N = op.layout.capacity_rows
+    N = op.arena_layout.capacity_rows
     assert op.keep_layout().nbytes == sum(8 * t * W + N * (8 + 8 * K) + 4 for t in (T, 3))
     op.close()

@@ -205,7 +205,7 @@ def record(op_module, cfg: EpConfig, *, virtual: bool, arch: str = "sm_90", sms:
             log.append(("result", type(result).__name__))
             return result
 
-        rows = op.layout.expert_rows if cfg.layout == "expert" else 6
+        rows = op.arena_layout.expert_rows if cfg.layout == "expert" else 6
         t_ll = op.low_latency_tokens
         counts = tokens or tuple(dict.fromkeys(t for t in (5, cfg.max_tokens_per_rank) if t == 5 or t > t_ll))
         for T in counts:

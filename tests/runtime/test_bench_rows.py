@@ -167,7 +167,7 @@ class _FakeOp:
         self.config, self.virtual = cfg, virtual
         self.local_ranks, self.arch, self.device = [0], "sm_90", torch.device("cpu")
         self.arenas = types.SimpleNamespace(pointers={0: 0, 1: 0})
-        self.layout = types.SimpleNamespace(recv_x=0, combine_in=0)
+        self.arena_layout = types.SimpleNamespace(recv_x=0, combine_in=0)
         self.dispatch_spec = types.SimpleNamespace(row_bytes=cfg.hidden * 2)
         self.geometries = {"normal": Geometry(24, 32, 4), "low_latency": Geometry(32, 16, 2)}
         self.closed = False

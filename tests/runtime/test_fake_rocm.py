@@ -362,7 +362,7 @@ def _straddle_calls(fake, cfg: EpConfig, rank: int) -> list[dict]:
                    torch.arange(T * K, dtype=torch.int32).view(T, K) % E)
         step(f"{pair} unstated", lambda: op.dispatch(x, w, i))
         step(f"{pair} dispatch", lambda: op.dispatch(x, w, i, family=op.family(max(pair))))
-        step(f"{pair} combine", lambda: op.combine(torch.zeros(op.layout.capacity_rows, H, dtype=torch.bfloat16)))
+        step(f"{pair} combine", lambda: op.combine(torch.zeros(op.arena_layout.capacity_rows, H, dtype=torch.bfloat16)))
     op.close()
     return steps
 
@@ -417,7 +417,7 @@ def _rank(rank: int, world_size: int, store: str, cache: str, out: str):
         from epgen.op import EpDispatchCombine
 
         op = EpDispatchCombine(CFG)
-        record = {"platform": repr(op.platform), "arch": op.arch, "layout_signals": op.layout.signals,
+        record = {"platform": repr(op.platform), "arch": op.arch, "layout_signals": op.arena_layout.signals,
                   "pointers": op.arenas.pointers, "signals": op.arenas.signals,
                   "combine_blocks": op.variant(Op.COMBINE, 1).blocks}
         word = op.arenas.signals[rank] + 16  # kSigNumRecv (index 4) in this rank's signal words
@@ -634,12 +634,12 @@ def test_rocm_takes_the_halves_by_default_and_a_refused_cooperative_grid_falls_b
         assert launched(r["default"]) == launched(r["halves"]) == launched(r["refused"])
         assert [entry.split("_gfx950")[0] for entry, _, _ in r["refused_attempts"]] == [
             "epgen_dispatch_ll", "epgen_combine_ll"]  # remembered: one attempt each, never again
-        assert [grid for _, grid, _ in r["refused_attempts"]] == [[64, 1, 1], [64, 1, 1]]  # tuning.py: 64 x 256 threads
+        assert [grid for _, grid, _ in r["refused_attempts"]] == [[128, 1, 1], [128, 1, 1]]  # tuning.derived: 256 CUs / 2
         assert [w[0] for w in r["refused_warnings"]] == ["RuntimeWarning", "RuntimeWarning"]
         for (_, message), (entry, _, _), call in zip(r["refused_warnings"], r["refused_attempts"],
                                                      ("dispatch", "combine")):
-            assert message.startswith(f"{call}: the runtime refused the whole low-latency kernel {entry} (64 x 1 blocks "
-                                      "of 256 threads, one cooperative launch) as too large: cooperative grid 64x1x1 of "
+            assert message.startswith(f"{call}: the runtime refused the whole low-latency kernel {entry} (128 x 1 blocks "
+                                      "of 256 threads, one cooperative launch) as too large: cooperative grid 128x1x1 of "
                                       "256x1x1 threads refused by the HIP runtime (hipErrorCooperativeLaunchTooLarge, "
                                       "720)"), message
             assert message.endswith(f"This op launches {call}'s two halves instead from now on"), message

@@ -57,7 +57,7 @@ class HostOp(EpDispatchCombine):
 
     def __init__(self, cfg: EpConfig, rank: int):
         self.config, self.local_ranks, self.virtual = cfg, [rank], False
-        self.layout = types.SimpleNamespace(capacity_rows=64)
+        self.arena_layout = types.SimpleNamespace(capacity_rows=64)
         self.errors = ErrorRecords(cfg.world_size, _HostMemory())
         self.device = "cpu"
         self._fault = self._recv_handle = None

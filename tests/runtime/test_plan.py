@@ -46,22 +46,30 @@ def _cases():
     yield "halves validate", attrs.evolve(SMALL, combine_quant="fp8_direct_cast"), True, 2, True
     yield "fp8 scales explicit", attrs.evolve(SMALL, dtype="fp8", scale_bytes=32, dispatch_geometry=Geometry(4, 4, 2),
                                               combine_geometry=Geometry(8, 4, 2), max_recv_tokens=300), True, 132, True
+    # the AMD arches' derived defaults (no table entry: geometries from the CU count), recorded
+    # when the schedule began deriving them; Tmax 1200 spans the dispatch's three buckets
+    for arch, cus in (("gfx942", 304), ("gfx950", 256)):
+        for layout in ("rank", "expert"):
+            cfg = attrs.evolve(SMALL, max_tokens_per_rank=1200, layout=layout,
+                               expert_alignment=8 if layout == "expert" else 1)
+            yield f"{arch} W2 auto {layout} derived", cfg, True, cus, False, arch
 
 
-CASES = {name: rest for name, *rest in _cases()}
+CASES = {name: (rest + ["sm_90"])[:5] for name, *rest in _cases()}
+"""name -> (config, virtual, SMs, validate, arch)."""
 
 
 def _record(name: str) -> dict:
     import epgen.op
 
-    cfg, virtual, sms, validate = CASES[name]
-    events = launch_record.record(epgen.op, cfg, virtual=virtual, sms=sms, validate=validate)
+    cfg, virtual, sms, validate, arch = CASES[name]
+    events = launch_record.record(epgen.op, cfg, virtual=virtual, arch=arch, sms=sms, validate=validate)
     calls, label = [], None
     for e in events:
         if e[0] == "step":
             label = e[1]
         elif e[0] == "launch":
-            calls.append(f"{label}: {e[1].split('_sm90')[0].removeprefix('epgen_')} {e[2][0]}x{e[3][0]}"
+            calls.append(f"{label}: {e[1].split('_' + arch.replace('_', ''))[0].removeprefix('epgen_')} {e[2][0]}x{e[3][0]}"
                          + (" coop" if e[4] else ""))
         elif e[0] == "sync":
             calls.append(f"{label}: sync")

@@ -326,15 +326,28 @@ RECORDED_H200 = {
 
 def test_the_tune_verb_on_a_recorded_timing_table_writes_the_picks_the_measurement_lists(table_dir, monkeypatch,
                                                                                          capsys):
-    """The tune verb's logic on the CPU: fed the H200 timings of docs/measurements/normal-family.md#tune,
-    it writes the picks that page lists (fewest blocks within 3 %), and the schedule then answers
-    them as measured."""
+    """The tune verb's logic on the CPU (``tune_process``: candidates, timing loop, pick, table
+    write) with every measurement answered from the H200 timings of
+    docs/measurements/normal-family.md#tune: it writes the picks that page lists (fewest blocks
+    within 3 %), and the schedule then answers them as measured."""
+    import torch
+
+    import epgen.op
+    from epgen.harness.timing import PairTiming, QueueDelay, Timing
+
+    def recorded(op, cfg, tokens, routing, seed, iters):
+        d, c = (Timing((us,)) for us in RECORDED_H200[tokens][cfg.dispatch_geometry.blocks])
+        return PairTiming(queued=(d, c), host=(d, c), delay=QueueDelay(1.0, 1.0, True)), (0, 0), "push"
+
+    monkeypatch.setattr(epgen.op, "EpDispatchCombine", _FakeOp)
+    monkeypatch.setattr(tune, "measure", recorded)
+    monkeypatch.setattr(tune, "device_arch", lambda index: "sm_90")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(tune, "environment", _env)
-    times = {("normal", T): {Geometry(b, 32, 4): pair for b, pair in row.items()} for T, row in RECORDED_H200.items()}
-    opts = TuneOptions(tokens=tuple(RECORDED_H200), family="normal",
+    opts = TuneOptions(tokens=tuple(RECORDED_H200), family="normal", pull=False,
                        geometries=tuple(Geometry(b, 32, 4) for b in RECORDED_H200[128]))
     layer = EpConfig.for_model("deepseek-v3", world_size=2, max_tokens_per_rank=8192)
-    _report(opts, times, layer)
+    tune.tune_process(0, 2, layer, opts)
     assert "wrote" in capsys.readouterr().out
     s = tuning.schedule(planner.shape_key(layer, "sm_90"))
     assert [(b.max_tokens, b.geometry.blocks) for b in s.entries["dispatch"]] == [(128, 64), (1024, 64), (4096, 132),

@@ -36,7 +36,7 @@ class ContractOp:
         self.device = torch.device("cpu")
         self.local_ranks = list(range(cfg.world_size))
         cap = cfg.world_size * cfg.max_tokens_per_rank
-        self.layout = types.SimpleNamespace(capacity_rows=cap)
+        self.arena_layout = types.SimpleNamespace(capacity_rows=cap)
         self._bufs = {r: DispatchOutput(
             recv_x=torch.empty(cap, cfg.hidden, dtype=torch.bfloat16), recv_weights=torch.empty(cap, cfg.topk),
             recv_indices=torch.empty(cap, cfg.topk, dtype=torch.int32), recv_scales=None,
