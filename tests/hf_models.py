@@ -335,18 +335,20 @@ def outside_families() -> list[str]:
     """Every model type of the installed transformers whose modeling module has an experts module
     (``self.experts``) not built on its experts conventions, sorted: epgen reads some of them
     otherwise (``epgen.integrations.transformers.READERS``) and refuses the rest, naming why."""
+    return [name for name, text in _modeling_sources()
+            if "self.experts = " in text and "@use_experts_implementation" not in text]
+
+
+def _modeling_sources():
+    """(model type, the text of its modeling module) of every model of the installed transformers, sorted."""
     import os
 
     root = os.path.join(os.path.dirname(tf.__file__), "models")
-    out = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name, f"modeling_{name}.py")
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
-                text = f.read()
-            if "self.experts = " in text and "@use_experts_implementation" not in text:
-                out.append(name)
-    return out
+                yield name, f.read()
 
 
 def _dbrx():
@@ -385,17 +387,7 @@ OUTSIDE = {
 def experts_families() -> list[str]:
     """Every model type of the installed transformers whose modeling module builds its experts with
     ``@use_experts_implementation`` (3-D gate_up_proj / up_proj and down_proj), sorted."""
-    import os
-
-    root = os.path.join(os.path.dirname(tf.__file__), "models")
-    out = []
-    for name in sorted(os.listdir(root)):
-        path = os.path.join(root, name, f"modeling_{name}.py")
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                if "@use_experts_implementation" in f.read():
-                    out.append(name)
-    return out
+    return [name for name, text in _modeling_sources() if "@use_experts_implementation" in text]
 
 
 def _has(config, name: str) -> bool:
