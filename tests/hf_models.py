@@ -34,6 +34,7 @@ import copy
 import torch
 import transformers as tf
 
+from epgen.integrations.transformers import reader
 from epgen.reference import relative_l2
 
 COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -88,12 +89,15 @@ def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def bf16_envelope(model32: torch.nn.Module, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
     """(max relative L2 error of the model's own bf16 implementations against float32, the float32
-    logits on the CPU). The model is copied for the bf16 runs."""
+    logits on the CPU; a model outside the experts conventions has one, its forward). The model is
+    copied for the bf16 runs."""
     ref = logits(model32, ids)
     model16 = copy.deepcopy(model32).to(torch.bfloat16)
     errors = []
-    for impl in IMPLEMENTATIONS:
-        model16.set_experts_implementation(impl)
+    conventions = any(hasattr(m, "has_gate") for m in model16.modules())  # else its one experts forward
+    for impl in IMPLEMENTATIONS if conventions else ("eager",):
+        if conventions:
+            model16.set_experts_implementation(impl)
         errors.append(relative_l2(logits(model16, ids), ref))
     return max(errors), ref
 
@@ -101,7 +105,8 @@ def bf16_envelope(model32: torch.nn.Module, ids: torch.Tensor) -> tuple[float, t
 def eager_bf16(model32: torch.nn.Module) -> torch.nn.Module:
     """A bf16 copy of the model running its own eager experts (the reference of the generation checks)."""
     model = copy.deepcopy(model32).to(torch.bfloat16)
-    model.set_experts_implementation("eager")
+    if any(hasattr(m, "has_gate") for m in model.modules()):
+        model.set_experts_implementation("eager")
     return model
 
 
@@ -152,9 +157,10 @@ def stopping_at_different_steps(model, rank: int, steps: tuple[int, ...] = (1, 2
 @contextlib.contextmanager
 def routing(model: torch.nn.Module, forced: dict | None = None):
     """Record the routing of every routed experts module of ``model`` (named ``*.experts``), call by
-    call: yields {module name: [{"index": [N, K] int64, "weights": [N, K] float32, "router": [N, E]
-    float32 router logits of the call's hidden states (the block's ``gate`` or ``router`` linear,
-    before any bias, sigmoid or group limit)}, ...]}. With ``forced`` (such a record of another run
+    call (a module called with its tokens alone records nothing): yields {module name: [{"index":
+    [N, K] int64, "weights": [N, K] float32, "router": [N, E] float32 router logits of the call's
+    hidden states (the block's ``gate`` or ``router`` linear, before any bias, sigmoid or group
+    limit)}, ...]}. With ``forced`` (such a record of another run
     making the same calls), each call runs on the forced call's top-k indices and weights instead
     of its own; what is recorded stays the routing the model computed."""
     record, handles = {}, []
@@ -166,7 +172,10 @@ def routing(model: torch.nn.Module, forced: dict | None = None):
         calls = record.setdefault(name, [])
 
         def pre(_module, args, calls=calls, name=name, router=router):
+            if len(args) < 3:  # an experts module called with its tokens alone (llama4's eager path): no routing
+                return None
             hidden, index, weights, *rest = args
+            hidden = hidden.reshape(-1, hidden.shape[-1])  # dbrx passes [B, S, H]
             weight = router
             if hasattr(weight, "full_tensor"):  # a sharded DTensor (loaded with a distributed_config): every rank calls
                 weight = weight.full_tensor()
@@ -176,7 +185,7 @@ def routing(model: torch.nn.Module, forced: dict | None = None):
                 return None
             want = forced[name][len(calls) - 1]
             assert want["index"].shape == index.shape, f"{name} call {len(calls) - 1}: not the same calls"
-            return (hidden, want["index"].to(index.device), want["weights"].to(weights.device, weights.dtype), *rest)
+            return (args[0], want["index"].to(index.device), want["weights"].to(weights.device, weights.dtype), *rest)
 
         handles.append(module.register_forward_pre_hook(pre))
     try:
@@ -194,7 +203,7 @@ def router_weight(block: torch.nn.Module, experts: torch.nn.Module) -> torch.Ten
         r = getattr(block, attr, None)
         if isinstance(r, torch.nn.Module):
             for _, p in r.named_parameters():
-                if p.dim() == 2 and p.shape[0] >= experts.down_proj.shape[0]:
+                if p.dim() == 2 and p.shape[0] >= reader(experts).shape(experts)[0]:
                     return p
     raise AttributeError(f"{type(block).__name__}: no gate or router weight found")
 
@@ -294,7 +303,25 @@ EXTRA = {
     "ernie4_5_moe": dict(moe_layer_start_index=0, moe_layer_interval=1),
     "hunyuan_v1_moe": dict(moe_topk=2),
     "longcat_flash": dict(moe_topk=2, zero_expert_num=0, num_layers=1),
-    "gemma4": dict(enable_moe_block=True, top_k_experts=2),
+    "gemma4": dict(enable_moe_block=True, top_k_experts=2, vocab_size_per_layer_input=256, hidden_size_per_layer_input=16),
+    "diffusion_gemma": dict(enable_moe_block=True, top_k_experts=2, vocab_size_per_layer_input=256,
+                            hidden_size_per_layer_input=16),
+    "mistral_large4": dict(num_key_value_heads=4),
+    "step3p7": dict(sliding_window=8),
+    "axk2": dict(num_key_value_heads=4),  # multi-head latent attention: as many key-value heads as query heads
+    "deepseek_v32": dict(num_key_value_heads=4),
+    "glm_moe_dsa": dict(num_key_value_heads=4),
+    "glm5_next": dict(num_key_value_heads=4),
+    "dots3_note": dict(num_key_value_heads=4, v_head_dim=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                       shared_experts_intermediate_size=32),
+    "zaya": dict(num_experts_per_tok=1),  # its config class takes top-1 only
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0),
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=0),
+    "deepseek_ocr2": dict(mlp_layer_types=["sparse", "sparse"]),
+    "hy_v4_vl": dict(mrope_section=[2, 1, 1]),  # sums to qk_rope_head_dim / 2
+    "ernie4_5_vl_moe": dict(moe_intermediate_size=[32, 32], moe_layer_start_index=0, moe_layer_interval=1),
+    "kolibri1_1": dict(index_num_heads=2, index_layers=[1], kv_source_layers=[0, 1]),
 }
 """Fields a family needs beyond TEXT (its layer schedule, its own top-k name)."""
 
@@ -304,49 +331,190 @@ MAX_PARAMS = 20_000_000
 vision tower can be 100s of M at its defaults)."""
 
 
-def experts_families() -> list[str]:
-    """Every model type of the installed transformers whose modeling module builds its experts with
-    ``@use_experts_implementation`` (3-D gate_up_proj / up_proj and down_proj), sorted."""
+def outside_families() -> list[str]:
+    """Every model type of the installed transformers whose modeling module has an experts module
+    (``self.experts``) not built on its experts conventions, sorted: epgen reads some of them
+    otherwise (``epgen.integrations.transformers.READERS``) and refuses the rest, naming why."""
+    return [name for name, text in _modeling_sources()
+            if "self.experts = " in text and "@use_experts_implementation" not in text]
+
+
+def _modeling_sources():
+    """(model type, the text of its modeling module) of every model of the installed transformers, sorted."""
     import os
 
     root = os.path.join(os.path.dirname(tf.__file__), "models")
-    out = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name, f"modeling_{name}.py")
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
-                if "@use_experts_implementation" in f.read():
-                    out.append(name)
+                yield name, f.read()
+
+
+def _dbrx():
+    config = tf.DbrxConfig(d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=256, initializer_range=0.1,
+                           attn_config=dict(kv_n_heads=2, clip_qkv=8.0),
+                           ffn_config=dict(ffn_hidden_size=32, moe_num_experts=EXPERTS, moe_top_k=2))
+    config.attn_config.rope_theta = 10000.0  # transformers 5.25's DbrxAttention reads it; its config class lacks it
+    return tf.DbrxForCausalLM(config)
+
+
+OUTSIDE = {
+    "dbrx": _dbrx,
+    "llama4": lambda: tf.Llama4ForCausalLM(tf.Llama4TextConfig(
+        **{k: v for k, v in TEXT.items() if k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                  "num_key_value_heads", "head_dim", "max_position_embeddings",
+                                                  "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id")},
+        intermediate_size=32, intermediate_size_mlp=64, num_local_experts=EXPERTS, num_experts_per_tok=2,
+        interleave_moe_layer_step=1)),
+    "jetmoe": lambda: tf.JetMoeForCausalLM(tf.JetMoeConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2, kv_channels=16, intermediate_size=32,
+        num_local_experts=EXPERTS, num_experts_per_tok=2, max_position_embeddings=256, initializer_range=0.1)),
+    "switch_transformers": lambda: tf.SwitchTransformersForConditionalGeneration(tf.SwitchTransformersConfig(
+        vocab_size=256, d_model=64, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        num_experts=EXPERTS, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1)),
+    "nllb_moe": lambda: tf.NllbMoeForConditionalGeneration(tf.NllbMoeConfig(
+        vocab_size=256, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_experts=EXPERTS, encoder_sparse_step=1,
+        decoder_sparse_step=1, max_position_embeddings=256)),
+    "vitpose_backbone": lambda: tf.VitPoseBackbone(tf.VitPoseBackboneConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2, num_experts=2, part_features=16,
+        image_size=[64, 48], patch_size=[16, 16])),
+}
+"""Tiny models of the families outside the experts conventions (``outside_families``)."""
+
+
+def experts_families() -> list[str]:
+    """Every model type of the installed transformers whose modeling module builds its experts with
+    ``@use_experts_implementation`` (3-D gate_up_proj / up_proj and down_proj), sorted."""
+    return [name for name, text in _modeling_sources() if "@use_experts_implementation" in text]
+
+
+def _has(config, name: str) -> bool:
+    """Whether ``config`` has the field ``name`` (a per-layer field of a heterogeneous config, whose
+    global read raises, has it)."""
+    try:
+        getattr(config, name)
+    except AttributeError:
+        return False
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError: a per-layer field
+        return True
+    return True
+
+
+def _layer_lists(default, layers: int) -> dict:
+    """The per-layer string lists of ``default`` (one entry a layer: ``layer_types``,
+    ``mlp_layer_types``, ...) for ``layers`` layers: every MLP sparse (an experts module in every
+    layer), and the attention kinds the family mixes, in their order (a hybrid's linear and full
+    attention both; its cache needs one attention layer)."""
+    n = getattr(default, "num_hidden_layers", None)
+    out = {}
+    for key, value in default.to_dict().items():
+        if not (isinstance(value, list) and len(value) == n and value and all(isinstance(v, str) for v in value)):
+            continue
+        kinds = list(dict.fromkeys(value))
+        if "mlp" in key:
+            kinds = [k for k in kinds if k != "dense"] or kinds
+            out[key] = [kinds[0]] * layers
+        else:
+            out[key] = (kinds * layers)[:layers]
     return out
 
 
-def family_model(model_type: str, seed: int = 0) -> torch.nn.Module:
-    """A tiny float32 model of ``model_type`` from its config class (TEXT and EXTRA where the class has
-    the fields; a multimodal config's text_config), its causal LM or image-text-to-text class, random
-    weights from ``seed`` (expert biases and score-correction biases drawn non-zero), eval mode.
-    Raises whatever the family's classes raise for a config they refuse."""
-    from transformers.models.auto import configuration_auto, modeling_auto
+def _causal_lm_class(model_type: str, config_cls):
+    """(model class, whether it takes the text sub-config): a multimodal family's text causal LM
+    class, else ``text_causal_lm`` over its text model (its towers left out); a text family's causal
+    LM class."""
+    import importlib
 
+    from transformers.models.auto import modeling_auto
+
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    text_cls = (getattr(config_cls, "sub_configs", None) or {}).get("text_config")
+    for name in sorted(n for n in dir(module) if n.endswith("ForCausalLM")):
+        cls = getattr(module, name)
+        if text_cls is not None and getattr(cls, "config_class", None) is text_cls:
+            return cls, True
+    text_models = [getattr(module, n) for n in sorted(dir(module)) if n.endswith("TextModel")]
+    text_models = [c for c in text_models if text_cls is not None and getattr(c, "config_class", None) is text_cls]
+    if text_models:
+        return text_causal_lm(text_models[0]), True
+    if model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return getattr(tf, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]), False
+    raise ValueError(f"{model_type}: no causal LM class and no text model")
+
+
+def text_causal_lm(text_model_cls):
+    """A causal LM over a multimodal family's text model (its decoder, where its experts are) for
+    a family that ships none: ``text_model_cls`` under a linear LM head, generating through
+    transformers' GenerationMixin. The vision or audio towers are left out: the experts only see
+    the text model's hidden states."""
+    from transformers.generation import GenerationMixin
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    base = next(c for c in text_model_cls.__mro__[1:] if issubclass(c, tf.PreTrainedModel))
+
+    class TextCausalLM(base, GenerationMixin):
+        config_class = text_model_cls.config_class
+        _no_split_modules = getattr(text_model_cls, "_no_split_modules", None)
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = text_model_cls(config)
+            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.post_init()
+
+        def get_input_embeddings(self):
+            return self.model.get_input_embeddings()
+
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                    use_cache=None, logits_to_keep=0, **kwargs):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+            hidden = out.last_hidden_state
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            return CausalLMOutputWithPast(logits=self.lm_head(hidden[:, keep]), past_key_values=out.past_key_values)
+
+    TextCausalLM.__name__ = TextCausalLM.__qualname__ = text_model_cls.__name__.replace("TextModel", "TextCausalLM")
+    return TextCausalLM
+
+
+def family_model(model_type: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny float32 model of ``model_type`` (``OUTSIDE``'s for a family outside the experts
+    conventions) from its config class (TEXT and EXTRA where the class has
+    the fields; its per-layer lists for two layers, ``_layer_lists``; a multimodal family's text
+    config under its text causal LM, or ``text_causal_lm`` over its text model), random weights from
+    ``seed`` (expert biases and score-correction biases drawn non-zero), eval mode. Raises whatever
+    the family's classes raise for a config they refuse; ValueError for a model without an experts
+    module at that config."""
+    from transformers.models.auto import configuration_auto
+
+    if model_type in OUTSIDE:
+        torch.manual_seed(seed)
+        return OUTSIDE[model_type]().eval()
     config_cls = configuration_auto.CONFIG_MAPPING[model_type]
-    names = [n for n in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES")
-             if model_type in getattr(modeling_auto, n)]
-    if not names:
-        raise ValueError(f"{model_type}: no causal LM class")
-    model_cls = getattr(tf, getattr(modeling_auto, names[0])[model_type])
+    model_cls, takes_text = _causal_lm_class(model_type, config_cls)
     wanted = {**TEXT, **EXTRA.get(model_type, {})}
     sub = (getattr(config_cls, "sub_configs", None) or {}).get("text_config")
     text_cls = sub if sub is not None else config_cls
     default = text_cls()
-    kw = {k: v for k, v in wanted.items() if hasattr(default, k)}
-    if hasattr(default, "qk_rope_head_dim") and getattr(default, "head_dim", None) == default.qk_rope_head_dim:
+    kw = {k: v for k, v in wanted.items() if _has(default, k)}
+    if _has(default, "qk_rope_head_dim") and getattr(default, "head_dim", None) == default.qk_rope_head_dim:
         kw["head_dim"] = kw["qk_rope_head_dim"]  # multi-head latent attention whose head_dim is the rope part
-    config = config_cls(text_config=kw) if sub is not None else config_cls(**kw)
+    kw.update({k: v for k, v in _layer_lists(default, kw.get("num_hidden_layers", 2)).items() if k not in EXTRA.get(
+        model_type, {})})
+    if takes_text or sub is None:
+        config = text_cls(**kw)
+    else:
+        config = config_cls(text_config=kw)
     with torch.device("meta"):  # its size first: a tower the text fields leave (a vision encoder) is refused
         params = sum(p.numel() for p in model_cls(config).parameters())
     if params > MAX_PARAMS:
         raise ValueError(f"{params / 1e6:.0f}M parameters at the tiny text config (a tower it does not shrink)")
     torch.manual_seed(seed)
     model = model_cls(config).eval()
+    if not any(hasattr(m, "has_gate") and hasattr(m, "down_proj") for m in model.modules()):
+        raise ValueError(f"{model_type}: no experts module in the tiny model (its layer schedule keeps every MLP dense)")
     g = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
         for module in model.modules():

@@ -27,6 +27,13 @@ ep_size=W, ep_implementation="epgen"))`` reads only a rank's E / W experts and r
 ``ExpertParallel`` (``EpgenEPImplementation``, ``loaded_expert_parallel``). 5.17-5.22 have no
 registry: ``expert_parallel`` is the path there (``HAS_EP_REGISTRY``).
 
+Outside the conventions (``READERS``): dbrx's ``DbrxExperts`` (gate, up and down as [E I, H]
+stacks of linear layers; its forward is the experts call, replaced) and llama4's
+``Llama4TextExperts`` (its block scales each expert's input by the router's score: the block's
+forward is replaced, the experts run f(w x) on the dispatched rows). Other experts classes of
+transformers are refused naming the module, its class and why (``REFUSED``: jetmoe,
+switch_transformers, nllb_moe, vitpose_backbone).
+
 Token layouts (``layout``), one process per GPU:
 
 * ``"own_tokens"``: each rank brings its own tokens (data-parallel attention): it dispatches all
@@ -70,8 +77,9 @@ from epgen.codegen.config import EpConfig
 from epgen.layers.moe import _host_offsets, grouped_mm_refusal
 
 __all__ = ["BACKENDS", "DEPRECATED_LAYOUTS", "EP_IMPLEMENTATION", "EXPERTS_IMPLEMENTATION", "HAS_EP_REGISTRY",
-           "LAYOUTS", "EpgenEPImplementation", "ExpertParallel", "ExpertShard", "ReferenceOp", "epgen_experts_forward",
-           "expert_parallel", "expert_rows", "loaded_expert_parallel", "register_ep_implementation"]
+           "LAYOUTS", "READERS", "REFUSED", "ConventionsReader", "DbrxReader", "EpgenEPImplementation",
+           "ExpertParallel", "ExpertShard", "ExpertsReader", "Llama4Reader", "ReferenceOp", "epgen_experts_forward",
+           "expert_parallel", "expert_rows", "loaded_expert_parallel", "reader", "register_ep_implementation"]
 
 EXPERTS_IMPLEMENTATION = "epgen"
 """The name registered in transformers' ``ALL_EXPERTS_FUNCTIONS``."""
@@ -106,41 +114,29 @@ CPU, the CPU's default)."""
 @attrs.frozen
 class ExpertShard:
     """The L local experts of one rank of one experts module, as grouped GEMM operands (views of
-    the module's parameters: no copy).
+    the module's parameters: no copy; ``ExpertsReader.shard`` builds it).
 
     Attributes:
-        up: [L, H, N] the gate/up projection (``gate_up_proj``, N = 2I, or ``up_proj``, N = I, for
-            a class without a gate), input-major (a transposed view when the class stores
-            [L, N, H]).
+        up: [L, H, N] the up projection, input-major (a transposed view when the class stores
+            [L, N, H]): the class's gate and up together (``gate_up_proj``, N = 2I, its
+            ``_apply_gate`` splits them), or its up projection alone (N = I: a class without a
+            gate, or one whose gate is ``gate``).
         up_bias: [L, N] or None.
         down: [L, I, H] the down projection, input-major likewise.
         down_bias: [L, H] or None.
+        gate: [L, H, I] a gate projection stored apart from the up projection (dbrx's ``w1``),
+            input-major; None where ``up`` holds it or the class has none.
     """
 
     up: torch.Tensor
     up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
+    gate: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
         return self.up.shape[0]
-
-    @classmethod
-    def of(cls, experts: torch.nn.Module, start: int, stop: int) -> "ExpertShard":
-        """Experts [start, stop) of a transformers experts module (its stored experts, indexed
-        from 0)."""
-        up_name = "gate_up_proj" if experts.has_gate else "up_proj"
-
-        def operand(name):
-            w = getattr(experts, name)[start:stop]
-            return w if experts.is_transposed else w.transpose(1, 2)
-
-        def bias(name):
-            return getattr(experts, name)[start:stop] if experts.has_bias else None
-
-        return cls(up=operand(up_name), up_bias=bias(f"{up_name}_bias"), down=operand("down_proj"),
-                   down_bias=bias("down_proj_bias"))
 
 
 def _row_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -152,15 +148,21 @@ def _row_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def expert_rows(experts: torch.nn.Module, shard: ExpertShard, x: torch.Tensor, offsets: torch.Tensor, *,
-                grouped: bool) -> torch.Tensor:
+                grouped: bool, weights: torch.Tensor | None = None) -> torch.Tensor:
     """The experts module's own expert math on one rank's rows of the expert layout (no routing
-    weight: the weighted combine applies it).
+    weight on the output: the weighted combine applies it).
 
     Rows [offsets[e], offsets[e + 1]) of x belong to local expert e. Per row, as the class's
     ``grouped_mm`` implementation computes it: h = x @ up[e] (+ up_bias[e]); h = the class's
-    ``_apply_gate(h)`` (or ``act_fn(h)`` for a class without a gate); y = h @ down[e]
+    activation (``ExpertsReader.activate``: its ``_apply_gate(h)``, ``act_fn(h)`` for a class
+    without a gate, or act(x @ gate[e]) * h for a gate stored apart); y = h @ down[e]
     (+ down_bias[e]); the class's ``post_expert_norm(y)`` where it has one. Each matmul
     accumulates in float32 and rounds once to the weights' dtype.
+
+    A class whose routing weight scales the expert's input (llama4: f(w x), ``weights`` given,
+    the rows' routing weights) runs f on x w (rounded to x's dtype, as the model's bf16 product)
+    and returns f(x w) / w (0 where w = 0: padding, and f(0) = 0 for a bias-free expert), so that
+    the weighted combine's w f(x w) / w is the model's f(x w) within one rounding.
 
     Paths:
         grouped: two ``torch._grouped_mm`` calls (group ends offsets[1:]) and row-wise bias, gate
@@ -172,11 +174,13 @@ def expert_rows(experts: torch.nn.Module, shard: ExpertShard, x: torch.Tensor, o
     Args:
         experts: the transformers experts module (``has_gate``, ``has_bias``, ``_apply_gate`` or
             ``act_fn``, optional ``has_post_expert_norm``).
-        shard: its local experts (``ExpertShard.of``), on x's device, x's dtype.
+        shard: its local experts (``ExpertsReader.shard``), on x's device, x's dtype.
         x: [R, H] the rank's expanded rows (``ExpertDispatchOutput.x`` or
             ``epgen.reference.ExpertRows.x``).
         offsets: [L + 1] int32 on x's device, offsets[0] = 0, non-decreasing, offsets[L] <= R.
         grouped: the path.
+        weights: None, or [R] float32 the rows' routing weights (``ExpertDispatchOutput.weights``)
+            for a class whose weight scales the expert's input (``ExpertsReader.input_weighted``).
 
     Returns:
         y [R, H], x's dtype.
@@ -184,13 +188,16 @@ def expert_rows(experts: torch.nn.Module, shard: ExpertShard, x: torch.Tensor, o
     Raises:
         ValueError: (loop path) offsets not starting at 0, decreasing, or past R.
     """
+    read = reader(experts)
+    if weights is not None:
+        x = (x * weights[:, None]).to(x.dtype)
     if grouped:
         offs = offsets[1:]
         h = torch._grouped_mm(x, shard.up, offs=offs)
         rows = _row_experts(offsets, x.shape[0]) if shard.up_bias is not None or shard.down_bias is not None else None
         if shard.up_bias is not None:
             h = h + shard.up_bias[rows]
-        h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
+        h = read.activate(experts, h, torch._grouped_mm(x, shard.gate, offs=offs) if shard.gate is not None else None)
         y = torch._grouped_mm(h, shard.down, offs=offs)
         if shard.down_bias is not None:
             y = y + shard.down_bias[rows]
@@ -204,12 +211,252 @@ def expert_rows(experts: torch.nn.Module, shard: ExpertShard, x: torch.Tensor, o
             h = x[lo:hi] @ shard.up[e]
             if shard.up_bias is not None:
                 h = h + shard.up_bias[e]
-            h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
+            h = read.activate(experts, h, x[lo:hi] @ shard.gate[e] if shard.gate is not None else None)
             out = h @ shard.down[e]
             y[lo:hi] = out + shard.down_bias[e] if shard.down_bias is not None else out
-    if getattr(experts, "has_post_expert_norm", False):
-        y = experts.post_expert_norm(y)
+    y = read.post(experts, y)
+    if weights is not None:
+        w = weights[:, None]
+        y = torch.where(w > 0, y.float() / torch.where(w > 0, w, 1.0), 0.0).to(y.dtype)
     return y
+
+
+# --- how epgen reads each kind of experts module -------------------------------------------------
+
+
+def _attr(module: torch.nn.Module, name: str):
+    """``module``'s attribute at the dotted path ``name`` (None where a part is missing)."""
+    for part in name.split("."):
+        module = getattr(module, part, None)
+    return module
+
+
+class ExpertsReader:
+    """How epgen reads one kind of experts module: where its expert weights are (every one
+    ``[E rows, ...]``, expert e's rows at [e rows, (e + 1) rows) of dim 0), its L local experts as
+    grouped-GEMM operands (``ExpertShard``, views: no copy), its activation, and how the model's
+    forward reaches epgen (``install``). ``READERS`` holds one per kind; ``reader(module)`` finds it.
+
+    Attributes:
+        input_weighted: the routing weight scales the expert's input, f(w x), not its output
+            (``expert_rows`` takes the rows' weights).
+    """
+
+    input_weighted = False
+
+    def matches(self, module: torch.nn.Module) -> bool:
+        raise NotImplementedError
+
+    def weights(self, module: torch.nn.Module) -> tuple[str, ...]:
+        """The dotted names of its expert weights."""
+        raise NotImplementedError
+
+    def rows(self, module: torch.nn.Module) -> int:
+        """Rows of dim 0 an expert holds in each weight (1: a stack [E, ...] of expert matrices)."""
+        return 1
+
+    def shape(self, module: torch.nn.Module) -> tuple[int, int, int]:
+        """(experts E, hidden H, intermediate I) as its weights hold them."""
+        raise NotImplementedError
+
+    def check(self, name: str, module: torch.nn.Module) -> None:
+        """ValueError naming the module and the reason where its class lacks what its math needs."""
+
+    def shard(self, module: torch.nn.Module, start: int, stop: int) -> ExpertShard:
+        raise NotImplementedError
+
+    def activate(self, module: torch.nn.Module, h: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def post(self, module: torch.nn.Module, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+    def config(self, module: torch.nn.Module, model: torch.nn.Module):
+        """The config ``EpConfig.from_hf_config`` reads hidden size, experts and top-k from."""
+        return model.config
+
+    def install(self, model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+        """Route the model's calls of ``module`` through ``module._epgen_parallel``."""
+        raise NotImplementedError
+
+
+class ConventionsReader(ExpertsReader):
+    """transformers' experts conventions (``@use_experts_implementation``): ``gate_up_proj`` (or
+    ``up_proj`` without a gate) and ``down_proj`` as [E, ...] stacks, stored transposed or not
+    (``is_transposed``), with biases (``has_bias``), the class's ``_apply_gate`` or ``act_fn``
+    and ``post_expert_norm``; reached through ``ALL_EXPERTS_FUNCTIONS["epgen"]``
+    (``model.set_experts_implementation``, which ``expert_parallel`` calls once for the model)."""
+
+    def matches(self, module):
+        return all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed")) and hasattr(module, "down_proj")
+
+    def weights(self, module):
+        up = "gate_up_proj" if module.has_gate else "up_proj"
+        return (up, "down_proj") + ((f"{up}_bias", "down_proj_bias") if module.has_bias else ())
+
+    def shape(self, module):
+        up, down = _attr(module, self.weights(module)[0]), module.down_proj
+        hidden = up.shape[1] if module.is_transposed else up.shape[2]
+        return up.shape[0], hidden, down.shape[1] if module.is_transposed else down.shape[2]
+
+    def check(self, name, module):
+        cls = type(module).__name__
+        if module.has_gate and not callable(getattr(module, "_apply_gate", None)):
+            raise ValueError(f"{name} ({cls}): has_gate but no _apply_gate")
+        if not module.has_gate and not callable(getattr(module, "act_fn", None)):
+            raise ValueError(f"{name} ({cls}): no gate and no act_fn")
+
+    def shard(self, module, start, stop):
+        up_name = "gate_up_proj" if module.has_gate else "up_proj"
+
+        def operand(name):
+            w = getattr(module, name)[start:stop]
+            return w if module.is_transposed else w.transpose(1, 2)
+
+        def bias(name):
+            return getattr(module, name)[start:stop] if module.has_bias else None
+
+        return ExpertShard(up=operand(up_name), up_bias=bias(f"{up_name}_bias"), down=operand("down_proj"),
+                           down_bias=bias("down_proj_bias"))
+
+    def activate(self, module, h, gate):
+        return module._apply_gate(h) if module.has_gate else module.act_fn(h)
+
+    def post(self, module, y):
+        return module.post_expert_norm(y) if getattr(module, "has_post_expert_norm", False) else y
+
+    def config(self, module, model):
+        return module.config
+
+    def install(self, model, name, module):
+        pass  # expert_parallel selects the "epgen" experts implementation for the whole model
+
+
+def _class(module_path: str, name: str):
+    """transformers' class ``name`` of ``module_path``, or None where this transformers has none."""
+    try:
+        import importlib
+
+        return getattr(importlib.import_module(module_path), name, None)
+    except ImportError:
+        return None
+
+
+class DbrxReader(ExpertsReader):
+    """dbrx's ``DbrxExperts``: not on the conventions, but a stack of linear layers a grouped GEMM
+    takes: ``mlp.w1`` (gate), ``mlp.v1`` (up) [E I, H] output-major and ``mlp.w2`` [E I, H]
+    input-major, act(x w1[e]^T) * (x v1[e]^T) @ w2[e] with ``mlp.activation_fn``. Its forward is
+    the experts call (tokens, top-k ids, top-k weights: the weighted sum): the module's forward is
+    replaced by epgen's."""
+
+    def matches(self, module):
+        cls = _class("transformers.models.dbrx.modeling_dbrx", "DbrxExperts")
+        return cls is not None and isinstance(module, cls)
+
+    def weights(self, module):
+        return ("mlp.w1", "mlp.v1", "mlp.w2")
+
+    def rows(self, module):
+        return module.ffn_hidden_size
+
+    def shape(self, module):
+        rows = module.mlp.w1.shape[0]
+        return rows // module.ffn_hidden_size, module.mlp.w1.shape[1], module.ffn_hidden_size
+
+    def shard(self, module, start, stop):
+        I, H = module.ffn_hidden_size, module.mlp.w1.shape[1]
+
+        def experts(w):
+            return w.view(-1, I, H)[start:stop]
+
+        return ExpertShard(up=experts(module.mlp.v1).transpose(1, 2), up_bias=None, down=experts(module.mlp.w2),
+                           down_bias=None, gate=experts(module.mlp.w1).transpose(1, 2))
+
+    def activate(self, module, h, gate):
+        return module.mlp.activation_fn(gate) * h
+
+    def install(self, model, name, module):
+        import types
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            shape = hidden_states.shape
+            x = hidden_states.reshape(-1, shape[-1])
+            return self._epgen_parallel.forward(self, x, top_k_index.reshape(x.shape[0], -1),
+                                                top_k_weights.reshape(x.shape[0], -1)).view(shape[0], -1, shape[-1])
+
+        module.forward = types.MethodType(forward, module)
+
+
+class Llama4Reader(ExpertsReader):
+    """llama4's ``Llama4TextExperts``: ``gate_up_proj`` [E, H, 2I] (gate then up) and ``down_proj``
+    [E, I, H], input-major, act(gate) * up. Its MoE block (``Llama4TextMoe``) runs every expert on
+    every token with the input scaled by the router's score (sigmoid of the top-k logits, 0
+    elsewhere), so the routing weight scales the expert's input: out = shared(x) +
+    sum_k f_k(w_k x). The block's forward is replaced: the router as the model computes it, then
+    epgen's dispatch, f on the dispatched rows scaled by their weights (``input_weighted``), and
+    the combine; the shared expert stays the model's."""
+
+    input_weighted = True
+
+    def matches(self, module):
+        cls = _class("transformers.models.llama4.modeling_llama4", "Llama4TextExperts")
+        return cls is not None and isinstance(module, cls)
+
+    def weights(self, module):
+        return ("gate_up_proj", "down_proj")
+
+    def shape(self, module):
+        return module.gate_up_proj.shape[0], module.gate_up_proj.shape[1], module.down_proj.shape[1]
+
+    def shard(self, module, start, stop):
+        return ExpertShard(up=module.gate_up_proj[start:stop], up_bias=None, down=module.down_proj[start:stop],
+                           down_bias=None)
+
+    def activate(self, module, h, gate):
+        g, u = h.chunk(2, dim=-1)
+        return u * module.act_fn(g)
+
+    def install(self, model, name, module):
+        import types
+
+        block = model.get_submodule(name.rpartition(".")[0])
+
+        def forward(self, hidden_states):
+            x = hidden_states.reshape(-1, self.hidden_dim)
+            scores, logits = self.router(x)
+            ids = torch.topk(logits, self.top_k, dim=1).indices  # the router's own top-k of the same logits
+            out = self.shared_expert(x)
+            out.add_(self.experts._epgen_parallel.forward(self.experts, x, ids, scores.gather(1, ids)))
+            return out, logits
+
+        block.forward = types.MethodType(forward, block)
+
+
+READERS = (ConventionsReader(), DbrxReader(), Llama4Reader())
+"""The kinds of experts module epgen runs, tried in order."""
+
+REFUSED = {
+    "JetMoeMoA": "a mixture of attention heads (each expert a query and an output projection run inside the "
+                 "attention), not an MLP experts module",
+    "JetMoeMoE": "its experts (JetMoeParallelExperts) take the tokens its own router sorts and counts, not top-k "
+                 "ids and weights",
+    "SwitchTransformersExperts": "per-expert dense modules (a ModuleDict) called with a one-hot expert mask of "
+                                 "capacity-limited top-1 routing (an encoder-decoder), not with top-k ids and weights",
+    "NllbMoeExperts": "per-expert dense modules (a ModuleDict) called with a one-hot expert mask of capacity-limited "
+                      "top-2 routing (an encoder-decoder), not with top-k ids and weights",
+    "VitPoseNaiveMoe": "one linear head a dataset, chosen by the dataset index of the whole image, not a routing of "
+                       "tokens",
+}
+"""Experts classes of transformers epgen refuses, by class name: why a grouped GEMM over dispatched
+tokens cannot take them."""
+
+
+def reader(module: torch.nn.Module) -> ExpertsReader:
+    """The ``ExpertsReader`` of an experts module (ValueError: none of ``READERS``)."""
+    for r in READERS:
+        if r.matches(module):
+            return r
+    raise ValueError(f"{type(module).__name__}: not an experts module epgen reads")
 
 
 # --- the CPU backend -------------------------------------------------------------------------------
@@ -311,20 +558,26 @@ def _slices(tokens: int, world: int) -> list[tuple[int, int]]:
 
 
 def _experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) of every transformers experts module of ``model``; ValueError naming the
-    class for an experts container epgen cannot run."""
+    """(name, module) of every experts module of ``model`` that epgen reads (``READERS``);
+    ValueError naming the module, its class and why for an experts module epgen cannot run
+    (``REFUSED``, or per-expert modules in a ModuleList or ModuleDict)."""
     found = []
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] == "experts" and isinstance(module, torch.nn.ModuleList):
-            raise ValueError(f"{type(model).__name__}: {name} is a ModuleList of per-expert modules "
-                             f"({type(module[0]).__name__ if len(module) else 'empty'}), not a transformers v5 experts "
-                             "module (3-D expert weights under @use_experts_implementation); epgen cannot run it")
-        if all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed")) and hasattr(module, "down_proj"):
+        cls = type(module).__name__
+        if cls in REFUSED:
+            raise ValueError(f"{type(model).__name__}: {name} ({cls}): {REFUSED[cls]}; epgen cannot run it")
+        if name.rsplit(".", 1)[-1] == "experts" and isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            first = next(iter(module.children()), None)
+            raise ValueError(f"{type(model).__name__}: {name} ({cls}) holds per-expert modules "
+                             f"({type(first).__name__ if first is not None else 'empty'}), not a stack of expert "
+                             "weights a grouped GEMM takes (transformers' experts conventions, "
+                             "@use_experts_implementation); epgen cannot run it")
+        if any(r.matches(module) for r in READERS):
             found.append((name, module))
     if not found:
         raise ValueError(f"{type(model).__name__}: no experts module built on transformers' experts conventions "
-                         "(@use_experts_implementation: 3-D gate_up_proj/up_proj and down_proj); nothing to make "
-                         "expert-parallel")
+                         "(@use_experts_implementation: 3-D gate_up_proj/up_proj and down_proj) or of a class epgen "
+                         "reads otherwise (dbrx, llama4); nothing to make expert-parallel")
     return found
 
 
@@ -336,18 +589,15 @@ def _module_name(experts) -> str:
 def _remember_weights(experts, held: int) -> None:
     """Record the device and shapes of the expert weights as converted (``held`` experts each), for
     ``ExpertParallel.shards`` to check the weights against at every forward."""
-    shapes = {}
-    for w in ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):
-        t = getattr(experts, w, None)
-        if isinstance(t, torch.Tensor):
-            shapes[w] = (held, *t.shape[1:])
-    experts._epgen_weights = (experts.down_proj.device, shapes)
+    read = reader(experts)
+    shapes = {w: (held * read.rows(experts), *_attr(experts, w).shape[1:]) for w in read.weights(experts)}
+    experts._epgen_weights = (_attr(experts, read.weights(experts)[0]).device, shapes)
 
 
-def _check_weight(experts, w: str, held: int, recorded) -> None:
+def _check_weight(experts, w: str, held: int, recorded, rows: int = 1) -> None:
     """ValueError naming the module and weight ``w`` when it cannot run as converted (cheap: no
-    data is read)."""
-    t = getattr(experts, w, None)
+    data is read): ``held`` experts of ``rows`` rows each on dim 0."""
+    t = _attr(experts, w)
     where = f"{_module_name(experts)}: {w}"
     if not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise ValueError(f"{where} is a {type(t).__name__}, not a plain tensor; epgen runs the bf16 expert weights "
@@ -361,10 +611,10 @@ def _check_weight(experts, w: str, held: int, recorded) -> None:
     if t.dtype != torch.bfloat16:
         raise ValueError(f"{where} is {t.dtype}; epgen runs bf16 experts")
     want = shapes.get(w)
-    if t.shape[0] != held or (want is not None and tuple(t.shape) != want):
+    if t.shape[0] != held * rows or (want is not None and tuple(t.shape) != want):
         raise ValueError(f"{where} is {tuple(t.shape)}; expert_parallel converted it as "
-                         f"{want if want is not None else (held, '...')}, the {held} experts this process runs (one "
-                         "process a rank holds its own E / W only); assign a weight of that shape")
+                         f"{want if want is not None else (held * rows, '...')}, the {held} experts this process runs "
+                         "(one process a rank holds its own E / W only); assign a weight of that shape")
 
 
 def _check_arguments(model, virtual, grouped_mm) -> None:
@@ -387,13 +637,14 @@ def _check_experts(name: str, experts: torch.nn.Module, cfg: EpConfig) -> None:
     if getattr(experts, "_is_expert_parallel", False):
         raise ValueError(f"{name} ({cls}): already expert-parallel under transformers' own plan "
                          "(_is_expert_parallel); load the model without a tp_plan / distributed_config")
-    up_name = "gate_up_proj" if experts.has_gate else "up_proj"
-    weights = [up_name, "down_proj"] + ([f"{up_name}_bias", "down_proj_bias"] if experts.has_bias else [])
-    for w in weights:
-        t = getattr(experts, w, None)
+    read = reader(experts)
+    for w in read.weights(experts):
+        t = _attr(experts, w)
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} ({cls}): has no tensor {w} (its conventions: has_gate={experts.has_gate}, "
-                             f"has_bias={experts.has_bias}); a quantized experts class is not supported")
+            conventions = (f" (its conventions: has_gate={experts.has_gate}, has_bias={experts.has_bias})"
+                           if isinstance(read, ConventionsReader) else "")
+            raise ValueError(f"{name} ({cls}): has no tensor {w}{conventions}; a quantized experts class is not "
+                             "supported")
         if type(t.data) is not torch.Tensor:
             raise ValueError(f"{name} ({cls}): {w} is a {type(t.data).__name__} (a sharded or quantized tensor "
                              "subclass); epgen needs plain tensors holding every expert")
@@ -403,16 +654,14 @@ def _check_experts(name: str, experts: torch.nn.Module, cfg: EpConfig) -> None:
         if t.dtype != torch.bfloat16:
             raise ValueError(f"{name} ({cls}): {w} is {t.dtype}; epgen dispatches bf16 rows and runs bf16 experts "
                              "(load the model with dtype=torch.bfloat16; quantized experts are not supported)")
-    if experts.has_gate and not callable(getattr(experts, "_apply_gate", None)):
-        raise ValueError(f"{name} ({cls}): has_gate but no _apply_gate")
-    if not experts.has_gate and not callable(getattr(experts, "act_fn", None)):
-        raise ValueError(f"{name} ({cls}): no gate and no act_fn")
-    up = getattr(experts, up_name)
-    hidden = up.shape[1] if experts.is_transposed else up.shape[2]
-    if up.dim() != 3 or (up.shape[0], hidden) != (cfg.num_experts, cfg.hidden):
-        raise ValueError(f"{name} ({cls}): {up_name} {tuple(up.shape)} (is_transposed={experts.is_transposed}) holds "
-                         f"{up.shape[0]} experts of hidden {hidden}; the model config says {cfg.num_experts} experts of "
-                         f"hidden {cfg.hidden}")
+    read.check(name, experts)
+    up_name = read.weights(experts)[0]
+    up = _attr(experts, up_name)
+    if up.dim() != (3 if read.rows(experts) == 1 else 2) or read.shape(experts)[:2] != (cfg.num_experts, cfg.hidden):
+        experts_held, hidden, _ = read.shape(experts) if up.dim() >= 2 else (None, None, None)
+        layout = f" (is_transposed={experts.is_transposed})" if isinstance(read, ConventionsReader) else ""
+        raise ValueError(f"{name} ({cls}): {up_name} {tuple(up.shape)}{layout} holds {experts_held} experts of hidden "
+                         f"{hidden}; the model config says {cfg.num_experts} experts of hidden {cfg.hidden}")
 
 
 class ExpertParallel:
@@ -485,16 +734,18 @@ class ExpertParallel:
         """
         cfg, recorded = self.config, getattr(experts, "_epgen_weights", None)
         L, W = cfg.experts_per_rank, cfg.world_size
+        read = reader(experts)
         held = L * W if self.virtual else L
-        up_name = "gate_up_proj" if experts.has_gate else "up_proj"
-        for w in (up_name, "down_proj") + ((f"{up_name}_bias", "down_proj_bias") if experts.has_bias else ()):
-            _check_weight(experts, w, held, recorded)
+        for w in read.weights(experts):
+            _check_weight(experts, w, held, recorded, read.rows(experts))
         if self.virtual:
-            return [ExpertShard.of(experts, r * L, (r + 1) * L) for r in range(W)]
-        return [ExpertShard.of(experts, 0, L)]
+            return [read.shard(experts, r * L, (r + 1) * L) for r in range(W)]
+        return [read.shard(experts, 0, L)]
 
     def _experts(self, experts, shards, dispatched):
-        return [expert_rows(experts, s, d.x, d.offsets, grouped=self.grouped_mm) for s, d in zip(shards, dispatched)]
+        weighted = reader(experts).input_weighted
+        return [expert_rows(experts, s, d.x, d.offsets, grouped=self.grouped_mm, weights=d.weights if weighted else None)
+                for s, d in zip(shards, dispatched)]
 
     def forward(self, experts, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
         """One experts call of the model: hidden_states [T, H] bf16, top_k_index [T, K] (any int
@@ -713,8 +964,7 @@ def _expert_path(experts, device, hidden: int, grouped_mm: bool | None) -> bool:
     """Whether the experts run as grouped GEMMs: ``grouped_mm`` as given (True refused with the
     reason where ``torch._grouped_mm`` cannot run), None: grouped where it can, else the per-expert
     loop with a warning that says why."""
-    down = experts.down_proj
-    refused = grouped_mm_refusal(device, hidden, down.shape[1] if experts.is_transposed else down.shape[2])
+    refused = grouped_mm_refusal(device, hidden, reader(experts).shape(experts)[2])
     if grouped_mm and refused:
         raise ValueError(f"grouped_mm=True: {refused}")
     if grouped_mm is None and refused:
@@ -754,7 +1004,8 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
     Args:
         model: a transformers PreTrainedModel whose MoE blocks use experts modules built on
             ``@use_experts_implementation`` (qwen3_moe, qwen3_next, mixtral, deepseek_v3 and kimi_k2,
-            gpt_oss, ...), expert weights bfloat16 on one device (CUDA for backend "epgen").
+            gpt_oss, ...) or read otherwise (dbrx, llama4: ``READERS``), expert weights bfloat16 on
+            one device (CUDA for backend "epgen").
         group: the process group of the W ranks (one process per GPU; default the world group of
             an initialized torch.distributed; without one, only virtual ranks or world_size=1).
         virtual: run all ``world_size`` ranks in this process (tests; one GPU or the CPU).
@@ -788,7 +1039,9 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
             group's size; neither a process group (torch.distributed initialized), virtual ranks nor
             world_size=1; an EpConfig field refused (e.g. experts not a multiple of W: names the
             model_type); no experts module; an experts module epgen cannot run (names the module,
-            its class and the reason: a per-expert ModuleList, a quantized or sharded weight, not
+            its class and the reason: a class of ``REFUSED`` (jetmoe, switch_transformers,
+            nllb_moe, vitpose_backbone), per-expert modules in a ModuleList or ModuleDict, a
+            quantized or sharded weight, not
             bf16, on the meta device, shapes that disagree with the config, already expert-parallel through epgen or
             under transformers' own expert parallelism); grouped_mm=True where it cannot run.
         RuntimeError: backend "epgen" on CUDA weights without CuPy, on CPU weights without the
@@ -825,10 +1078,11 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
                              "world_size=W (W ranks in this process), or world_size=1 (one rank, no process group)")
         if world_size is not None and world_size != W:
             raise ValueError(f"world_size={world_size}: the process group has {W} ranks")
-    cfg = EpConfig.from_hf_config(first.config, world_size=W, max_tokens_per_rank=max_tokens_per_rank, **overrides)
+    cfg = EpConfig.from_hf_config(reader(first).config(first, model), world_size=W,
+                                  max_tokens_per_rank=max_tokens_per_rank, **overrides)
     for name, experts in modules:
         _check_experts(name, experts, cfg)
-    device = first.down_proj.device
+    device = _attr(first, reader(first).weights(first)[0]).device
     backend = _backend(backend, device)
     _check_host_options(backend, device, arch, schedule)
     grouped_mm = _expert_path(first, device, cfg.hidden, grouped_mm)
@@ -836,11 +1090,14 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
     L = cfg.experts_per_rank
     for name, experts in modules:
         if not virtual and W > 1:
-            for w in ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):
-                p = getattr(experts, w, None)
+            rows = L * reader(experts).rows(experts)
+            for w in reader(experts).weights(experts):
+                owner, _, leaf = w.rpartition(".")
+                owner = experts.get_submodule(owner) if owner else experts
+                p = getattr(owner, leaf)
                 if isinstance(p, torch.nn.Parameter):
-                    setattr(experts, w, torch.nn.Parameter(p.data[rank * L:(rank + 1) * L].clone(),
-                                                           requires_grad=p.requires_grad))
+                    setattr(owner, leaf, torch.nn.Parameter(p.data[rank * rows:(rank + 1) * rows].clone(),
+                                                            requires_grad=p.requires_grad))
         experts._epgen_name = name
         _CONVERTED[id(experts)] = experts
         _remember_weights(experts, L * W if virtual else L)
@@ -849,13 +1106,16 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
 
     handle.phase_hook = model.register_forward_pre_hook(_phase_hook(handle), with_kwargs=True)
     _sync_generate(model, handle)
-    for _, experts in modules:
+    for name, experts in modules:
         experts._epgen_parallel = handle
-    model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
-    wrong = [n for n, e in modules if e.config._experts_implementation != EXPERTS_IMPLEMENTATION]
+        reader(experts).install(model, name, experts)
+    conventions = [(n, e) for n, e in modules if isinstance(reader(e), ConventionsReader)]
+    if conventions:
+        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    wrong = [n for n, e in conventions if e.config._experts_implementation != EXPERTS_IMPLEMENTATION]
     if wrong:
         raise RuntimeError(f"{type(model).__name__}: set_experts_implementation('epgen') left {wrong[0]} on "
-                           f"{modules[0][1].config._experts_implementation!r}; this model cannot select the epgen "
+                           f"{conventions[0][1].config._experts_implementation!r}; this model cannot select the epgen "
                            "experts implementation")
     return handle
 

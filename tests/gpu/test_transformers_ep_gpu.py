@@ -14,7 +14,9 @@ expert-parallel run's routing, ``hf_models.check_generation``):
   outputs are gathered: every rank's logits identical) and "own_tokens" (every rank its own prompt);
 * generate across W = 2 and 4 processes whose prompts end at different steps (1 and 20): no hang,
   each rank's own generation;
-* torch.compile (inductor) of the model, virtual ranks and two processes, within the bound.
+* torch.compile (inductor) of the model, virtual ranks and two processes, within the bound;
+* dbrx and llama4 (experts outside transformers' conventions, read by epgen's READERS), virtual
+  ranks, W = 2 and 4.
 """
 
 import copy
@@ -87,6 +89,27 @@ def test_virtual_ranks_greedy_generation(envelopes, family):
     finally:
         ep.close()
     print(f"{family} W=4 virtual generation: {verdict}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("family", ["dbrx", "llama4"])
+def test_families_outside_the_conventions_on_the_gpu_op(family, world):
+    """dbrx (gate apart from up: two grouped GEMMs) and llama4 (input-weighted experts) through the
+    GPU op, virtual ranks: logits within the bound, greedy generation checked."""
+    model32 = hf_models.family_model(family, SEED).to("cuda")
+    envelope, ref = hf_models.bf16_envelope(model32, PROMPT)
+    model = copy.deepcopy(model32).to(torch.bfloat16)
+    ep = _ep(model, world)
+    try:
+        assert ep.backend == "epgen"
+        error = relative_l2(hf_models.logits(model, PROMPT), ref)
+        verdict = hf_models.check_generation(model, hf_models.eager_bf16(model32), PROMPT[:1, :8], envelope)
+        ep.synchronize()
+    finally:
+        ep.close()
+    print(f"{family} W={world} virtual: relative L2 {error:.3e}, model's own bf16 {envelope:.3e}; generation {verdict}")
+    assert error <= 2 * envelope, f"{family} W={world}: {error:.3e} > 2 x {envelope:.3e}"
 
 
 @pytest.mark.gpu

@@ -114,6 +114,58 @@ def test_a_lost_expert_exceeds_the_bound(envelopes):
     assert error > 2 * envelope, f"a lost expert gives {error:.3e}, within the bound 2 x {envelope:.3e}"
 
 
+@pytest.mark.parametrize("family", ["dbrx", "llama4"])
+def test_a_lost_expert_exceeds_the_bound_outside_the_conventions(family):
+    """dbrx's [E I, H] weights and llama4's input-weighted experts, read otherwise (READERS): within
+    the bound as converted (tests/runtime/test_transformers_families.py), and a zeroed expert of
+    rank 1 exceeds it, so the bound sees a lost expert of these readers too."""
+    model32 = hf_models.family_model(family)
+    envelope, ref = hf_models.bf16_envelope(model32, PROMPT)
+    model, ep = ep_model(model32, 4)
+    L = ep.config.experts_per_rank
+    assert relative_l2(hf_models.logits(model, PROMPT), ref) <= 2 * envelope
+    for name in ep.modules:
+        experts = model.get_submodule(name)
+        with torch.no_grad():
+            if family == "dbrx":
+                experts.mlp.w2.view(-1, experts.ffn_hidden_size, experts.mlp.w2.shape[1])[L].zero_()
+            else:
+                experts.down_proj[L].zero_()
+    error = relative_l2(hf_models.logits(model, PROMPT), ref)
+    assert error > 2 * envelope, f"a lost expert gives {error:.3e}, within the bound 2 x {envelope:.3e}"
+
+
+def _dbrx_body(rank, world, store, result_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        model32 = hf_models.family_model("dbrx")
+        virtual, _ = ep_model(model32, world)
+        expected = hf_models.logits(virtual, PROMPT)
+        model = copy.deepcopy(model32).to(torch.bfloat16)
+        ep = expert_parallel(model, layout="same_tokens", max_tokens_per_rank=256)
+        L, I = ep.config.experts_per_rank, model32.config.ffn_config.ffn_hidden_size
+        for name in ep.modules:  # this rank keeps the rows of its experts only: [rank L I, (rank + 1) L I)
+            mlp, whole = model.get_submodule(name).mlp, model32.get_submodule(name).mlp
+            for w in ("w1", "v1", "w2"):
+                assert torch.equal(getattr(mlp, w), getattr(whole, w)[rank * L * I:(rank + 1) * L * I].bfloat16())
+        out = hf_models.logits(model, PROMPT)
+        assert torch.equal(out, expected), "the same tokens a rank must equal the virtual ranks' run"
+        with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
+            f.write(f"dbrx rank {rank}: {L} experts of {I} rows a weight, logits equal to the virtual ranks'")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dbrx_as_two_processes(tmp_path):
+    world = 2
+    torch.multiprocessing.spawn(_dbrx_body, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world,
+                                join=True)
+    for rank in range(world):
+        print((tmp_path / f"rank{rank}").read_text())
+
+
 # --- the two token layouts, one process per rank -----------------------------------------------
 
 
@@ -240,8 +292,15 @@ def test_refusals_name_the_class_and_the_reason(envelopes):
         expert_parallel(dense, virtual=True, world_size=2)
     listed = torch.nn.Module()
     listed.experts = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
-    with pytest.raises(ValueError, match="experts is a ModuleList of per-expert modules \\(Linear\\)"):
+    with pytest.raises(ValueError, match=r"experts \(ModuleList\) holds per-expert modules \(Linear\), not a stack of "
+                                         r"expert weights a grouped GEMM takes"):
         expert_parallel(listed, virtual=True, world_size=2)
+    # Families outside the experts conventions that epgen does not read: the module, its class and why.
+    for family, where in (("switch_transformers", r"encoder.block.1.layer.1.mlp.experts \(SwitchTransformersExperts\): "
+                                                  r"per-expert dense modules"),
+                          ("jetmoe", r"model.layers.0.mlp \(JetMoeMoE\): its experts \(JetMoeParallelExperts\)")):
+        with pytest.raises(ValueError, match=where + ".*; epgen cannot run it"):
+            expert_parallel(hf_models.family_model(family).to(torch.bfloat16), virtual=True, world_size=2)
 
 
 def test_arguments_refused_like_moe_layer(envelopes):

@@ -1,12 +1,15 @@
-"""Every MoE family of the installed transformers whose experts follow its experts conventions
-(``@use_experts_implementation``), made expert-parallel on the CPU (backend "reference").
+"""Every MoE family of the installed transformers, made expert-parallel on the CPU (backend
+"reference"): those whose experts follow its experts conventions (``@use_experts_implementation``)
+and those outside them (``hf_models.outside_families``: epgen reads dbrx and llama4 otherwise,
+``epgen.integrations.transformers.READERS``, and refuses the rest naming the module, its class and
+why).
 
 For each family: a tiny seeded model from its config class (``hf_models.family_model``: H = 64, two
-layers, 8 experts, top-2 where the config takes it), ``EpConfig.from_hf_config`` on its config,
-logits at virtual W = 1, 2 and 4 within 2 x the model's own bf16 error (``hf_models.bf16_envelope``),
-and greedy generation at W = 2 against the model's bf16 eager path (``hf_models.check_generation``:
-a routing near-tie is re-run on the EP routing, and counted). A family that cannot be built, or that
-epgen refuses, is a row with the reason.
+layers, 8 experts, top-2 where the config takes it), epgen's refusal if any, ``EpConfig.from_hf_config``
+on its config, logits at virtual W = 1, 2 and 4 within 2 x the model's own bf16 error
+(``hf_models.bf16_envelope``), and greedy generation at W = 2 against the model's bf16 eager path
+(``hf_models.check_generation``: a routing near-tie is re-run on the EP routing, and counted). A
+family that cannot be built, or that epgen refuses, is a row with the reason.
 
 FAST runs by default; the full sweep is marked ``models`` (run with -m models). With
 EPGEN_WRITE_FAMILY_TABLE=1 the sweep rewrites the table in docs/transformers.md (between the
@@ -26,11 +29,11 @@ import torch  # noqa: E402
 
 import hf_models  # noqa: E402
 from epgen.codegen.config import EpConfig  # noqa: E402
-from epgen.integrations.transformers import expert_parallel  # noqa: E402
+from epgen.integrations.transformers import READERS, expert_parallel, reader  # noqa: E402
 from epgen.reference import relative_l2  # noqa: E402
 
-FAMILIES = hf_models.experts_families()
-FAST = [f for f in ("ernie4_5_moe", "hunyuan_v1_moe", "olmoe") if f in FAMILIES]
+FAMILIES = sorted(hf_models.experts_families() + hf_models.outside_families())
+FAST = [f for f in ("ernie4_5_moe", "hunyuan_v1_moe", "dbrx", "llama4") if f in FAMILIES]
 WORLDS = (1, 2, 4)
 PROMPT = hf_models.prompt(1, batch=4, length=64)
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "transformers.md"
@@ -49,28 +52,32 @@ def run_family(family: str) -> dict:
     row = {"family": family, "accepted": False, "ratios": {}, "generation": "", "ties": 0, "reason": ""}
     try:
         model32 = hf_models.family_model(family)
-        envelope, ref = hf_models.bf16_envelope(model32, PROMPT)  # the model's own paths, before epgen's
-    except Exception as e:  # noqa: BLE001 - a family the tiny config does not build or run: a row with the reason
+    except Exception as e:  # noqa: BLE001 - a family the tiny config does not build: a row with the reason
         row["reason"] = f"not built: {_first_line(e)}"
         return row
-    experts = [m for m in model32.modules() if hasattr(m, "has_gate") and hasattr(m, "down_proj")]
+    try:  # epgen's refusal first (a family outside the conventions: the module, its class and why)
+        expert_parallel(copy.deepcopy(model32).to(torch.bfloat16), world_size=1, backend="reference")
+    except ValueError as e:
+        row["reason"] = f"refused: {_first_line(e)}"
+        return row
     try:
-        cfg = EpConfig.from_hf_config(experts[0].config if experts else model32.config, world_size=1,
-                                      max_tokens_per_rank=8)
-        assert (cfg.num_experts, cfg.topk) == (experts[0].down_proj.shape[0], cfg.topk)
+        envelope, ref = hf_models.bf16_envelope(model32, PROMPT)  # the model's own paths, before epgen's
+    except Exception as e:  # noqa: BLE001 - a family whose own tiny model does not run
+        row["reason"] = f"not built: {_first_line(e)}"
+        return row
+    first = next(m for m in model32.modules() if any(r.matches(m) for r in READERS))
+    cfg = EpConfig.from_hf_config(reader(first).config(first, model32), world_size=1, max_tokens_per_rank=8)
+    assert (cfg.num_experts, cfg.hidden) == reader(first).shape(first)[:2], (family, cfg)
+    row["accepted"] = True
+    try:  # accepted: anything raised from here on is a failure of the row (``failures``)
         for world in WORLDS:
             model = copy.deepcopy(model32).to(torch.bfloat16)
             expert_parallel(model, virtual=True, world_size=world, backend="reference", max_tokens_per_rank=1024)
             row["ratios"][world] = relative_l2(hf_models.logits(model, PROMPT), ref) / envelope
-    except (ValueError, RuntimeError, TypeError, AttributeError, IndexError) as e:
-        row["reason"] = f"refused: {_first_line(e)}"
-        return row
-    row["accepted"] = True
-    model = copy.deepcopy(model32).to(torch.bfloat16)
-    expert_parallel(model, virtual=True, world_size=2, backend="reference", max_tokens_per_rank=1024)
-    try:
+        model = copy.deepcopy(model32).to(torch.bfloat16)
+        expert_parallel(model, virtual=True, world_size=2, backend="reference", max_tokens_per_rank=1024)
         verdict = hf_models.check_generation(model, hf_models.eager_bf16(model32), PROMPT[:1, :8], envelope)
-    except AssertionError as e:
+    except Exception as e:  # noqa: BLE001 - the row says what failed; the sweep fails after the table
         row["generation"] = f"FAILED: {_first_line(e)}"
         return row
     m = re.match(r"(\d+) routing near-tie", verdict)
@@ -89,7 +96,7 @@ def table(rows: list[dict]) -> str:
                                        + [r["generation"] or r["reason"].replace("|", "/")]) + " |")
     run = [r for r in rows if r["accepted"]]
     lines.append("")
-    lines.append(f"{len(rows)} families on the experts conventions; {len(run)} accepted and run, "
+    lines.append(f"{len(rows)} MoE families; {len(run)} accepted and run, "
                  f"{sum(all(v <= 2 for v in r['ratios'].values()) for r in run)} within 2 x their own bf16 error "
                  f"at every W; {sum(r['ties'] for r in run)} routing near-tie token(s) in generation.")
     return "\n".join(lines)
