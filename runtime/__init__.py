@@ -21,7 +21,8 @@ Package map (folder in the checkout -> import package):
     (``EpConfig``'s public path);
   * the references, at the top too: ``reference`` and ``quant/`` (pure torch, no GPU);
   * ``layers/`` -> ``epgen.layers``: model layers on the op (``moe``, ``moe_a2a``,
-    ``hierarchical``; ``epgen.moe`` and ``epgen.hierarchical`` re-export the public two);
+    ``hierarchical``, ``autograd``; ``epgen.moe``, ``epgen.hierarchical`` and ``epgen.autograd``
+    re-export the public three);
   * ``integrations/`` -> ``epgen.integrations``: epgen inside frameworks (``transformers``: expert
     parallelism for Hugging Face models), on the layers' footing;
   * ``harness/`` -> ``epgen.harness``: verification, timing and rank processes;
@@ -32,8 +33,8 @@ The rules, one way (``tests/codegen/test_imports.py`` enforces each): ``epgen.co
 core; the references import codegen, tensors and the references; the layers add the core and the references; the integrations and
 the harness each add the layers; the command line may import everything and nothing imports it
 but ``epgen.__main__``.
-This module and the re-export modules (``epgen.moe``, ``epgen.hierarchical``) are the public
-front: no module of the package imports them but ``epgen.cli`` (``__version__``). Every import
+This module and the re-export modules (``epgen.moe``, ``epgen.hierarchical``, ``epgen.autograd``)
+are the public front: no module of the package imports them but ``epgen.cli`` (``__version__``). Every import
 names its module absolutely (``from epgen.codegen.spec import ...``). The op is imported on
 first use, so ``import epgen`` (and ``epgen --help``) loads no torch.
 """
@@ -42,11 +43,11 @@ from epgen.codegen.config import EpConfig
 from epgen.codegen.models import MODELS
 from epgen.codegen.spec import KernelSpec, Op
 
-__all__ = ["MODELS", "DispatchOutput", "EpConfig", "EpDispatchCombine", "EpError", "ExpertDispatchOutput",
+__all__ = ["MODELS", "DispatchLayout", "DispatchOutput", "EpConfig", "EpDispatchCombine", "EpError", "ExpertDispatchOutput",
            "HierarchicalEp", "HierarchicalError", "KernelSpec", "Op", "ReferenceNodeOp"]
 __version__ = "0.1.0"
 
-_FROM_OP = ("DispatchOutput", "EpDispatchCombine", "EpError", "ExpertDispatchOutput")
+_FROM_OP = ("DispatchLayout", "DispatchOutput", "EpDispatchCombine", "EpError", "ExpertDispatchOutput")
 _FROM_HIERARCHICAL = ("HierarchicalEp", "HierarchicalError", "ReferenceNodeOp")
 
 

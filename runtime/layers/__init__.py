@@ -1,7 +1,8 @@
 """``epgen.layers``: model layers built on the op.
 
 ``moe`` is the MoE layer (dispatch, expansion, SwiGLU expert GEMMs, fold, combine) and its dense
-reference; ``moe_a2a`` the same layer over ``torch.distributed.all_to_all_single`` (the
+reference; ``autograd`` differentiable dispatch and combine on the op's kernels (public as
+``epgen.autograd``); ``moe_a2a`` the same layer over ``torch.distributed.all_to_all_single`` (the
 baseline); ``hierarchical`` the op across nodes (a node-local ``EpDispatchCombine`` and a network
 leg). Users import them by their public paths ``epgen.moe`` and ``epgen.hierarchical``, which
 re-export these modules.

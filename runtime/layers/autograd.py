@@ -38,6 +38,11 @@ dispatch of ``grad_out``); the dispatch's backward sums the row gradients throug
 so ``grad_x`` carries the wire's rounding of each rank's partial sum (``epgen.quant.combine_roundtrip``).
 Routing-weight gradients need the bf16 wire and are refused on a quantized one.
 
+Collectives: with one process a rank, the backward's kernels are collective like the forward's,
+so every rank must run the backward of every dispatch and combine it ran forward, with the same
+tensors requiring grad (x, weights, y) on every rank (a rank with no tokens included: its
+outputs are empty tensors, whose gradients torch still passes).
+
 Saved for backward: the layout's tables (``DispatchLayout.nbytes``), and for the expert layout's
 combine its y and weights (to form ``grad_w_p``); the outputs are copies of the arena's rows
 (rows past the ones received are zeros), so later calls on the op never change them. No host
@@ -123,6 +128,13 @@ def _rows_below(rows: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
                                                                                      device=rows.device))
 
 
+def _rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as the op takes rows: ``dtype``, contiguous, starting on a 16-byte boundary (the
+    kernels read them with 16-byte vector loads; a gradient may be a view at any offset)."""
+    t = t.to(dtype).contiguous()
+    return t.clone() if t.data_ptr() % 16 else t
+
+
 def _split(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[..., 3] bf16 with (hi + mid) + lo == v exactly in float32 (module docstring) for bf16 rows;
     [..., 1] ``v`` itself for rows of a dtype that holds it."""
@@ -185,12 +197,13 @@ class DispatchFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         op, layout, n = ctx.op, ctx.layout, ctx.n
-        need_x, need_w = any(ctx.needs_input_grad[3:3 + n]), any(ctx.needs_input_grad[3 + n:])
         gx, gw = list(grads[:n]), list(grads[n:])
+        need_x = any(ctx.needs_input_grad[3:3 + n]) and any(g is not None for g in gx)
+        need_w = any(ctx.needs_input_grad[3 + n:]) and any(g is not None for g in gw)
         grad_x = [None] * n
         grad_w = [None] * n
         if need_x:
-            rows = [_zero_rows(op) if g is None else g.to(_row_dtype(op)).contiguous() for g in gx]
+            rows = [_zero_rows(op) if g is None else _rows(g, _row_dtype(op)) for g in gx]
             grad_x = _per_rank(op, op.combine(_back(op, rows), layout=layout, weighted=not op.expert_layout))
         if need_w:
             grad_w = _weight_grads(op, layout, gw)
@@ -272,7 +285,7 @@ class CombineFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, layout, *tensors):
         n = len(op.local_ranks)
-        ys = [y.contiguous() for y in tensors[:n]]
+        ys = [_rows(y, y.dtype) for y in tensors[:n]]  # a wrong dtype is the op's error to raise
         out = _per_rank(op, op.combine(_back(op, ys), layout=layout))
         ctx.op, ctx.layout, ctx.n = op, layout, n
         ctx.rows = [y.shape[0] for y in ys]
@@ -284,7 +297,7 @@ class CombineFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         op, layout, n = ctx.op, ctx.layout, ctx.n
         g = [torch.zeros(t, op.config.hidden, dtype=_row_dtype(op), device=op.device) if gr is None
-             else gr.to(_row_dtype(op)).contiguous() for gr, t in zip(grads, layout.tokens)]
+             else _rows(gr, _row_dtype(op)) for gr, t in zip(grads, layout.tokens)]
         rows = _per_rank(op, op.dispatch(_back(op, g), layout=layout))
         grad_y, grad_w = [None] * n, [None] * (len(ctx.needs_input_grad) - 2 - n)
         if not op.expert_layout:

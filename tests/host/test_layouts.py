@@ -25,10 +25,21 @@ def _one_thread():
         yield
 
 
-def _op(layout: str, name: str, family: str = "auto", **kw):
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _op(layout: str, name: str, family: str = "auto", device: str = "cpu", **kw):
     config = cfg(W, family, hidden=64, topk=K, experts_per_rank=L, tmax=8, dispatch_transport="pull",
                  layout=layout, **({"expert_alignment": 2} if layout == "expert" else {}), **kw)
-    return host_op(config, "sm_90", seed_of(name))
+    if device == "cpu":
+        return host_op(config, "sm_90", seed_of(name))
+    from epgen.op import EpDispatchCombine
+
+    return EpDispatchCombine(config, virtual=True, validate=True)
+
+
+def _on(op, tensors):
+    return [t.to(op.device) for t in tensors]
 
 
 def _inputs(g, tokens):
@@ -54,52 +65,53 @@ def _identity(outs):
     return [o.x.clone() if hasattr(o, "offsets") else o.recv_x.clone() for o in outs]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["rank", "expert"])
 @pytest.mark.parametrize("family", ["normal", "low_latency"])
-def test_layout_outlives_other_calls(layout, family):
+def test_layout_outlives_other_calls(layout, family, device):
     """Dispatch A (kept), dispatch B, combine A along its layout, combine B implicitly, a cached
     dispatch of new rows along A, and its combines: every output equals the reference."""
     name = f"layout_outlives_{layout}_{family}"
-    op = _op(layout, name)
+    op = _op(layout, name, device=device)
     g = torch.Generator().manual_seed(seed_of(name))
     with seeded(op):
         xa, wa, ia = _inputs(g, [T, 0 if family == "normal" else T - 1])
-        outs = op.dispatch(xa, wa, ia, family=family)
+        outs = op.dispatch(_on(op, xa), _on(op, wa), _on(op, ia), family=family)
         la = op.keep_layout()
         assert isinstance(la, DispatchLayout) and la.family == family and la.tokens == [T, xa[1].shape[0]]
         assert op.keep_layout() is la
         ya = _identity(outs)
         xb, wb, ib = _inputs(g, [T - 2, T])
-        yb = _identity(op.dispatch(xb, wb, ib, family=family))
+        yb = _identity(op.dispatch(_on(op, xb), _on(op, wb), _on(op, ib), family=family))
         for got, want in zip(op.combine(ya, layout=la), _expected(op, xa, wa, ia)):
-            assert torch.equal(got, want)
+            assert torch.equal(got.cpu(), want)
         for got, want in zip(op.combine(yb), _expected(op, xb, wb, ib)):  # the implicit combine: B
-            assert torch.equal(got, want)
+            assert torch.equal(got.cpu(), want)
         with pytest.raises(RuntimeError, match="needs a dispatch first"):
             op.combine(yb)
         # cached dispatch of new rows along A: the same places, the layout's metadata
         x2 = [torch.randn(t.shape[0], 64, generator=g).bfloat16() for t in xa]
-        cached = op.dispatch(x2, layout=la)
+        cached = op.dispatch(_on(op, x2), layout=la)
         for d in range(W):
             n = int(cached[d].recv.num_recv if layout == "expert" else cached[d].num_recv)
             assert n == int(la.table(d, "num_recv"))
             recv = cached[d].recv if layout == "expert" else cached[d]
             assert torch.equal(recv.recv_src[:n], la.table(d, "recv_src")[:n])
             for i, (s, t) in enumerate(recv.recv_src[:n].tolist()):
-                assert torch.equal(recv.recv_x[i], x2[s][t])
+                assert torch.equal(recv.recv_x[i].cpu(), x2[s][t])
             if layout == "expert":
                 e = cached[d]
                 used = int(e.offsets[-1])
                 assert torch.equal(e.offsets, la.table(d, "expert_offsets"))
                 for p, (s, t, _) in enumerate(e.src[:used].tolist()):
-                    assert torch.equal(e.x[p], x2[s][t] if s >= 0 else torch.zeros(64, dtype=torch.bfloat16))
+                    assert torch.equal(e.x[p].cpu(), x2[s][t] if s >= 0 else torch.zeros(64, dtype=torch.bfloat16))
         want = _expected(op, x2, wa, ia)
         y2 = _identity(cached)
         for got, w_ in zip(op.combine(y2), want):  # implicit: the cached dispatch is the last one
-            assert torch.equal(got, w_)
-        op.dispatch(xb, wb, ib, family=family)
+            assert torch.equal(got.cpu(), w_)
+        op.dispatch(_on(op, xb), _on(op, wb), _on(op, ib), family=family)
         for got, w_ in zip(op.combine(y2, layout=la), want):  # and along the layout again
-            assert torch.equal(got, w_)
+            assert torch.equal(got.cpu(), w_)
         op.synchronize()
     op.close()
 
