@@ -283,7 +283,7 @@ def _align16(n: int) -> int:
 
 @attrs.frozen
 class ArenaSizes:
-    """The numbers a rank's arena is sized from (``KernelSpec.layout`` fills them): W, Tmax,
+    """The numbers a rank's arena is sized from (``KernelSpec.arena_layout`` fills them): W, Tmax,
     ``cap`` = ``KernelSpec.capacity_rows`` receive rows (W x Tmax unless capped), ``R`` =
     ``KernelSpec.expert_rows`` (0 in the rank layout), L, H, K, S, the combine wire's row bytes (0
     for the bf16 wire), the dispatch dtype's row bytes (0 in combine and fold specs, which never

@@ -347,7 +347,7 @@ def test_endifs_far_from_their_if_name_its_condition():
 def test_constants_match_spec(case):
     text = render(case).text
     c = _constants(text)
-    s, lay = case, case.layout
+    s, lay = case, case.arena_layout
     expected = {
         "kWave": s.traits.wave_size, "kWarps": s.warps_per_block, "kThreads": s.threads, "kBlocks": s.blocks,
         "kUnroll": s.unroll, "kWorld": s.world_size, "kTopk": s.topk, "kExpertsPerRank": s.experts_per_rank,

@@ -274,7 +274,7 @@ def test_arena_regions_are_declared_once_in_order():
     assert [r.name for r in ARENA_REGIONS] == REGIONS
     assert [r.c_name for r in ARENA_REGIONS][:3] == ["kOffSignals", "kOffSendSlot", "kOffSendPos"]
     assert len({r.c_name for r in ARENA_REGIONS}) == len(REGIONS) and all(r.shape and r.doc for r in ARENA_REGIONS)
-    lay = spec().layout
+    lay = spec().arena_layout
     assert [name for name, _ in lay.offsets] == REGIONS
     with pytest.raises(AttributeError, match="no region or attribute 'recv_y'; regions: signals, send_slot"):
         lay.recv_y
@@ -292,7 +292,7 @@ def test_the_prelude_declares_the_regions_its_layout_has(op, expert, ll):
     s = spec(op=op, warps_per_block=8, expert_alignment=expert, ll_tokens=ll)
     text = render(s).text
     declared = dict(re.findall(r"constexpr ep_u64 (kOff\w+) = (\d+)ull;", text))
-    lay = s.layout
+    lay = s.arena_layout
     want = {r.c_name: str(getattr(lay, r.name)) for r in ARENA_REGIONS
             if (expert or "expert" not in r.needs) and (ll or "low_latency" not in r.needs)
             and (s.op.payload or "payload" not in r.needs)}
