@@ -337,6 +337,7 @@ def _check_catalogue(compiles, arch: str) -> None:
     assert not bad, bad
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
 def test_gfx9_catalogue_releases_wait_for_their_writeback(compiles, arch):
     """Every gfx942 and gfx950 kernel of the catalogue (every template path: both kernel families,
@@ -344,6 +345,7 @@ def test_gfx9_catalogue_releases_wait_for_their_writeback(compiles, arch):
     _check_catalogue(compiles, arch)
 
 
+@pytest.mark.slow
 def test_gfx1250_releases_wait_for_their_writeback(compiles):
     """gfx1250's own waits, on every gfx1250 kernel of the catalogue (every template path)."""
     _check_catalogue(compiles, "gfx1250")

@@ -36,6 +36,7 @@ def _headers_or_skip():
         pytest.skip(str(e))
 
 
+@pytest.mark.slow
 def test_every_amd_catalogue_source_compiles_as_hiprtc_with_the_bare_resources(progress):
     _headers_or_skip()
     specs = catalogue_specs(arches=AMD_ARCHES)

@@ -26,7 +26,7 @@ SWEEP = pytest.mark.skipif(not os.environ.get("EPGEN_PROTOCOL_SWEEP"),
                            reason="a larger sweep of the protocol model: set EPGEN_PROTOCOL_SWEEP=1")
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_no_interleaving_reads_another_call_hangs_or_raises_faults_unevenly(world_size):
     states, checks = 0, 0
     for program in protocol.programs(3):

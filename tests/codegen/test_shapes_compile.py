@@ -99,6 +99,7 @@ def test_matrix_dedupe_covers_every_case(arch):
     assert len(groups) < len(specs) / 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHES)
 def test_matrix_compiles_clean(arch):
     reason = toolchain_status(arch)
@@ -113,6 +114,7 @@ def test_matrix_compiles_clean(arch):
     assert all(_known_spill(s) for s, r in zip(reps, results) if isinstance(r, Exception) or not r.ok), bad
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHES)
 def test_extra_shapes_compile_clean(arch):
     reason = toolchain_status(arch)

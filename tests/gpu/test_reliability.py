@@ -676,6 +676,7 @@ def emulated(monkeypatch, request):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", EMULATED)
 def test_the_emulation_keeps_the_contract(how):
     cfg = edge_config(4)
@@ -685,27 +686,33 @@ def test_the_emulation_keeps_the_contract(how):
         run_exact_round(op, cfg, integer_inputs(cfg, [64, 0, 17, 5], kind, seed))
 
 
+@pytest.mark.slow
 def test_tokens_on_one_rank_on_all_but_one_and_on_none(emulated):
     test_tokens_on_one_rank_on_all_but_one_and_on_none_virtual4()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body", [_minus_one_body, _dedup_body, _max_tokens_body])
 def test_edge_bodies(emulated, body):
     body(0, 8, True)
 
 
+@pytest.mark.slow
 def test_topk_body(emulated):
     test_topk_6_and_9_virtual8(2880, 9)
 
 
+@pytest.mark.slow
 def test_bad_id_body(emulated):
     _bad_id_body(0, 8, True)
 
 
+@pytest.mark.slow
 def test_jitter_body_logic(emulated):
     _jitter_body(0, 2, True, 25)
 
 
+@pytest.mark.slow
 def test_the_stress_rounds_take_both_families_split_and_faults_that_every_rank_raises():
     """``epgen stress``'s rounds (epgen.cli.stress.stress) on the emulated op: low-latency rounds with
     every rank's tokens at most T_ll and normal ones above it, every other low-latency round split,

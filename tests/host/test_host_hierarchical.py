@@ -90,6 +90,7 @@ def _worker(rank, world_size, store, layers, seed):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_nodes_of_two_ranks_match_the_reference(tmp_path, request):
     from epgen.harness.ranks import start_and_join
 

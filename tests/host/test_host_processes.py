@@ -105,6 +105,7 @@ def _rounds_body(rank, world_size, arch, seed):
         _close(op)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size,arch", CASES)
 def test_rounds_push_and_pull(world_size, arch, request):
     _run(world_size, arch, [_rounds_config(world_size, t) for t in ("push", "pull")], _rounds_body,

@@ -46,6 +46,7 @@ def _cases_worker(rank, world_size, store, fields):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_two_nodes_match_the_reference(tmp_path, variant):
     start_and_join(_cases_worker, (2, os.path.join(tmp_path, "store"), VARIANTS[variant]), 2,
@@ -71,6 +72,7 @@ def _groups_worker(rank, world_size, store):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_one_process_per_rank_groups(tmp_path):
     """The production layout: 4 processes (2 nodes x 2 ranks), node groups and network groups
     from ``process_groups``, tensors instead of lists."""
@@ -127,6 +129,7 @@ def _errors_worker(rank, world_size, store):
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_errors_name_the_rank_and_the_leg(tmp_path):
     start_and_join(_errors_worker, (2, os.path.join(tmp_path, "store")), 2, timeout_s=PROCS_TIMEOUT_S)
 
@@ -196,6 +199,7 @@ def test_cases_cover_the_edges():
 
 # ---- epgen bench --nodes on the CPU stand-in ------------------------------------------------------
 
+@pytest.mark.slow
 def test_bench_nodes_on_the_cpu_stand_in(tmp_path, capsys):
     import csv
 

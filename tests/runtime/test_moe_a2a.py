@@ -57,11 +57,13 @@ def _gloo_worker(rank: int, world_size: int, store: str, tokens: list[int], seed
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokens", [[9], [0]])
 def test_one_rank_group_meets_dense_moe(tmp_path, tokens):
     start_and_join(_gloo_worker, (1, os.path.join(tmp_path, "store"), tokens, 3), 1, timeout_s=240)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokens", [[11, 6], [0, 8]])
 def test_two_ranks_meet_dense_moe(tmp_path, tokens):
     start_and_join(_gloo_worker, (2, os.path.join(tmp_path, "store"), tokens, 5), 2, timeout_s=240)
@@ -93,6 +95,7 @@ def _errors_worker(rank: int, world_size: int, store: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_bad_arguments_name_the_rule(tmp_path):
     start_and_join(_errors_worker, (1, os.path.join(tmp_path, "store")), 1, timeout_s=240)
 

@@ -19,6 +19,7 @@ def _rank_body(rank, mode):
         raise ValueError("rank 1 broke")
 
 
+@pytest.mark.slow
 def test_a_hung_rank_is_killed_at_the_bound():
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"still running after timeout_s=10") as e:
@@ -26,10 +27,12 @@ def test_a_hung_rank_is_killed_at_the_bound():
     assert "1]" in str(e.value) and time.monotonic() - t0 < 40
 
 
+@pytest.mark.slow
 def test_an_early_exit_with_status_0_is_not_a_failure():
     start_and_join(_rank_body, ("exit",), 2, timeout_s=60)
 
 
+@pytest.mark.slow
 def test_a_raising_rank_fails_the_run():
     with pytest.raises(torch.multiprocessing.ProcessRaisedException, match="rank 1 broke"):
         start_and_join(_rank_body, ("raise",), 2, timeout_s=60)
@@ -53,6 +56,7 @@ def _pid_body(rank, world_size, folder):
         f.write(f"{os.getpid()}\n")
 
 
+@pytest.mark.slow
 def test_a_pool_runs_one_function_after_another_in_the_same_processes(tmp_path):
     from epgen.harness.ranks import RankPool
 
@@ -71,6 +75,7 @@ def test_a_pool_runs_one_function_after_another_in_the_same_processes(tmp_path):
 
 @pytest.mark.parametrize("mode,error", [("hang", TimeoutError), ("raise", torch.multiprocessing.ProcessRaisedException),
                                         ("exit", None)])
+@pytest.mark.slow
 def test_a_pool_ends_on_any_failure_and_an_early_exit_0_is_no_failure(mode, error):
     from epgen.harness.ranks import RankPool
 
@@ -90,6 +95,7 @@ def _pool_body(rank, world_size, mode):
     _rank_body(rank, mode)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("timeout_s", ["5", 0, -1, True, float("nan"), float("inf"), 2e6])
 def test_a_bad_timeout_is_refused_before_any_rank_runs(timeout_s, tmp_path):
     from epgen.harness.ranks import RankPool

@@ -88,6 +88,7 @@ def test_harness_accepts_an_op_that_keeps_the_contract(tokens, kind):
     assert stats["wire_mismatches"] == 0 and stats["bound_ratio"] <= 1 and len(stats["recv"]) == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fp8_direct_cast", "fp8_blockwise", "fp4_blockwise"])
 def test_harness_bounds_each_combine_wire(mode):
     cfg = attrs.evolve(CFG, combine_quant=mode)
@@ -136,6 +137,7 @@ def test_the_wire_flavour_is_the_ops_arch():
         wire_fp8_flavour(ContractOp(CFG, arch="gfx90a"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fp8_direct_cast", "fp8_blockwise", "fp4_blockwise"])
 def test_harness_checks_a_gfx942_wire_in_e4m3fnuz(mode):
     """run_round compares a gfx942 op's combine with the e4m3fnuz wire reference: an op whose wire
@@ -158,6 +160,7 @@ def test_harness_checks_a_gfx942_wire_in_e4m3fnuz(mode):
     assert caught(ContractOp(cfg, arch="sm_90", wire_flavour="e4m3fnuz")) == mode.startswith("fp8")
 
 
+@pytest.mark.slow
 def test_selftest_fp8_wire_cases_on_gfx942_compare_against_e4m3fnuz():
     """``epgen selftest``'s fp8 combine wire cases of the rank layout (``_run_case``, the rounds
     the CLI runs on each op), on a stand-in gfx942 op whose wire is e4m3fnuz as its kernels': every
