@@ -59,7 +59,7 @@ def _rounds(op, cfg, zero_copy: bool, kinds=KINDS, seed=0):
                 verify.op_inputs = original
             assert cfg.combine_quant == "none" or stats["wire_mismatches"] == 0, (tokens, kind, stats)
             x = op_arg(op, [op.dispatch_input(r)[: tokens[r]] for r in op.local_ranks])
-            assert planner.dispatch_transport(op, mine, x) == "pull"
+            assert op.transport(mine, x) == "pull"
     return seed
 
 
@@ -181,7 +181,7 @@ def test_push_and_pull_calls_alternate_in_one_op(world_size, table_dir):
         if zero_copy:
             inputs = zero_copy_inputs(op, inputs)
         x = op_arg(op, [inputs[r].x for r in op.local_ranks])
-        taken.append(planner.dispatch_transport(op, 200, x))
+        taken.append(op.transport(200, x))
         run_exact_round(op, base, inputs)
     assert taken == ["pull", "push", "pull"] * 2 + ["pull", "push"]
     op.close()
@@ -232,7 +232,7 @@ def test_graph_of_pull_dispatch_and_combine_with_fresh_inputs_in_dispatch_input(
         except AssertionError as e:
             raise AssertionError(f"{what}: {e}") from None
 
-    assert planner.dispatch_transport(op, T, args[0]) == "pull"
+    assert op.transport(T, args[0]) == "pull"
     run_and_check(static, step, "eager call")
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

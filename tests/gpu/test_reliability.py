@@ -527,12 +527,12 @@ class EmulatedOp(EpDispatchCombine):
         self.device = torch.device("cpu")
         self.local_ranks = list(range(config.world_size))
         self.arch = "sm_90"  # the specs' arch (the op's transport and family picks read it)
-        specs = {op: planner.plan(config, self.arch).variant(op, config.max_tokens_per_rank)
-                 for op in planner.ops(config)}
-        self.plan = attrs.evolve(Plan.build(config, self.arch, len(self.local_ranks)), variants={
+        kernels = planner.plan(config, self.arch)
+        specs = {op: kernels.variant(op, config.max_tokens_per_rank) for op in kernels.ops}
+        self.plan = Plan.build(config, self.arch, len(self.local_ranks)).with_variants({
             (op, "push"): ((config.max_tokens_per_rank, spec),) for op, spec in specs.items()})
         self._kernels = {spec: op for op, spec in specs.items()}  # fn: the op
-        self.dispatch_spec = specs[next(op for op in planner.ops(config) if op.payload)]
+        self.dispatch_spec = specs[next(op for op in kernels.ops if op.payload)]
         self.low_latency_tokens = self.dispatch_spec.ll_tokens
         self._fused = {op: fused and self.low_latency_tokens > 0 for op in (Op.DISPATCH, Op.COMBINE)}
         self.arena_layout = self.dispatch_spec.arena_layout
