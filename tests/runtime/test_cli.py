@@ -291,6 +291,49 @@ def test_report_output_paths_are_checked_before_compiling(capsys, tmp_path):
     assert f"--markdown {afile / 'x.md'}: parent directory {afile} is not a directory" in err
 
 
+@pytest.mark.parametrize("flag", ["selftest -o", "report --markdown", "report --csv"])
+def test_an_output_path_in_a_symbolic_link_loop_is_one_clear_error(flag, tmp_path, capsys):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    verb, option = flag.split()
+    argv = [verb, option, str(tmp_path / "a")] + (["--model", "deepseek-v3", "--arch", "sm_90"] if verb == "report"
+                                                   else [])
+    err = _usage_error(argv, capsys).strip().splitlines()
+    assert err[-1] == (f"epgen {verb}: error: {option} {tmp_path / 'a'}: a symbolic link loop (it, or a link it goes "
+                       "through, points back at itself); name a file")
+
+
+@pytest.mark.parametrize("verb", ["plan", "generate", "selftest"])
+def test_ctrl_c_in_any_verb_prints_one_line_and_exits_130(verb, monkeypatch, capsys):
+    """KeyboardInterrupt anywhere in a verb: 'epgen VERB: interrupted' on stderr, status 130 (as the
+    shell reports SIGINT), no traceback."""
+    from epgen.cli import commands
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands, {"plan": "cmd_plan", "generate": "cmd_generate", "selftest": "cmd_selftest"}[verb],
+                        interrupted)
+    assert main([verb, "--list"] if verb == "selftest" else [verb]) == 130
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == f"epgen {verb}: interrupted"
+
+
+def test_ctrl_c_in_a_subprocess_exits_130():
+    """The installed command: SIGINT while a verb runs gives one line and status 130."""
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-c", "import sys, time, epgen.cli.commands as c; "
+                          "c.cmd_plan = lambda *a: (print('started', flush=True), time.sleep(60)); "
+                          "sys.exit(c.main(['plan']))"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "started"
+    time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err.strip() == "epgen plan: interrupted", err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["check", "--world-size", "16"], "--world-size 16: the catalogue is fixed at W=8 / Tmax=4096; name --model"),
     (["report", "--max-tokens", "8"], "--max-tokens 8: the catalogue is fixed at W=8 / Tmax=4096"),
@@ -299,7 +342,35 @@ def test_report_output_paths_are_checked_before_compiling(capsys, tmp_path):
     (["check", "--dtype", "fp8", "--world-size", "16"], "--world-size 16: catalogue model mixtral-8x7b has 8 experts"),
     (["check", "--model", "deepseek-v3", "--world-size", "24"],
      "multiple of world_size=24 (--world-size 24 with --model deepseek-v3)"),
-    (["build", "--dispatch-geometry", "24x33"], "KernelSpec.warps_per_block=33: must be in [1, 32] (--dispatch-geometry 24x33u4)"),
+    (["build", "--dispatch-geometry", "24x33"],
+     "KernelSpec.warps_per_block=33: must be in [1, 32] (--dispatch-geometry 24x33u4 on every arch)"),
+    # a shape flag alone does not blame the default model
+    (["plan", "--topk", "4"], "--topk needs --hidden and --num-experts (plan takes one shape: --model, --hf-config"),
+    (["build", "--topk", "4"], "--topk needs --hidden and --num-experts (build takes one shape"),
+    # a geometry is checked on the arches asked for, and named with them
+    (["plan", "--model", "deepseek-v3", "--arch", "sm_90", "--quant", "fp8_blockwise", "--combine-geometry", "24x32"],
+     "32 warps of 32 lanes are 1024 threads on sm_90; a combine with a quantized wire (fp8_blockwise) runs at most "
+     "512 threads"),
+    (["plan", "--model", "deepseek-v3", "--arch", "sm_90", "--combine-geometry", "24x33"],
+     "KernelSpec.warps_per_block=33: must be in [1, 32] (--combine-geometry 24x33u4 on sm_90)"),
+    # a geometry of kernels the family does not build
+    (["plan", "--model", "deepseek-v3", "--kernel-family", "low_latency", "--dispatch-geometry", "24x16"],
+     "--dispatch-geometry 24x16u4: applies to the normal family's kernels, which this run does not build"),
+    (["generate", "--model", "deepseek-v3", "--kernel-family", "normal", "--low-latency-geometry", "16x16", "-o",
+      "/tmp/never"], "--low-latency-geometry 16x16u4: applies to the low-latency family's kernels, which this run"),
+    (["check", "--model", "deepseek-v3", "--kernel-family", "low_latency", "--dispatch-geometry", "24x16"],
+     "--dispatch-geometry 24x16u4: applies to the normal family's kernels, which this run does not build"),
+    (["plan", "--model", "deepseek-v3", "--kernel-family", "normal", "--low-latency-geometry", "16x16"],
+     "--low-latency-geometry 16x16u4: applies to the low-latency family's kernels, which this run does not build"),
+    # a config error names the flags given
+    (["plan", "--hidden", "7168", "--topk", "8", "--num-experts", "256", "--world-size", "3"],
+     "multiple of world_size=3 (--num-experts 256, --world-size 3)"),
+    # a flag given twice, an empty output file
+    (["plan", "--model", "deepseek-v3", "--model", "qwen3-30b-a3b"],
+     "--model given twice (deepseek-v3 and qwen3-30b-a3b): give it once"),
+    (["bench", "--model", "deepseek-v3", "--model", "qwen3-30b-a3b"], "--model given twice"),
+    (["report", "--model", "deepseek-v3", "--markdown", ""], "argument --markdown: '': must name a path"),
+    (["report", "--model", "deepseek-v3", "--csv", " "], "argument --csv: ' ': must name a path"),
     (["diff", "--model", "deepseek-v3", "--a", "unroll=abc", "--b", "unroll=2"], "--a unroll=abc: KernelSpec.unroll"),
     (["diff", "--model", "deepseek-v3", "--a", "unroll=2", "unroll=4", "--b", "unroll=2"],
      "--a 'unroll=4': unroll is already set to 2"),
