@@ -161,7 +161,7 @@ def cmd_report(args, parser, console) -> int:
 
 def cmd_diff(args, parser, console) -> int:
     from epgen.codegen import diff
-    from epgen.codegen.catalogue import NotACatalogue, catalogue_specs, read_manifest, render_files
+    from epgen.codegen.catalogue import NotACatalogue, catalogue_specs, manifest_specs, render_files
     from epgen.codegen.offline import toolchain_status
 
     if args.a or args.b:
@@ -201,14 +201,18 @@ def cmd_diff(args, parser, console) -> int:
         out = flags.catalogue_dir(args, parser)
         if not out.is_dir():
             parser.error(f"-o {out}: not a directory (diff compares a committed catalogue folder with the templates)")
-        try:  # before rendering the catalogue (a minute): a folder epgen generate did not write has nothing to diff
-            if read_manifest(out) is None:
+        try:  # before rendering (a minute for the catalogue): a folder epgen generate did not write has nothing to diff
+            listed = manifest_specs(out)
+            if listed is None:
                 parser.error(f"-o {out}: has no manifest.json, so epgen generate did not write it (diff compares a "
                              "committed catalogue folder with the templates)")
-        except NotACatalogue as e:  # another tool's manifest.json
+        except NotACatalogue as e:  # another tool's manifest.json, or a spec that no longer builds
             _error("diff", str(e))
             return 2
-        specs = catalogue_specs()
+        # the checkout's generated/ against the catalogue (kernels it gained show as new); any other
+        # folder (epgen generate --model ... -o DIR) against the specs its manifest lists
+        catalogue = not args.output or (flags.in_checkout() and out.resolve() == Path("generated").resolve())
+        specs = catalogue_specs() if catalogue else listed
         chunks = diff.catalogue_chunks(out, render_files(specs, with_report=not any(
             toolchain_status(a) for a in {s.arch for s in specs})))
     if args.json:
@@ -597,7 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_shape_args(df)
     df.add_argument("--a", nargs="+", metavar="FIELD=VALUE", help="changes of the first spec, e.g. unroll=2")
     df.add_argument("--b", nargs="+", metavar="FIELD=VALUE", help="changes of the second spec, e.g. unroll=8")
-    df.add_argument("-o", "--output", type=flags.path, help="committed catalogue directory (default generated/)")
+    df.add_argument("-o", "--output", type=flags.path, help="a directory epgen generate wrote (default generated/, "
+                    "compared with the whole catalogue); another one is compared for the specs its manifest lists "
+                    "(one shape's folder: that shape)")
     df.add_argument("-U", "--context", type=flags.non_negative, default=3, help="lines of context (default 3)")
 
     bd = verb("build", "compile every variant an EpDispatchCombine of this config compiles at construction (each "

@@ -405,8 +405,9 @@ def shape_from_hf_config(args, parser) -> None:
 def config_from(args, parser) -> EpConfig | None:
     """The EpConfig the shape flags describe (with those of them a verb has: the GPU verbs take
     --model, --world-size, --dtype, and some --quant, --max-tokens, the geometry, family and
-    transport flags), or None when they name no shape. Errors name the flag; a given geometry
-    is checked against the kernels and arches it applies to (``_check_given_geometries``)."""
+    transport flags), or None when they name no shape. Errors name the flag; with --arch (the
+    CPU verbs) a given geometry is checked against the kernels and target arches it applies to
+    (``_check_given_geometries``; the GPU verbs check theirs in ``gpu_preflight``)."""
     for name in ("hidden", "topk", "num_experts", "kernel_family", "low_latency_geometry", "hf_config"):
         setattr(args, name, getattr(args, name, None))  # a flag the verb lacks: unset
     if args.hf_config:
@@ -435,7 +436,8 @@ def config_from(args, parser) -> EpConfig | None:
     geometries = {FLAGS[f]: kw[f] for f in ("dispatch_geometry", "combine_geometry")}
     low_latency = {FLAGS["low_latency_geometry"]: kw["low_latency_geometry"]}
     try:
-        if any(geometries.values()) or any(low_latency.values()):  # each named with the arch that refuses it
+        # a CPU verb's geometry, named with the --arch targets that refuse it (a GPU verb's: gpu_preflight)
+        if hasattr(args, "arch") and (any(geometries.values()) or any(low_latency.values())):
             bare = dict(kw, dispatch_geometry=None, combine_geometry=None, low_latency_geometry=None)
             _check_given_geometries([_config(args, bare)], arches(args), geometries, low_latency, parser)
         return _config(args, kw)

@@ -201,6 +201,26 @@ def test_diff_committed_catalogue_is_clean():
     assert r.returncode == 0, r.stdout[-2000:]
 
 
+def test_diff_of_a_one_shape_folder_compares_that_shape(tmp_path, capsys, monkeypatch):
+    """``diff -o DIR`` of a folder ``generate --hidden ... -o DIR`` wrote renders the specs its
+    manifest lists (a handful), not the whole catalogue; an edited source is the one difference."""
+    import epgen.codegen.catalogue as catalogue
+
+    out = tmp_path / "one"
+    shape = ["--hidden", "256", "--topk", "2", "--num-experts", "8", "--world-size", "2", "--max-tokens", "16",
+             "--arch", "sm_90", "--kernel-family", "normal"]
+    monkeypatch.setattr(catalogue, "report_rows", lambda specs, **kw: [])  # the sources alone: no compile
+    assert main(["generate", *shape, "-o", str(out), "--quiet"]) == 0
+    listed = json.loads((out / "manifest.json").read_text())["sources"]
+    monkeypatch.setattr(catalogue, "catalogue_specs", lambda *a, **k: pytest.fail("diff rendered the catalogue"))
+    assert main(["diff", "-o", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+    edited = out / listed[0]["file"]
+    edited.write_text(edited.read_text().replace("constexpr int kUnroll", "constexpr int  kUnroll"))
+    assert main(["diff", "-o", str(out), "--json"]) == 1
+    assert [c["variant"] for c in json.loads(capsys.readouterr().out)] == [listed[0]["file"]]
+
+
 def test_conflicting_shape_flags_are_errors():
     r = run("generate", "--model", "mixtral-8x7b", "--hidden", "2048", "--topk", "4", "--num-experts", "16", "-o", "/tmp/x")
     assert r.returncode == 2 and "--model mixtral-8x7b fixes the shape" in r.stderr
@@ -998,7 +1018,7 @@ def test_kernel_family_flags_reach_the_specs_of_the_shape_verbs():
      "--kernel-family low_latency: needs a shape (--model or --hidden); the selectors"),
     (["generate", "--model", "gpt-oss-120b", "--low-latency-geometry", "600x16u2", "-o", "/nonexistent-epgen-out"],
      "KernelSpec.blocks=600: the low-latency family raises one flag per (rank, block), world_size x blocks = 4800, "
-     "at most 1024; at most 128 blocks (--low-latency-geometry 600x16u2)"),
+     "at most 1024; at most 128 blocks (--low-latency-geometry 600x16u2 on every arch)"),
     (["check", "--model", "gpt-oss-120b", "--kernel-family", "low_latency", "--max-tokens", "70000"],
      "kernel_family='low_latency' holds at most 65535 tokens a rank (use 'auto' or 'normal') (--max-tokens)"),
     (["build", "--kernel-family", "fast"], "argument --kernel-family: invalid choice: 'fast'"),
