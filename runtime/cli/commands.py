@@ -431,7 +431,7 @@ def _moe_demo(args, parser, console) -> int:
         flag = ("--tokens" if field == "max_tokens_per_rank" else "--experts" if field in ("num_experts", "topk",
                 "experts_per_rank") and args.experts is not None else "--world-size")
         value = {"--tokens": tokens, "--experts": args.experts, "--world-size": args.world_size}[flag]
-        parser.error(f"{e} ({flag} {value} with --model {args.model} --moe)")
+        parser.error(f"{e} ({flag} {value} with {flags.shape_source(args)}, --moe)")
     return run_moe_demo(cfg, args.model, args.intermediate or MOE_DEMO_INTERMEDIATE, args.iters, console,
                         quiet=args.quiet, as_json=args.json)
 

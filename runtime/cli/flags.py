@@ -311,11 +311,14 @@ def check_wave_size(world_size: int, targets, parser, flag: str = "--world-size"
 
 
 def shape_source(args) -> str | None:
-    """The flag that gave the shape as the user wrote it: "--model NAME" or "--hf-config FILE";
-    None when --hidden/--topk/--num-experts did."""
+    """Where the shape came from, as the user wrote it: "--model NAME" or "--hf-config FILE" when
+    given, "the default model NAME" when no flag named one; None when --hidden/--topk/--num-experts
+    did."""
     if getattr(args, "hf_config", None):
         return f"--hf-config {args.hf_config}"
-    return f"--model {args.model}" if getattr(args, "model", None) else None
+    if not getattr(args, "model", None):
+        return None
+    return f"--model {args.model}" if "model" in getattr(args, "_given_once", {}) else f"the default model {args.model}"
 
 
 def flag_error(e: ValueError, args) -> str:
@@ -605,7 +608,7 @@ def gpu_preflight(args, parser, error, verb: str, layer: EpConfig, *, families: 
             cfgs.append(family_config(bare, family, max_tokens))
         except ValueError as e:
             parser.error(f"{e} (--world-size {args.world_size}, the {family} family with tokens up to {max_tokens}, "
-                         f"with --model {args.model})")
+                         f"with {shape_source(args)})")
     if output is not None:
         check_output(output, parser)
     _check_given_geometries(cfgs, ARCHES, geometries, low_latency_geometries, parser)  # fits some GPU at all

@@ -549,7 +549,7 @@ def _matplotlib(monkeypatch, present: bool) -> None:
     (["diff", "-o", "/nonexistent"], "-o /nonexistent: not a directory"),
     (["bench", "--family", "low_latency", "--tokens", "8", "70000"], "EpConfig.max_tokens_per_rank=70000: "
      "kernel_family='low_latency' holds at most 65535 tokens a rank (use 'auto' or 'normal') (--world-size 2, the "
-     "low_latency family with tokens up to 70000, with --model deepseek-v3)"),
+     "low_latency family with tokens up to 70000, with the default model deepseek-v3)"),
     (["tune", "--low-latency-tokens", "1", "70000"], "(--world-size 2, the low_latency family with tokens up to 70000"),
     (["tune", "--family", "normal", "--low-latency-tokens", "8"],
      "--low-latency-tokens: only with --family low_latency or both"),
@@ -961,16 +961,20 @@ def test_demo_moe_defaults(monkeypatch):
     (["demo", "--experts", "8"], "--experts: only with --moe"),
     (["demo", "--intermediate", "256", "--experts", "8"], "--experts --intermediate: only with --moe"),
     (["demo", "--moe", "--experts", "12"],
-     "EpConfig.num_experts=12: must be a multiple of world_size=8 (--experts 12 with --model deepseek-v3 --moe)"),
-    (["demo", "--moe", "--world-size", "2", "--experts", "4"],
-     "EpConfig.topk=8: must be at most num_experts=4 (--experts 4 with --model deepseek-v3 --moe)"),
-    (["demo", "--moe", "--world-size", "3"], "must be a multiple of world_size=3 (--world-size 3 with --model "
-     "deepseek-v3 --moe)"),
-    (["demo", "--moe", "--experts", "1000000"],
-     "KernelSpec.experts_per_rank=125000: must be in [1, 65536] (--experts 1000000 with --model deepseek-v3 --moe)"),
-    (["demo", "--moe", "--tokens", "2000000"],
-     "KernelSpec.max_tokens_per_rank=2000000: must be in [1, 1048576] (--tokens 2000000 with --model deepseek-v3 "
+     "EpConfig.num_experts=12: must be a multiple of world_size=8 (--experts 12 with the default model deepseek-v3, "
      "--moe)"),
+    (["demo", "--moe", "--world-size", "2", "--experts", "4"],
+     "EpConfig.topk=8: must be at most num_experts=4 (--experts 4 with the default model deepseek-v3, --moe)"),
+    (["demo", "--moe", "--world-size", "3"], "must be a multiple of world_size=3 (--world-size 3 with the default "
+     "model deepseek-v3, --moe)"),
+    (["demo", "--moe", "--experts", "1000000"],
+     "KernelSpec.experts_per_rank=125000: must be in [1, 65536] (--experts 1000000 with the default model "
+     "deepseek-v3, --moe)"),
+    (["demo", "--moe", "--tokens", "2000000"],
+     "KernelSpec.max_tokens_per_rank=2000000: must be in [1, 1048576] (--tokens 2000000 with the default model "
+     "deepseek-v3, --moe)"),
+    (["demo", "--moe", "--model", "deepseek-v3", "--experts", "12"],
+     "EpConfig.num_experts=12: must be a multiple of world_size=8 (--experts 12 with --model deepseek-v3, --moe)"),
     (["demo", "--moe", "--intermediate", "0"], "argument --intermediate: "),
 ])
 def test_demo_moe_flag_errors_name_the_flag(argv, message, capsys):
@@ -1027,10 +1031,10 @@ def test_kernel_family_flags_reach_the_specs_of_the_shape_verbs():
      "--layout --low-latency-geometry: only with --a/--b"),
     (["demo", "--moe", "--kernel-family", "normal"], "--kernel-family: only without --moe"),
     (["demo", "--kernel-family", "low_latency", "--tokens", "70000"],
-     "holds at most 65535 tokens a rank (use 'auto' or 'normal') (--tokens 70000 with --model deepseek-v3)"),
+     "holds at most 65535 tokens a rank (use 'auto' or 'normal') (--tokens 70000 with the default model deepseek-v3)"),
     (["demo", "--low-latency-geometry", "600x16u2"],
-     "world_size x blocks = 4800, at most 1024; at most 128 blocks (--low-latency-geometry 600x16u2 with --model "
-     "deepseek-v3)"),
+     "world_size x blocks = 4800, at most 1024; at most 128 blocks (--low-latency-geometry 600x16u2 with the default "
+     "model deepseek-v3)"),
 ])
 def test_kernel_family_flag_errors_name_the_flag(argv, message, capsys):
     assert message in " ".join(_usage_error(argv, capsys).split())
