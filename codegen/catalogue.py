@@ -160,6 +160,32 @@ def read_manifest(directory: Path) -> list[str] | None:
     Raises:
         NotACatalogue: the manifest exists but is another tool's (e.g. a build cache's) or unreadable.
     """
+    rows = _manifest_rows(directory)
+    return None if rows is None else [r["file"] for r in rows]
+
+
+def manifest_specs(directory: Path) -> list[KernelSpec] | None:
+    """The specs ``<directory>/manifest.json`` lists (what ``epgen generate`` rendered into it, in
+    its order), or None without a manifest: ``epgen diff -o DIR`` renders these again.
+
+    Raises:
+        NotACatalogue: the manifest is another tool's or unreadable, or a row's spec no longer
+            builds (naming its file and the rule).
+    """
+    rows = _manifest_rows(directory)
+    if rows is None:
+        return None
+    specs = []
+    for r in rows:
+        try:
+            specs.append(KernelSpec(**r["spec"]))
+        except (TypeError, ValueError) as e:
+            raise NotACatalogue(f"{Path(directory) / MANIFEST}: the spec of {r['file']} does not build now ({e}); "
+                                "generate the directory again") from None
+    return specs
+
+
+def _manifest_rows(directory: Path) -> list[dict] | None:
     path = Path(directory) / MANIFEST
     if not path.exists() and not path.is_symlink():
         return None
@@ -172,7 +198,7 @@ def read_manifest(directory: Path) -> list[str] | None:
             isinstance(r, dict) and set(r) == _MANIFEST_ROW and isinstance(r["file"], str) for r in rows):
         raise NotACatalogue(f'{path}: not a manifest epgen generate wrote (needs {{"schema": {MANIFEST_SCHEMA}, '
                             '"sources": [{file, entry, key, spec}]}); choose another directory')
-    return [r["file"] for r in rows]
+    return rows
 
 
 def _listed(directory: Path) -> list[str]:

@@ -306,16 +306,21 @@ class ArenaSizes:
         return self.expert_rows > 0
 
     @property
-    def stage_row_bytes(self) -> int:
+    def ll_stage_row_bytes(self) -> int:
         """A low-latency combine stage row: the wire row (bf16 rows for the bf16 wire) rounded up
         to 16 bytes; 0 without the family."""
         return _align16(self.wire_row_bytes or self.hidden * 2) if self.ll_tokens else 0
 
     @property
-    def meta_bytes(self) -> int:
+    def ll_meta_bytes(self) -> int:
         """What follows the payload row in a low-latency dispatch record: (source rank, token), K
         weights, K expert ids, S scale bytes, padded to 16 bytes; 0 without the family or payload."""
         return _align16(8 + 8 * self.topk + self.scale_bytes) if self.ll_tokens and self.payload_row_bytes else 0
+
+    @property
+    def ll_record_bytes(self) -> int:
+        """Bytes of one low-latency dispatch record: payload row, then ``ll_meta_bytes``."""
+        return self.payload_row_bytes + self.ll_meta_bytes
 
 
 @attrs.frozen
@@ -389,8 +394,8 @@ ARENA_REGIONS = (
            "another to learn the call's generation", lambda d: LL_CALL_COUNTERS * 4 if d.ll_tokens else 0,
            ("low_latency",)),
     Region("ll_combine_stage", "[2, W, T_ll, stage row]", "combine wire rows pushed here by rank d for this rank's "
-           "token t at [g % 2, d, t] (g the combine generation; ``ArenaSizes.stage_row_bytes``)",
-           lambda d: 2 * d.world_size * d.ll_tokens * d.stage_row_bytes, ("low_latency",)),
+           "token t at [g % 2, d, t] (g the combine generation; ``ArenaSizes.ll_stage_row_bytes``)",
+           lambda d: 2 * d.world_size * d.ll_tokens * d.ll_stage_row_bytes, ("low_latency",)),
     # the payload rows, last: their row size is the dispatch dtype's, which combine and fold specs do
     # not know (they are built with payload_row_bytes 0 and never use them)
     Region("recv_x", "[cap, H] dispatch dtype", "the received payload rows",
@@ -401,8 +406,9 @@ ARENA_REGIONS = (
            "peers read token t's row here; the caller writes x into it: zero copy)",
            lambda d: d.max_tokens_per_rank * d.payload_row_bytes, ("payload",)),
     Region("ll_dispatch_stage", "[2, W, T_ll, record]", "rows pushed here by source rank s at [g % 2, s, slot] "
-           "(low-latency family): record = payload row, then ``ArenaSizes.meta_bytes``",
-           lambda d: 2 * d.world_size * d.ll_tokens * (d.payload_row_bytes + d.meta_bytes),
+           "(low-latency family): record = payload row, then (source rank, token), K weights, K expert ids, S scale "
+           "bytes, padded to 16 bytes (``ArenaSizes.ll_record_bytes``)",
+           lambda d: 2 * d.world_size * d.ll_tokens * d.ll_record_bytes,
            ("low_latency", "payload")),
 )
 """The regions of one rank's symmetric arena, in order, each 256-byte aligned (identical on every
@@ -424,19 +430,23 @@ host passes ``arena + signals`` as the launch argument ``signals``). On ROCm the
 
 @attrs.frozen
 class ArenaLayout:
-    """Byte offsets of the regions (``ARENA_REGIONS``) of one rank's arena, read as attributes
-    (``layout.recv_x``), and the sizes they were laid out from (``sizes``)."""
+    """Byte offsets of the regions (``ARENA_REGIONS``) of one rank's arena and the sizes they were
+    laid out from, both read as attributes: ``layout.recv_x`` (an offset), ``layout.capacity_rows``
+    or ``layout.ll_record_bytes`` (``ArenaSizes``')."""
 
     offsets: tuple[tuple[str, int], ...]
     sizes: ArenaSizes
     total_bytes: int
 
-    def __getattr__(self, name: str) -> int:
+    def __getattr__(self, name: str):
         for region, offset in object.__getattribute__(self, "offsets"):
             if region == name:
                 return offset
-        raise AttributeError(f"ArenaLayout has no region or attribute {name!r}; regions: "
-                             f"{', '.join(r.name for r in ARENA_REGIONS)}")
+        try:
+            return getattr(object.__getattribute__(self, "sizes"), name)
+        except AttributeError:
+            raise AttributeError(f"ArenaLayout has no region or attribute {name!r}; regions: "
+                                 f"{', '.join(r.name for r in ARENA_REGIONS)}") from None
 
     @classmethod
     def build(cls, sizes: ArenaSizes) -> "ArenaLayout":
@@ -453,35 +463,6 @@ class ArenaLayout:
         d = self.sizes
         has = {"expert": d.expert, "payload": d.payload_row_bytes > 0, "low_latency": d.ll_tokens > 0}
         return [(r, off) for r, (_, off) in zip(ARENA_REGIONS, self.offsets) if all(has[n] for n in r.needs)]
-
-    @property
-    def payload_row_bytes(self) -> int:
-        return self.sizes.payload_row_bytes
-
-    @property
-    def capacity_rows(self) -> int:
-        return self.sizes.capacity_rows
-
-    @property
-    def expert_rows(self) -> int:
-        return self.sizes.expert_rows
-
-    @property
-    def ll_tokens(self) -> int:
-        return self.sizes.ll_tokens
-
-    @property
-    def ll_stage_row_bytes(self) -> int:
-        return self.sizes.stage_row_bytes
-
-    @property
-    def ll_meta_bytes(self) -> int:
-        return self.sizes.meta_bytes
-
-    @property
-    def ll_record_bytes(self) -> int:
-        """Bytes of one low-latency dispatch record: payload row, then ``ll_meta_bytes``."""
-        return self.sizes.payload_row_bytes + self.sizes.meta_bytes
 
 
 @attrs.frozen

@@ -18,7 +18,7 @@
 #   residency tools/residency_probe.py: a cooperative launch beside a kernel holding the GPU, in a graph,
 #           its launch cost, and the start of W processes sharing cuda:0
 #   small   epgen bench W=1 and virtual W=2 at 1, 128, 4096 tokens, uniform, 50 queued replays a
-#           point -> tools/results/$SMALL_TAG-w{1,2}.{csv,png} (issue 13's before/after of the spin-waits)
+#           point -> tools/results/$SMALL_TAG-w{1,2}.{csv,png} (the before/after of the spin-waits)
 #   stress  epgen stress: 200 rounds as W=2 and W=4 processes (sharing cuda:0 on one GPU; qwen3-30b-a3b, up to
 #           $STRESS_TOKENS tokens, default 4096, the fp8_blockwise wire, a recoverable fault every 25 rounds), then
 #           200 with 8 virtual ranks

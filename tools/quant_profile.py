@@ -8,7 +8,7 @@ the encoder cut down): ``copy`` stores bits of the loaded vector instead of code
 traffic), ``no_div`` multiplies by the scale instead of dividing (timing only: not the wire's
 rounding), and of the combine kernel: ``own_as_bf16`` adds a rank's own rows as bf16 (what adding
 them as their wire rows decode costs), ``own_codes`` encodes them to codes and decodes those
-(session 7's kernel) instead of rounding them to the format's grid. Then geometry sweeps of both
+(as the combine did before it rounded them) instead of rounding them to the format's grid. Then geometry sweeps of both
 kernels (the combine's where every block of both ranks fits at once). The CSV's ``exact`` column
 says whether a variant wrote the same bytes as the stock kernel. Every figure is the mean of K
 launches captured in one CUDA graph, replayed 5 times (DESIGN.md section 4: no host launch in the
@@ -38,7 +38,7 @@ OWN_ROW_ADD = "ep_wire_add_roundtrip(acc[u], b[u], c + u * kWave + lane < kRowVe
 COMBINE_ABLATIONS = {
     # a rank's own rows added as their bf16 values: what adding them as their wire rows decode costs
     "own_as_bf16": [(OWN_ROW_ADD, "for (int k = 0; k < 8; ++k) acc[u][k] += ep_bf16_element(b[u], k);")],
-    # the own rows encoded to codes and decoded (session 7's kernel) instead of rounded to the grid
+    # the own rows encoded to codes and decoded (as the combine did before) instead of rounded to the grid
     "own_codes": [(OWN_ROW_ADD, "{ const bool valid = c + u * kWave + lane < kRowVectors; float s; "
                                 "const ep_wire w = ep_wire_encode(b[u], valid, s); ep_wire_add(acc[u], w, valid ? s : 0.0f); }")],
 }

@@ -46,29 +46,10 @@ def _compilers_missing(arches, verb: str) -> bool:
     return bool(missing)
 
 
-def _shape_from_hf_config(args, parser) -> None:
-    """--hf-config: hidden size, top-k and routed experts of a transformers config
-    (``EpConfig.from_hf_config``), set as if given as --hidden/--topk/--num-experts."""
-    from epgen.codegen.config import EpConfig
-
-    given = [f for f, v in (("--model", args.model), ("--hidden", args.hidden), ("--topk", args.topk),
-                            ("--num-experts", args.num_experts)) if v is not None]
-    if given:
-        parser.error(f"--hf-config {args.hf_config} gives the shape: drop {' '.join(given)}")
-    try:  # W = 1 here: --world-size is checked against the experts with the other flags
-        cfg = EpConfig.from_hf_config(args.hf_config, world_size=1, max_tokens_per_rank=1)
-    except (OSError, ValueError) as e:
-        parser.error(f"--hf-config: {e}")  # the message names the file
-    args.hidden, args.topk, args.num_experts = cfg.hidden, cfg.topk, cfg.num_experts
-
-
 def cmd_generate(args, parser, console) -> int:
     from epgen.codegen.catalogue import NotACatalogue, catalogue_specs, check, read_manifest, render_files, write
     from epgen.codegen.models import MODELS
     from epgen.codegen.offline import toolchain_status
-
-    if args.hf_config:
-        _shape_from_hf_config(args, parser)
 
     if args.list_models:
         if args.json:
@@ -180,7 +161,7 @@ def cmd_report(args, parser, console) -> int:
 
 def cmd_diff(args, parser, console) -> int:
     from epgen.codegen import diff
-    from epgen.codegen.catalogue import NotACatalogue, catalogue_specs, read_manifest, render_files
+    from epgen.codegen.catalogue import NotACatalogue, catalogue_specs, manifest_specs, render_files
     from epgen.codegen.offline import toolchain_status
 
     if args.a or args.b:
@@ -202,7 +183,8 @@ def cmd_diff(args, parser, console) -> int:
                     and "warps_per_block" in str(e) and not args.quant else "")
             parser.error(f"--{e.side} {' '.join(f'{k}={v}' for k, v in changes[e.side].items())}: {e}{hint}")
     else:
-        given = [f for f, v in (("--model", args.model), ("--hidden", args.hidden), ("--topk", args.topk),
+        given = [f for f, v in (("--model", args.model), ("--hf-config", args.hf_config), ("--hidden", args.hidden),
+                                ("--topk", args.topk),
                                 ("--num-experts", args.num_experts), ("--world-size", args.world_size),
                                 ("--max-tokens", args.max_tokens), ("--dtype", args.dtype), ("--quant", args.quant),
                                 ("--scale-bytes", args.scale_bytes), ("--layout", args.layout),
@@ -219,14 +201,18 @@ def cmd_diff(args, parser, console) -> int:
         out = flags.catalogue_dir(args, parser)
         if not out.is_dir():
             parser.error(f"-o {out}: not a directory (diff compares a committed catalogue folder with the templates)")
-        try:  # before rendering the catalogue (a minute): a folder epgen generate did not write has nothing to diff
-            if read_manifest(out) is None:
+        try:  # before rendering (a minute for the catalogue): a folder epgen generate did not write has nothing to diff
+            listed = manifest_specs(out)
+            if listed is None:
                 parser.error(f"-o {out}: has no manifest.json, so epgen generate did not write it (diff compares a "
                              "committed catalogue folder with the templates)")
-        except NotACatalogue as e:  # another tool's manifest.json
+        except NotACatalogue as e:  # another tool's manifest.json, or a spec that no longer builds
             _error("diff", str(e))
             return 2
-        specs = catalogue_specs()
+        # the checkout's generated/ against the catalogue (kernels it gained show as new); any other
+        # folder (epgen generate --model ... -o DIR) against the specs its manifest lists
+        catalogue = not args.output or (flags.in_checkout() and out.resolve() == Path("generated").resolve())
+        specs = catalogue_specs() if catalogue else listed
         chunks = diff.catalogue_chunks(out, render_files(specs, with_report=not any(
             toolchain_status(a) for a in {s.arch for s in specs})))
     if args.json:
@@ -283,11 +269,11 @@ def cmd_build(args, parser, console) -> int:
 
     if args.runs is not None and not args.time_import:
         parser.error(f"--runs {args.runs}: only with --time-import")
-    if args.model is None and all(v is None for v in (args.hidden, args.topk, args.num_experts)):
-        args.model = DEFAULT_MODEL
+    _default_model(args)
     cfg = flags.config_from(args, parser)
     if cfg is None:
-        parser.error("--topk needs --hidden and --num-experts (build takes one shape: --model or --hidden)")
+        parser.error("--topk needs --hidden and --num-experts (build takes one shape: --model, --hf-config or "
+                     "--hidden)")
     arches = flags.arches(args)
     try:
         specs = config_specs(cfg, arches)
@@ -341,12 +327,22 @@ def cmd_build(args, parser, console) -> int:
     return 0 if ok else 1
 
 
+def _default_model(args) -> None:
+    """A verb of one shape (build, plan) takes DEFAULT_MODEL when no flag names a shape."""
+    if args.model is None and args.hf_config is None and all(
+            v is None for v in (args.hidden, args.topk, args.num_experts)):
+        args.model = DEFAULT_MODEL
+
+
 def cmd_plan(args, parser, console) -> int:
     """``epgen plan``: print the kernels each call of an op of the config launches (CPU only)."""
     from epgen.plan import Plan, describe
 
-    args.model = args.model or (DEFAULT_MODEL if args.hidden is None else None)
+    _default_model(args)
     cfg = flags.config_from(args, parser)
+    if cfg is None:
+        parser.error("--topk needs --hidden and --num-experts (plan takes one shape: --model, --hf-config or "
+                     "--hidden)")
     try:
         plans = [Plan.build(cfg, arch, cfg.world_size if args.virtual else 1) for arch in flags.arches(args)]
     except ValueError as e:
@@ -354,7 +350,7 @@ def cmd_plan(args, parser, console) -> int:
     if args.json:
         print(json.dumps([{"arch": p.arch, "launches": p.table()} for p in plans]))
     elif not args.quiet:
-        print("\n\n".join(describe(p, args.model) for p in plans))
+        print("\n\n".join(describe(p, args.model or args.hf_config) for p in plans))
     return 0
 
 
@@ -385,7 +381,14 @@ def cmd_demo(args, parser, console) -> int:
     from epgen.codegen.arch import ARCHES
     from epgen.codegen.config import EpConfig
 
-    flags.check_model(args.model, parser)
+    if args.hf_config:
+        if args.moe:
+            parser.error(f"--hf-config {args.hf_config}: not with --moe (the MoE layer demo takes a catalogue --model)")
+        args.hidden = args.topk = args.num_experts = None
+        flags.shape_from_hf_config(args, parser)
+    else:
+        args.model = args.model or DEFAULT_MODEL
+        flags.check_model(args.model, parser)
     flags.check_wave_size(args.world_size, ARCHES, parser, arch_flag=False)  # the demo covers every arch
     if args.moe:
         return _moe_demo(args, parser, console)
@@ -393,20 +396,22 @@ def cmd_demo(args, parser, console) -> int:
     if given:
         parser.error(f"{' '.join(given)}: only with --moe")
     args.tokens = args.tokens or CATALOGUE_MAX_TOKENS
+    kw = dict(world_size=args.world_size, max_tokens_per_rank=args.tokens,
+              kernel_family=args.kernel_family or flags.CONFIG_DEFAULTS["kernel_family"],
+              low_latency_geometry=args.low_latency_geometry)
     try:
-        cfg = EpConfig.for_model(args.model, world_size=args.world_size, max_tokens_per_rank=args.tokens,
-                                 kernel_family=args.kernel_family or flags.CONFIG_DEFAULTS["kernel_family"],
-                                 low_latency_geometry=args.low_latency_geometry)
+        cfg = (EpConfig(hidden=args.hidden, topk=args.topk, num_experts=args.num_experts, **kw) if args.hf_config
+               else EpConfig.for_model(args.model, **kw))
         for arch in ARCHES:  # the demo compiles every arch's kernels
             planner.plan(cfg, arch)
     except ValueError as e:
         field = getattr(e, "field", None)
         flag = ("--tokens" if field == "max_tokens_per_rank" else "--low-latency-geometry"
                 if args.low_latency_geometry and field in ("blocks", "warps_per_block", "unroll") else "--world-size")
-        parser.error(f"{e} ({flag} {getattr(args, flag[2:].replace('-', '_'))} with --model {args.model})")
+        parser.error(f"{e} ({flag} {getattr(args, flag[2:].replace('-', '_'))} with {flags.shape_source(args)})")
     from epgen.cli.demo import run_demo
 
-    return run_demo(cfg, args.model, args.iters, console, quiet=args.quiet, as_json=args.json)
+    return run_demo(cfg, args.model or args.hf_config, args.iters, console, quiet=args.quiet, as_json=args.json)
 
 
 def _moe_demo(args, parser, console) -> int:
@@ -427,7 +432,7 @@ def _moe_demo(args, parser, console) -> int:
         flag = ("--tokens" if field == "max_tokens_per_rank" else "--experts" if field in ("num_experts", "topk",
                 "experts_per_rank") and args.experts is not None else "--world-size")
         value = {"--tokens": tokens, "--experts": args.experts, "--world-size": args.world_size}[flag]
-        parser.error(f"{e} ({flag} {value} with --model {args.model} --moe)")
+        parser.error(f"{e} ({flag} {value} with {flags.shape_source(args)}, --moe)")
     return run_moe_demo(cfg, args.model, args.intermediate or MOE_DEMO_INTERMEDIATE, args.iters, console,
                         quiet=args.quiet, as_json=args.json)
 
@@ -576,9 +581,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "only its own files")
     g.add_argument("--check", action="store_true", help="exit 1 when the directory differs from a fresh render")
     g.add_argument("--list-models", action="store_true", help="list the catalogue models and exit")
-    g.add_argument("--hf-config", type=flags.path, help="a transformers config.json (or the directory holding it): "
-                   "the shape of its MoE layers (hidden_size, routed experts, experts per token; "
-                   "EpConfig.from_hf_config) instead of --model or --hidden/--topk/--num-experts")
 
     table = ("registers, AGPRs, SGPRs, scratch/spill, LDS/shared bytes and occupancy per variant and arch, with the "
              "exact offline compiler releases (clang 22 for gfx*, NVRTC for sm_90)")
@@ -592,15 +594,17 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_shape_args(r)
     flags.add_geometry_args(r)
     flags.add_jobs_arg(r)
-    r.add_argument("--markdown", help="also write the table as Markdown to this file")
-    r.add_argument("--csv", help="also write the table as CSV to this file")
+    r.add_argument("--markdown", type=flags.path, help="also write the table as Markdown to this file")
+    r.add_argument("--csv", type=flags.path, help="also write the table as CSV to this file")
 
     df = verb("diff", "unified diff of generated sources, grouped by variant: the committed generated/ against "
               "the current templates, or (--a/--b) two specs of one shape; exit 1 when they differ", cmd_diff)
     flags.add_shape_args(df)
     df.add_argument("--a", nargs="+", metavar="FIELD=VALUE", help="changes of the first spec, e.g. unroll=2")
     df.add_argument("--b", nargs="+", metavar="FIELD=VALUE", help="changes of the second spec, e.g. unroll=8")
-    df.add_argument("-o", "--output", type=flags.path, help="committed catalogue directory (default generated/)")
+    df.add_argument("-o", "--output", type=flags.path, help="a directory epgen generate wrote (default generated/, "
+                    "compared with the whole catalogue); another one is compared for the specs its manifest lists "
+                    "(one shape's folder: that shape)")
     df.add_argument("-U", "--context", type=flags.non_negative, default=3, help="lines of context (default 3)")
 
     bd = verb("build", "compile every variant an EpDispatchCombine of this config compiles at construction (each "
@@ -702,6 +706,9 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # output piped into head & co.
         _drop_closed_stdout()
         return 0
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT
+        _error(args.verb, "interrupted")
+        return 130
 
 
 def _drop_closed_stdout() -> None:

@@ -12,12 +12,13 @@ from epgen.codegen.report import resource_table
 from epgen.codegen.offline import toolchain_status
 from epgen.codegen import planner
 from epgen.codegen.config import EpConfig
+from epgen.codegen.models import MODELS
 
 
 def run_demo(cfg: EpConfig, model: str, iters: int, console: Console, quiet: bool = False,
              as_json: bool = False) -> int:
     """Returns the process exit code: 0 when every check passed. ``cfg``: the layer, of catalogue
-    ``model``, its max tokens per rank the tokens each virtual rank sends (the GPU run times the
+    ``model`` (or the --hf-config file it was read from), its max tokens per rank the tokens each virtual rank sends (the GPU run times the
     family ``op.family(tokens)`` takes); ``quiet`` prints only failures; ``as_json`` also prints a
     JSON summary (resources and, with a GPU, per-rank results) on stdout."""
     import json
@@ -51,15 +52,16 @@ def run_demo(cfg: EpConfig, model: str, iters: int, console: Console, quiet: boo
     else:
         summary["gpu"] = _run_gpu(cfg, model, tokens, iters, console, quiet)
     if not quiet:
-        console.print(next_steps(model, bool(rows)))
+        console.print(next_steps(f"--model {model}" if model in MODELS else f"--hf-config {model}", bool(rows)))
     if as_json:
         print(json.dumps(summary))
     return rc
 
 
-def next_steps(model: str, table: bool) -> str:
+def next_steps(shape: str, table: bool) -> str:
     """What the demo's notation means (with ``table``: its resource table's), where its kernels
-    are and what to run next."""
+    are and what to run next; ``shape``: the flag that named the shape ("--model NAME" or
+    "--hf-config FILE")."""
     legend = ("how to read the table: a variant is PAYLOAD BLOCKSxWARPSuUNROLL, e.g. bf16 2048x16u2: the "
               "dispatched dtype or the combine's wire (bf16, or a quantized wire's tag such as qfp8b), then the "
               "launch geometry, blocks x warps per block, and the copy loop's unroll. The caption's 'every row: "
@@ -67,10 +69,11 @@ def next_steps(model: str, table: bool) -> str:
               "l experts per rank, t max tokens per rank (s scale bytes, r receive rows, a expert alignment where "
               "set). regs, AGPR, SGPR: registers a thread uses; LDS and occ: shared memory a block uses and "
               "occupancy, in the caption's units.\n" if table else "")
-    return (f"{legend}the kernels: rendered in memory and compiled, not written; `epgen generate --model {model} -o "
+    bench = shape if shape.startswith("--model") else "--model MODEL"  # the GPU verbs take catalogue models
+    return (f"{legend}the kernels: rendered in memory and compiled, not written; `epgen generate {shape} -o "
             "DIR` writes their sources, named by the entry names above (an epgen checkout's generated/ holds the "
-            f"catalogue's).\nnext: `epgen check --model {model} --arch ARCH` (one arch's resources; --json for "
-            f"scripts), `epgen demo --moe` (the whole MoE layer), and on a GPU `epgen bench --model {model}` "
+            f"catalogue's).\nnext: `epgen check {shape} --arch ARCH` (one arch's resources; --json for "
+            f"scripts), `epgen demo --moe` (the whole MoE layer), and on a GPU `epgen bench {bench}` "
             "(time against the link's ceiling and NCCL) or `epgen stress` (many verified rounds).")
 
 

@@ -45,6 +45,17 @@ FLAGS = {"hidden": "--hidden", "topk": "--topk", "num_experts": "--num-experts",
 _GEOMETRY_FIELDS = ("blocks", "warps_per_block", "unroll")
 
 
+class Once(argparse.Action):
+    """Store a flag's value, refusing it given twice (``--model A --model B`` would silently take B)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault("_given_once", {})
+        if self.dest in given:
+            parser.error(f"{option_string} given twice ({given[self.dest]} and {values}): give it once")
+        given[self.dest] = values
+        setattr(namespace, self.dest, values)
+
+
 def int_at_least(low: int):
     """An argparse type: an int >= ``low``."""
 
@@ -108,12 +119,21 @@ def add_family_args(p: argparse.ArgumentParser, *, needs: str = "") -> None:
     p.add_argument("--low-latency-geometry", type=geometry, help=LOW_LATENCY_GEOMETRY_HELP + needs)
 
 
+def add_hf_config_arg(p: argparse.ArgumentParser) -> None:
+    """--hf-config: the shape of a transformers model's MoE layers from its config (``shape_from_hf_config``)."""
+    p.add_argument("--hf-config", type=path, action=Once, help="a transformers config.json (or the directory "
+                   "holding it): the shape of its MoE layers (hidden_size, routed experts, experts per token; "
+                   "EpConfig.from_hf_config) instead of --model or --hidden/--topk/--num-experts; the shape read is "
+                   "printed on stderr")
+
+
 def add_shape_args(p: argparse.ArgumentParser, *, model_help: str = "") -> None:
-    """--model, --hidden/--topk/--num-experts, --world-size, --max-tokens, --dtype, --quant,
+    """--model, --hf-config, --hidden/--topk/--num-experts, --world-size, --max-tokens, --dtype, --quant,
     --scale-bytes, --layout, --expert-alignment, --max-recv-tokens, --kernel-family,
     --low-latency-geometry and --arch (repeatable)."""
     catalogue = f"the catalogue is fixed at W={CATALOGUE_WORLD_SIZE}/Tmax={CATALOGUE_MAX_TOKENS}"
-    p.add_argument("--model", type=model_name, help=f"catalogue model ({', '.join(MODELS)}){model_help}")
+    p.add_argument("--model", type=model_name, action=Once, help=f"catalogue model ({', '.join(MODELS)}){model_help}")
+    add_hf_config_arg(p)
     p.add_argument("--hidden", type=positive, help="hidden size H (instead of --model)")
     p.add_argument("--topk", type=positive, help="experts per token K, 1 to 16 (with --hidden; alone: every "
                    "catalogue model with at least K experts, at top-k K)")
@@ -162,7 +182,8 @@ def add_jobs_arg(p: argparse.ArgumentParser) -> None:
 def add_gpu_verb_args(p, *, world_size: int, virtual: bool, quant: bool, quant_help: str = "") -> None:
     """--model, --world-size (, --virtual), --dtype (, --quant) of a GPU verb: the shape flags it
     takes, read by ``config_from``; defaults ``DEFAULT_MODEL``, ``world_size`` and EpConfig's."""
-    p.add_argument("--model", type=model_name, default=DEFAULT_MODEL, help=f"catalogue model (default {DEFAULT_MODEL})")
+    p.add_argument("--model", type=model_name, action=Once, default=DEFAULT_MODEL,
+                   help=f"catalogue model (default {DEFAULT_MODEL})")
     p.add_argument("--world-size", type=positive, default=world_size, help="ranks; one process per GPU"
                    f"{' unless --virtual' if virtual else ''} (default {world_size})")
     if virtual:
@@ -176,7 +197,8 @@ def add_gpu_verb_args(p, *, world_size: int, virtual: bool, quant: bool, quant_h
 
 def add_demo_args(d) -> None:
     """``epgen demo``'s flags (--tokens: the config's max tokens per rank)."""
-    d.add_argument("--model", type=model_name, default=DEFAULT_MODEL, help=f"catalogue model (default {DEFAULT_MODEL})")
+    d.add_argument("--model", type=model_name, action=Once, help=f"catalogue model (default {DEFAULT_MODEL})")
+    add_hf_config_arg(d)
     d.add_argument("--world-size", type=positive, default=CATALOGUE_WORLD_SIZE,
                    help=f"virtual ranks on the GPU (default {CATALOGUE_WORLD_SIZE})")
     d.add_argument("--tokens", type=positive, help=f"tokens per rank (default {CATALOGUE_MAX_TOKENS})")
@@ -264,8 +286,8 @@ def add_stress_args(st) -> None:
 
 
 def arches(args) -> tuple[str, ...]:
-    """The --arch values in order without repeats, or every arch."""
-    return tuple(dict.fromkeys(args.arch or ARCHES))
+    """The --arch values in order without repeats, or every arch (a verb without --arch: every arch)."""
+    return tuple(dict.fromkeys(getattr(args, "arch", None) or ARCHES))
 
 
 def check_model(name: str, parser) -> None:
@@ -289,17 +311,28 @@ def check_wave_size(world_size: int, targets, parser, flag: str = "--world-size"
                  f"lane per destination rank; {', '.join(f'{a}: {traits(a).wave_size}' for a in targets)}){hint}")
 
 
+def shape_source(args) -> str | None:
+    """Where the shape came from, as the user wrote it: "--model NAME" or "--hf-config FILE" when
+    given, "the default model NAME" when no flag named one; None when --hidden/--topk/--num-experts
+    did."""
+    if getattr(args, "hf_config", None):
+        return f"--hf-config {args.hf_config}"
+    if not getattr(args, "model", None):
+        return None
+    return f"--model {args.model}" if "model" in getattr(args, "_given_once", {}) else f"the default model {args.model}"
+
+
 def flag_error(e: ValueError, args) -> str:
     """A config or spec error plus the flags its field came from: ``e.field`` (a FieldError) mapped
-    to the flags the user gave (--model for the shape, the geometry flags for blocks/warps/unroll,
-    --num-experts and --world-size for experts_per_rank = E / W)."""
+    to the flags the user gave (--model or --hf-config for the shape, the geometry flags for
+    blocks/warps/unroll, --num-experts and --world-size for experts_per_rank = E / W)."""
     field = getattr(e, "field", None)
-    model_ = getattr(args, "model", None)
+    source = shape_source(args)
     if field == "num_experts" and "multiple of world_size" in str(e):
-        return (f"{e} (--world-size {args.world_size} with --model {model_})" if model_
-                else f"{e} (--num-experts, --world-size)")
-    if model_ and field in ("hidden", "topk", "num_experts", "experts_per_rank"):
-        return f"{e} (--model {model_})"
+        return (f"{e} (--world-size {args.world_size} with {source})" if source
+                else f"{e} (--num-experts {args.num_experts}, --world-size {args.world_size})")
+    if source and field in ("hidden", "topk", "num_experts", "experts_per_rank"):
+        return f"{e} ({source})"
     if field == "experts_per_rank":
         return f"{e} (--num-experts {args.num_experts} / --world-size {args.world_size})"
     if field in _GEOMETRY_FIELDS:
@@ -348,12 +381,41 @@ def _layer_kw(args) -> dict:
                 max_recv_tokens=getattr(args, "max_recv_tokens", None))
 
 
+def shape_from_hf_config(args, parser) -> None:
+    """--hf-config: hidden size, top-k and routed experts of a transformers config
+    (``EpConfig.from_hf_config``), set as if given as --hidden/--topk/--num-experts, and printed
+    on stderr (unless --quiet): the shape the verb then uses. A parser error when --model or a
+    shape flag is given too, or the file does not give a shape (its message names the file)."""
+    import sys
+
+    if getattr(args, "_hf_config_read", False):
+        return
+    given = [f for f, v in (("--model", args.model), ("--hidden", args.hidden), ("--topk", args.topk),
+                            ("--num-experts", args.num_experts)) if v is not None]
+    if given:
+        parser.error(f"--hf-config {args.hf_config} gives the shape: drop {' '.join(given)}")
+    try:  # W = 1 here: --world-size is checked against the experts with the other flags
+        cfg = EpConfig.from_hf_config(args.hf_config, world_size=1, max_tokens_per_rank=1)
+    except (OSError, ValueError) as e:
+        parser.error(f"--hf-config: {e}")  # the message names the file
+    args.hidden, args.topk, args.num_experts = cfg.hidden, cfg.topk, cfg.num_experts
+    args._hf_config_read = True
+    if not getattr(args, "quiet", False):
+        print(f"--hf-config {args.hf_config}: hidden {cfg.hidden}, top-{cfg.topk} of {cfg.num_experts} routed "
+              f"experts (as --hidden {cfg.hidden} --topk {cfg.topk} --num-experts {cfg.num_experts})",
+              file=sys.stderr)
+
+
 def config_from(args, parser) -> EpConfig | None:
     """The EpConfig the shape flags describe (with those of them a verb has: the GPU verbs take
     --model, --world-size, --dtype, and some --quant, --max-tokens, the geometry, family and
-    transport flags), or None when they name no shape. Errors name the flag."""
-    for name in ("hidden", "topk", "num_experts", "kernel_family", "low_latency_geometry"):
+    transport flags), or None when they name no shape. Errors name the flag; with --arch (the
+    CPU verbs) a given geometry is checked against the kernels and target arches it applies to
+    (``_check_given_geometries``; the GPU verbs check theirs in ``gpu_preflight``)."""
+    for name in ("hidden", "topk", "num_experts", "kernel_family", "low_latency_geometry", "hf_config"):
         setattr(args, name, getattr(args, name, None))  # a flag the verb lacks: unset
+    if args.hf_config:
+        shape_from_hf_config(args, parser)
     _resolve_sizes(args, parser)
     shape = [f for f, v in (("--hidden", args.hidden), ("--topk", args.topk), ("--num-experts", args.num_experts))
              if v is not None]
@@ -375,12 +437,22 @@ def config_from(args, parser) -> EpConfig | None:
     missing = [f"--{n}" for n, v in (("topk", args.topk), ("num-experts", args.num_experts)) if v is None]
     if args.hidden is not None and missing:
         parser.error(f"--hidden needs {' and '.join(missing)}")
+    geometries = {FLAGS[f]: kw[f] for f in ("dispatch_geometry", "combine_geometry")}
+    low_latency = {FLAGS["low_latency_geometry"]: kw["low_latency_geometry"]}
     try:
-        if args.hidden is None:
-            return EpConfig.for_model(args.model, **kw)
-        return EpConfig(hidden=args.hidden, topk=args.topk, num_experts=args.num_experts, **kw)
+        # a CPU verb's geometry, named with the --arch targets that refuse it (a GPU verb's: gpu_preflight)
+        if hasattr(args, "arch") and (any(geometries.values()) or any(low_latency.values())):
+            bare = dict(kw, dispatch_geometry=None, combine_geometry=None, low_latency_geometry=None)
+            _check_given_geometries([_config(args, bare)], arches(args), geometries, low_latency, parser)
+        return _config(args, kw)
     except ValueError as e:
         parser.error(flag_error(e, args))
+
+
+def _config(args, kw: dict) -> EpConfig:
+    if args.hidden is None:
+        return EpConfig.for_model(args.model, **kw)
+    return EpConfig(hidden=args.hidden, topk=args.topk, num_experts=args.num_experts, **kw)
 
 
 def specs_from(args, parser) -> list | None:
@@ -470,13 +542,19 @@ def not_a_directory(path: Path) -> str | None:
 def check_output_files(outputs, parser) -> None:
     """``outputs``: (flag, Path) of files to write later; a parser error now (before minutes of
     compiling) when two name one file, or one exists and is not writable, is a directory or has
-    no parent folder, or its name is longer than the file system allows (``check_path_name``)."""
+    no parent folder, is a symbolic link loop, or its name is longer than the file system allows
+    (``check_path_name``)."""
     seen = {}
     for flag, file in outputs:
         check_path_name(flag, file, parser)
-        if file.resolve() in seen:
-            parser.error(f"{seen[file.resolve()]} and {flag} name the same file {file}: give each output its own")
-        seen[file.resolve()] = flag
+        try:
+            resolved = file.resolve()
+        except (OSError, RuntimeError):  # RuntimeError: Python before 3.13 on a symbolic link loop
+            parser.error(f"{flag} {file}: a symbolic link loop (it, or a link it goes through, points back at "
+                         "itself); name a file")
+        if resolved in seen:
+            parser.error(f"{seen[resolved]} and {flag} name the same file {file}: give each output its own")
+        seen[resolved] = flag
         if file.exists() and not os.access(file, os.W_OK):
             parser.error(f"{flag} {file}: exists and is not writable")
         if file.is_dir():
@@ -531,7 +609,7 @@ def gpu_preflight(args, parser, error, verb: str, layer: EpConfig, *, families: 
             cfgs.append(family_config(bare, family, max_tokens))
         except ValueError as e:
             parser.error(f"{e} (--world-size {args.world_size}, the {family} family with tokens up to {max_tokens}, "
-                         f"with --model {args.model})")
+                         f"with {shape_source(args)})")
     if output is not None:
         check_output(output, parser)
     _check_given_geometries(cfgs, ARCHES, geometries, low_latency_geometries, parser)  # fits some GPU at all
@@ -550,15 +628,16 @@ def gpu_preflight(args, parser, error, verb: str, layer: EpConfig, *, families: 
             planner.plan(cfg, arch)
         except ValueError as e:
             parser.error(f"{e} (--world-size {args.world_size} on this GPU's arch {arch})")
-    _check_given_geometries(cfgs, (arch,), geometries, low_latency_geometries, parser)
+    _check_given_geometries(cfgs, (arch,), geometries, low_latency_geometries, parser, gpu=True)
     return family_config(layer, *next(iter(families.items())))
 
 
-def _check_given_geometries(cfgs, arches, geometries, low_latency_geometries, parser) -> None:
+def _check_given_geometries(cfgs, arches, geometries, low_latency_geometries, parser, gpu: bool = False) -> None:
     """A parser error for a given geometry (flag -> Geometry, a list of them, or None) that no arch
     of ``arches`` runs for the kernels it applies to (the dispatch and combine, or the low-latency
-    halves), naming the flag: given ``ARCHES`` before any GPU is looked for (a geometry no GPU can
-    run), then this GPU's arch. A geometry for kernels this run builds on none of them is an error."""
+    halves), naming the flag and the arches that refuse it: the target arches (--arch, default
+    every arch), and for a GPU verb (``gpu``) then this GPU's arch. A geometry for kernels this run
+    builds on none of them (--dispatch-geometry with --kernel-family low_latency) is an error."""
     for ops, given_by_flag in ((CALLS, geometries), (LOW_LATENCY_OPS, low_latency_geometries)):
         family = "low-latency" if ops is LOW_LATENCY_OPS else "normal"
         for flag, given in (given_by_flag or {}).items():
@@ -578,7 +657,7 @@ def _check_given_geometries(cfgs, arches, geometries, low_latency_geometries, pa
                 else:
                     def where(on):
                         if len(arches) == 1:
-                            return f"this GPU's arch {on[0]}"
+                            return f"this GPU's arch {on[0]}" if gpu else on[0]
                         return "every arch" if len(on) == len(arches) else ", ".join(on)
                     parser.error("; ".join(f"{m} ({flag} {g} on {where(on)})" for m, on in errors.items()))
 

@@ -23,7 +23,7 @@ from epgen.device import device_arch
 from epgen.loader import load_kernel_from
 
 WARM_IMPORT_TARGET_S = 0.1
-"""Goal for one warm import (issue 6): under 100 ms per variant."""
+"""Goal for one warm import: under 100 ms per variant."""
 
 _WARMUP = 'extern "C" __global__ void epgen_runtime_compiler_warmup() {}\n'
 

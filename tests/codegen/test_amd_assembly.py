@@ -30,7 +30,7 @@ barrier, follows a waited system-scope writeback since that barrier (``release``
 is reached from the wave's plain stores without their wait and a block barrier (``block``); and
 from every poll loop some path completes the system-scope invalidate (and, on gfx1250, its wait)
 before a non-signal load or a block barrier (``acquire``). The catalogue passes them on every
-AMD arch, and each fence removal of issue 34 item 6, applied to a small config's rendered source,
+AMD arch, and each fence removal of the memory-model review, applied to a small config's rendered source,
 fails them on every AMD arch (``test_a_removed_fence_fails_the_order_scans``). The instruction
 stream, its basic blocks and the wait predicates come from that module; the scans here build on
 them.
@@ -550,7 +550,7 @@ FENCE_REMOVALS = {  # mutation -> (edit, the ops whose code it changes, the rule
     "low_latency_barrier": (_drop_low_latency_barrier, ("dispatch_ll", "combine_ll"), "block",
                             r"buffer_wbl2 sc0 sc1$|global_wb scope:SCOPE_SYS$"),
 }
-"""Issue 34 item 6's fence removals, as text edits of a rendered source."""
+"""The memory-model review's fence removals, as text edits of a rendered source."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -581,7 +581,7 @@ def _fence_removal_assembly(arch: str) -> dict[tuple[str, str | None], str]:
 @pytest.mark.parametrize("mutation", list(FENCE_REMOVALS))
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950", "gfx1250"])
 def test_a_removed_fence_fails_the_order_scans(arch, mutation):
-    """Each fence removal of issue 34 item 6, applied to the rendered source of a small config,
+    """Each fence removal of the memory-model review, applied to the rendered source of a small config,
     changes the assembly of every op it edits on every AMD arch and fails ``order_scan`` there
     with the rule it breaks, naming the instruction (the unedited sources pass)."""
     reason = toolchain_status(arch)

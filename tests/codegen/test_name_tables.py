@@ -1,5 +1,5 @@
 """Every branch on an arch's vendor, an fp8 flavour or a wire element looks the name up in the
-table that defines it and refuses a name it does not know (issue 27, item 3): each test here
+table that defines it and refuses a name it does not know: each test here
 gives one of them an unknown name."""
 
 import attrs

@@ -1,4 +1,4 @@
-"""GPU reliability tests (issue 5): each kind of bug, fixed as a kind, has a test here.
+"""GPU reliability tests: each kind of bug, fixed as a kind, has a test here.
 
 Modes: ``virtual8`` = W = 8 virtual ranks on one GPU (marker gpu) and ``procsW`` = W = 2, 3 and 4
 processes (marker processes: one GPU each, or all sharing cuda:0), unless a case names its own W. Rounds are checked bit for bit

@@ -1,4 +1,4 @@
-"""GPU runs of shapes outside the catalogue (issue 3): top-k 1, 2, 6, 9 and 10 at hidden 2880 and
+"""GPU runs of shapes outside the catalogue: top-k 1, 2, 6, 9 and 10 at hidden 2880 and
 6144, bf16 dispatch + combine checked against the torch reference with ``check.run_round``
 (received rows bit-equal, every combined element within its bound). W = 8 virtual ranks for every
 shape; one multi-process test (W = 2, 3 and 4 processes) covers each top-k and each hidden once. Experts per rank from 1

@@ -201,6 +201,26 @@ def test_diff_committed_catalogue_is_clean():
     assert r.returncode == 0, r.stdout[-2000:]
 
 
+def test_diff_of_a_one_shape_folder_compares_that_shape(tmp_path, capsys, monkeypatch):
+    """``diff -o DIR`` of a folder ``generate --hidden ... -o DIR`` wrote renders the specs its
+    manifest lists (a handful), not the whole catalogue; an edited source is the one difference."""
+    import epgen.codegen.catalogue as catalogue
+
+    out = tmp_path / "one"
+    shape = ["--hidden", "256", "--topk", "2", "--num-experts", "8", "--world-size", "2", "--max-tokens", "16",
+             "--arch", "sm_90", "--kernel-family", "normal"]
+    monkeypatch.setattr(catalogue, "report_rows", lambda specs, **kw: [])  # the sources alone: no compile
+    assert main(["generate", *shape, "-o", str(out), "--quiet"]) == 0
+    listed = json.loads((out / "manifest.json").read_text())["sources"]
+    monkeypatch.setattr(catalogue, "catalogue_specs", lambda *a, **k: pytest.fail("diff rendered the catalogue"))
+    assert main(["diff", "-o", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+    edited = out / listed[0]["file"]
+    edited.write_text(edited.read_text().replace("constexpr int kUnroll", "constexpr int  kUnroll"))
+    assert main(["diff", "-o", str(out), "--json"]) == 1
+    assert [c["variant"] for c in json.loads(capsys.readouterr().out)] == [listed[0]["file"]]
+
+
 def test_conflicting_shape_flags_are_errors():
     r = run("generate", "--model", "mixtral-8x7b", "--hidden", "2048", "--topk", "4", "--num-experts", "16", "-o", "/tmp/x")
     assert r.returncode == 2 and "--model mixtral-8x7b fixes the shape" in r.stderr
@@ -291,6 +311,49 @@ def test_report_output_paths_are_checked_before_compiling(capsys, tmp_path):
     assert f"--markdown {afile / 'x.md'}: parent directory {afile} is not a directory" in err
 
 
+@pytest.mark.parametrize("flag", ["selftest -o", "report --markdown", "report --csv"])
+def test_an_output_path_in_a_symbolic_link_loop_is_one_clear_error(flag, tmp_path, capsys):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    verb, option = flag.split()
+    argv = [verb, option, str(tmp_path / "a")] + (["--model", "deepseek-v3", "--arch", "sm_90"] if verb == "report"
+                                                   else [])
+    err = _usage_error(argv, capsys).strip().splitlines()
+    assert err[-1] == (f"epgen {verb}: error: {option} {tmp_path / 'a'}: a symbolic link loop (it, or a link it goes "
+                       "through, points back at itself); name a file")
+
+
+@pytest.mark.parametrize("verb", ["plan", "generate", "selftest"])
+def test_ctrl_c_in_any_verb_prints_one_line_and_exits_130(verb, monkeypatch, capsys):
+    """KeyboardInterrupt anywhere in a verb: 'epgen VERB: interrupted' on stderr, status 130 (as the
+    shell reports SIGINT), no traceback."""
+    from epgen.cli import commands
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands, {"plan": "cmd_plan", "generate": "cmd_generate", "selftest": "cmd_selftest"}[verb],
+                        interrupted)
+    assert main([verb, "--list"] if verb == "selftest" else [verb]) == 130
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == f"epgen {verb}: interrupted"
+
+
+def test_ctrl_c_in_a_subprocess_exits_130():
+    """The installed command: SIGINT while a verb runs gives one line and status 130."""
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-c", "import sys, time, epgen.cli.commands as c; "
+                          "c.cmd_plan = lambda *a: (print('started', flush=True), time.sleep(60)); "
+                          "sys.exit(c.main(['plan']))"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "started"
+    time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err.strip() == "epgen plan: interrupted", err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["check", "--world-size", "16"], "--world-size 16: the catalogue is fixed at W=8 / Tmax=4096; name --model"),
     (["report", "--max-tokens", "8"], "--max-tokens 8: the catalogue is fixed at W=8 / Tmax=4096"),
@@ -299,7 +362,35 @@ def test_report_output_paths_are_checked_before_compiling(capsys, tmp_path):
     (["check", "--dtype", "fp8", "--world-size", "16"], "--world-size 16: catalogue model mixtral-8x7b has 8 experts"),
     (["check", "--model", "deepseek-v3", "--world-size", "24"],
      "multiple of world_size=24 (--world-size 24 with --model deepseek-v3)"),
-    (["build", "--dispatch-geometry", "24x33"], "KernelSpec.warps_per_block=33: must be in [1, 32] (--dispatch-geometry 24x33u4)"),
+    (["build", "--dispatch-geometry", "24x33"],
+     "KernelSpec.warps_per_block=33: must be in [1, 32] (--dispatch-geometry 24x33u4 on every arch)"),
+    # a shape flag alone does not blame the default model
+    (["plan", "--topk", "4"], "--topk needs --hidden and --num-experts (plan takes one shape: --model, --hf-config"),
+    (["build", "--topk", "4"], "--topk needs --hidden and --num-experts (build takes one shape"),
+    # a geometry is checked on the arches asked for, and named with them
+    (["plan", "--model", "deepseek-v3", "--arch", "sm_90", "--quant", "fp8_blockwise", "--combine-geometry", "24x32"],
+     "32 warps of 32 lanes are 1024 threads on sm_90; a combine with a quantized wire (fp8_blockwise) runs at most "
+     "512 threads"),
+    (["plan", "--model", "deepseek-v3", "--arch", "sm_90", "--combine-geometry", "24x33"],
+     "KernelSpec.warps_per_block=33: must be in [1, 32] (--combine-geometry 24x33u4 on sm_90)"),
+    # a geometry of kernels the family does not build
+    (["plan", "--model", "deepseek-v3", "--kernel-family", "low_latency", "--dispatch-geometry", "24x16"],
+     "--dispatch-geometry 24x16u4: applies to the normal family's kernels, which this run does not build"),
+    (["generate", "--model", "deepseek-v3", "--kernel-family", "normal", "--low-latency-geometry", "16x16", "-o",
+      "/tmp/never"], "--low-latency-geometry 16x16u4: applies to the low-latency family's kernels, which this run"),
+    (["check", "--model", "deepseek-v3", "--kernel-family", "low_latency", "--dispatch-geometry", "24x16"],
+     "--dispatch-geometry 24x16u4: applies to the normal family's kernels, which this run does not build"),
+    (["plan", "--model", "deepseek-v3", "--kernel-family", "normal", "--low-latency-geometry", "16x16"],
+     "--low-latency-geometry 16x16u4: applies to the low-latency family's kernels, which this run does not build"),
+    # a config error names the flags given
+    (["plan", "--hidden", "7168", "--topk", "8", "--num-experts", "256", "--world-size", "3"],
+     "multiple of world_size=3 (--num-experts 256, --world-size 3)"),
+    # a flag given twice, an empty output file
+    (["plan", "--model", "deepseek-v3", "--model", "qwen3-30b-a3b"],
+     "--model given twice (deepseek-v3 and qwen3-30b-a3b): give it once"),
+    (["bench", "--model", "deepseek-v3", "--model", "qwen3-30b-a3b"], "--model given twice"),
+    (["report", "--model", "deepseek-v3", "--markdown", ""], "argument --markdown: '': must name a path"),
+    (["report", "--model", "deepseek-v3", "--csv", " "], "argument --csv: ' ': must name a path"),
     (["diff", "--model", "deepseek-v3", "--a", "unroll=abc", "--b", "unroll=2"], "--a unroll=abc: KernelSpec.unroll"),
     (["diff", "--model", "deepseek-v3", "--a", "unroll=2", "unroll=4", "--b", "unroll=2"],
      "--a 'unroll=4': unroll is already set to 2"),
@@ -458,7 +549,7 @@ def _matplotlib(monkeypatch, present: bool) -> None:
     (["diff", "-o", "/nonexistent"], "-o /nonexistent: not a directory"),
     (["bench", "--family", "low_latency", "--tokens", "8", "70000"], "EpConfig.max_tokens_per_rank=70000: "
      "kernel_family='low_latency' holds at most 65535 tokens a rank (use 'auto' or 'normal') (--world-size 2, the "
-     "low_latency family with tokens up to 70000, with --model deepseek-v3)"),
+     "low_latency family with tokens up to 70000, with the default model deepseek-v3)"),
     (["tune", "--low-latency-tokens", "1", "70000"], "(--world-size 2, the low_latency family with tokens up to 70000"),
     (["tune", "--family", "normal", "--low-latency-tokens", "8"],
      "--low-latency-tokens: only with --family low_latency or both"),
@@ -871,16 +962,20 @@ def test_demo_moe_defaults(monkeypatch):
     (["demo", "--experts", "8"], "--experts: only with --moe"),
     (["demo", "--intermediate", "256", "--experts", "8"], "--experts --intermediate: only with --moe"),
     (["demo", "--moe", "--experts", "12"],
-     "EpConfig.num_experts=12: must be a multiple of world_size=8 (--experts 12 with --model deepseek-v3 --moe)"),
-    (["demo", "--moe", "--world-size", "2", "--experts", "4"],
-     "EpConfig.topk=8: must be at most num_experts=4 (--experts 4 with --model deepseek-v3 --moe)"),
-    (["demo", "--moe", "--world-size", "3"], "must be a multiple of world_size=3 (--world-size 3 with --model "
-     "deepseek-v3 --moe)"),
-    (["demo", "--moe", "--experts", "1000000"],
-     "KernelSpec.experts_per_rank=125000: must be in [1, 65536] (--experts 1000000 with --model deepseek-v3 --moe)"),
-    (["demo", "--moe", "--tokens", "2000000"],
-     "KernelSpec.max_tokens_per_rank=2000000: must be in [1, 1048576] (--tokens 2000000 with --model deepseek-v3 "
+     "EpConfig.num_experts=12: must be a multiple of world_size=8 (--experts 12 with the default model deepseek-v3, "
      "--moe)"),
+    (["demo", "--moe", "--world-size", "2", "--experts", "4"],
+     "EpConfig.topk=8: must be at most num_experts=4 (--experts 4 with the default model deepseek-v3, --moe)"),
+    (["demo", "--moe", "--world-size", "3"], "must be a multiple of world_size=3 (--world-size 3 with the default "
+     "model deepseek-v3, --moe)"),
+    (["demo", "--moe", "--experts", "1000000"],
+     "KernelSpec.experts_per_rank=125000: must be in [1, 65536] (--experts 1000000 with the default model "
+     "deepseek-v3, --moe)"),
+    (["demo", "--moe", "--tokens", "2000000"],
+     "KernelSpec.max_tokens_per_rank=2000000: must be in [1, 1048576] (--tokens 2000000 with the default model "
+     "deepseek-v3, --moe)"),
+    (["demo", "--moe", "--model", "deepseek-v3", "--experts", "12"],
+     "EpConfig.num_experts=12: must be a multiple of world_size=8 (--experts 12 with --model deepseek-v3, --moe)"),
     (["demo", "--moe", "--intermediate", "0"], "argument --intermediate: "),
 ])
 def test_demo_moe_flag_errors_name_the_flag(argv, message, capsys):
@@ -928,7 +1023,7 @@ def test_kernel_family_flags_reach_the_specs_of_the_shape_verbs():
      "--kernel-family low_latency: needs a shape (--model or --hidden); the selectors"),
     (["generate", "--model", "gpt-oss-120b", "--low-latency-geometry", "600x16u2", "-o", "/nonexistent-epgen-out"],
      "KernelSpec.blocks=600: the low-latency family raises one flag per (rank, block), world_size x blocks = 4800, "
-     "at most 1024; at most 128 blocks (--low-latency-geometry 600x16u2)"),
+     "at most 1024; at most 128 blocks (--low-latency-geometry 600x16u2 on every arch)"),
     (["check", "--model", "gpt-oss-120b", "--kernel-family", "low_latency", "--max-tokens", "70000"],
      "kernel_family='low_latency' holds at most 65535 tokens a rank (use 'auto' or 'normal') (--max-tokens)"),
     (["build", "--kernel-family", "fast"], "argument --kernel-family: invalid choice: 'fast'"),
@@ -937,10 +1032,10 @@ def test_kernel_family_flags_reach_the_specs_of_the_shape_verbs():
      "--layout --low-latency-geometry: only with --a/--b"),
     (["demo", "--moe", "--kernel-family", "normal"], "--kernel-family: only without --moe"),
     (["demo", "--kernel-family", "low_latency", "--tokens", "70000"],
-     "holds at most 65535 tokens a rank (use 'auto' or 'normal') (--tokens 70000 with --model deepseek-v3)"),
+     "holds at most 65535 tokens a rank (use 'auto' or 'normal') (--tokens 70000 with the default model deepseek-v3)"),
     (["demo", "--low-latency-geometry", "600x16u2"],
-     "world_size x blocks = 4800, at most 1024; at most 128 blocks (--low-latency-geometry 600x16u2 with --model "
-     "deepseek-v3)"),
+     "world_size x blocks = 4800, at most 1024; at most 128 blocks (--low-latency-geometry 600x16u2 with the default "
+     "model deepseek-v3)"),
 ])
 def test_kernel_family_flag_errors_name_the_flag(argv, message, capsys):
     assert message in " ".join(_usage_error(argv, capsys).split())

@@ -88,3 +88,72 @@ def test_generate_hf_config_names_the_file_in_every_error(tmp_path, capsys, cont
     err = capsys.readouterr().err
     assert f"--hf-config: EpConfig.from_hf_config({str(path)!r}): " in err and re.search(message, err), err
     assert "Traceback" not in err
+
+
+# --- every verb of one shape takes --hf-config and says what it read ----------------------------
+
+READ = ("--hf-config {}: hidden 2048, top-10 of 512 routed experts (as --hidden 2048 --topk 10 --num-experts 512)")
+
+
+@pytest.fixture
+def qwen3_next(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_NEXT))
+    return str(tmp_path / "config.json")
+
+
+def test_plan_and_diff_take_hf_config_and_print_the_shape_read(qwen3_next, capsys):
+    assert main(["plan", "--hf-config", qwen3_next, "--arch", "sm_90", "--world-size", "8", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert READ.format(qwen3_next) in err
+    assert all("_h2048_k10_l64_" in r["spec"] for r in json.loads(out)[0]["launches"])
+    assert main(["plan", "--hf-config", qwen3_next, "--arch", "sm_90", "--world-size", "8", "--quiet"]) == 0
+    assert capsys.readouterr().err == "", "--quiet prints nothing"
+    assert main(["diff", "--hf-config", qwen3_next, "--arch", "sm_90", "--a", "unroll=2", "--b", "unroll=4",
+                 "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert READ.format(qwen3_next) in err and all("_h2048_k10_l64_" in c["a"] for c in json.loads(out))
+
+
+def test_check_report_build_and_demo_take_hf_config(qwen3_next, capsys, monkeypatch, tmp_path):
+    """The verbs that compile get the specs of the config's shape (the compile itself stubbed)."""
+    import epgen.aot
+    import epgen.cli.demo
+    import epgen.codegen.catalogue
+
+    seen = {}
+    monkeypatch.setattr(epgen.codegen.catalogue, "report_rows", lambda specs, **kw: seen.setdefault("report", specs)
+                        and [])
+    monkeypatch.setattr(epgen.aot, "build", lambda specs, out, **kw: seen.setdefault("build", specs) and [])
+    monkeypatch.setattr(epgen.cli.demo, "run_demo", lambda cfg, model, *a, **kw: seen.setdefault("demo", (cfg, model))
+                        and 0)
+    import epgen.cli.commands as commands
+    monkeypatch.setattr(commands, "_compilers_missing", lambda arches, verb: False)
+    for argv in (["check"], ["report", "--markdown", str(tmp_path / "r.md")], ["build", "-o", str(tmp_path / "c")]):
+        seen.clear()
+        assert main(argv + ["--hf-config", qwen3_next, "--arch", "sm_90", "--world-size", "8"]) == 0, argv
+        specs = seen["build" if argv[0] == "build" else "report"]
+        assert specs and all(s.hidden == 2048 and s.topk == 10 and s.num_experts == 512 for s in specs), argv
+        assert READ.format(qwen3_next) in capsys.readouterr().err, argv
+    assert main(["demo", "--hf-config", qwen3_next, "--world-size", "8"]) == 0
+    cfg, label = seen["demo"]
+    assert (cfg.hidden, cfg.topk, cfg.num_experts, label) == (2048, 10, 512, qwen3_next)
+    assert READ.format(qwen3_next) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--world-size", "3"], "EpConfig.num_experts=512: must be a multiple of world_size=3 (--world-size 3 "
+                                    "with --hf-config {})"),
+    (["plan", "--topk", "4"], "--hf-config {} gives the shape: drop --topk"),
+    (["check", "--model", "deepseek-v3"], "--hf-config {} gives the shape: drop --model"),
+    (["demo", "--moe"], "--hf-config {}: not with --moe"),
+    (["demo", "--world-size", "3"], "must be a multiple of world_size=3 (--world-size 3 with --hf-config {})"),
+    (["plan", "--hf-config", "other.json"], "--hf-config given twice ({} and other.json): give it once"),
+])
+def test_hf_config_errors_name_the_flags_given(qwen3_next, capsys, argv, message):
+    """Errors name --hf-config and the flags given, never --model or --num-experts the user did not write."""
+    with pytest.raises(SystemExit) as e:
+        main([argv[0], "--hf-config", qwen3_next] + argv[1:])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.format(qwen3_next) in err, err
+    assert "--num-experts" not in err and (not re.search(r"--model [a-z]", err) or "--model" in argv)
