@@ -315,6 +315,8 @@ EXTRA = {
     "dots3_note": dict(num_key_value_heads=4, v_head_dim=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
                        shared_experts_intermediate_size=32),
     "zaya": dict(num_experts_per_tok=1),  # its config class takes top-1 only
+    "nemotron_h": dict(layers_block_type=["full_attention", "moe"]),  # its cache needs an attention layer
+    "muse_spark": dict(moe_hidden_size=64),  # the experts' hidden size, apart from the model's
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0),
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=0),
@@ -424,7 +426,7 @@ def _layer_lists(default, layers: int) -> dict:
 def _causal_lm_class(model_type: str, config_cls):
     """(model class, whether it takes the text sub-config): a multimodal family's text causal LM
     class, else ``text_causal_lm`` over its text model (its towers left out); a text family's causal
-    LM class."""
+    LM class, else its image-text-to-text class."""
     import importlib
 
     from transformers.models.auto import modeling_auto
@@ -439,8 +441,9 @@ def _causal_lm_class(model_type: str, config_cls):
     text_models = [c for c in text_models if text_cls is not None and getattr(c, "config_class", None) is text_cls]
     if text_models:
         return text_causal_lm(text_models[0]), True
-    if model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return getattr(tf, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]), False
+    for mapping in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+        if model_type in mapping:
+            return getattr(tf, mapping[model_type]), False
     raise ValueError(f"{model_type}: no causal LM class and no text model")
 
 
@@ -492,6 +495,8 @@ def family_model(model_type: str, seed: int = 0) -> torch.nn.Module:
     if model_type in OUTSIDE:
         torch.manual_seed(seed)
         return OUTSIDE[model_type]().eval()
+    if model_type not in configuration_auto.CONFIG_MAPPING:
+        raise ValueError(f"{model_type}: transformers registers no config class for it (a modeling module only)")
     config_cls = configuration_auto.CONFIG_MAPPING[model_type]
     model_cls, takes_text = _causal_lm_class(model_type, config_cls)
     wanted = {**TEXT, **EXTRA.get(model_type, {})}

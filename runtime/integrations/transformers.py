@@ -764,9 +764,7 @@ class ExpertParallel:
             raise RuntimeError(f"{_module_name(experts)}: its epgen expert parallelism was closed "
                                "(ExpertParallel.close() released the op's buffers); convert a freshly loaded model with "
                                "expert_parallel to run it")
-        if torch.is_grad_enabled() and hidden_states.requires_grad:
-            raise RuntimeError(f"{type(experts).__name__}: epgen's dispatch and combine have no backward; run the "
-                               "expert-parallel model under torch.no_grad() or torch.inference_mode()")
+        _refuse_gradients(experts, hidden_states)
         if hidden_states.dim() != 2 or hidden_states.dtype != torch.bfloat16:
             raise ValueError(f"{type(experts).__name__}: hidden_states {tuple(hidden_states.shape)} "
                              f"{hidden_states.dtype} must be [T, H] torch.bfloat16")
@@ -834,6 +832,17 @@ class ExpertParallel:
             self.phase_hook.remove()
             self.phase_hook = None
         self.op.close()
+
+
+# --- gradients: the one place that refuses them (dispatch and combine have no backward yet) --------
+
+
+def _refuse_gradients(experts: torch.nn.Module, hidden_states: torch.Tensor) -> None:
+    """RuntimeError when ``hidden_states`` needs a gradient: epgen's dispatch and combine have no
+    backward, so the expert-parallel model runs inference only."""
+    if torch.is_grad_enabled() and hidden_states.requires_grad:
+        raise RuntimeError(f"{type(experts).__name__}: epgen's dispatch and combine have no backward; run the "
+                           "expert-parallel model under torch.no_grad() or torch.inference_mode()")
 
 
 def epgen_experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -1252,8 +1261,10 @@ def register_ep_implementation(name: str = EP_IMPLEMENTATION, **options) -> str:
 def loaded_expert_parallel(model: torch.nn.Module) -> ExpertParallel:
     """The ``ExpertParallel`` that transformers' registry built for ``model``
     (``from_pretrained(..., distributed_config=DistributedConfig(..., ep_implementation="epgen"))``),
-    for ``synchronize()`` and ``close()``; installs, once, the model's forward pre-hook that sets
-    its phase (a forward of one position a sequence on a filled cache is a decode: with one
+    for ``synchronize()`` and ``close()``; makes ``model.generate`` default to
+    ``synced_gpus=True`` with W > 1 processes (as ``expert_parallel`` does: a rank whose sequences
+    have ended keeps stepping until every rank's have), and installs, once, the model's forward
+    pre-hook that sets its phase (a forward of one position a sequence on a filled cache is a decode: with one
     process a rank and each rank its own tokens, decode takes the low-latency family and prefill
     the normal one; without the hook every call takes the normal family).
 
@@ -1276,6 +1287,8 @@ def loaded_expert_parallel(model: torch.nn.Module) -> ExpertParallel:
     handle.modules = names
     if handle.phase_hook is None:
         handle.phase_hook = model.register_forward_pre_hook(_phase_hook(handle), with_kwargs=True)
+    if handle.generate_restore is None:
+        _sync_generate(model, handle)
     return handle
 
 

@@ -576,6 +576,7 @@ def _registry_body(rank, world, store, path, family, result_dir):
                 layout, "reference", False, [rank], world)
             assert ep.modules == [f"model.layers.{i}.mlp.experts" for i in range(2)]
             assert ep.config.max_tokens_per_rank == (256 if layout == "own_tokens" else 4096)
+            assert "generate" in model.__dict__  # generate defaults to synced_gpus=True (ranks end at different steps)
             L = hf_models.EXPERTS // world
             for name in ep.modules:  # this rank holds experts [rank L, (rank + 1) L) only
                 experts = model.get_submodule(name)
@@ -601,6 +602,7 @@ def _registry_body(rank, world, store, path, family, result_dir):
                          f"{held_rest} of {full_rest}; logits {error:.3e} (bound {2 * bound:.3e}); generation "
                          f"{verdict}")
             ep.close()
+            assert "generate" not in model.__dict__
         with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
             f.write("\n".join(lines))
     finally:
