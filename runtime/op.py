@@ -462,6 +462,7 @@ class EpDispatchCombine:
         # before another layout overwrites its tables); the count of cleared faults (a layout kept
         # before one is stale).
         self._calls = 0
+        self._combined = False  # a normal-family combine ran since the last dispatch (_combine_barrier)
         self._resident_call = None
         self._last = None
         self._last_saved = None
@@ -734,6 +735,7 @@ class EpDispatchCombine:
         self._pending_family = family
         self._calls += 1
         self._resident_call = self._calls
+        self._combined = False
         self._last, self._last_saved = (self._calls, family, list(tokens)), None
 
         def finish():
@@ -782,6 +784,7 @@ class EpDispatchCombine:
         self._run((pull,) + tuple(s for s in route.recv if s.op is Op.EXPAND), max(layout.tokens), {})
         self._pending_tokens, self._pending_family = list(layout.tokens), layout.family
         self._last, self._last_saved = (layout.call, layout.family, list(layout.tokens)), layout
+        self._combined = False
         outs = [self.expert_buffers(r) if self.expert_layout else self.recv_buffers(r) for r in self.local_ranks]
         return outs if self.virtual else outs[0]
 
@@ -866,6 +869,22 @@ class EpDispatchCombine:
             if unit_weights:
                 tables["expert_weights"].fill_(1.0)
         self._resident_call = None if unit_weights else layout.call
+
+    def _combine_barrier(self):
+        """Before a combine that follows a normal-family combine with no dispatch between them (a
+        layout's combine makes that possible): the normal combine has no departure handshake (its
+        peers read this rank's combine_in and wire rows until their kernel ends; the next dispatch's
+        handshake orders that before the next write), so the dispatch kernel runs first with no
+        tokens, as the barrier: its done flags are released after each rank's earlier kernels on
+        its stream. It leaves num_recv 0, so the tables are kept first where an implicit combine
+        still needs them, and restored after."""
+        if self._last is not None and self._last_saved is None and self._pending_tokens is not None \
+                and self._resident_call == self._last[0]:
+            self._last_saved = self._snapshot(*self._last)
+        io = [dict(x=self.dispatch_input(rank).data_ptr(), num_tokens=0) for rank in self.local_ranks]
+        self._run(self.plan.route(Op.DISPATCH, "normal", "push").send, 0, {"call": io})
+        self._resident_call = None
+        self._combined = False
 
     def _make_last_resident(self):
         """Before an implicit combine, expand or fold: the arena holds the last dispatch's tables."""
@@ -1051,6 +1070,8 @@ class EpDispatchCombine:
             tag = f"[rank {rank}]" if self.virtual else ""
             check_combine_inputs(cfg, self.device, None if wire_input else ys[i], given[i], pending[i],
                                  capacity, tag, in_place=not wire_input and route.y == "in_place")
+        if self._combined:
+            self._combine_barrier()
         if layout is not None:
             self._make_resident(layout, unit_weights=not weighted)
         else:
@@ -1074,6 +1095,7 @@ class EpDispatchCombine:
         records = {"call": io, "fold": [] if wire_input else self._fold_io(ys)}
         tokens = max(pending)
         self._run([s for s in route.send if not (wire_input and s.encodes)], tokens, records)
+        self._combined = family == "normal"
         if layout is None:
             self._pending_tokens = None
 

@@ -123,8 +123,11 @@ def test_kernels_match_the_reference_gradients(layout, family, device):
             kinds = [entry.split("_sm90")[0].removeprefix("epgen_") for entry, _, _ in op.platform.stats[before:]]
             forward = {"rank": ["dispatch", "dispatch_pull", "combine"],
                        "expert": ["dispatch", "dispatch_pull", "expand_plan", "expand", "fold", "combine"]}[layout]
-            backward = {"rank": ["dispatch", "dispatch_pull", "combine", "combine"],
-                        "expert": ["dispatch", "dispatch_pull", "expand", "fold", "combine", "fold", "combine"]}[layout]
+            # the second combine follows the first with no dispatch between: the dispatch kernel with
+            # no tokens runs between them as the barrier (EpDispatchCombine._combine_barrier)
+            backward = {"rank": ["dispatch", "dispatch_pull", "combine", "dispatch", "combine"],
+                        "expert": ["dispatch", "dispatch_pull", "expand", "fold", "combine", "dispatch", "fold",
+                                   "combine"]}[layout]
             assert kinds == forward + backward
     rop = ReferenceEp(_config(W, layout, H), dtype=torch.bfloat16)
     rout, rgx, rgw = _run(rop, layout, x0, w0, ids, torch.bfloat16)

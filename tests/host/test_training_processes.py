@@ -116,10 +116,11 @@ def _body(rank, W, arch, layout, seed):
 
 
 @pytest.mark.parametrize("layout", ["rank", "expert"])
-def test_layouts_and_autograd_as_processes(layout):
+@pytest.mark.parametrize("W", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_layouts_and_autograd_as_processes(layout, W):
     from epgen.harness.ranks import run_ranks
 
-    W, arch = 2, "sm_90"
+    arch = "sm_90"
     warm([(_config(W, layout), arch, 1)])
     run_ranks(W, in_host_process, _body, arch, layout, seed_of(f"training_processes_{layout}"),
               timeout_s=RUN_TIMEOUT_S)
