@@ -416,6 +416,17 @@ def test_compiled_model_is_one_graph_equal_to_eager(envelopes, family):
     assert torch.equal(out, eager)
 
 
+def test_compiled_llama4_block_is_one_graph_equal_to_eager():
+    """llama4's MoE block forward replaced by epgen's (router, then the epgen::transformers_experts
+    operator on input-weighted experts) compiles into one graph (fullgraph=True) with the same
+    logits as eager."""
+    model32 = hf_models.family_model("llama4")
+    model, _ = ep_model(model32, 2)
+    eager = hf_models.logits(model, PROMPT)
+    torch._dynamo.reset()
+    assert torch.equal(hf_models.logits(torch.compile(model, backend="aot_eager", fullgraph=True), PROMPT), eager)
+
+
 def test_compiled_calls_see_their_own_phase_and_generate_as_eager(envelopes):
     """A compiled function applies the Python attribute writes it traced (the phase pre-hook's)
     only after its graph ends: during a decode the handle still says "prefill" (measured: the
