@@ -23,7 +23,7 @@ because a bf16 rounding can flip a near-tie in a router's top-k, which moves a f
 by far more than a rounding; every bf16 path, the model's own included, has such flips. The
 envelope and the error are taken on the same tokens, at least 224 of them: over a dozen tokens one
 flip can dominate the L2 (an owned-token check of mixtral on 10-16 tokens a rank measured 0.145
-against an envelope of 0.024 taken on other tokens). A lost expert or a wrong weight exceeds it (tests/runtime/test_transformers_ep.py).
+against an envelope of 0.024 taken on other tokens). A lost expert or a wrong weight exceeds it (tests/runtime/integrations/test_transformers_ep.py).
 """
 
 from __future__ import annotations

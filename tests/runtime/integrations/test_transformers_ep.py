@@ -117,7 +117,7 @@ def test_a_lost_expert_exceeds_the_bound(envelopes):
 @pytest.mark.parametrize("family", ["dbrx", "llama4"])
 def test_a_lost_expert_exceeds_the_bound_outside_the_conventions(family):
     """dbrx's [E I, H] weights and llama4's input-weighted experts, read otherwise (READERS): within
-    the bound as converted (tests/runtime/test_transformers_families.py), and a zeroed expert of
+    the bound as converted (tests/runtime/integrations/test_transformers_families.py), and a zeroed expert of
     rank 1 exceeds it, so the bound sees a lost expert of these readers too."""
     model32 = hf_models.family_model(family)
     envelope, ref = hf_models.bf16_envelope(model32, PROMPT)

@@ -36,8 +36,8 @@ FAMILIES = sorted(hf_models.experts_families() + hf_models.outside_families())
 FAST = [f for f in ("ernie4_5_moe", "hunyuan_v1_moe", "dbrx", "llama4") if f in FAMILIES]
 WORLDS = (1, 2, 4)
 PROMPT = hf_models.prompt(1, batch=4, length=64)
-DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "transformers.md"
-BEGIN, END = "<!-- family table: begin (tests/runtime/test_transformers_families.py) -->", "<!-- family table: end -->"
+DOC = pathlib.Path(__file__).resolve().parents[3] / "docs" / "transformers.md"
+BEGIN, END = "<!-- family table: begin (tests/runtime/integrations/test_transformers_families.py) -->", "<!-- family table: end -->"
 
 
 def _first_line(e: BaseException) -> str:

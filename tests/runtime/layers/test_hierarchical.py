@@ -12,10 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from epgen.codegen import planner
 from epgen import reference
 from epgen.codegen.config import EpConfig
-from epgen.codegen.spec import Op
 from epgen.layers.hierarchical import HierarchicalEp, HierarchicalError, ReferenceNodeOp, process_groups
 from epgen.harness.hierarchical_verify import CASES, VARIANTS, check_round, make_inputs, run_cases, small_config
 from epgen.op import EpError
@@ -160,35 +158,6 @@ def test_reference_rounds_once_per_node():
     assert float(hier[0, 0]) == 1.0 and float(flat[0, 0]) == 1.0 + 2 ** -7  # flat: 1 + 2^-7 exactly
     with pytest.raises(ValueError, match=r"gpus_per_node=3: must divide the 4 ranks of ys"):
         reference.combine_hierarchical(ys, recv, [1, 0, 0, 0], gpus_per_node=3)
-
-
-def test_node_config():
-    cfg = EpConfig.for_model("deepseek-v3", world_size=16, nodes=2, max_tokens_per_rank=4096, scale_bytes=56)
-    node = cfg.node_config()
-    assert (node.world_size, node.num_experts, node.max_tokens_per_rank, node.scale_bytes, node.nodes) == \
-        (8, 128, 8192, 4 * 8 + 8 + 56, 1)
-    assert EpConfig(world_size=320, hidden=7168, topk=8, num_experts=320, nodes=40,
-                    max_tokens_per_rank=128).node_config().world_size == 8  # W beyond one kernel's 64 ranks
-    assert small_config(scale_bytes=3).node_scale_bytes == 16 + 8 + 3 + 1
-    # the layer's kernels are the node-local op's: no flat 16-rank (or, at 320 ranks, impossible) specs
-    for query in (lambda: planner.ops(cfg), lambda: planner.specs(cfg, "sm_90"), lambda: planner.plan(cfg, "sm_90").variants.get((Op.COMBINE, "push"), ())):
-        with pytest.raises(ValueError, match=r"^EpConfig.nodes=2: a layer across nodes compiles the kernels of its "
-                                             r"node_config\(\) \(8 ranks a node\), not flat ones of world_size=16"):
-            query()
-    assert [s.world_size for s in planner.specs(node, "sm_90")] == [8] * len(planner.specs(node, "sm_90"))
-    for kw, field, match in [
-        (dict(nodes=3), "nodes", r"EpConfig.nodes=3: must divide world_size=16"),
-        (dict(nodes=0), "nodes", r"EpConfig.nodes=0: must be a positive int"),
-        (dict(nodes=2, gpus_per_node=4), "gpus_per_node", r"gpus_per_node=4: nodes x gpus_per_node must be "
-                                                           r"world_size=16 \(nodes=2\)"),
-        (dict(nodes=2, scale_bytes=4060), "scale_bytes", r"scale_bytes=4060: with nodes=2 .* \(4100 in all\), at most"),
-        (dict(nodes=2, kernel_family="low_latency", max_tokens_per_rank=40000), "max_tokens_per_rank",
-         r"the node-local layer \(node_config\(\)\) is invalid: EpConfig.max_tokens_per_rank=80000"),
-    ]:
-        kw.setdefault("max_tokens_per_rank", 64)
-        with pytest.raises(ValueError, match=match) as e:
-            EpConfig.for_model("deepseek-v3", world_size=16, **kw)
-        assert e.value.field == field
 
 
 def test_cases_cover_the_edges():

@@ -620,7 +620,7 @@ def bench_moe():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "tools" / "bench_moe.py"
+    path = Path(__file__).resolve().parents[3] / "tools" / "bench_moe.py"
     spec = importlib.util.spec_from_file_location("bench_moe", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -682,7 +682,7 @@ def test_bench_transformers_says_it_needs_a_gpu(monkeypatch, capsys):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "tools" / "bench_transformers.py"
+    path = Path(__file__).resolve().parents[3] / "tools" / "bench_transformers.py"
     spec = importlib.util.spec_from_file_location("bench_transformers", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

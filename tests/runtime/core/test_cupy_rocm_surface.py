@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from rocm_surface import SURFACE, problem  # noqa: E402
 
-RUNTIME = Path(__file__).parents[2] / "runtime"
+RUNTIME = Path(__file__).parents[3] / "runtime"
 
 CUDA_ONLY = {
     ("platform.py", "cupy.cuda.driver.launchCooperativeKernel"):

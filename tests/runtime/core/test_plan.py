@@ -4,7 +4,7 @@
 ``launch_records.json`` holds, per configuration of ``CASES``, the kernels the op's call
 sequence launched (``launch_record.record``) and a digest of every launch's spec, grid, block,
 cooperative flag and argument (pointers named by buffer): recorded from the op as it decided its
-kernels in code, before ``Plan``. Regenerate it (``python tests/runtime/test_plan.py``) only for
+kernels in code, before ``Plan``. Regenerate it (``python tests/runtime/core/test_plan.py``) only for
 a change meant to alter what the op launches, and review its diff.
 """
 
