@@ -1245,6 +1245,7 @@ class EpDispatchCombine:
         Raises:
             KeyError: the op builds no kernels of ``op``.
             ValueError: ``kernel``'s spec is of another op.
+            EpError: a fatal fault the kernels recorded (as the calls raise it).
             RuntimeError: the op was closed."""
         self._raise_if_faulted()
         if kernel is not None and kernel[0].op is not op:

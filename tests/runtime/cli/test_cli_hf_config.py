@@ -157,3 +157,30 @@ def test_hf_config_errors_name_the_flags_given(qwen3_next, capsys, argv, message
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert message.format(qwen3_next) in err, err
     assert "--num-experts" not in err and (not re.search(r"--model [a-z]", err) or "--model" in argv)
+
+
+def test_gpu_verbs_take_hf_config(qwen3_next, capsys, monkeypatch):
+    """tune and stress build their config from --hf-config as from --model (the GPU stubbed: an
+    sm_90 device that runs nothing); without a shape flag they take the default model."""
+    import torch
+
+    import epgen.cli.stress
+    import epgen.cli.tune
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr("epgen.device.device_arch", lambda index: "sm_90")
+    seen = {}
+    for module in (epgen.cli.tune, epgen.cli.stress):
+        monkeypatch.setattr(module, "run", lambda cfg, opts, name=module.__name__: seen.__setitem__(name, cfg))
+    for verb, module in (("tune", "epgen.cli.tune"), ("stress", "epgen.cli.stress")):
+        assert main([verb, "--hf-config", qwen3_next, "--world-size", "2"]) == 0, verb
+        cfg = seen[module]
+        assert (cfg.hidden, cfg.topk, cfg.num_experts, cfg.world_size) == (2048, 10, 512, 2), verb
+        assert READ.format(qwen3_next) in capsys.readouterr().err
+        assert main([verb, "--world-size", "2"]) == 0
+        assert (seen[module].hidden, seen[module].num_experts) == (7168, 256), "the default model"
+    with pytest.raises(SystemExit):
+        main(["stress", "--hf-config", qwen3_next, "--model", "deepseek-v3"])
+    assert f"--hf-config {qwen3_next} gives the shape: drop --model" in capsys.readouterr().err

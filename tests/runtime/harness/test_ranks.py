@@ -112,3 +112,36 @@ def test_a_bad_timeout_is_refused_before_any_rank_runs(timeout_s, tmp_path):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["pid0", "pid1"]
     finally:
         pool.close()
+
+
+def test_ctrl_c_while_rank_processes_run_is_one_line_and_status_130(tmp_path):
+    """SIGINT to the whole process group (Ctrl-C at a terminal) while a verb waits on its rank
+    processes, and while they wait idle for the next run: the pool processes ignore it (an idle one
+    used to print its own KeyboardInterrupt traceback), the parent ends them and prints one line,
+    status 130."""
+    import signal
+    import subprocess
+    import sys
+
+    (tmp_path / "sleeper.py").write_text("import time\n\n\ndef body(rank, world_size):\n"
+                                         "    if rank == 0:\n        print('started', flush=True)\n"
+                                         "    time.sleep(120)\n\n\n"
+                                         "def quick(rank, world_size):\n    pass\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    for work in ("run_ranks(2, sleeper.body)",  # interrupted while the ranks run
+                 "(run_ranks(2, sleeper.quick), print('started', flush=True), time.sleep(120))"):  # while idle
+        code = ("import sys, time, sleeper, epgen.cli.commands as c\n"
+                "from epgen.harness.ranks import run_ranks\n"
+                f"c.cmd_plan = lambda *a: {work}\n"
+                "sys.exit(c.main(['plan']))\n")
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env, start_new_session=True)
+        try:
+            assert p.stdout.readline().strip() == "started"
+            time.sleep(0.5)
+            os.killpg(p.pid, signal.SIGINT)
+            out, err = p.communicate(timeout=120)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        assert p.returncode == 130 and err.strip() == "epgen plan: interrupted", (work, err)
