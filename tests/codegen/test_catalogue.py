@@ -21,6 +21,7 @@ from epgen.codegen.spec import TRANSPORTS, KernelSpec, Op
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_generated_is_fresh(compiles):
     specs = catalogue_specs()
     compiles.resources(specs)  # the report's compiles, said on the terminal, for the later tests too

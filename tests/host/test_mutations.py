@@ -306,6 +306,7 @@ def _fails(scenario, arch, family, fault, mutation, W) -> tuple[int, str] | None
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mutation", "arch"), [(m, a) for m in MUTATIONS for a in RUN_ON[m]])
 def test_mutation_fails(mutation, arch):
     scenario, family, fault = SCENARIOS[mutation]

@@ -10,6 +10,7 @@ from epgen.cli import main
 from cli_helpers import _fake_report_rows, _usage_error, run
 
 
+@pytest.mark.slow
 def test_demo_without_gpu_says_so():
     import torch
 
@@ -20,6 +21,7 @@ def test_demo_without_gpu_says_so():
     assert "no GPU here" in r.stdout and "epgen_dispatch_sm90" in r.stdout.replace("\n", "")
 
 
+@pytest.mark.slow
 def test_demo_moe_without_gpu_says_so():
     import torch
 

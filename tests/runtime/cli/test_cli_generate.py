@@ -14,11 +14,13 @@ from epgen.codegen.arch import ARCHES
 from cli_helpers import OPS, _fake_report_rows, _usage_error, run
 
 
+@pytest.mark.slow
 def test_generate_check_passes_on_repo():
     r = run("generate", "--check")
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_generate_one_model(tmp_path):
     assert main(["generate", "--model", "gpt-oss-120b", "--arch", "sm_90", "-o", str(tmp_path), "--quiet"]) == 0
     files = sorted(p.name for p in (tmp_path / "sm_90").iterdir())
@@ -27,6 +29,7 @@ def test_generate_one_model(tmp_path):
     assert [s["spec"]["op"] for s in manifest["sources"]] == OPS
 
 
+@pytest.mark.slow
 def test_generate_the_expert_layout_with_a_receive_cap(tmp_path):
     assert main(["generate", "--model", "gpt-oss-120b", "--layout", "expert", "--expert-alignment", "16",
                  "--max-recv-tokens", "5000", "--arch", "sm_90", "-o", str(tmp_path), "--quiet"]) == 0
@@ -35,6 +38,7 @@ def test_generate_the_expert_layout_with_a_receive_cap(tmp_path):
     assert all(s["spec"]["recv_tokens"] == 5000 and s["spec"]["expert_alignment"] == 16 for s in manifest["sources"])
 
 
+@pytest.mark.slow
 def test_generate_custom_shape_and_check_detects_drift(tmp_path):
     argv = ["generate", "--hidden", "3072", "--topk", "6", "--num-experts", "64", "--world-size", "4",
             "--arch", "gfx950", "-o", str(tmp_path)]
@@ -44,6 +48,7 @@ def test_generate_custom_shape_and_check_detects_drift(tmp_path):
     assert main(argv + ["--check", "--quiet"]) == 1
 
 
+@pytest.mark.slow
 def test_check_one_model_json():
     r = run("check", "--model", "mixtral-8x7b", "--json")
     assert r.returncode == 0, r.stderr
@@ -60,6 +65,7 @@ DISPATCHES = {"dispatch", "dispatch_ll", "dispatch_ll_send", "dispatch_ll_recv"}
 COMBINES = {"combine", "combine_ll", "combine_ll_send", "combine_ll_recv"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,ops,token,count", [  # 8 models, mixtral's 8 experts below top-k 9
     (["--quant", "fp8_blockwise", "--arch", "sm_90"], COMBINES | {"combine_quantize"}, "_qfp8b", 40),
     (["--dtype", "fp4", "--arch", "gfx1250"], DISPATCHES, "_fp4_", 32),
@@ -78,6 +84,7 @@ def test_check_selectors_pick_catalogue_variants(argv, ops, token, count, capsys
     assert all(token in r["entry"] + "_" and r["status"] == "ok" for r in rows)
 
 
+@pytest.mark.slow
 def test_selector_errors_name_the_flag():
     r = run("check", "--num-experts", "64")
     assert r.returncode == 2 and "--num-experts needs --hidden" in r.stderr
@@ -124,6 +131,7 @@ def _generate(out, *extra) -> int:
     return main(["generate", "--model", "mixtral-8x7b", "--arch", "sm_90", "-o", str(out), "--quiet", *extra])
 
 
+@pytest.mark.slow
 def test_generate_leaves_files_it_did_not_write(tmp_path, capsys):
     foreign = tmp_path / "foreign"
     (foreign / "sm_90").mkdir(parents=True)

@@ -60,6 +60,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(LAYOUTS))
 def test_generate_reads_each_familys_layout(tmp_path, family):
     data, (hidden, topk, experts) = LAYOUTS[family]

@@ -16,6 +16,7 @@ from epgen.codegen.tuning import defaults
 from cli_helpers import OPS, _fake_report_rows, run
 
 
+@pytest.mark.slow
 def test_report_json_has_occupancy_per_arch():
     r = run("report", "--model", "deepseek-v3", "--json")
     assert r.returncode == 0, r.stderr
@@ -68,6 +69,7 @@ def test_diff_across_combine_wires_keeps_the_quantized_combines_rule():
     assert "+EP_DEVICE void ep_wire_add_roundtrip(" in r.stdout
 
 
+@pytest.mark.slow
 def test_diff_committed_catalogue_is_clean():
     r = run("diff")
     assert r.returncode == 0, r.stdout[-2000:]
@@ -203,6 +205,7 @@ def test_whole_catalogue_table_reads_at_80_and_120_columns(width, capsys, monkey
     assert "status scratch/spill" in " ".join(text.split()) and "every row: w8 t4096" in text
 
 
+@pytest.mark.slow
 def test_check_report_and_demo_print_the_compiler_releases(capsys):
     from epgen.codegen.offline import compiler_identity, toolchain_status
 

@@ -178,6 +178,7 @@ def test_selftest_lists_the_host_cases_and_skips_a_kernel_of_a_gpus_geometry(cap
         f"geometry; the host runs at most {selftest.HOST_MAX_THREADS}, each a fiber: minutes a launch)")
 
 
+@pytest.mark.slow
 def test_selftest_on_the_host_runs_a_subset_reports_without_timing_and_fails_on_a_failure(monkeypatch, tmp_path):
     """``epgen selftest --device cpu`` on three of its cases (a timed virtual one, the low-latency
     split, a timed W = 2 processes one): the real kernels of gfx1250 on the host emulation,

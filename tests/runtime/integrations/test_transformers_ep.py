@@ -84,6 +84,7 @@ def test_the_real_kernels_on_the_host_emulation_stay_within_the_bound(envelopes)
         expert_parallel(model16, virtual=True, world_size=2, backend="epgen", arch="gfx90a")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(hf_models.FAMILIES))
 def test_greedy_generation_matches_the_eager_path(envelopes, family):
     model32, envelope, _ = envelopes[family]
@@ -206,6 +207,7 @@ def _layouts_body(rank, world, store, family, result_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_both_token_layouts_as_two_processes(tmp_path):
     world = 2
     torch.multiprocessing.spawn(_layouts_body, args=(world, str(tmp_path / "store"), "deepseek_v3", str(tmp_path)),
@@ -245,6 +247,7 @@ def _generate_body(rank, world, store, result_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_generate_across_processes_when_ranks_stop_at_different_steps(tmp_path):
     """Two processes (gloo, owned tokens): rank 0's prompts end (EOS) at generated step 1, rank
     1's at step 20. expert_parallel makes generate run with synced_gpus=True, so rank 0 keeps
@@ -398,6 +401,7 @@ def test_meta_and_mismatched_weights_refused_naming_the_module(envelopes):
 # --- torch.compile -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
 def test_compiled_model_is_one_graph_equal_to_eager(envelopes, family):
     """torch.compile(fullgraph=True) of the expert-parallel model: one graph, the experts call an
@@ -427,6 +431,7 @@ def test_compiled_llama4_block_is_one_graph_equal_to_eager():
     assert torch.equal(hf_models.logits(torch.compile(model, backend="aot_eager", fullgraph=True), PROMPT), eager)
 
 
+@pytest.mark.slow
 def test_compiled_calls_see_their_own_phase_and_generate_as_eager(envelopes):
     """A compiled function applies the Python attribute writes it traced (the phase pre-hook's)
     only after its graph ends: during a decode the handle still says "prefill" (measured: the
@@ -466,6 +471,7 @@ def test_a_model_loaded_with_the_epgen_implementation_alone_is_refused(envelopes
         hf_models.logits(model, PROMPT)
 
 
+@pytest.mark.slow
 def test_forced_routing_reproduces_the_other_run_and_a_wrong_router_is_no_tie(envelopes):
     """``hf_models.routing(forced=...)`` runs a model on another run's routing: a model whose first
     router is negated (every token routed elsewhere) generates differently, and the original model
@@ -620,6 +626,7 @@ def _registry_body(rank, world, store, path, family, result_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_sharded_at_load_through_transformers_registry(tmp_path):
     """``from_pretrained(..., distributed_config=DistributedConfig(ep_size=2, ep_implementation="epgen"))``
     as two processes (gloo, the reference backend): each rank reads and holds only its E / W experts

@@ -108,6 +108,7 @@ def failures(rows: list[dict]) -> list[str]:
         any(v > 2 for v in r["ratios"].values()) or r["generation"].startswith("FAILED"))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAST)
 def test_fast_families(family):
     row = run_family(family)
