@@ -112,6 +112,7 @@ def test_ctrl_c_in_any_verb_prints_one_line_and_exits_130(verb, monkeypatch, cap
     assert out == "" and err.strip() == f"epgen {verb}: interrupted"
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_a_subprocess_exits_130():
     """The installed command: SIGINT while a verb runs gives one line and status 130."""
     import signal

@@ -10,6 +10,7 @@ from epgen.cli import main
 QWEN3_NEXT = {"model_type": "qwen3_next", "hidden_size": 2048, "num_experts": 512, "num_experts_per_tok": 10}
 
 
+@pytest.mark.slow
 def test_generate_from_a_config_file_equals_the_shape_flags(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_NEXT))
     by_config, by_flags = tmp_path / "a", tmp_path / "b"

@@ -114,6 +114,7 @@ def test_a_bad_timeout_is_refused_before_any_rank_runs(timeout_s, tmp_path):
         pool.close()
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_rank_processes_run_is_one_line_and_status_130(tmp_path):
     """SIGINT to the whole process group (Ctrl-C at a terminal) while a verb waits on its rank
     processes, and while they wait idle for the next run: the pool processes ignore it (an idle one
