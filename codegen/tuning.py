@@ -276,8 +276,11 @@ def derived(arch: str, entry: str, row_bytes: int) -> tuple[Bucket, ...]:
         365, 368, 374, 374 GB/s at 256-4096 blocks) has 512 = 2 C as the fewest within 3 %.
       combine: 1024-thread blocks; C / 4 up to 128 tokens, then C / 8: the H200 tune picks 32 and
         16 of 132 (the combine saturates early: it loads, the dispatch stores).
-      dispatch_ll, combine_ll: C / 2 blocks of 256 threads, unroll 2 (the H200's 64 x 256 of 132),
-        up to ``LOW_LATENCY_MAX_TOKENS``.
+      dispatch_ll, combine_ll: C / 4 blocks of 256 threads, unroll 2, up to
+        ``LOW_LATENCY_MAX_TOKENS``. The H200 runs 64 x 256 of 132 SMs (C / 2), but C / 2 on gfx942
+        and gfx950 (capped at 1024 / W: 128 at W = 8) fills all 1024 flag slots, and there clang 22
+        spills 8 bytes of SGPRs of the whole low-latency dispatch at top-k 10 (h 2048 and 6144;
+        clean at 32-120 blocks); C / 4 compiles clean (docs/measurements/import-and-compile.md#known-spills).
       expand: C blocks (the H200's 132; the planner caps it at ``PLAN_BLOCKS``); fold and
         combine_quantize: 2 C (256 and 264 on the H200); 512 threads, unroll 1, 1 and 2 (the
         register reasons of ``MEASURED_DEFAULTS``).
@@ -297,8 +300,8 @@ def derived(arch: str, entry: str, row_bytes: int) -> tuple[Bucket, ...]:
     rules = {
         "dispatch": ((512, C // 2, 1024, u), (1024, C, 1024, u), (NO_LIMIT, C * per_cu, 1024, u)),
         "combine": ((128, C // 4, 1024, u), (NO_LIMIT, C // 8, 1024, u)),
-        "dispatch_ll": ((LOW_LATENCY_MAX_TOKENS, C // 2, 256, 2),),
-        "combine_ll": ((LOW_LATENCY_MAX_TOKENS, C // 2, 256, 2),),
+        "dispatch_ll": ((LOW_LATENCY_MAX_TOKENS, C // 4, 256, 2),),
+        "combine_ll": ((LOW_LATENCY_MAX_TOKENS, C // 4, 256, 2),),
         "expand": ((NO_LIMIT, C, 512, 1),),
         "fold": ((NO_LIMIT, 2 * C, 512, 1),),
         "combine_quantize": ((NO_LIMIT, 2 * C, 512, 2),),

@@ -454,6 +454,10 @@ class EpDispatchCombine:
             a["rank_base"] = self.local_ranks[0]
             a["timeout_ns"] = int(config.timeout_s * 1e9)
             self._args[op] = a
+        self._start_calls()
+
+    def _start_calls(self) -> None:
+        """The state that calls carry from one to the next, as before the first call."""
         self._pending_tokens = None  # token counts of the dispatch that combine will undo
         self._pending_family = None  # the kernel family that dispatch took (its combine takes the same)
         # Layouts (DispatchLayout): the dispatch calls so far; the call whose tables the arena holds
@@ -1241,6 +1245,7 @@ class EpDispatchCombine:
         Raises:
             KeyError: the op builds no kernels of ``op``.
             ValueError: ``kernel``'s spec is of another op.
+            EpError: a fatal fault the kernels recorded (as the calls raise it).
             RuntimeError: the op was closed."""
         self._raise_if_faulted()
         if kernel is not None and kernel[0].op is not op:

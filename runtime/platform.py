@@ -49,7 +49,7 @@ HIP_SUCCESS = 0
 ROCM_FLOOR = (7, 0)
 """The oldest ROCm any arch runs on: CuPy's ROCm wheel (``cupy-rocm-7-0``, the ``[rocm]`` extra)
 links ``libamdhip64.so.7`` (``readelf -d`` of its ``cupy_backends/cuda/api/runtime`` extension,
-recorded in tests/runtime/cupy_rocm_surface.json), which ROCm 7.0 is the first to ship."""
+recorded in tests/runtime/core/cupy_rocm_surface.json), which ROCm 7.0 is the first to ship."""
 
 MIN_ROCM = {
     "gfx942": ((7, 0), "MI300X/MI325X: ROCm supports MI300 from 6.0 (6.0.2 is 'a point release with minor bug "
@@ -60,7 +60,7 @@ MIN_ROCM = {
                          "'gfx1250 support'; PyTorch's ROCm build gates gfx1250 on ROCm 7.14+, ROCm/pytorch#3421)"),
 }
 """arch -> (the oldest ROCm release, as (major, minor), that runs epgen's kernels there; why).
-Every AMD arch of ``epgen.codegen.arch.ARCH_TRAITS`` has an entry (tests/runtime/test_rocm_runtime.py)."""
+Every AMD arch of ``epgen.codegen.arch.ARCH_TRAITS`` has an entry (tests/runtime/core/test_rocm_runtime.py)."""
 
 HIP_KERNEL_ARGS_BYTES = 4096
 """The most bytes of kernel arguments epgen passes to a HIP launch: a bound epgen chose, not a

@@ -23,7 +23,7 @@ because a bf16 rounding can flip a near-tie in a router's top-k, which moves a f
 by far more than a rounding; every bf16 path, the model's own included, has such flips. The
 envelope and the error are taken on the same tokens, at least 224 of them: over a dozen tokens one
 flip can dominate the L2 (an owned-token check of mixtral on 10-16 tokens a rank measured 0.145
-against an envelope of 0.024 taken on other tokens). A lost expert or a wrong weight exceeds it (tests/runtime/test_transformers_ep.py).
+against an envelope of 0.024 taken on other tokens). A lost expert or a wrong weight exceeds it (tests/runtime/integrations/test_transformers_ep.py).
 """
 
 from __future__ import annotations
@@ -311,7 +311,7 @@ EXTRA = {
     "axk2": dict(num_key_value_heads=4),  # multi-head latent attention: as many key-value heads as query heads
     "deepseek_v32": dict(num_key_value_heads=4),
     "glm_moe_dsa": dict(num_key_value_heads=4),
-    "glm5_next": dict(num_key_value_heads=4),
+    "glm5_next": dict(num_key_value_heads=4, qk_rope_head_dim=0, qk_nope_head_dim=16, head_dim=0),  # no rope
     "dots3_note": dict(num_key_value_heads=4, v_head_dim=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
                        shared_experts_intermediate_size=32),
     "zaya": dict(num_experts_per_tok=1),  # its config class takes top-1 only
@@ -321,7 +321,11 @@ EXTRA = {
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=0),
     "deepseek_ocr2": dict(mlp_layer_types=["sparse", "sparse"]),
-    "hy_v4_vl": dict(mrope_section=[2, 1, 1]),  # sums to qk_rope_head_dim / 2
+    "hy_v4_vl": dict(rope_parameters=dict(rope_theta=10000.0, rope_type="default", mrope_section=[2, 1, 1])),
+    "glm4v_moe": dict(rope_parameters=dict(rope_theta=10000.0, rope_type="default", partial_rotary_factor=0.5,
+                                           mrope_section=[2, 1, 1])),  # sums to the rotary half of head_dim
+    "qwen4_exp": dict(indexer_head_dim=16, indexer_budget=64, indexer_compress_ratio=4, indexer_n_heads=2,
+                      indexer_kv_heads=1),
     "ernie4_5_vl_moe": dict(moe_intermediate_size=[32, 32], moe_layer_start_index=0, moe_layer_interval=1),
     "kolibri1_1": dict(index_num_heads=2, index_layers=[1], kv_source_layers=[0, 1]),
 }
@@ -423,6 +427,20 @@ def _layer_lists(default, layers: int) -> dict:
     return out
 
 
+def _text_config_class(config_cls):
+    """The config class of a multimodal family's language model: its ``text_config`` sub-config,
+    or one a level further down (qwen3_omni_moe's ``thinker_config.text_config``); None for a text
+    family."""
+    subs = getattr(config_cls, "sub_configs", None) or {}
+    if "text_config" in subs:
+        return subs["text_config"]
+    for sub in subs.values():
+        inner = (getattr(sub, "sub_configs", None) or {}).get("text_config")
+        if inner is not None:
+            return inner
+    return None
+
+
 def _causal_lm_class(model_type: str, config_cls):
     """(model class, whether it takes the text sub-config): a multimodal family's text causal LM
     class, else ``text_causal_lm`` over its text model (its towers left out); a text family's causal
@@ -432,7 +450,7 @@ def _causal_lm_class(model_type: str, config_cls):
     from transformers.models.auto import modeling_auto
 
     module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    text_cls = (getattr(config_cls, "sub_configs", None) or {}).get("text_config")
+    text_cls = _text_config_class(config_cls)
     for name in sorted(n for n in dir(module) if n.endswith("ForCausalLM")):
         cls = getattr(module, name)
         if text_cls is not None and getattr(cls, "config_class", None) is text_cls:
@@ -500,7 +518,7 @@ def family_model(model_type: str, seed: int = 0) -> torch.nn.Module:
     config_cls = configuration_auto.CONFIG_MAPPING[model_type]
     model_cls, takes_text = _causal_lm_class(model_type, config_cls)
     wanted = {**TEXT, **EXTRA.get(model_type, {})}
-    sub = (getattr(config_cls, "sub_configs", None) or {}).get("text_config")
+    sub = _text_config_class(config_cls)
     text_cls = sub if sub is not None else config_cls
     default = text_cls()
     kw = {k: v for k, v in wanted.items() if _has(default, k)}

@@ -1,7 +1,7 @@
-"""Derive what CuPy's ROCm build really provides from its wheel: tests/runtime/cupy_rocm_surface.json.
+"""Derive what CuPy's ROCm build really provides from its wheel: tests/runtime/core/cupy_rocm_surface.json.
 
     pip download --no-deps cupy-rocm-7-0==14.2.0 -d /tmp/wheel
-    python tools/cupy_rocm_surface.py /tmp/wheel/cupy_rocm_7_0-14.2.0-*.whl > tests/runtime/cupy_rocm_surface.json
+    python tools/cupy_rocm_surface.py /tmp/wheel/cupy_rocm_7_0-14.2.0-*.whl > tests/runtime/core/cupy_rocm_surface.json
 
 No GPU and no ROCm are needed: the wheel is read as a zip and its Cython extensions with binutils
 (``objdump``, ``strings``, ``readelf``). CuPy builds its ROCm wheel from the CUDA sources through
@@ -186,7 +186,7 @@ def derive(wheel_path: Path) -> dict:
     return {
         "wheel": wheel_path.name, "name": fields["Name"], "version": fields["Version"],
         "regenerate": f"pip download --no-deps {fields['Name']}=={fields['Version']} -d /tmp/wheel && python "
-                      f"tools/cupy_rocm_surface.py /tmp/wheel/{wheel_path.name} > tests/runtime/cupy_rocm_surface.json",
+                      f"tools/cupy_rocm_surface.py /tmp/wheel/{wheel_path.name} > tests/runtime/core/cupy_rocm_surface.json",
         "error_path": list(ERROR_PATH),
         "runtime_links": links,
         "functions": functions,

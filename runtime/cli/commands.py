@@ -328,9 +328,9 @@ def cmd_build(args, parser, console) -> int:
 
 
 def _default_model(args) -> None:
-    """A verb of one shape (build, plan) takes DEFAULT_MODEL when no flag names a shape."""
+    """A verb of one shape (build, plan, the GPU verbs) takes DEFAULT_MODEL when no flag names a shape."""
     if args.model is None and args.hf_config is None and all(
-            v is None for v in (args.hidden, args.topk, args.num_experts)):
+            getattr(args, f, None) is None for f in ("hidden", "topk", "num_experts")):
         args.model = DEFAULT_MODEL
 
 
@@ -438,6 +438,7 @@ def _moe_demo(args, parser, console) -> int:
 
 
 def cmd_bench(args, parser, console) -> int:
+    _default_model(args)
     if args.nodes is not None:
         return _bench_nodes(args, parser, console)
     if args.cpu:
@@ -503,6 +504,7 @@ def _bench_nodes(args, parser, console) -> int:
 
 
 def cmd_tune(args, parser, console) -> int:
+    _default_model(args)
     if args.family == "normal":
         given = [f for f, v in (("--low-latency-tokens", args.low_latency_tokens),
                                 ("--low-latency-geometry", args.low_latency_geometries)) if v is not None]
@@ -530,6 +532,7 @@ def cmd_tune(args, parser, console) -> int:
 
 
 def cmd_stress(args, parser, console) -> int:
+    _default_model(args)
     cfg = flags.config_from(args, parser)
     cfg = flags.gpu_preflight(args, parser, _error, "stress", cfg, families={cfg.kernel_family: cfg.max_tokens_per_rank},
                               virtual=args.virtual, share_gpu=True,

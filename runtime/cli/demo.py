@@ -69,11 +69,10 @@ def next_steps(shape: str, table: bool) -> str:
               "l experts per rank, t max tokens per rank (s scale bytes, r receive rows, a expert alignment where "
               "set). regs, AGPR, SGPR: registers a thread uses; LDS and occ: shared memory a block uses and "
               "occupancy, in the caption's units.\n" if table else "")
-    bench = shape if shape.startswith("--model") else "--model MODEL"  # the GPU verbs take catalogue models
     return (f"{legend}the kernels: rendered in memory and compiled, not written; `epgen generate {shape} -o "
             "DIR` writes their sources, named by the entry names above (an epgen checkout's generated/ holds the "
             f"catalogue's).\nnext: `epgen check {shape} --arch ARCH` (one arch's resources; --json for "
-            f"scripts), `epgen demo --moe` (the whole MoE layer), and on a GPU `epgen bench {bench}` "
+            f"scripts), `epgen demo --moe` (the whole MoE layer), and on a GPU `epgen bench {shape}` "
             "(time against the link's ceiling and NCCL) or `epgen stress` (many verified rounds).")
 
 

@@ -180,10 +180,11 @@ def add_jobs_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_gpu_verb_args(p, *, world_size: int, virtual: bool, quant: bool, quant_help: str = "") -> None:
-    """--model, --world-size (, --virtual), --dtype (, --quant) of a GPU verb: the shape flags it
-    takes, read by ``config_from``; defaults ``DEFAULT_MODEL``, ``world_size`` and EpConfig's."""
-    p.add_argument("--model", type=model_name, action=Once, default=DEFAULT_MODEL,
-                   help=f"catalogue model (default {DEFAULT_MODEL})")
+    """--model or --hf-config, --world-size (, --virtual), --dtype (, --quant) of a GPU verb: the
+    shape flags it takes, read by ``config_from``; defaults ``DEFAULT_MODEL`` (the verb sets it when
+    neither names a shape), ``world_size`` and EpConfig's."""
+    p.add_argument("--model", type=model_name, action=Once, help=f"catalogue model (default {DEFAULT_MODEL})")
+    add_hf_config_arg(p)
     p.add_argument("--world-size", type=positive, default=world_size, help="ranks; one process per GPU"
                    f"{' unless --virtual' if virtual else ''} (default {world_size})")
     if virtual:

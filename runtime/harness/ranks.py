@@ -54,11 +54,14 @@ def _init_group(rank: int, world_size: int, store: str) -> None:
 def _serve(rank: int, world_size: int, store: str, conn) -> None:
     """A pool process: join the group, then run each ``(fn, args)`` received on ``conn`` as
     ``fn(rank, world_size, *args)`` and answer ("ok", None) or ("raised", traceback text), until
-    None or the parent's end of the pipe closes."""
+    None or the parent's end of the pipe closes. It ignores SIGINT: Ctrl-C at a terminal reaches
+    every process of the group, and the parent alone answers it (it ends the pool: ``RankPool.run``)."""
+    import signal
     import traceback
 
     import torch.distributed as dist
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _init_group(rank, world_size, store)
     try:
         while True:

@@ -547,7 +547,7 @@ def dense_moe(xs: list[torch.Tensor], topk_weights: list[torch.Tensor], topk_ids
     Size: the dominant term is E_h @ |Wd|, about 3-4 u (|h| @ |Wd|), and |h| @ |Wd| exceeds |y|
     by about sqrt(I) for random weights (the magnitude GEMM cannot cancel): at I = 128 the bound
     is near 0.2 of an expert output's magnitude, tight enough to expose a missing expert or a
-    wrong weight (tests/runtime/test_moe.py); it loosens as sqrt(I).
+    wrong weight (tests/runtime/layers/test_moe.py); it loosens as sqrt(I).
 
     Args:
         xs: per rank r, [T_r, H] bfloat16 tokens (T_r may be 0).

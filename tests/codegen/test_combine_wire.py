@@ -89,10 +89,10 @@ def test_printed_numbers_are_the_tables(arch, mode):
         words = ["%#010x" % sum(b << 8 * k for k, b in enumerate(hb[i:i + 4])) for i in (0, 4)]
         assert not decodes and "template <int kM" not in text and "ep_grid_code" not in text
         assert f"ep_byte_perm({words[0]}u, {words[1]}u, sel) | sign, lo, hi);" in text
-        # the decoder's selector and sign permutations tests/runtime/test_quant.py emulates
+        # the decoder's selector and sign permutations tests/runtime/references/test_quant.py emulates
         assert "ep_byte_perm(shifted & 0x70707070u, word & 0x70707070u, 0x4040u + 0x1111u * j)" in text
         assert "ep_byte_perm(shifted, word, 0x4400u + 0x1111u * j) & 0x80008000u" in text
-        # the constants tests/runtime/test_quant.py's emulation of the encoder uses
+        # the constants tests/runtime/references/test_quant.py's emulation of the encoder uses
         assert "ep_fma_rn(a, 2.0f, 0x1p23f)" in text and "a + 0x1.000004p23f" in text
         assert "ep_fma_rn(a, 0.5f, 0x1.000008p23f)" in text and "n < 0x4b000007u ? n : 0x4b000007u" in text
         assert "ep_byte_perm(ep_vec_word(v, 0), ep_vec_word(v, 1), 0x5173u)" in text
@@ -123,7 +123,7 @@ def test_both_codec_paths_are_rendered():
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_the_division_is_the_one_the_cpu_tests_emulate(arch):
-    """The scaled wires' division, ep_div_rn, is what tests/runtime/test_quant.py emulates
+    """The scaled wires' division, ep_div_rn, is what tests/runtime/references/test_quant.py emulates
     (``_sm90_div_rn``, ``_amd_div_rn``): NVIDIA's approximate reciprocal, one Newton step and the
     residual s q - x subtracted, so that a zero quotient keeps x's sign (the former x - s q added
     made -0.0 a +0 quotient, code 0x00); AMD's IEEE division."""

@@ -27,9 +27,15 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(path: Path) -> list[tuple[int, int, str | None, list[str]]]:
-    """(line, relative level, module, names) of every import statement, function-local ones too."""
+    """(line, relative level, module, names) of every import statement, function-local ones too,
+    but not those under ``if TYPE_CHECKING:`` (annotations only: never executed, so no edge)."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and getattr(block.test, "id", None) == "TYPE_CHECKING" for n in block.body}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found += [(node.lineno, 0, a.name, []) for a in node.names]
         elif isinstance(node, ast.ImportFrom):

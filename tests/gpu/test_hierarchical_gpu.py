@@ -1,7 +1,7 @@
 """The hierarchical op on one GPU: two processes play two nodes, each driving its node's two ranks
 as virtual ranks of an ``EpDispatchCombine`` on cuda:0, the network leg on gloo over CPU tensors
 (the copies to and from the GPU are part of the leg). The same cases and layers as the CPU test
-(tests/runtime/test_hierarchical.py, ``epgen.harness.hierarchical_verify``), bit for bit against the
+(tests/runtime/layers/test_hierarchical.py, ``epgen.harness.hierarchical_verify``), bit for bit against the
 reference."""
 
 import datetime

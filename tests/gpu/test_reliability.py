@@ -544,10 +544,7 @@ class EmulatedOp(EpDispatchCombine):
                                             close=lambda: None)
         self.errors = _Records(config.world_size)
         self._args = {op: np.zeros((), dtype=_args_dtype(config.world_size)) for op in planner.ops(config)}
-        self._pending_tokens = None
-        self._pending_family = None
-        self._recv_handle = None
-        self._fault = None
+        self._start_calls()
         self._staged = None  # a low-latency sending half's rows until its receiving half
         self.launched = []
 
