@@ -58,10 +58,19 @@ as replicated weights) are deprecated aliases: accepted with a DeprecationWarnin
 
 Every rank must run the same MoE layers in the same order: with one process a rank,
 ``expert_parallel`` makes ``model.generate`` default to ``synced_gpus=True`` (a rank whose
-sequences have ended keeps running forwards until every rank's have); epgen's dispatch and combine
-have no backward: inference only. The experts read the module's weights as they are at each
-forward (a load after the conversion runs); under ``torch.compile`` the experts call is one opaque
-operator (``epgen::transformers_experts``).
+sequences have ended keeps running forwards until every rank's have). The experts read the
+module's weights as they are at each forward (a load after the conversion runs); under
+``torch.compile`` the experts call is one opaque operator (``epgen::transformers_experts``).
+
+Training (``model.train()``, gradients): with backend "epgen" and the pull kernels
+(``expert_parallel(..., dispatch_transport="pull")``) a call that needs gradients runs eagerly
+through ``epgen.autograd`` (``ExpertParallel.train``): gradients reach the hidden states, the
+router (through the top-k weights) and this rank's expert weights, the backward on the op's
+kernels along each dispatch's kept layout. Every rank runs the same backward (the kernels are
+collective). Still refused, naming the fix: gradients through the reference backend, and training
+under ``torch.compile``. In the own_tokens layout the replicated layers' gradients are each rank's
+own (sum them over the ranks, as data parallelism does); in the same_tokens layout they are the
+whole gradient on every rank (docs/training.md).
 """
 
 from __future__ import annotations
@@ -74,6 +83,7 @@ import torch
 
 from epgen import reference
 from epgen.codegen.config import EpConfig
+from epgen.layers import autograd
 from epgen.layers.moe import _host_offsets, grouped_mm_refusal
 
 __all__ = ["BACKENDS", "DEPRECATED_LAYOUTS", "EP_IMPLEMENTATION", "EXPERTS_IMPLEMENTATION", "HAS_EP_REGISTRY",
@@ -752,9 +762,11 @@ class ExpertParallel:
         dtype), top_k_weights [T, K] (any float dtype, converted to float32) -> [T, H] bf16, the
         top-k weighted sum of the experts' outputs for this rank's tokens (all T in every layout).
 
+        With gradients (grad mode on, and hidden_states, top_k_weights or an expert weight
+        requiring grad) the call runs ``train``.
+
         Raises:
-            RuntimeError: this ExpertParallel was closed; gradients enabled on a tensor that needs
-                them (no backward).
+            RuntimeError: this ExpertParallel was closed; as ``train`` with gradients.
             ValueError: hidden_states not 2-D bf16; a rank's share above max_tokens_per_rank; in
                 the own_tokens layout with one process a rank, a decode step above the op's
                 low_latency_tokens (``family``); the module's expert weights as they are now cannot
@@ -764,13 +776,14 @@ class ExpertParallel:
             raise RuntimeError(f"{_module_name(experts)}: its epgen expert parallelism was closed "
                                "(ExpertParallel.close() released the op's buffers); convert a freshly loaded model with "
                                "expert_parallel to run it")
-        _refuse_gradients(experts, hidden_states)
         if hidden_states.dim() != 2 or hidden_states.dtype != torch.bfloat16:
             raise ValueError(f"{type(experts).__name__}: hidden_states {tuple(hidden_states.shape)} "
                              f"{hidden_states.dtype} must be [T, H] torch.bfloat16")
         x = hidden_states.contiguous()
         ids = top_k_index.to(torch.int32).contiguous()
         w = top_k_weights.to(torch.float32).contiguous()
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w, *experts.parameters())):
+            return self.train(experts, x, ids, w)
         key = id(experts)
         if not torch.compiler.is_compiling() and _CONVERTED.get(key) is not experts:
             _CONVERTED[key] = experts  # (a copy of a converted model: its own modules)
@@ -803,6 +816,50 @@ class ExpertParallel:
         d = self.op.dispatch(x, w, ids, family=family)
         return self.op.combine(self._experts(experts, shards, [d])[0])
 
+    def train(self, experts, x, ids, w) -> torch.Tensor:
+        """``forward`` with gradients: ``run``'s calls through ``epgen.autograd`` (the backward runs
+        the op's kernels along each dispatch's kept layout), in eager mode (not the opaque
+        operator). In the same_tokens layout every rank computes the same loss from the same
+        tokens: the gather of the outputs passes back each rank's slice of the output gradient, and
+        the slice each rank dispatches gathers the slices' input gradients (``_GatherSlices``,
+        ``_RankSlice``), so the replicated layers see the whole gradient on every rank.
+
+        Raises:
+            RuntimeError: the reference backend (it has no backward), or under torch.compile.
+            ValueError: an op without the pull kernels the backward's cached dispatch runs
+                (``expert_parallel(..., dispatch_transport="pull")``); as ``run``.
+        """
+        if self.backend != "epgen":
+            raise RuntimeError(f"{_module_name(experts)}: gradients need backend='epgen' (its kernels run the "
+                               f"backward; on CPU weights the host emulation); this model runs backend={self.backend!r}, "
+                               "which has no backward: run it under torch.no_grad() or convert with backend='epgen'")
+        if torch.compiler.is_compiling():
+            raise RuntimeError(f"{_module_name(experts)}: training under torch.compile is not supported (the experts "
+                               "call is an opaque operator without a backward); train the model eagerly")
+        T, W = x.shape[0], self.config.world_size
+        shards = self.shards(experts)
+
+        def experts_of(d):
+            ys = self._experts(experts, shards, d.per_rank())
+            return ys if self.virtual else ys[0]
+
+        if self.virtual:
+            parts = _slices(T, W)
+            self._rank_tokens([b - a for a, b in parts])
+            d = autograd.dispatch(self.op, [x[a:b] for a, b in parts], [w[a:b] for a, b in parts],
+                                  [ids[a:b] for a, b in parts])
+            return torch.cat(autograd.combine(self.op, experts_of(d), d))
+        if self.layout == "same_tokens" and W > 1:
+            parts = _slices(T, W)
+            a, b = parts[self.ranks[0]]
+            self._rank_tokens([parts[0][1] - parts[0][0]])
+            d = autograd.dispatch(self.op, _RankSlice.apply(x, self, parts), _RankSlice.apply(w, self, parts),
+                                  ids[a:b], family=self.family(T))
+            return _GatherSlices.apply(autograd.combine(self.op, experts_of(d), d), self, parts)
+        self._rank_tokens([T])
+        d = autograd.dispatch(self.op, x, w, ids, family=self.family(T, "prefill"))
+        return autograd.combine(self.op, experts_of(d), d)
+
     def _gather(self, out: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
         """Every rank's rows of a same_tokens block, in rank order (all_gather of equal-size chunks)."""
         import torch.distributed as dist
@@ -834,15 +891,39 @@ class ExpertParallel:
         self.op.close()
 
 
-# --- gradients: the one place that refuses them (dispatch and combine have no backward yet) --------
+class _RankSlice(torch.autograd.Function):
+    """The same_tokens layout's slice under autograd: forward this rank's rows of x (every rank
+    holds the same x); backward every rank's slice gradient, gathered (``ExpertParallel._gather``):
+    rows of another rank's slice reach the loss through that rank's dispatch only."""
+
+    @staticmethod
+    def forward(ctx, x, handle, parts):
+        ctx.handle, ctx.parts = handle, parts
+        a, b = parts[handle.ranks[0]]
+        return x[a:b].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.handle._gather(grad.contiguous(), ctx.parts), None, None
 
 
-def _refuse_gradients(experts: torch.nn.Module, hidden_states: torch.Tensor) -> None:
-    """RuntimeError when ``hidden_states`` needs a gradient: epgen's dispatch and combine have no
-    backward, so the expert-parallel model runs inference only."""
-    if torch.is_grad_enabled() and hidden_states.requires_grad:
-        raise RuntimeError(f"{type(experts).__name__}: epgen's dispatch and combine have no backward; run the "
-                           "expert-parallel model under torch.no_grad() or torch.inference_mode()")
+class _GatherSlices(torch.autograd.Function):
+    """The same_tokens layout's gather under autograd: forward ``ExpertParallel._gather`` (every
+    rank's rows); backward this rank's slice of the output gradient, with no communication:
+    every rank runs the same tokens through the same replicated layers to the same loss, so the
+    gradient of the gathered rows is the same on every rank and rank r's rows came from its own
+    combine."""
+
+    @staticmethod
+    def forward(ctx, out, handle, parts):
+        ctx.slice = parts[handle.ranks[0]]
+        ctx.rows = out.shape[0]
+        return handle._gather(out, parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, _ = ctx.slice
+        return grad[a:a + ctx.rows], None, None
 
 
 def epgen_experts_forward(self, hidden_states, top_k_index, top_k_weights):

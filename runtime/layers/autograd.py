@@ -89,6 +89,14 @@ class Dispatched:
     offsets: object
     layout: object
 
+    def per_rank(self) -> list["Dispatched"]:
+        """One Dispatched of tensors per rank this process drives (in virtual mode the lists
+        split; else this one), all with the same layout."""
+        if not isinstance(self.x, list):
+            return [self]
+        fields = ("x", "weights", "indices", "src", "num_recv", "offsets")
+        return [Dispatched(**{f: getattr(self, f)[r] for f in fields}, layout=self.layout) for r in range(len(self.x))]
+
 
 def _ops_checks(op, what: str, weights_grad: bool):
     """Refusals before any launch: a payload other than bf16, an op without the pull kernels that
