@@ -634,12 +634,12 @@ def test_rocm_takes_the_halves_by_default_and_a_refused_cooperative_grid_falls_b
         assert launched(r["default"]) == launched(r["halves"]) == launched(r["refused"])
         assert [entry.split("_gfx950")[0] for entry, _, _ in r["refused_attempts"]] == [
             "epgen_dispatch_ll", "epgen_combine_ll"]  # remembered: one attempt each, never again
-        assert [grid for _, grid, _ in r["refused_attempts"]] == [[128, 1, 1], [128, 1, 1]]  # tuning.derived: 256 CUs / 2
+        assert [grid for _, grid, _ in r["refused_attempts"]] == [[64, 1, 1], [64, 1, 1]]  # tuning.derived: 256 CUs / 4
         assert [w[0] for w in r["refused_warnings"]] == ["RuntimeWarning", "RuntimeWarning"]
         for (_, message), (entry, _, _), call in zip(r["refused_warnings"], r["refused_attempts"],
                                                      ("dispatch", "combine")):
-            assert message.startswith(f"{call}: the runtime refused the whole low-latency kernel {entry} (128 x 1 blocks "
-                                      "of 256 threads, one cooperative launch) as too large: cooperative grid 128x1x1 of "
+            assert message.startswith(f"{call}: the runtime refused the whole low-latency kernel {entry} (64 x 1 blocks "
+                                      "of 256 threads, one cooperative launch) as too large: cooperative grid 64x1x1 of "
                                       "256x1x1 threads refused by the HIP runtime (hipErrorCooperativeLaunchTooLarge, "
                                       "720)"), message
             assert message.endswith(f"This op launches {call}'s two halves instead from now on"), message
