@@ -60,7 +60,7 @@ class HostOp(EpDispatchCombine):
         self.arena_layout = types.SimpleNamespace(capacity_rows=64)
         self.errors = ErrorRecords(cfg.world_size, _HostMemory())
         self.device = "cpu"
-        self._fault = self._recv_handle = None
+        self._start_calls()
         self._pending_tokens = [1]
 
 
