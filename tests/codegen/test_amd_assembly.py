@@ -351,6 +351,7 @@ def test_gfx1250_releases_wait_for_their_writeback(compiles):
     _check_catalogue(compiles, "gfx1250")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
 def test_gfx9_spin_loops_never_invalidate(compiles, arch):
     """No loop of a gfx942 or gfx950 catalogue kernel holds a ``buffer_inv``: the spin-waits poll
@@ -363,6 +364,7 @@ def test_gfx9_spin_loops_never_invalidate(compiles, arch):
     assert not bad, bad
 
 
+@pytest.mark.slow
 def test_gfx1250_cache_ops_wait_as_the_table_says(compiles):
     """On every path through every gfx1250 kernel of the catalogue (every payload dtype, combine
     wire, layout, transport and both families), the wave's stores complete before each system
@@ -376,6 +378,7 @@ def test_gfx1250_cache_ops_wait_as_the_table_says(compiles):
     assert not bad, bad
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,acquire", [("gfx942", r"buffer_inv sc0 sc1"), ("gfx950", r"buffer_inv sc0 sc1"), ("gfx1250", r"global_inv scope:SCOPE_SYS")])
 def test_the_pull_dispatch_acquires_at_system_scope_before_its_first_peer_load(compiles, arch, acquire):
     """The pull kernel reads its sources' rows, published before done flags that the kernel before
@@ -511,6 +514,7 @@ def test_order_scan_acquire_rule():
     assert "non-signal load after the poll loop of line 2" in str(found.violations[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950", "gfx1250"])
 def test_the_catalogue_passes_the_order_scans(compiles, arch):
     """Every AMD catalogue kernel (every template path) passes ``order_scan``, and the scan checked

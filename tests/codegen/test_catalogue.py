@@ -143,6 +143,7 @@ def test_stale_file_detected(tmp_path):
     assert check(tmp_path, files) == [f"stale: {victim.relative_to(tmp_path).as_posix()}"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHES)
 def test_catalogue_compiles_without_scratch(arch, compiles):
     reason = toolchain_status(arch)

@@ -166,6 +166,7 @@ def test_the_windowed_design_holds_when_every_rank_synchronizes_after_every_call
     assert states == 186_534
 
 
+@pytest.mark.slow
 def test_overflows_of_any_receiver_found_by_any_sender_are_raised_by_every_rank():
     cases = [dict(program=p, overflows=((s, d, k),)) for p in protocol.programs(3) for k, c in enumerate(p)
              if c in ("dispatch", "dispatch_pull") for s in range(2) for d in range(2)]
@@ -206,6 +207,7 @@ def test_a_synchronize_between_the_halves_raises_a_send_fault_on_one_rank_only()
     assert _check_all(protocol.PROTOCOL, 2, protocol.halves_cases(2)) > 0
 
 
+@pytest.mark.slow
 def test_generations_that_wrap_refire_an_old_record_and_lose_an_overflow():
     """(c) With 3-bit generations (32 in the kernels: the same after 2^32 calls): a record left by
     rank 1's fault in call 0 fires again on rank 0 only after the wrap (rank 1 skips its own slot),

@@ -87,6 +87,7 @@ def inject(monkeypatch):
     return apply
 
 
+@pytest.mark.slow
 def test_a_deadlock_raises_host_error_naming_the_waits(inject):
     from epgen.host import HostError
 
@@ -97,6 +98,7 @@ def test_a_deadlock_raises_host_error_naming_the_waits(inject):
         _round(op)
 
 
+@pytest.mark.slow
 def test_a_grid_past_max_steps_raises_host_error(inject):
     from epgen.host import HostError
 
@@ -132,6 +134,7 @@ def test_host_options_need_device_cpu():
         EpDispatchCombine(CFG, virtual=True, device="cpu", arch="gfx9000")
 
 
+@pytest.mark.slow
 def test_a_memory_fault_raises_host_error_naming_the_thread(inject):
     from epgen.host import HostError
 

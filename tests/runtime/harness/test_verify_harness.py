@@ -108,6 +108,7 @@ def test_harness_catches_a_changed_row():
         run_round(ContractOp(CFG, break_rows=True), CFG, [8, 8, 8, 8], "uniform", seed=4)
 
 
+@pytest.mark.slow
 def test_stress_counts_rounds_and_failures():
     from epgen.cli.stress import stress
 

@@ -159,6 +159,7 @@ def _dbrx_body(rank, world, store, result_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_dbrx_as_two_processes(tmp_path):
     world = 2
     torch.multiprocessing.spawn(_dbrx_body, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world,
