@@ -324,6 +324,27 @@ def check_combine_inputs(cfg: EpConfig, device: torch.device, y, out, tokens: in
                      contiguous=True, vector_bytes=VECTOR_BYTES)
 
 
+def _check_out_apart(outs: list, ys: list, ranks: list[int] | None) -> None:
+    """ValueError where a given ``out`` shares bytes with any rank's y or another rank's out: the
+    kernels write out while every rank's y is still read (in place, or copied rank by rank), so an
+    overlap would return rows that depend on the launch order. ``ranks``: the virtual ranks, for
+    the tags (None: one rank)."""
+    def span(t):
+        return (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) if t is not None and t.numel() else None
+
+    tag = (lambda i: f"[rank {ranks[i]}]") if ranks else (lambda i: "")
+    for i, out in enumerate(outs):
+        o = span(out)
+        if o is None:
+            continue
+        for name, others in (("y", ys), ("out", outs)):
+            for j, t in enumerate(others):
+                other = span(t)
+                if other is not None and not (name == "out" and j == i) and o[0] < other[1] and other[0] < o[1]:
+                    raise ValueError(f"out{tag(i)}: shares bytes with {name}{tag(j)}; the combine writes out while "
+                                     "it still reads every rank's y, so out must be memory of its own")
+
+
 class EpDispatchCombine:
     """Dispatch tokens to the ranks holding their top-k experts and combine the expert outputs.
 
@@ -1074,6 +1095,7 @@ class EpDispatchCombine:
             tag = f"[rank {rank}]" if self.virtual else ""
             check_combine_inputs(cfg, self.device, None if wire_input else ys[i], given[i], pending[i],
                                  capacity, tag, in_place=not wire_input and route.y == "in_place")
+        _check_out_apart(given, [] if wire_input else ys, self.local_ranks if self.virtual else None)
         if self._combined:
             self._combine_barrier()
         if layout is not None:

@@ -629,3 +629,23 @@ def test_a_kernel_that_cannot_complete_raises_a_timeout_naming_the_phase(seed):
 def test_graph_of_dispatch_and_combine_replayed_with_fresh_routing():
     """tests/gpu/test_reliability.py, test_low_latency.py, test_pull_dispatch.py, test_expert_layout.py
     and test_quantized_combine.py's graph tests."""
+
+
+@pytest.mark.parametrize("overlap", ["y", "other_out"])
+def test_an_out_sharing_bytes_with_y_or_another_out_is_refused_and_the_combine_then_runs(overlap):
+    """An ``out`` that overlaps any rank's y (or, virtual, another rank's out) would return rows that
+    depend on the launch order: refused before any launch, naming both; the dispatch stays pending."""
+    config = cfg(2)
+    op = host_op(config, "sm_90", 0)
+    x = [torch.randn(8, config.hidden).bfloat16() for _ in range(2)]
+    w = [torch.rand(8, config.topk) for _ in range(2)]
+    ids = [torch.randint(0, config.num_experts, (8, config.topk), dtype=torch.int32) for _ in range(2)]
+    y = [r.recv_x[: int(r.num_recv)].clone() for r in op.dispatch(x, w, ids)]
+    shared = torch.empty(8, config.hidden).bfloat16()
+    outs, rule = ([y[0][:8], None], r"out\[rank 0\]: shares bytes with y\[rank 0\]") if overlap == "y" else \
+        ([shared, shared], r"out\[rank 0\]: shares bytes with out\[rank 1\]")
+    with pytest.raises(ValueError, match=rule):
+        op.combine(y, out=outs)
+    out = op.combine(y)
+    assert [tuple(o.shape) for o in out] == [(8, config.hidden)] * 2
+    op.close()
