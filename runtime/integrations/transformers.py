@@ -836,6 +836,11 @@ class ExpertParallel:
         if torch.compiler.is_compiling():
             raise RuntimeError(f"{_module_name(experts)}: training under torch.compile is not supported (the experts "
                                "call is an opaque operator without a backward); train the model eagerly")
+        if self.config.dispatch_transport != "pull":
+            raise ValueError(f"{_module_name(experts)}: a forward that needs gradients runs epgen.autograd, whose "
+                             "backward needs the pull kernels; convert with expert_parallel(..., "
+                             "dispatch_transport='pull') to train, or run inference under torch.no_grad() "
+                             f"(this model has dispatch_transport={self.config.dispatch_transport!r})")
         T, W = x.shape[0], self.config.world_size
         shards = self.shards(experts)
 

@@ -462,6 +462,10 @@ def test_tokens_above_the_buffers_and_gradients_refused(envelopes):
     model, _ = ep_model(envelopes["qwen3_moe"][0], 2)  # the reference backend: no backward (training: backend epgen)
     with pytest.raises(RuntimeError, match=r"gradients need backend='epgen'.*run it under torch.no_grad\(\)"):
         model(PROMPT)
+    model, _ = ep_model(envelopes["qwen3_moe"][0], 2, max_tokens_per_rank=128, backend="epgen")  # push kernels
+    with pytest.raises(ValueError, match=r"convert with expert_parallel\(..., dispatch_transport='pull'\) to train, "
+                                         r"or run inference under torch.no_grad\(\)"):
+        model(PROMPT)
 
 
 def test_a_model_loaded_with_the_epgen_implementation_alone_is_refused(envelopes):
