@@ -171,6 +171,19 @@ def _per_rank(op, value) -> list:
     return list(value) if op.virtual else [value]
 
 
+def _inputs(op, value, name: str) -> list:
+    """A caller's argument per rank: in virtual mode a list or tuple with one entry per rank (a
+    tensor would split into its rows), else the one rank's value.
+
+    Raises:
+        TypeError: virtual mode and not a list or tuple of ``len(op.local_ranks)`` entries."""
+    n = len(op.local_ranks)
+    if op.virtual and (not isinstance(value, (list, tuple)) or len(value) != n):
+        got = type(value).__name__ + (f" of {len(value)}" if isinstance(value, (list, tuple)) else "")
+        raise TypeError(f"{name}: virtual mode takes a list of {n} tensors (one per rank), got {got}")
+    return _per_rank(op, value)
+
+
 def _back(op, values: list):
     return values if op.virtual else values[0]
 
@@ -344,7 +357,7 @@ def dispatch(op, x, weights, indices, family: str | None = None) -> Dispatched:
             require grad where their gradient cannot travel (3 K W > H in the rank layout, 3 K > H
             in the expert layout, a quantized combine wire); as ``EpDispatchCombine.dispatch``.
     """
-    xs, ws, ids = _per_rank(op, x), _per_rank(op, weights), _per_rank(op, indices)
+    xs, ws, ids = _inputs(op, x, "x"), _inputs(op, weights, "weights"), _inputs(op, indices, "indices")
     _ops_checks(op, "epgen.autograd.dispatch", any(isinstance(w, torch.Tensor) and w.requires_grad for w in ws))
     keep = {"family": family}
     out = DispatchFunction.apply(op, ids, keep, *xs, *ws)
@@ -372,7 +385,7 @@ def combine(op, y, dispatched: Dispatched):
     Raises:
         ValueError: as ``EpDispatchCombine.combine`` with a layout.
     """
-    ys = _per_rank(op, y)
+    ys = _inputs(op, y, "y")
     extra = _per_rank(op, dispatched.weights) if op.expert_layout else []
     out = CombineFunction.apply(op, dispatched.layout, *ys, *extra)
     return _back(op, list(out))

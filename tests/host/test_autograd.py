@@ -161,6 +161,8 @@ def test_quantized_wire_and_refusals():
     push = host_op(cfg(W, "normal", hidden=H, topk=K, experts_per_rank=L, tmax=8), "sm_90", seed_of("autograd_push"))
     with pytest.raises(ValueError, match="dispatch_transport='pull'"):
         dispatch(push, x0, w0, ids)
+    with pytest.raises(TypeError, match=r"^x: virtual mode takes a list of 2 tensors \(one per rank\), got Tensor"):
+        dispatch(push, x0[0], w0, ids)  # a tensor where the ranks' list goes: named, not split into rows
     push.close()
     fp8 = host_op(_config(1, "rank", H, dtype="fp8"), "sm_90", seed_of("autograd_fp8"))
     with pytest.raises(ValueError, match="EpConfig.dtype='fp8'"):
