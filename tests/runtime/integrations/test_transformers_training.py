@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import hf_models  # noqa: E402
 
 from epgen.reference import relative_l2  # noqa: E402
