@@ -49,7 +49,11 @@ FAMILIES = {
                     dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
                          moe_intermediate_size=32, intermediate_size=64, first_k_dense_replace=0, q_lora_rank=32,
                          kv_lora_rank=16, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                         routed_scaling_factor=2.5)),
+                         routed_scaling_factor=2.5,
+                         # multi-head latent attention: as many key-value heads as query heads, as the real
+                         # config; with fewer, transformers' SDPA path repeats the keys under an attention mask
+                         # (a prompt holding the pad id) and fails on the head count
+                         num_key_value_heads=4)),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
                 dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=8)),
 }
