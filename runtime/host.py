@@ -286,8 +286,9 @@ class HostPlatform:
     def synchronize_stream(self, device) -> None:
         pass
 
-    def free_bytes(self, device) -> int:
-        """Memory the host can give (the physical memory; shared-memory segments are backed by it)."""
+    def free_bytes(self, device, need: int = 0) -> int:
+        """Memory the host can give (the physical memory; shared-memory segments are backed by it;
+        no cache holds any of it, so ``need`` changes nothing)."""
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
     def resident_blocks(self, fn, spec, device) -> int:

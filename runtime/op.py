@@ -455,8 +455,8 @@ class EpDispatchCombine:
             for spec in self.plan.whole_grid_specs(call)) for call in (Op.DISPATCH, Op.COMBINE)}
         self.arena_layout = self.dispatch_spec.arena_layout
         self.expert_layout = config.layout == "expert"
-        free = self.platform.free_bytes(self.device)
         need = self.arena_layout.total_bytes * len(self.local_ranks)
+        free = self.platform.free_bytes(self.device, need)
         if need > free:
             raise ValueError(f"EpConfig.max_tokens_per_rank={config.max_tokens_per_rank}: the arenas need "
                              f"{need / 2**30:.1f} GiB ({len(self.local_ranks)} x {self.arena_layout.total_bytes / 2**30:.2f} GiB:"

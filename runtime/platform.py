@@ -218,9 +218,16 @@ class Platform:
         """Wait for the work queued on torch's current stream of ``device``."""
         torch.cuda.current_stream(device).synchronize()
 
-    def free_bytes(self, device: torch.device) -> int:
-        """Bytes free on ``device`` (``torch.cuda.mem_get_info``)."""
-        return torch.cuda.mem_get_info(device)[0]
+    def free_bytes(self, device: torch.device, need: int = 0) -> int:
+        """Bytes free on ``device`` (``torch.cuda.mem_get_info``). The arenas are allocated by
+        ``cudaMalloc``/``hipMalloc``, which cannot reach the blocks torch's caching allocator holds
+        unused: where fewer than ``need`` bytes are free, those blocks are first given back to the
+        driver (``torch.cuda.empty_cache``) and the free bytes read again."""
+        free = torch.cuda.mem_get_info(device)[0]
+        if free < need:
+            torch.cuda.empty_cache()
+            free = torch.cuda.mem_get_info(device)[0]
+        return free
 
     def resident_blocks(self, fn, spec, device: torch.device) -> int:
         """Blocks of ``fn`` the whole GPU holds at once: ``epgen.codegen.occupancy`` over the loaded

@@ -53,3 +53,24 @@ def test_unknown_arches_are_refused_listing_the_supported(monkeypatch, hip, prop
     assert str(e.value) == (f"GPU arch {arch!r} (device 1, {reported!r}): epgen generates kernels for "
                             f"{', '.join(ARCH_TRAITS)}")
     assert "gfx950, gfx1250, sm_90" in str(e.value)
+
+
+@pytest.mark.parametrize("cached", [0, 6])
+def test_free_bytes_gives_back_torchs_unused_cache_only_when_short(monkeypatch, cached):
+    """The arenas are cudaMalloc'd, which cannot reach the blocks torch's caching allocator holds
+    unused: ``free_bytes(device, need)`` empties that cache only where fewer than ``need`` bytes are
+    free, then reads the free bytes again (a faked GPU of 4 free GiB and ``cached`` GiB in torch's
+    cache, asked for 8 GiB)."""
+    from epgen.platform import Platform
+
+    state = {"free": 4 << 30, "cached": cached << 30, "emptied": False}
+
+    def empty_cache():
+        state.update(free=state["free"] + state["cached"], cached=0, emptied=True)
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (state["free"], 80 << 30))
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    platform, device = Platform(rocm=False), torch.device("cuda", 0)
+    assert platform.free_bytes(device, 2 << 30) == 4 << 30 and not state["emptied"]
+    assert platform.free_bytes(device, 8 << 30) == (4 + cached) << 30
+    assert state["emptied"]
