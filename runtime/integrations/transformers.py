@@ -34,27 +34,15 @@ forward is replaced, the experts run f(w x) on the dispatched rows). Other exper
 transformers are refused naming the module, its class and why (``REFUSED``: jetmoe,
 switch_transformers, nllb_moe, vitpose_backbone).
 
-Token layouts (``layout``), one process per GPU:
-
-* ``"own_tokens"``: each rank brings its own tokens (data-parallel attention): it dispatches all
-  of them and gets their outputs back.
-* ``"same_tokens"``: every rank brings the same T tokens (tensor-parallel attention): rank r
-  dispatches rows [r c, (r + 1) c) of them, c = ceil(T / W), and the outputs are gathered
-  (``torch.distributed.all_gather`` over ``group``) so every rank returns all T rows.
-
-With ``virtual=True`` one process holds all W ranks (tests, one GPU): the block's T tokens are
-split the same way, virtual rank r dispatches rows [r c, (r + 1) c), and the outputs are
-concatenated; both layouts then compute the same thing.
-
-Backends: ``"epgen"`` runs epgen's kernels: on CUDA weights the GPU op; on CPU weights the host
-emulation (``EpDispatchCombine(config, device="cpu", arch=..., schedule=...)``, ``epgen.host``,
-docs/host.md: the real kernels of ``arch`` on the CPU, for correctness, not speed), which CPU
-weights take only when asked (``backend="epgen"``). ``"reference"`` (``ReferenceOp``,
-``epgen.reference`` in torch) is the default on the CPU.
-
-The names say which tokens a rank brings; both layouts shard the weights alike (each rank holds
-E / W experts). The former names ``"owned"`` (read as weight ownership) and ``"replicated"`` (read
-as replicated weights) are deprecated aliases: accepted with a DeprecationWarning.
+The rest is epgen's and framework-independent (``epgen.layers.expert_parallel``, the shape every
+integration takes: docs/architecture.md, "A new framework integration"): the token layouts
+(``"own_tokens"``: each rank brings its own tokens; ``"same_tokens"``: every rank the same ones,
+each dispatching its slice; the former names ``"owned"`` and ``"replicated"`` warn as deprecated),
+virtual ranks, the kernel family of each call, the backends (``"epgen"``: the GPU op for CUDA
+weights, the host emulation for CPU weights when asked; ``"reference"``: ``epgen.reference``, the
+CPU's default), the expert math on a shard (``expert_rows``) and the call with gradients. This
+module adds only what transformers needs: where the experts are and how they compute
+(``READERS``), the seams, the weight checks, the phase of each forward and ``generate``.
 
 Every rank must run the same MoE layers in the same order: with one process a rank,
 ``expert_parallel`` makes ``model.generate`` default to ``synced_gpus=True`` (a rank whose
@@ -63,173 +51,31 @@ module's weights as they are at each forward (a load after the conversion runs);
 ``torch.compile`` the experts call is one opaque operator (``epgen::transformers_experts``).
 
 Training (``model.train()``, gradients): with backend "epgen" and the pull kernels
-(``expert_parallel(..., dispatch_transport="pull")``) a call that needs gradients runs eagerly
-through ``epgen.autograd`` (``ExpertParallel.train``): gradients reach the hidden states, the
-router (through the top-k weights) and this rank's expert weights, the backward on the op's
-kernels along each dispatch's kept layout. Every rank runs the same backward (the kernels are
-collective). Still refused, naming the fix: gradients through the reference backend, and training
-under ``torch.compile``. In the own_tokens layout the replicated layers' gradients are each rank's
-own (sum them over the ranks, as data parallelism does); in the same_tokens layout they are the
-whole gradient on every rank (docs/training.md).
+(``expert_parallel(..., dispatch_transport="pull")``) a call that needs gradients runs the base
+class's ``train`` (``epgen.autograd``): gradients reach the hidden states, the router (through the
+top-k weights) and this rank's expert weights (docs/training.md).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 
-import attrs
 import torch
 
-from epgen import reference
 from epgen.codegen.config import EpConfig
-from epgen.layers import autograd
-from epgen.layers.moe import _host_offsets, grouped_mm_refusal
+from epgen.layers import expert_parallel as layers
+from epgen.layers.expert_parallel import (ExpertShard, build_op, check_host_options, expert_rows, resolve_backend,
+                                          token_layout)
+from epgen.layers.moe import grouped_mm_refusal
 
-__all__ = ["BACKENDS", "DEPRECATED_LAYOUTS", "EP_IMPLEMENTATION", "EXPERTS_IMPLEMENTATION", "HAS_EP_REGISTRY",
-           "LAYOUTS", "READERS", "REFUSED", "ConventionsReader", "DbrxReader", "EpgenEPImplementation",
-           "ExpertParallel", "ExpertShard", "ExpertsReader", "Llama4Reader", "ReferenceOp", "epgen_experts_forward",
-           "expert_parallel", "expert_rows", "loaded_expert_parallel", "reader", "register_ep_implementation"]
+__all__ = ["EP_IMPLEMENTATION", "EXPERTS_IMPLEMENTATION", "HAS_EP_REGISTRY", "READERS", "REFUSED", "ConventionsReader",
+           "DbrxReader", "EpgenEPImplementation", "ExpertParallel", "ExpertsReader", "Llama4Reader",
+           "epgen_experts_forward", "expert_parallel", "loaded_expert_parallel", "reader", "register_ep_implementation"]
 
 EXPERTS_IMPLEMENTATION = "epgen"
 """The name registered in transformers' ``ALL_EXPERTS_FUNCTIONS``."""
-
-LAYOUTS = ("own_tokens", "same_tokens")
-"""``expert_parallel``'s token layouts: which tokens each rank brings to a dispatch."""
-
-DEPRECATED_LAYOUTS = {"owned": "own_tokens", "replicated": "same_tokens"}
-"""The layouts' former names, accepted with a DeprecationWarning."""
-
-
-def _layout(layout, stacklevel: int = 3) -> str:
-    """The token layout ``layout`` names (a deprecated name warns); ValueError for an unknown one."""
-    if isinstance(layout, str) and layout in DEPRECATED_LAYOUTS:
-        warnings.warn(f"layout={layout!r} is deprecated: use layout={DEPRECATED_LAYOUTS[layout]!r} (the tokens "
-                      "each rank brings; both layouts shard the weights alike)", DeprecationWarning,
-                      stacklevel=stacklevel)
-        return DEPRECATED_LAYOUTS[layout]
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r}: must be one of {', '.join(LAYOUTS)}")
-    return layout
-
-BACKENDS = ("epgen", "reference")
-"""``expert_parallel``'s backends: epgen's kernels (``epgen.op.EpDispatchCombine``: on a GPU, or on
-the host emulation for CPU weights, ``epgen.host``) or ``ReferenceOp`` (``epgen.reference`` on the
-CPU, the CPU's default)."""
-
-
-# --- the experts of one rank ---------------------------------------------------------------------
-
-
-@attrs.frozen
-class ExpertShard:
-    """The L local experts of one rank of one experts module, as grouped GEMM operands (views of
-    the module's parameters: no copy; ``ExpertsReader.shard`` builds it).
-
-    Attributes:
-        up: [L, H, N] the up projection, input-major (a transposed view when the class stores
-            [L, N, H]): the class's gate and up together (``gate_up_proj``, N = 2I, its
-            ``_apply_gate`` splits them), or its up projection alone (N = I: a class without a
-            gate, or one whose gate is ``gate``).
-        up_bias: [L, N] or None.
-        down: [L, I, H] the down projection, input-major likewise.
-        down_bias: [L, H] or None.
-        gate: [L, H, I] a gate projection stored apart from the up projection (dbrx's ``w1``),
-            input-major; None where ``up`` holds it or the class has none.
-    """
-
-    up: torch.Tensor
-    up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
-    gate: torch.Tensor | None = None
-
-    @property
-    def num_experts(self) -> int:
-        return self.up.shape[0]
-
-
-def _row_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
-    """[rows] int64: the local expert of each row of the expert layout (rows past offsets[L] get
-    the last expert; their outputs are never read)."""
-    ends = offsets[1:].contiguous()
-    index = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)
-    return torch.searchsorted(ends, index, right=True).clamp_(max=ends.numel() - 1)
-
-
-def expert_rows(experts: torch.nn.Module, shard: ExpertShard, x: torch.Tensor, offsets: torch.Tensor, *,
-                grouped: bool, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """The experts module's own expert math on one rank's rows of the expert layout (no routing
-    weight on the output: the weighted combine applies it).
-
-    Rows [offsets[e], offsets[e + 1]) of x belong to local expert e. Per row, as the class's
-    ``grouped_mm`` implementation computes it: h = x @ up[e] (+ up_bias[e]); h = the class's
-    activation (``ExpertsReader.activate``: its ``_apply_gate(h)``, ``act_fn(h)`` for a class
-    without a gate, or act(x @ gate[e]) * h for a gate stored apart); y = h @ down[e]
-    (+ down_bias[e]); the class's ``post_expert_norm(y)`` where it has one. Each matmul
-    accumulates in float32 and rounds once to the weights' dtype.
-
-    A class whose routing weight scales the expert's input (llama4: f(w x), ``weights`` given,
-    the rows' routing weights) runs f on x w (rounded to x's dtype, as the model's bf16 product)
-    and returns f(x w) / w (0 where w = 0: padding, and f(0) = 0 for a bias-free expert), so that
-    the weighted combine's w f(x w) / w is the model's f(x w) within one rounding.
-
-    Paths:
-        grouped: two ``torch._grouped_mm`` calls (group ends offsets[1:]) and row-wise bias, gate
-            and norm on every row of x; no host synchronization (CUDA-graph capturable). Rows
-            past offsets[L] hold whatever the kernels left there.
-        loop: reads offsets to the host (one synchronization), then per non-empty expert two
-            matmuls; rows past offsets[L] are zero.
-
-    Args:
-        experts: the transformers experts module (``has_gate``, ``has_bias``, ``_apply_gate`` or
-            ``act_fn``, optional ``has_post_expert_norm``).
-        shard: its local experts (``ExpertsReader.shard``), on x's device, x's dtype.
-        x: [R, H] the rank's expanded rows (``ExpertDispatchOutput.x`` or
-            ``epgen.reference.ExpertRows.x``).
-        offsets: [L + 1] int32 on x's device, offsets[0] = 0, non-decreasing, offsets[L] <= R.
-        grouped: the path.
-        weights: None, or [R] float32 the rows' routing weights (``ExpertDispatchOutput.weights``)
-            for a class whose weight scales the expert's input (``ExpertsReader.input_weighted``).
-
-    Returns:
-        y [R, H], x's dtype.
-
-    Raises:
-        ValueError: (loop path) offsets not starting at 0, decreasing, or past R.
-    """
-    read = reader(experts)
-    if weights is not None:
-        x = (x * weights[:, None]).to(x.dtype)
-    if grouped:
-        offs = offsets[1:]
-        h = torch._grouped_mm(x, shard.up, offs=offs)
-        rows = _row_experts(offsets, x.shape[0]) if shard.up_bias is not None or shard.down_bias is not None else None
-        if shard.up_bias is not None:
-            h = h + shard.up_bias[rows]
-        h = read.activate(experts, h, torch._grouped_mm(x, shard.gate, offs=offs) if shard.gate is not None else None)
-        y = torch._grouped_mm(h, shard.down, offs=offs)
-        if shard.down_bias is not None:
-            y = y + shard.down_bias[rows]
-    else:
-        bounds = _host_offsets(offsets, x.shape[0])
-        y = x.new_zeros(x.shape[0], shard.down.shape[-1])
-        for e in range(shard.num_experts):
-            lo, hi = bounds[e], bounds[e + 1]
-            if lo == hi:
-                continue
-            h = x[lo:hi] @ shard.up[e]
-            if shard.up_bias is not None:
-                h = h + shard.up_bias[e]
-            h = read.activate(experts, h, x[lo:hi] @ shard.gate[e] if shard.gate is not None else None)
-            out = h @ shard.down[e]
-            y[lo:hi] = out + shard.down_bias[e] if shard.down_bias is not None else out
-    y = read.post(experts, y)
-    if weights is not None:
-        w = weights[:, None]
-        y = torch.where(w > 0, y.float() / torch.where(w > 0, w, 1.0), 0.0).to(y.dtype)
-    return y
-
 
 # --- how epgen reads each kind of experts module -------------------------------------------------
 
@@ -469,104 +315,6 @@ def reader(module: torch.nn.Module) -> ExpertsReader:
     raise ValueError(f"{type(module).__name__}: not an experts module epgen reads")
 
 
-# --- the CPU backend -------------------------------------------------------------------------------
-
-
-class ReferenceOp:
-    """``EpDispatchCombine``'s expert-layout calls computed by ``epgen.reference`` on the CPU: the
-    same semantics (dispatch, expansion per local expert, weighted fold and combine, the combine
-    wire), every rank simulated.
-
-    Modes: virtual (every rank in this process: lists of one tensor per rank), or one process per
-    rank over ``group`` (gloo), where each call gathers every rank's inputs
-    (``all_gather_object``), computes every rank and keeps this rank's part; W = 1 needs neither.
-
-    Args:
-        config: an EpConfig with layout "expert".
-        virtual: every rank in this process.
-        group: the process group of the W processes (not virtual, W > 1; default the world group).
-
-    Raises:
-        ValueError: config.layout is not "expert"; a group whose size is not W.
-        (dispatch) ValueError: a rank with more than max_tokens_per_rank tokens; as
-            ``epgen.reference.dispatch`` and ``expand`` (bad ids, receive cap); (combine) as
-            ``epgen.reference.combine_weighted``.
-    """
-
-    def __init__(self, config: EpConfig, *, virtual: bool = False, group=None):
-        if config.layout != "expert":
-            raise ValueError(f"EpConfig.layout={config.layout!r}: ReferenceOp runs the expert layout only")
-        self.config = config
-        self.virtual = virtual
-        self.device = torch.device("cpu")
-        W = config.world_size
-        self.group = None
-        if virtual or W == 1:
-            self.local_ranks = list(range(W)) if virtual else [0]
-        else:
-            import torch.distributed as dist
-
-            self.group = group if group is not None else dist.group.WORLD
-            if dist.get_world_size(self.group) != W:
-                raise ValueError(f"EpConfig.world_size={W}: the process group has {dist.get_world_size(self.group)} "
-                                 "ranks")
-            self.local_ranks = [dist.get_rank(self.group)]
-        self._pending = None
-
-    def _everyone(self, value) -> list:
-        if self.virtual:
-            return list(value)
-        if self.group is None:
-            return [value]
-        import torch.distributed as dist
-
-        gathered = [None] * self.config.world_size
-        dist.all_gather_object(gathered, value, group=self.group)
-        return gathered
-
-    def dispatch(self, x, weights, indices, family=None):
-        """x [T, H], weights [T, K] float32, indices [T, K] int32 (lists in virtual mode) ->
-        ``epgen.reference.ExpertRows`` of this rank (a list in virtual mode). ``family`` is taken
-        as the GPU op takes it and changes nothing here (the reference has one path)."""
-        cfg = self.config
-        xs, ws, ids = (self._everyone(v) for v in (x, weights, indices))
-        for r, t in enumerate(xs):
-            if t.shape[0] > cfg.max_tokens_per_rank:
-                raise ValueError(f"x[rank {r}]: {t.shape[0]} tokens, more than EpConfig.max_tokens_per_rank="
-                                 f"{cfg.max_tokens_per_rank}")
-        recv = reference.dispatch(xs, ws, ids, experts_per_rank=cfg.experts_per_rank,
-                                  max_recv_tokens=cfg.max_recv_tokens)
-        expert = reference.expand(recv, experts_per_rank=cfg.experts_per_rank, alignment=cfg.expert_alignment)
-        self._pending = (recv, expert, [t.shape[0] for t in xs])
-        mine = [expert[r] for r in self.local_ranks]
-        return mine if self.virtual else mine[0]
-
-    def combine(self, y):
-        """y [n, H] bf16 in the layout of the last dispatch (a list in virtual mode) -> [T, H] bf16
-        (a list in virtual mode)."""
-        if self._pending is None:
-            raise RuntimeError("combine: needs a dispatch first")
-        recv, expert, tokens = self._pending
-        outs = reference.combine_weighted(self._everyone(y), expert, recv, tokens,
-                                          combine_quant=self.config.combine_quant)
-        return outs if self.virtual else outs[self.local_ranks[0]]
-
-    def synchronize(self):
-        """Nothing to wait for: every fault raises at its call."""
-
-    def close(self):
-        self._pending = None
-
-
-# --- the model-level switch ------------------------------------------------------------------------
-
-
-def _slices(tokens: int, world: int) -> list[tuple[int, int]]:
-    """Rank r's rows [r c, (r + 1) c) of ``tokens``, c = ceil(tokens / world), clipped."""
-    c = -(-tokens // world)
-    return [(min(r * c, tokens), min((r + 1) * c, tokens)) for r in range(world)]
-
-
 def _experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(name, module) of every experts module of ``model`` that epgen reads (``READERS``);
     ValueError naming the module, its class and why for an experts module epgen cannot run
@@ -674,61 +422,24 @@ def _check_experts(name: str, experts: torch.nn.Module, cfg: EpConfig) -> None:
                          f"{hidden}; the model config says {cfg.num_experts} experts of hidden {cfg.hidden}")
 
 
-class ExpertParallel:
-    """What ``expert_parallel`` returns: the ops and the state every converted experts module
-    runs with. Use ``synchronize()`` where a step ends (a GPU kernel fault raises there) and
-    ``close()`` to release the ops (the model's experts then refuse to run).
+class ExpertParallel(layers.ExpertParallel):
+    """What ``expert_parallel`` returns: ``epgen.layers.expert_parallel.ExpertParallel`` (the op,
+    the token layout, the family of each call, ``synchronize()``, ``close()``) with the
+    transformers side: the converted experts modules, their weights read at each forward, the
+    model's phase hook and ``generate``'s synced_gpus default. After ``close()`` the model's experts
+    refuse to run.
 
-    Attributes:
-        config: the EpConfig of the layers (layout "expert").
-        op: the EpDispatchCombine (backend "epgen": on the GPU, or the host emulation for CPU
-            weights) or ReferenceOp (backend "reference").
-        backend: "epgen" or "reference".
-        layout: "own_tokens" or "same_tokens".
-        virtual: every rank in this process.
-        ranks: the ranks this process drives.
+    Attributes (besides the base class's):
         grouped_mm: True when the experts run ``torch._grouped_mm``, False for the per-expert loop.
         modules: the names of the converted experts modules.
     """
 
     def __init__(self, config, op, *, backend, layout, virtual, group, grouped_mm, modules):
-        self.config = config
-        self.op = op
-        self.backend = backend
-        self.layout = _layout(layout)
-        self.virtual = virtual
-        self.group = group
-        self.ranks = list(op.local_ranks)
+        super().__init__(config, op, backend=backend, layout=layout, virtual=virtual, group=group)
         self.grouped_mm = grouped_mm
         self.modules = modules
-        self.phase = "prefill"  # the model's forward: "decode" when it runs one position a sequence on a filled cache
-        self.phase_hook = None  # the model's forward pre-hook that sets it (expert_parallel)
-        self.closed = False  # close() was called: the experts refuse to run
-        self.generate_restore = None  # undoes _sync_generate (expert_parallel)
-
-    def family(self, tokens: int, phase: str | None = None) -> str | None:
-        """The kernel family of a dispatch of ``tokens`` on this rank, the same on every rank
-        without exchanging counts: None (the op's own pick) where the op sees every rank's count
-        (virtual ranks, W = 1), the config fixes the family, or the backend is the reference; in
-        the same_tokens layout the family of the largest slice (every rank slices the same T); in
-        the own_tokens layout the phase's: "normal" for a prefill, "low_latency" for a decode where
-        the op has that family (a rank's decode batch must then fit ``op.low_latency_tokens``)."""
-        W = self.config.world_size
-        if self.backend != "epgen" or self.virtual or W == 1 or self.config.kernel_family != "auto":
-            return None
-        if self.layout == "same_tokens":
-            return self.op.family(-(-tokens // W))
-        phase = self.phase if phase is None else phase
-        return "low_latency" if phase == "decode" and self.op.low_latency_tokens else "normal"
-
-    def _rank_tokens(self, tokens: list[int]) -> None:
-        most = max(tokens)
-        if most > self.config.max_tokens_per_rank:
-            r = tokens.index(most)
-            raise ValueError(f"epgen expert parallel (layout {self.layout}, W={self.config.world_size}): rank "
-                             f"{self.ranks[r] if len(tokens) == len(self.ranks) else r} passes {most} tokens to one "
-                             f"dispatch, more than max_tokens_per_rank={self.config.max_tokens_per_rank} (raise it in "
-                             "expert_parallel)")
+        self.phase_hook = None  # the model's forward pre-hook that sets the phase (_phase_hook)
+        self.generate_restore = None  # undoes _sync_generate
 
     def shards(self, experts) -> list[ExpertShard]:
         """The local experts of ``experts`` as its parameters are now (views: no copy), one
@@ -752,30 +463,34 @@ class ExpertParallel:
             return [read.shard(experts, r * L, (r + 1) * L) for r in range(W)]
         return [read.shard(experts, 0, L)]
 
-    def _experts(self, experts, shards, dispatched):
-        weighted = reader(experts).input_weighted
-        return [expert_rows(experts, s, d.x, d.offsets, grouped=self.grouped_mm, weights=d.weights if weighted else None)
-                for s, d in zip(shards, dispatched)]
+    def experts_stage(self, experts):
+        """``experts``' math on the dispatched rows of each rank this process drives (the base
+        class's experts stage): ``expert_rows`` on its shards as they are now, with the class's
+        activation and post-expert norm."""
+        read, shards = reader(experts), self.shards(experts)
+        activate, post = functools.partial(read.activate, experts), functools.partial(read.post, experts)
+
+        def stage(dispatched):
+            return [expert_rows(s, d.x, d.offsets, activate=activate, post=post, grouped=self.grouped_mm,
+                                weights=d.weights if read.input_weighted else None)
+                    for s, d in zip(shards, dispatched)]
+
+        return stage
 
     def forward(self, experts, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
         """One experts call of the model: hidden_states [T, H] bf16, top_k_index [T, K] (any int
         dtype), top_k_weights [T, K] (any float dtype, converted to float32) -> [T, H] bf16, the
         top-k weighted sum of the experts' outputs for this rank's tokens (all T in every layout).
 
-        With gradients (grad mode on, and hidden_states, top_k_weights or an expert weight
-        requiring grad) the call runs ``train``.
+        Without gradients the call is the ``epgen::transformers_experts`` operator (opaque to
+        torch.compile) running ``run_module``; with gradients (grad mode on, and hidden_states,
+        top_k_weights or an expert weight requiring grad) it runs the base class's ``train``.
 
         Raises:
-            RuntimeError: this ExpertParallel was closed; as ``train`` with gradients.
-            ValueError: hidden_states not 2-D bf16; a rank's share above max_tokens_per_rank; in
-                the own_tokens layout with one process a rank, a decode step above the op's
-                low_latency_tokens (``family``); the module's expert weights as they are now cannot
-                run (``shards``: on the meta device, another device, dtype or shape).
+            RuntimeError: closed; as ``train`` with gradients.
+            ValueError: hidden_states not 2-D bf16; as ``shards`` and the base class's ``run``.
         """
-        if self.closed:
-            raise RuntimeError(f"{_module_name(experts)}: its epgen expert parallelism was closed "
-                               "(ExpertParallel.close() released the op's buffers); convert a freshly loaded model with "
-                               "expert_parallel to run it")
+        self._check_open(_module_name(experts))
         if hidden_states.dim() != 2 or hidden_states.dtype != torch.bfloat16:
             raise ValueError(f"{type(experts).__name__}: hidden_states {tuple(hidden_states.shape)} "
                              f"{hidden_states.dtype} must be [T, H] torch.bfloat16")
@@ -783,152 +498,28 @@ class ExpertParallel:
         ids = top_k_index.to(torch.int32).contiguous()
         w = top_k_weights.to(torch.float32).contiguous()
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w, *experts.parameters())):
-            return self.train(experts, x, ids, w)
+            return self.train(x, ids, w, self.experts_stage(experts), name=_module_name(experts))
         key = id(experts)
         if not torch.compiler.is_compiling() and _CONVERTED.get(key) is not experts:
             _CONVERTED[key] = experts  # (a copy of a converted model: its own modules)
         return torch.ops.epgen.transformers_experts(x, ids, w, key, self.phase)
 
-    def run(self, experts, x, ids, w, phase: str) -> torch.Tensor:
-        """The body of ``forward`` (the ``epgen::transformers_experts`` operator): x [T, H] bf16,
-        ids [T, K] int32, w [T, K] float32, contiguous; ``phase`` the model forward's phase as the
-        caller saw it (the family of the own_tokens layout)."""
-        T, W = x.shape[0], self.config.world_size
-        shards = self.shards(experts)
-        if self.virtual:
-            parts = _slices(T, W)
-            self._rank_tokens([b - a for a, b in parts])
-            d = self.op.dispatch([x[a:b] for a, b in parts], [w[a:b] for a, b in parts], [ids[a:b] for a, b in parts])
-            return torch.cat(self.op.combine(self._experts(experts, shards, d)))
-        if self.layout == "same_tokens" and W > 1:
-            parts = _slices(T, W)
-            a, b = parts[self.ranks[0]]
-            self._rank_tokens([parts[0][1] - parts[0][0]])
-            d = self.op.dispatch(x[a:b], w[a:b], ids[a:b], family=self.family(T, phase))
-            return self._gather(self.op.combine(self._experts(experts, shards, [d])[0]), parts)
-        self._rank_tokens([T])
-        family = self.family(T, phase)
-        if family == "low_latency" and T > self.op.low_latency_tokens:
-            raise ValueError(f"epgen expert parallel (own tokens, W={W}): a decode step of {T} tokens on rank "
-                             f"{self.ranks[0]}, more than the low-latency family takes (low_latency_tokens="
-                             f"{self.op.low_latency_tokens}); decode at most that many sequences a rank, or pass "
-                             "kernel_family='normal' to expert_parallel")
-        d = self.op.dispatch(x, w, ids, family=family)
-        return self.op.combine(self._experts(experts, shards, [d])[0])
-
-    def train(self, experts, x, ids, w) -> torch.Tensor:
-        """``forward`` with gradients: ``run``'s calls through ``epgen.autograd`` (the backward runs
-        the op's kernels along each dispatch's kept layout), in eager mode (not the opaque
-        operator). In the same_tokens layout every rank computes the same loss from the same
-        tokens: the gather of the outputs passes back each rank's slice of the output gradient, and
-        the slice each rank dispatches gathers the slices' input gradients (``_GatherSlices``,
-        ``_RankSlice``), so the replicated layers see the whole gradient on every rank.
-
-        Raises:
-            RuntimeError: the reference backend (it has no backward), or under torch.compile.
-            ValueError: an op without the pull kernels the backward's cached dispatch runs
-                (``expert_parallel(..., dispatch_transport="pull")``); as ``run``.
-        """
-        if self.backend != "epgen":
-            raise RuntimeError(f"{_module_name(experts)}: gradients need backend='epgen' (its kernels run the "
-                               f"backward; on CPU weights the host emulation); this model runs backend={self.backend!r}, "
-                               "which has no backward: run it under torch.no_grad() or convert with backend='epgen'")
-        if torch.compiler.is_compiling():
-            raise RuntimeError(f"{_module_name(experts)}: training under torch.compile is not supported (the experts "
-                               "call is an opaque operator without a backward); train the model eagerly")
-        if self.config.dispatch_transport != "pull":
-            raise ValueError(f"{_module_name(experts)}: a forward that needs gradients runs epgen.autograd, whose "
-                             "backward needs the pull kernels; convert with expert_parallel(..., "
-                             "dispatch_transport='pull') to train, or run inference under torch.no_grad() "
-                             f"(this model has dispatch_transport={self.config.dispatch_transport!r})")
-        T, W = x.shape[0], self.config.world_size
-        shards = self.shards(experts)
-
-        def experts_of(d):
-            ys = self._experts(experts, shards, d.per_rank())
-            return ys if self.virtual else ys[0]
-
-        if self.virtual:
-            parts = _slices(T, W)
-            self._rank_tokens([b - a for a, b in parts])
-            d = autograd.dispatch(self.op, [x[a:b] for a, b in parts], [w[a:b] for a, b in parts],
-                                  [ids[a:b] for a, b in parts])
-            return torch.cat(autograd.combine(self.op, experts_of(d), d))
-        if self.layout == "same_tokens" and W > 1:
-            parts = _slices(T, W)
-            a, b = parts[self.ranks[0]]
-            self._rank_tokens([parts[0][1] - parts[0][0]])
-            d = autograd.dispatch(self.op, _RankSlice.apply(x, self, parts), _RankSlice.apply(w, self, parts),
-                                  ids[a:b], family=self.family(T))
-            return _GatherSlices.apply(autograd.combine(self.op, experts_of(d), d), self, parts)
-        self._rank_tokens([T])
-        d = autograd.dispatch(self.op, x, w, ids, family=self.family(T, "prefill"))
-        return autograd.combine(self.op, experts_of(d), d)
-
-    def _gather(self, out: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
-        """Every rank's rows of a same_tokens block, in rank order (all_gather of equal-size chunks)."""
-        import torch.distributed as dist
-
-        chunk = parts[0][1] - parts[0][0]
-        # A gloo-only group (W processes sharing one GPU: epgen.harness.ranks) gathers host tensors.
-        host = out.is_cuda and dist.get_backend(self.group) == "gloo"
-        buf = torch.zeros(chunk, out.shape[1], dtype=out.dtype, device="cpu" if host else out.device)
-        buf[: out.shape[0]] = out
-        gathered = [torch.empty_like(buf) for _ in parts]
-        dist.all_gather(gathered, buf, group=self.group)
-        return torch.cat([g[: b - a] for g, (a, b) in zip(gathered, parts)]).to(out.device)
-
-    def synchronize(self) -> None:
-        """The op's ``synchronize()``: raises ``epgen.op.EpError`` for a kernel fault of an earlier
-        call (the reference raises at the call)."""
-        self.op.synchronize()
+    def run_module(self, experts, x, ids, w, phase: str) -> torch.Tensor:
+        """The body of the ``epgen::transformers_experts`` operator: the base class's ``run`` with
+        ``experts``' stage; ``phase`` the model forward's phase as the caller saw it."""
+        return self.run(x, ids, w, self.experts_stage(experts), phase=phase, name=_module_name(experts))
 
     def close(self) -> None:
-        """Release the op's buffers and the model's phase hook; the converted experts modules then
-        refuse to run (RuntimeError naming the module). Closing twice is harmless."""
-        self.closed = True
+        """Release the op's buffers, the model's phase hook and the generate wrapper; the converted
+        experts modules then refuse to run (RuntimeError naming the module). Closing twice is
+        harmless."""
         if self.generate_restore is not None:
             self.generate_restore()
             self.generate_restore = None
         if self.phase_hook is not None:
             self.phase_hook.remove()
             self.phase_hook = None
-        self.op.close()
-
-
-class _RankSlice(torch.autograd.Function):
-    """The same_tokens layout's slice under autograd: forward this rank's rows of x (every rank
-    holds the same x); backward every rank's slice gradient, gathered (``ExpertParallel._gather``):
-    rows of another rank's slice reach the loss through that rank's dispatch only."""
-
-    @staticmethod
-    def forward(ctx, x, handle, parts):
-        ctx.handle, ctx.parts = handle, parts
-        a, b = parts[handle.ranks[0]]
-        return x[a:b].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.handle._gather(grad.contiguous(), ctx.parts), None, None
-
-
-class _GatherSlices(torch.autograd.Function):
-    """The same_tokens layout's gather under autograd: forward ``ExpertParallel._gather`` (every
-    rank's rows); backward this rank's slice of the output gradient, with no communication:
-    every rank runs the same tokens through the same replicated layers to the same loss, so the
-    gradient of the gathered rows is the same on every rank and rank r's rows came from its own
-    combine."""
-
-    @staticmethod
-    def forward(ctx, out, handle, parts):
-        ctx.slice = parts[handle.ranks[0]]
-        ctx.rows = out.shape[0]
-        return handle._gather(out, parts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, _ = ctx.slice
-        return grad[a:a + ctx.rows], None, None
+        super().close()
 
 
 def epgen_experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -970,7 +561,7 @@ def _experts_operator(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, modul
     if experts is None:
         raise RuntimeError(f"epgen::transformers_experts: no converted experts module with id {module} (freed, or "
                            "a compiled graph of another model)")
-    return experts._epgen_parallel.run(experts, x, ids, w, phase)
+    return experts._epgen_parallel.run_module(experts, x, ids, w, phase)
 
 
 @_experts_operator.register_fake
@@ -1019,40 +610,6 @@ def _register() -> None:
 
 
 _register()
-
-
-def _backend(backend: str | None, device: torch.device | None) -> str | None:
-    """``backend`` checked (ValueError: not None or one of ``BACKENDS``), or where None the default
-    of ``device``: "epgen" for CUDA weights, else "reference" (None without a device)."""
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: must be None or one of {', '.join(BACKENDS)}")
-    if backend is None and device is not None:
-        return "epgen" if device.type == "cuda" else "reference"
-    return backend
-
-
-def _check_host_options(backend: str | None, device: torch.device | None, arch, schedule) -> None:
-    """ValueError when ``arch`` or ``schedule`` is given but the op is not the host emulation
-    (backend "epgen" on CPU weights); ``device`` None: only the backend is known yet."""
-    if arch is None and schedule is None or backend is None and device is None:  # backend None: decided later
-        return
-    given = f"arch={arch!r}, schedule={schedule!r}"
-    if backend != "epgen" or (device is not None and device.type != "cpu"):
-        where = f"backend={backend!r}" + (f" on {device.type} weights" if device is not None else "")
-        raise ValueError(f"{given}: only the host emulation takes them (backend='epgen' with the model's weights on "
-                         f"the CPU: epgen's kernels of that arch run on the CPU); here {where}")
-
-
-def _build_op(cfg: EpConfig, backend: str, device: torch.device, group, virtual: bool, arch=None, schedule=None):
-    """The op of the experts: ``EpDispatchCombine`` (backend "epgen": on ``device``'s GPU, or on the
-    host emulation of ``arch`` with ``schedule`` for a CPU device) or ``ReferenceOp``."""
-    if backend == "epgen":
-        from epgen.op import EpDispatchCombine
-
-        if device.type == "cpu":
-            return EpDispatchCombine(cfg, group=group, virtual=virtual, device="cpu", arch=arch, schedule=schedule)
-        return EpDispatchCombine(cfg, group=group, virtual=virtual, device=device.index)
-    return ReferenceOp(cfg, virtual=virtual, group=group)
 
 
 def _expert_path(experts, device, hidden: int, grouped_mm: bool | None) -> bool:
@@ -1145,9 +702,9 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
             implementation.
     """
     _check_arguments(model, virtual, grouped_mm)
-    layout = _layout(layout)
-    _backend(backend, None)  # refused before any work
-    _check_host_options(backend, None, arch, schedule)
+    layout = token_layout(layout)
+    resolve_backend(backend, None)  # refused before any work
+    check_host_options(backend, None, arch, schedule)
     for name, fits in (("dtype", "bf16"), ("scale_bytes", 0), ("nodes", 1)):  # the experts' rows as the model has them
         if name in overrides and overrides[name] != fits:
             raise ValueError(f"expert_parallel({name}={overrides[name]!r}): the experts dispatch the model's bf16 "
@@ -1178,10 +735,10 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
     for name, experts in modules:
         _check_experts(name, experts, cfg)
     device = _attr(first, reader(first).weights(first)[0]).device
-    backend = _backend(backend, device)
-    _check_host_options(backend, device, arch, schedule)
+    backend = resolve_backend(backend, device)
+    check_host_options(backend, device, arch, schedule)
     grouped_mm = _expert_path(first, device, cfg.hidden, grouped_mm)
-    op = _build_op(cfg, backend, device, group, virtual, arch, schedule)
+    op = build_op(cfg, backend, device, group, virtual, arch, schedule)
     L = cfg.experts_per_rank
     for name, experts in modules:
         if not virtual and W > 1:
@@ -1301,13 +858,13 @@ class EpgenEPImplementation(_EPImplementation or object):
         _check_loaded_experts(experts, cfg, cfg.experts_per_rank)
         device = (torch.device(ep_mesh.device_type, torch.cuda.current_device()) if ep_mesh.device_type == "cuda"
                   else torch.device(ep_mesh.device_type))
-        backend = _backend(backend, device)
-        _check_host_options(backend, device, arch, schedule)
+        backend = resolve_backend(backend, device)
+        check_host_options(backend, device, arch, schedule)
         key = (id(experts.config), id(group), layout, backend, grouped_mm, cfg, arch, schedule)
         handle = _LOADED.get(key)
         if handle is None:
             grouped_mm = _expert_path(experts, device, cfg.hidden, grouped_mm)
-            op = _build_op(cfg, backend, device, group if W > 1 else None, virtual=False, arch=arch,
+            op = build_op(cfg, backend, device, group if W > 1 else None, virtual=False, arch=arch,
                            schedule=schedule)
             handle = ExpertParallel(cfg, op, backend=backend, layout=layout, virtual=False, group=group,
                                     grouped_mm=bool(grouped_mm), modules=[])

@@ -457,8 +457,8 @@ def test_compiled_calls_see_their_own_phase_and_generate_as_eager(envelopes):
     ep = expert_parallel(model, backend="reference", world_size=1)
     ids = PROMPT[:2, :8]
     eager, _ = hf_models.greedy(model, ids, tokens=3)
-    seen, run = [], ep.run
-    ep.run = lambda experts, x, i, w, phase: seen.append((phase, ep.phase)) or run(experts, x, i, w, phase)
+    seen, run = [], ep.run_module
+    ep.run_module = lambda experts, x, i, w, phase: seen.append((phase, ep.phase)) or run(experts, x, i, w, phase)
     torch._dynamo.reset()
     model.compile(backend="aot_eager")
     compiled, _ = hf_models.greedy(model, ids, tokens=3)
