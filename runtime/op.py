@@ -23,7 +23,7 @@ from epgen.codegen.dtypes import DTypeInfo
 from epgen.codegen.spec import EXPERT_OPS, PLAN_BLOCKS, KernelSpec, Op
 from epgen.codegen.config import EpConfig
 from epgen.platform import HIP_KERNEL_ARGS_BYTES, CooperativeLaunchTooLarge, Platform, capturing
-from epgen.tensors import check_tensor
+from epgen.tensors import check_tensor, per_rank
 
 
 class EpError(RuntimeError):
@@ -1228,15 +1228,15 @@ class EpDispatchCombine:
 
     # ---- launch ------------------------------------------------------------------------------
     def _per_rank(self, value, name: str, optional: bool = False) -> list:
-        n = len(self.local_ranks)
-        if self.virtual:
-            if value is None and optional:
-                return [None] * n
-            if not isinstance(value, (list, tuple)) or len(value) != n:
-                raise TypeError(f"{name}: virtual mode takes a list of {n} tensors (one per rank), got "
-                                f"{type(value).__name__}{'' if not isinstance(value, (list, tuple)) else f' of {len(value)}'}")
-            return list(value)
-        return [value]
+        """``value`` per local rank (``epgen.tensors.per_rank``); RuntimeError for a tensor that
+        requires grad while grad mode is on: the op records no gradients, so its outputs would be
+        cut from the graph without a word."""
+        values = per_rank(value, name, len(self.local_ranks), self.virtual, optional)
+        if torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
+            raise RuntimeError(f"{name}: requires grad, and EpDispatchCombine records no gradients (its outputs would "
+                               "not reach the graph); differentiate through epgen.autograd.dispatch / combine, or pass "
+                               f"{name}.detach() or call under torch.no_grad()")
+        return values
 
     def variant(self, op: Op, tokens: int, transport: str = "push") -> KernelSpec:
         """The spec ``op`` launches for ``tokens`` (the largest token count of the ranks this

@@ -1,6 +1,6 @@
 """The one check of a tensor argument, shared by the op, the references and the layers.
 
-``check_tensor`` raises the first rule a value breaks, naming the argument, the value's property
+``per_rank`` splits an argument into one value per rank an op drives. ``check_tensor`` raises the first rule a value breaks, naming the argument, the value's property
 and the rule: ``TypeError`` for a value that is not a tensor, ``ValueError`` for the rest. It
 imports torch only, so every wing of the package may use it (``tests/codegen/test_imports.py``).
 """
@@ -46,3 +46,27 @@ def check_tensor(name: str, value, *, dtype: torch.dtype | tuple[torch.dtype, ..
                          f"{vector_bytes}-byte boundary; the kernels move its rows with {vector_bytes}-byte vector "
                          f"accesses, so it must start on one (a view at an odd storage offset: pass .clone())")
     return value
+
+
+def per_rank(value, name: str, ranks: int, virtual: bool, optional: bool = False) -> list:
+    """An op's argument as one value per rank it drives: in virtual mode a list or tuple with one
+    entry per rank (a tensor would split into its rows), else the one rank's value.
+
+    Args:
+        value: the argument as the caller passed it.
+        name: its name, for the error.
+        ranks: the ranks the op drives in this process.
+        virtual: the op drives every rank in this process.
+        optional: None stands for None on every rank.
+
+    Raises:
+        TypeError: virtual mode and not a list or tuple of ``ranks`` entries.
+    """
+    if not virtual:
+        return [value]
+    if value is None and optional:
+        return [None] * ranks
+    if not isinstance(value, (list, tuple)) or len(value) != ranks:
+        got = type(value).__name__ + (f" of {len(value)}" if isinstance(value, (list, tuple)) else "")
+        raise TypeError(f"{name}: virtual mode takes a list of {ranks} tensors (one per rank), got {got}")
+    return list(value)

@@ -58,6 +58,7 @@ import epgen.reference as ref
 from epgen.codegen.config import EpConfig
 from epgen.codegen.spec import Op
 from epgen.op import DispatchOutput, EpDispatchCombine, ExpertDispatchOutput
+from epgen.tensors import per_rank
 
 __all__ = ["CombineFunction", "DispatchFunction", "Dispatched", "ReferenceEp", "combine", "dispatch"]
 
@@ -169,19 +170,6 @@ def _local(op) -> list[int]:
 
 def _per_rank(op, value) -> list:
     return list(value) if op.virtual else [value]
-
-
-def _inputs(op, value, name: str) -> list:
-    """A caller's argument per rank: in virtual mode a list or tuple with one entry per rank (a
-    tensor would split into its rows), else the one rank's value.
-
-    Raises:
-        TypeError: virtual mode and not a list or tuple of ``len(op.local_ranks)`` entries."""
-    n = len(op.local_ranks)
-    if op.virtual and (not isinstance(value, (list, tuple)) or len(value) != n):
-        got = type(value).__name__ + (f" of {len(value)}" if isinstance(value, (list, tuple)) else "")
-        raise TypeError(f"{name}: virtual mode takes a list of {n} tensors (one per rank), got {got}")
-    return _per_rank(op, value)
 
 
 def _back(op, values: list):
@@ -357,7 +345,8 @@ def dispatch(op, x, weights, indices, family: str | None = None) -> Dispatched:
             require grad where their gradient cannot travel (3 K W > H in the rank layout, 3 K > H
             in the expert layout, a quantized combine wire); as ``EpDispatchCombine.dispatch``.
     """
-    xs, ws, ids = _inputs(op, x, "x"), _inputs(op, weights, "weights"), _inputs(op, indices, "indices")
+    n = len(op.local_ranks)
+    xs, ws, ids = (per_rank(v, name, n, op.virtual) for v, name in ((x, "x"), (weights, "weights"), (indices, "indices")))
     _ops_checks(op, "epgen.autograd.dispatch", any(isinstance(w, torch.Tensor) and w.requires_grad for w in ws))
     keep = {"family": family}
     out = DispatchFunction.apply(op, ids, keep, *xs, *ws)
@@ -385,7 +374,7 @@ def combine(op, y, dispatched: Dispatched):
     Raises:
         ValueError: as ``EpDispatchCombine.combine`` with a layout.
     """
-    ys = _inputs(op, y, "y")
+    ys = per_rank(y, "y", len(op.local_ranks), op.virtual)
     extra = _per_rank(op, dispatched.weights) if op.expert_layout else []
     out = CombineFunction.apply(op, dispatched.layout, *ys, *extra)
     return _back(op, list(out))

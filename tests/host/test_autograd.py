@@ -142,7 +142,8 @@ def test_kernels_match_the_reference_gradients(layout, family, device):
 def test_quantized_wire_and_refusals():
     """An fp8 combine wire: x gradients flow (through the wire, within its block bound), the
     routing weights' gradients are refused; an op without the pull kernels and an fp8 payload are
-    refused before any launch."""
+    refused before any launch; the op's own dispatch and combine refuse tensors that require grad
+    (they record none) and take them under no_grad."""
     W, H = 2, 64
     op = host_op(_config(W, "rank", H, combine_quant="fp8_blockwise"), "sm_90", seed_of("autograd_fp8_wire"))
     g = torch.Generator().manual_seed(3)
@@ -163,6 +164,16 @@ def test_quantized_wire_and_refusals():
         dispatch(push, x0, w0, ids)
     with pytest.raises(TypeError, match=r"^x: virtual mode takes a list of 2 tensors \(one per rank\), got Tensor"):
         dispatch(push, x0[0], w0, ids)  # a tensor where the ranks' list goes: named, not split into rows
+    wants_grad = [w.clone().requires_grad_() for w in w0]  # the op itself records no gradients: refused, not cut
+    with pytest.raises(RuntimeError, match=r"^weights: requires grad, and EpDispatchCombine records no gradients .*"
+                                           r"epgen.autograd.dispatch / combine"):
+        push.dispatch(x0, wants_grad, ids)
+    with torch.no_grad():
+        out = push.dispatch(x0, wants_grad, ids)
+    y = [torch.ones(o.recv_x.shape, dtype=torch.bfloat16, requires_grad=True) for o in out]
+    with pytest.raises(RuntimeError, match=r"^y: requires grad"):
+        push.combine(y)
+    push.combine([t.detach() for t in y])
     push.close()
     fp8 = host_op(_config(1, "rank", H, dtype="fp8"), "sm_90", seed_of("autograd_fp8"))
     with pytest.raises(ValueError, match="EpConfig.dtype='fp8'"):
