@@ -662,8 +662,8 @@ def build_parser() -> argparse.ArgumentParser:
     se = verb("selftest", "the first command on new hardware: build, run and verify every kernel family, layout, "
               "transport, dtype and combine wire at small shapes on virtual ranks (W = 2, 4) and across W = 2 "
               "processes, time the main ones, print a table and write a report to attach to a bug report; exit "
-              "status non-zero on a failure; without a GPU, list the cases (--device cpu runs them on the CPU, "
-              "untimed)", cmd_selftest,
+              "status non-zero on a failure; without a GPU, list the cases and exit with status 2, nothing verified "
+              "(--device cpu runs them on the CPU, untimed)", cmd_selftest,
               output="it prints a line per case and a table, and writes the report file (-o)")
     se.add_argument("-o", "--output", type=flags.path, help="report file: JSON, or Markdown for a .md name (default "
                     "selftest-<arch>.json in the working directory)")

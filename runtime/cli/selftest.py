@@ -353,7 +353,8 @@ def versions(gpu: bool = True) -> dict:
 
 def run(output: str | None, seed: int, console, device: str | None = None, arch: str | None = None) -> int:
     """Run every case on this machine's GPU(s), print the table and write the report; returns the
-    exit status (0: every case passed; 1: a failure). Without a GPU prints the cases and returns 0.
+    exit status (0: every case passed; 1: a failure). Without a GPU prints the cases and returns 2:
+    nothing was verified, so a script that runs the selftest does not read it as passed.
     ``device="cpu"``: every case on the host emulation of ``arch`` (default ``epgen.op.HOST_ARCH``,
     sm_90) instead (``run_host``)."""
     import torch
@@ -365,8 +366,9 @@ def run(output: str | None, seed: int, console, device: str | None = None, arch:
                       f"these {len(CASES)} cases, compiling {len(_groups(CASES))} configs:")
         print_cases(console)
         console.print("`epgen selftest --device cpu` runs them on this CPU: the real kernels on the host emulation "
-                      "(docs/host.md), for correctness, not speed", markup=False)
-        return 0
+                      "(docs/host.md), for correctness, not speed; nothing was verified here (exit status 2)",
+                      markup=False)
+        return 2
     from epgen.device import device_arch
 
     arch = device_arch(torch.cuda.current_device())
