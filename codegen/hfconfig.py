@@ -73,22 +73,46 @@ def _depth(value) -> int:
     return most
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object's dict; ``_DuplicateKey`` for a key given twice (``json`` keeps the last
+    silently)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def read_file(source) -> tuple[dict, str]:
     """(contents, ``where``: the call naming the file) of a config.json path, or of a directory's
     config.json.
 
     Raises:
-        FileNotFoundError: neither a file nor a directory holding config.json.
+        FileNotFoundError: neither a regular file nor a directory holding config.json (the message
+            says which: missing, a directory without config.json, a dangling or looping link, or
+            a device, pipe or socket).
         OSError: the file cannot be read (the message names it).
-        ValueError: not UTF-8, not JSON, nested deeper than ``MAX_DEPTH``, or not an object; each
-            message names the file and the rule.
+        ValueError: not UTF-8, not JSON, a key twice in one object, nested deeper than
+            ``MAX_DEPTH``, or not an object; each message names the file and the rule.
     """
-    path = os.fspath(source)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
+    given = os.fspath(source)
+    path = os.path.join(given, "config.json") if os.path.isdir(given) else given
     where = f"EpConfig.from_hf_config({path!r})"
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"EpConfig.from_hf_config({os.fspath(source)!r}): no such config.json")
+        if path != given:
+            why = "a directory with no config.json in it"
+        elif os.path.islink(path) and not os.path.exists(path):
+            why = "a symbolic link to nothing (dangling, or a loop of links)"
+        elif os.path.exists(path):
+            why = "not a regular file (a device, pipe or socket); pass a config.json or its model directory"
+        else:
+            why = "no such file or directory"
+        raise FileNotFoundError(f"EpConfig.from_hf_config({given!r}): {why}")
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -100,7 +124,10 @@ def read_file(source) -> tuple[dict, str]:
         raise ValueError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); a config.json is "
                          "UTF-8 JSON") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise ValueError(f"{where}: the key {e.args[0]!r} appears twice in one object; a config.json names each "
+                         "field once (which value is meant is unknowable)") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
     except RecursionError:

@@ -97,8 +97,17 @@ def test_epconfig_refusal_names_model_type_and_field():
 def test_shape_overrides_and_bad_sources_refused(tmp_path):
     with pytest.raises(ValueError, match=r"\(qwen3_moe\): topk come from the model config"):
         EpConfig.from_hf_config(HF_CONFIGS["qwen3-30b-a3b"], world_size=8, max_tokens_per_rank=8, topk=4)
-    with pytest.raises(FileNotFoundError, match="no such config.json"):
+    with pytest.raises(FileNotFoundError, match="a directory with no config.json in it"):
         EpConfig.from_hf_config(tmp_path, world_size=8, max_tokens_per_rank=8)
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for source, why in ((tmp_path / "missing.json", "no such file or directory"),
+                        (tmp_path / "loop", r"a symbolic link to nothing \(dangling, or a loop of links\)"),
+                        ("/dev/null", r"not a regular file \(a device, pipe or socket\)")):
+        with pytest.raises(FileNotFoundError, match=rf"from_hf_config\('{source}'\): {why}"):
+            EpConfig.from_hf_config(source, world_size=8, max_tokens_per_rank=8)
+    (tmp_path / "twice.json").write_text('{"model_type": "qwen3_moe", "num_experts": 8, "num_experts": 128}')
+    with pytest.raises(ValueError, match=r"twice.json'\): the key 'num_experts' appears twice in one object"):
+        EpConfig.from_hf_config(tmp_path / "twice.json", world_size=8, max_tokens_per_rank=8)
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="holds a JSON list, not an object"):
         EpConfig.from_hf_config(tmp_path, world_size=8, max_tokens_per_rank=8)
