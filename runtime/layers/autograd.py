@@ -441,7 +441,9 @@ class ReferenceEp:
     def _pad(self, t: torch.Tensor, rows: int, fill=0) -> torch.Tensor:
         return torch.cat([t, torch.full((rows - t.shape[0], *t.shape[1:]), fill, dtype=t.dtype)])
 
-    def dispatch(self, x, weights=None, indices=None, *, layout=None):
+    def dispatch(self, x, weights=None, indices=None, family=None, *, layout=None):
+        """As ``EpDispatchCombine.dispatch`` on virtual ranks; ``family`` is taken as the op takes
+        it and changes nothing (the reference has one path)."""
         L, N = self.config.experts_per_rank, self.arena_layout.capacity_rows
         if layout is None:  # the reference routes with float32 weights; the rows carry the caller's
             recv = ref.dispatch(list(x), [w.float() for w in weights], list(indices), experts_per_rank=L)

@@ -65,11 +65,13 @@ def test_gradcheck_through_the_reference(layout, W):
     xs = [torch.randn(t, H, generator=g, dtype=torch.float64).requires_grad_() for t in tokens]
     ws = [torch.rand(t, K, generator=g, dtype=torch.float64).requires_grad_() for t in tokens]
 
-    def f(*args):
-        d = dispatch(op, list(args[:W]), list(args[W:]), ids)
+    def f(*args, family=None):
+        d = dispatch(op, list(args[:W]), list(args[W:]), ids, family=family)
         return tuple(combine(op, _experts(layout, d, torch.float64), d))
 
     assert torch.autograd.gradcheck(f, (*xs, *ws))
+    for a, b in zip(f(*xs, *ws, family="normal"), f(*xs, *ws)):  # the op's family argument: taken, one path
+        assert torch.equal(a, b)
 
 
 def _run(op, layout, x0, w0, ids, dtype, weights_grad=True):
