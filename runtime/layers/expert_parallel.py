@@ -245,11 +245,18 @@ class ExpertShard:
 
 
 def _row_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
-    """[rows] int64: the local expert of each row of the expert layout (rows past offsets[L] get
-    the last expert; their outputs are never read)."""
+    """[rows] int64: the local expert of each row of the expert layout; L for the rows past
+    offsets[L] (padding: ``_row_bias`` gives them a zero bias)."""
     ends = offsets[1:].contiguous()
     index = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)
-    return torch.searchsorted(ends, index, right=True).clamp_(max=ends.numel() - 1)
+    return torch.searchsorted(ends, index, right=True)
+
+
+def _row_bias(bias: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[R, N] each row's expert bias (``bias`` [L, N]; ``rows`` from ``_row_experts``), zero on the
+    padding rows, so that no gradient of a padding row reaches an expert's bias (their outputs
+    are never read, but their gradient rows need not be zero)."""
+    return torch.nn.functional.pad(bias, (0, 0, 0, 1))[rows]
 
 
 def expert_rows(shard: ExpertShard, x: torch.Tensor, offsets: torch.Tensor, *,
@@ -273,7 +280,8 @@ def expert_rows(shard: ExpertShard, x: torch.Tensor, offsets: torch.Tensor, *,
     Paths:
         grouped: two ``torch._grouped_mm`` calls (group ends offsets[1:]) and row-wise bias, gate
             and norm on every row of x; no host synchronization (CUDA-graph capturable). Rows
-            past offsets[L] hold whatever the kernels left there.
+            past offsets[L] hold whatever the kernels left there, with no bias added (none of
+            their gradient reaches a bias).
         loop: reads offsets to the host (one synchronization), then per non-empty expert two
             matmuls; rows past offsets[L] are zero.
 
@@ -301,11 +309,11 @@ def expert_rows(shard: ExpertShard, x: torch.Tensor, offsets: torch.Tensor, *,
         h = torch._grouped_mm(x, shard.up, offs=offs)
         rows = _row_experts(offsets, x.shape[0]) if shard.up_bias is not None or shard.down_bias is not None else None
         if shard.up_bias is not None:
-            h = h + shard.up_bias[rows]
+            h = h + _row_bias(shard.up_bias, rows)
         h = activate(h, torch._grouped_mm(x, shard.gate, offs=offs) if shard.gate is not None else None)
         y = torch._grouped_mm(h, shard.down, offs=offs)
         if shard.down_bias is not None:
-            y = y + shard.down_bias[rows]
+            y = y + _row_bias(shard.down_bias, rows)
     else:
         bounds = _host_offsets(offsets, x.shape[0])
         y = x.new_zeros(x.shape[0], shard.down.shape[-1])
