@@ -314,6 +314,7 @@ class EpConfig:
                 come from the model and are refused here).
 
         Raises:
+            TypeError: a keyword that is not an EpConfig field (naming it and the fields).
             FileNotFoundError: a path that is neither a file nor a directory holding config.json.
             OSError: the file cannot be read (naming it).
             ValueError: (each naming the file, or the dict or config object, and the rule) the file
@@ -326,6 +327,10 @@ class EpConfig:
         """
         from epgen.codegen.hfconfig import moe_shape
 
+        unknown = sorted(set(kw) - {f.name for f in attrs.fields(cls)})
+        if unknown:
+            raise TypeError(f"{unknown[0]}={kw[unknown[0]]!r}: not an EpConfig field (its fields: "
+                            f"{', '.join(f.name for f in attrs.fields(cls))})")
         fields, model_type, where = moe_shape(source)
         shape = set(fields) & set(kw)
         if shape:

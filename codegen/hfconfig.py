@@ -104,14 +104,16 @@ def read_file(source) -> tuple[dict, str]:
     path = os.path.join(given, "config.json") if os.path.isdir(given) else given
     where = f"EpConfig.from_hf_config({path!r})"
     if not os.path.isfile(path):
-        if path != given:
+        if path != given and not os.path.lexists(path):
             why = "a directory with no config.json in it"
-        elif os.path.islink(path) and not os.path.exists(path):
-            why = "a symbolic link to nothing (dangling, or a loop of links)"
-        elif os.path.exists(path):
-            why = "not a regular file (a device, pipe or socket); pass a config.json or its model directory"
         else:
-            why = "no such file or directory"
+            if os.path.islink(path) and not os.path.exists(path):
+                why = "a symbolic link to nothing (dangling, or a loop of links)"
+            elif os.path.exists(path):
+                why = "not a regular file (a device, pipe or socket); pass a config.json or its model directory"
+            else:
+                why = "no such file or directory"
+            why = why if path == given else f"a directory whose config.json is {why}"
         raise FileNotFoundError(f"EpConfig.from_hf_config({given!r}): {why}")
     try:
         with open(path, "rb") as f:
@@ -130,6 +132,8 @@ def read_file(source) -> tuple[dict, str]:
                          "field once (which value is meant is unknowable)") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except ValueError as e:  # an integer past Python's digit limit (sys.set_int_max_str_digits)
+        raise ValueError(f"{where}: not a config.json's JSON ({e})") from None
     except RecursionError:
         raise ValueError(f"{where}: JSON nested deeper than the parser takes; a config.json nests at most "
                          f"{MAX_DEPTH} levels") from None

@@ -255,6 +255,8 @@ class HostPlatform:
 
     def __init__(self, arch: str, schedule: Schedule | None = None, processes: bool = False, rank_base: int = 0):
         self._arch = traits(arch).name  # ValueError for an unknown arch
+        if schedule is not None and not isinstance(schedule, Schedule):
+            raise TypeError(f"schedule={schedule!r}: must be None or an epgen.host.Schedule")
         self.rank_base = rank_base  # the first rank this process drives: delays name global ranks
         self.schedule = schedule if schedule is not None else Schedule()
         self.real_clock = processes if self.schedule.real_clock is None else self.schedule.real_clock

@@ -44,10 +44,13 @@ import torch
 
 from epgen import reference
 from epgen.codegen.config import EpConfig
+from epgen.codegen.dtypes import dtype_info
 from epgen.layers import autograd
 from epgen.layers.moe import _host_offsets
+from epgen.op import check_combine_inputs, check_dispatch_inputs
+from epgen.tensors import per_rank
 
-__all__ = ["BACKENDS", "DEPRECATED_TOKEN_LAYOUTS", "TOKEN_LAYOUTS", "ExpertParallel", "ExpertShard", "ReferenceOp",
+__all__ = ["BACKENDS", "DEPRECATED_TOKEN_LAYOUTS", "PHASES", "TOKEN_LAYOUTS", "ExpertParallel", "ExpertShard", "ReferenceOp",
            "build_op", "check_host_options", "expert_rows", "resolve_backend", "token_layout", "token_slices"]
 
 TOKEN_LAYOUTS = ("own_tokens", "same_tokens")
@@ -55,6 +58,9 @@ TOKEN_LAYOUTS = ("own_tokens", "same_tokens")
 
 DEPRECATED_TOKEN_LAYOUTS = {"owned": "own_tokens", "replicated": "same_tokens"}
 """The token layouts' former names, accepted with a DeprecationWarning."""
+
+PHASES = ("prefill", "decode")
+"""The phases of a framework's forward: a decode runs one position a sequence on a filled cache."""
 
 BACKENDS = ("epgen", "reference")
 """epgen's kernels (``epgen.op.EpDispatchCombine``: on a GPU, or on the host emulation for a CPU
@@ -77,8 +83,20 @@ def token_layout(layout, stacklevel: int = 3) -> str:
     return layout
 
 
+def _check_phase(phase) -> None:
+    if phase not in PHASES + (None,):
+        raise ValueError(f"phase={phase!r}: must be one of {', '.join(PHASES)} (or None: ExpertParallel.phase)")
+
+
 def token_slices(tokens: int, world: int) -> list[tuple[int, int]]:
-    """Rank r's rows [r c, (r + 1) c) of ``tokens``, c = ceil(tokens / world), clipped."""
+    """Rank r's rows [r c, (r + 1) c) of ``tokens``, c = ceil(tokens / world), clipped.
+
+    Raises:
+        ValueError: tokens not an int >= 0, or world not an int >= 1.
+    """
+    for name, value, least in (("tokens", tokens, 0), ("world", world, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name}={value!r}: must be an int >= {least}")
     c = -(-tokens // world)
     return [(min(r * c, tokens), min((r + 1) * c, tokens)) for r in range(world)]
 
@@ -96,7 +114,7 @@ def resolve_backend(backend: str | None, device: torch.device | None) -> str | N
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: must be None or one of {', '.join(BACKENDS)}")
     if backend is None and device is not None:
-        return "epgen" if device.type == "cuda" else "reference"
+        return "epgen" if torch.device(device).type == "cuda" else "reference"
     return backend
 
 
@@ -105,6 +123,7 @@ def check_host_options(backend: str | None, device: torch.device | None, arch, s
     (backend "epgen" on a CPU device); ``device`` None: only the backend is known yet."""
     if arch is None and schedule is None or backend is None and device is None:  # backend None: decided later
         return
+    device = torch.device(device) if device is not None else None
     given = f"arch={arch!r}, schedule={schedule!r}"
     if backend != "epgen" or (device is not None and device.type != "cpu"):
         where = f"backend={backend!r}" + (f" on {device.type} weights" if device is not None else "")
@@ -117,8 +136,14 @@ def build_op(cfg: EpConfig, backend: str, device: torch.device, group, virtual: 
     host emulation of ``arch`` with ``schedule`` for a CPU device) or ``ReferenceOp``.
 
     Raises:
-        as ``EpDispatchCombine`` or ``ReferenceOp``.
+        ValueError: ``backend`` not one of ``BACKENDS``; ``arch`` or ``schedule`` given but the op
+            is not the host emulation (``check_host_options``); as ``EpDispatchCombine`` or
+            ``ReferenceOp``.
     """
+    device = torch.device(device)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: must be one of {', '.join(BACKENDS)}")
+    check_host_options(backend, device, arch, schedule)
     if backend == "epgen":
         from epgen.op import EpDispatchCombine
 
@@ -144,9 +169,10 @@ class ReferenceOp:
 
     Raises:
         ValueError: config.layout is not "expert"; a group whose size is not W.
-        (dispatch) ValueError: a rank with more than max_tokens_per_rank tokens; as
-            ``epgen.reference.dispatch`` and ``expand`` (bad ids, receive cap); (combine) as
-            ``epgen.reference.combine_weighted``.
+        (dispatch, combine) TypeError, ValueError: this process's inputs as the op checks them
+            (``epgen.op.check_dispatch_inputs``, ``check_combine_inputs``: dtype, shape, device,
+            contiguity, max_tokens_per_rank; y with fewer rows than the dispatch's layout); as
+            ``epgen.reference.dispatch``, ``expand`` and ``combine_weighted``.
     """
 
     def __init__(self, config: EpConfig, *, virtual: bool = False, group=None):
@@ -155,6 +181,7 @@ class ReferenceOp:
         self.config = config
         self.virtual = virtual
         self.device = torch.device("cpu")
+        self.payload = dtype_info(config.dtype)
         W = config.world_size
         self.group = None
         if virtual or W == 1:
@@ -180,16 +207,22 @@ class ReferenceOp:
         dist.all_gather_object(gathered, value, group=self.group)
         return gathered
 
+    def _tag(self, i: int) -> str:
+        return f"[rank {self.local_ranks[i]}]" if self.virtual else ""
+
     def dispatch(self, x, weights, indices, family=None):
         """x [T, H], weights [T, K] float32, indices [T, K] int32 (lists in virtual mode) ->
         ``epgen.reference.ExpertRows`` of this rank (a list in virtual mode). ``family`` is taken
-        as the GPU op takes it and changes nothing here (the reference has one path)."""
+        as the GPU op takes it and changes nothing here (the reference has one path). The inputs
+        are checked by the op's own rules (``epgen.op.check_dispatch_inputs``, on the CPU), so
+        what runs here runs on the op."""
         cfg = self.config
+        n = len(self.local_ranks)
+        mine = zip(*(per_rank(v, name, n, self.virtual) for v, name in ((x, "x"), (weights, "weights"),
+                                                                         (indices, "indices"))))
+        for i, (xi, wi, ii) in enumerate(mine):
+            check_dispatch_inputs(cfg, self.payload, self.device, xi, wi, ii, None, self._tag(i))
         xs, ws, ids = (self._everyone(v) for v in (x, weights, indices))
-        for r, t in enumerate(xs):
-            if t.shape[0] > cfg.max_tokens_per_rank:
-                raise ValueError(f"x[rank {r}]: {t.shape[0]} tokens, more than EpConfig.max_tokens_per_rank="
-                                 f"{cfg.max_tokens_per_rank}")
         recv = reference.dispatch(xs, ws, ids, experts_per_rank=cfg.experts_per_rank,
                                   max_recv_tokens=cfg.max_recv_tokens)
         expert = reference.expand(recv, experts_per_rank=cfg.experts_per_rank, alignment=cfg.expert_alignment)
@@ -203,6 +236,12 @@ class ReferenceOp:
         if self._pending is None:
             raise RuntimeError("combine: needs a dispatch first")
         recv, expert, tokens = self._pending
+        for i, yi in enumerate(per_rank(y, "y", len(self.local_ranks), self.virtual)):
+            rows = expert[self.local_ranks[i]].x.shape[0]
+            check_combine_inputs(self.config, self.device, yi, None, 0, rows, self._tag(i))
+            if yi.shape[0] < rows:
+                raise ValueError(f"y{self._tag(i)}.shape[0]={yi.shape[0]}: fewer rows than the dispatch's expert "
+                                 f"layout, {rows}")
         outs = reference.combine_weighted(self._everyone(y), expert, recv, tokens,
                                           combine_quant=self.config.combine_quant)
         return outs if self.virtual else outs[self.local_ranks[0]]
@@ -300,8 +339,15 @@ def expert_rows(shard: ExpertShard, x: torch.Tensor, offsets: torch.Tensor, *,
         y [R, H], x's dtype.
 
     Raises:
-        ValueError: (loop path) offsets not starting at 0, decreasing, or past R.
+        ValueError: offsets not [L + 1]; (loop path, and the grouped path on the CPU, where reading
+            them costs no synchronization) offsets not starting at 0, decreasing, or past R. On a
+            GPU the grouped path trusts the op's offsets (a check would synchronize the host).
     """
+    L = shard.num_experts
+    if offsets.dim() != 1 or offsets.shape[0] != L + 1:
+        raise ValueError(f"offsets: shape {tuple(offsets.shape)} must be [L + 1] = [{L + 1}] (the shard's {L} experts)")
+    if grouped and x.device.type == "cpu":
+        _host_offsets(offsets, x.shape[0])  # read for free on the CPU: checked as the loop path checks them
     if weights is not None:
         x = (x * weights[:, None]).to(x.dtype)
     if grouped:
@@ -317,7 +363,7 @@ def expert_rows(shard: ExpertShard, x: torch.Tensor, offsets: torch.Tensor, *,
     else:
         bounds = _host_offsets(offsets, x.shape[0])
         y = x.new_zeros(x.shape[0], shard.down.shape[-1])
-        for e in range(shard.num_experts):
+        for e in range(L):
             lo, hi = bounds[e], bounds[e + 1]
             if lo == hi:
                 continue
@@ -348,6 +394,10 @@ class ExpertParallel:
     one op that every MoE layer of a model shares. Use ``synchronize()`` where a step ends (a GPU
     kernel fault raises there) and ``close()`` to release the op (later calls then refuse).
 
+    Raises (construction):
+        ValueError: backend unknown or not the op's; config not the op's, or its layout not
+            "expert"; ``virtual`` not the op's.
+
     Attributes:
         config: the EpConfig of the layers (layout "expert").
         op: an ``EpDispatchCombine`` or a ``ReferenceOp`` (``build_op``).
@@ -362,6 +412,18 @@ class ExpertParallel:
     """
 
     def __init__(self, config: EpConfig, op, *, backend: str, layout: str, virtual: bool, group=None):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: must be one of {', '.join(BACKENDS)}")
+        if (backend == "reference") != isinstance(op, ReferenceOp):
+            raise ValueError(f"backend={backend!r}: the op is a {type(op).__name__} (build_op builds the backend's)")
+        if config.layout != "expert":
+            raise ValueError(f"EpConfig.layout={config.layout!r}: ExpertParallel runs the expert layout (its experts "
+                             "stage takes the rows grouped by local expert)")
+        if op.config != config:
+            raise ValueError("config: must be the op's own EpConfig (op.config)")
+        if bool(virtual) != bool(op.virtual) and config.world_size > 1:
+            raise ValueError(f"virtual={virtual!r}: the op {'drives' if op.virtual else 'does not drive'} every rank "
+                             "in this process")
         self.config = config
         self.op = op
         self.backend = backend
@@ -380,6 +442,7 @@ class ExpertParallel:
         the own_tokens layout the phase's (``phase``, default ``self.phase``): "normal" for a
         prefill, "low_latency" for a decode where the op has that family (a rank's decode batch
         must then fit ``op.low_latency_tokens``)."""
+        _check_phase(phase)
         W = self.config.world_size
         if self.backend != "epgen" or self.virtual or W == 1 or self.config.kernel_family != "auto":
             return None
@@ -392,6 +455,18 @@ class ExpertParallel:
         if self.closed:
             raise RuntimeError(f"{name}: its epgen expert parallelism was closed (close() released the op's buffers); "
                                "convert a freshly loaded model to run it")
+
+    def _stage(self, experts: Experts, dispatched: list, name: str) -> list:
+        """The experts stage's outputs for ``dispatched``, checked: one tensor per dispatched rank
+        (the op checks each tensor's dtype, shape and rows)."""
+        ys = experts(dispatched)
+        if not isinstance(ys, (list, tuple)) or len(ys) != len(dispatched) or \
+                not all(isinstance(y, torch.Tensor) for y in ys):
+            got = (f"a {type(ys).__name__} of {len(ys)}" if isinstance(ys, (list, tuple)) else
+                   f"a {type(ys).__name__}")
+            raise TypeError(f"{name}: the experts stage must return a list of {len(dispatched)} tensors (one [R, H] "
+                            f"bf16 y per dispatched rank, in order), got {got}")
+        return list(ys)
 
     def _rank_tokens(self, tokens: list[int]) -> None:
         most = max(tokens)
@@ -412,23 +487,25 @@ class ExpertParallel:
 
         Raises:
             RuntimeError: closed.
+            TypeError: the experts stage returned other than one tensor per dispatched rank.
             ValueError: a rank's share above max_tokens_per_rank; in the own_tokens layout with
-                one process a rank, a decode step above the op's low_latency_tokens; as the op's
-                dispatch and combine.
+                one process a rank, a decode step above the op's low_latency_tokens; ``phase``
+                not one of ``PHASES``; as the op's dispatch and combine (the stage's y included).
         """
         self._check_open(name)
+        _check_phase(phase)
         T, W = x.shape[0], self.config.world_size
         if self.virtual:
             parts = token_slices(T, W)
             self._rank_tokens([b - a for a, b in parts])
             d = self.op.dispatch([x[a:b] for a, b in parts], [w[a:b] for a, b in parts], [ids[a:b] for a, b in parts])
-            return torch.cat(self.op.combine(experts(d)))
+            return torch.cat(self.op.combine(self._stage(experts, d, name)))
         if self.layout == "same_tokens" and W > 1:
             parts = token_slices(T, W)
             a, b = parts[self.ranks[0]]
             self._rank_tokens([parts[0][1] - parts[0][0]])
             d = self.op.dispatch(x[a:b], w[a:b], ids[a:b], family=self.family(T, phase))
-            return self.gather(self.op.combine(experts([d])[0]), parts)
+            return self.gather(self.op.combine(self._stage(experts, [d], name)[0]), parts)
         self._rank_tokens([T])
         family = self.family(T, phase)
         if family == "low_latency" and T > self.op.low_latency_tokens:
@@ -437,7 +514,7 @@ class ExpertParallel:
                              f"{self.op.low_latency_tokens}); decode at most that many sequences a rank, or pass "
                              "kernel_family='normal' to expert_parallel")
         d = self.op.dispatch(x, w, ids, family=family)
-        return self.op.combine(experts([d])[0])
+        return self.op.combine(self._stage(experts, [d], name)[0])
 
     def train(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: Experts, *,
               name: str = "experts") -> torch.Tensor:
@@ -469,7 +546,7 @@ class ExpertParallel:
         T, W = x.shape[0], self.config.world_size
 
         def experts_of(d):
-            ys = experts(d.per_rank())
+            ys = self._stage(experts, d.per_rank(), name)
             return ys if self.virtual else ys[0]
 
         if self.virtual:

@@ -105,12 +105,22 @@ def test_shape_overrides_and_bad_sources_refused(tmp_path):
                         ("/dev/null", r"not a regular file \(a device, pipe or socket\)")):
         with pytest.raises(FileNotFoundError, match=rf"from_hf_config\('{source}'\): {why}"):
             EpConfig.from_hf_config(source, world_size=8, max_tokens_per_rank=8)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "config.json").symlink_to(linked / "config.json")
+    with pytest.raises(FileNotFoundError, match=r"a directory whose config.json is a symbolic link to nothing"):
+        EpConfig.from_hf_config(linked, world_size=8, max_tokens_per_rank=8)
+    (tmp_path / "digits.json").write_text('{"num_experts": ' + "9" * 5000 + "}")
+    with pytest.raises(ValueError, match=r"digits.json'\): not a config.json's JSON \(Exceeds the limit"):
+        EpConfig.from_hf_config(tmp_path / "digits.json", world_size=8, max_tokens_per_rank=8)
     (tmp_path / "twice.json").write_text('{"model_type": "qwen3_moe", "num_experts": 8, "num_experts": 128}')
     with pytest.raises(ValueError, match=r"twice.json'\): the key 'num_experts' appears twice in one object"):
         EpConfig.from_hf_config(tmp_path / "twice.json", world_size=8, max_tokens_per_rank=8)
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="holds a JSON list, not an object"):
         EpConfig.from_hf_config(tmp_path, world_size=8, max_tokens_per_rank=8)
+    with pytest.raises(TypeError, match=r"^foo=1: not an EpConfig field \(its fields: world_size, hidden"):
+        EpConfig.from_hf_config(HF_CONFIGS["qwen3-30b-a3b"], world_size=8, max_tokens_per_rank=8, foo=1)
     with pytest.raises(ValueError, match="source must be a path, a dict or a PretrainedConfig, got int"):
         EpConfig.from_hf_config(3, world_size=8, max_tokens_per_rank=8)
 

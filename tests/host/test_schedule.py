@@ -159,3 +159,10 @@ def test_shared_segments_go_with_the_op():
     del op
     gc.collect()
     assert not any(os.path.exists(p) for p in paths)  # not only at close(): /dev/shm is memory
+
+
+def test_a_schedule_that_is_not_one_is_refused():
+    from epgen.host import HostPlatform
+
+    with pytest.raises(TypeError, match=r"schedule='fast': must be None or an epgen.host.Schedule"):
+        HostPlatform("sm_90", "fast")

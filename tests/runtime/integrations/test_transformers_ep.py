@@ -535,9 +535,9 @@ def test_prefill_and_decode_take_their_families_by_phase(envelopes):
     ep.close()
     assert len(model._forward_pre_hooks) == hooks
 
-    op = types.SimpleNamespace(local_ranks=[1], low_latency_tokens=128,
+    cfg = types.SimpleNamespace(world_size=2, kernel_family="auto", layout="expert")
+    op = types.SimpleNamespace(local_ranks=[1], low_latency_tokens=128, config=cfg, virtual=False,
                                family=lambda t: "low_latency" if t <= 128 else "normal")
-    cfg = types.SimpleNamespace(world_size=2, kernel_family="auto")
     own = ExpertParallel(cfg, op, backend="epgen", layout="own_tokens", virtual=False, group=None, grouped_mm=True,
                          modules=[])
     for phase, want in (("prefill", "normal"), ("decode", "low_latency")):

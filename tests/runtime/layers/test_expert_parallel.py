@@ -114,15 +114,72 @@ def test_both_token_layouts_as_processes(tmp_path):
 def test_layouts_backends_and_slices():
     assert token_slices(10, 4) == [(0, 3), (3, 6), (6, 9), (9, 10)]
     assert token_slices(1, 4) == [(0, 1), (1, 1), (1, 1), (1, 1)]
+    assert token_slices(0, 2) == [(0, 0), (0, 0)]
+    for tokens, world, rule in ((5, 0, r"world=0: must be an int >= 1"), (-5, 2, r"tokens=-5: must be an int >= 0"),
+                                (5.0, 2, r"tokens=5.0: must be an int >= 0")):
+        with pytest.raises(ValueError, match=rule):
+            token_slices(tokens, world)
     assert token_layout("same_tokens") == "same_tokens"
     with pytest.warns(DeprecationWarning, match=r"layout='owned' is deprecated: use layout='own_tokens'"):
         assert token_layout("owned") == "own_tokens"
     with pytest.raises(ValueError, match=r"layout='mine': must be one of own_tokens, same_tokens"):
         token_layout("mine")
     assert resolve_backend(None, torch.device("cpu")) == "reference"
-    assert resolve_backend(None, torch.device("cuda", 0)) == "epgen"
+    assert resolve_backend(None, torch.device("cuda", 0)) == resolve_backend(None, "cuda") == "epgen"
     with pytest.raises(ValueError, match=r"backend='nccl': must be None or one of epgen, reference"):
         resolve_backend("nccl", None)
+    cfg = EpConfig(hidden=H, topk=K, num_experts=E, world_size=2, max_tokens_per_rank=8, layout="expert")
+    with pytest.raises(ValueError, match=r"backend='nccl': must be one of epgen, reference"):
+        build_op(cfg, "nccl", "cpu", None, virtual=True)
+    with pytest.raises(ValueError, match=r"arch='sm_90', schedule=None: only the host emulation takes them"):
+        build_op(cfg, "reference", "cpu", None, virtual=True, arch="sm_90")
+    op = build_op(cfg, "reference", "cpu", None, virtual=True)
+    for kw, rule in ((dict(backend="epgen"), r"backend='epgen': the op is a ReferenceOp"),
+                     (dict(backend="bogus"), r"backend='bogus': must be one of epgen, reference"),
+                     (dict(virtual=False), r"virtual=False: the op drives every rank in this process"),
+                     (dict(config=EpConfig(hidden=H, topk=K, num_experts=E, world_size=4, max_tokens_per_rank=8,
+                                           layout="expert")), r"config: must be the op's own EpConfig"),
+                     (dict(config=EpConfig(hidden=H, topk=K, num_experts=E, world_size=2, max_tokens_per_rank=8)),
+                      r"EpConfig.layout='rank': ExpertParallel runs the expert layout")):
+        args = {"config": cfg, "backend": "reference", "virtual": True, **kw}
+        with pytest.raises(ValueError, match=rule):
+            ExpertParallel(args.pop("config"), op, layout="own_tokens", **args)
+
+
+def test_the_reference_checks_inputs_and_stage_outputs_as_the_op_does():
+    """What ``ReferenceOp`` runs, the op runs: its inputs are checked by the op's rules
+    (``check_dispatch_inputs`` / ``check_combine_inputs``), and the experts stage's outputs must be
+    one tensor per dispatched rank, on either backend; bad offsets are refused on the CPU's grouped
+    path as on the loop path."""
+    weights, x, ids, w = _moe(0, 8)
+    cfg = EpConfig(hidden=H, topk=K, num_experts=E, world_size=2, max_tokens_per_rank=8, layout="expert")
+    ep = ExpertParallel(cfg, ReferenceOp(cfg, virtual=True), backend="reference", layout="own_tokens", virtual=True)
+    stage = _stage(weights, [0, 1], cfg.experts_per_rank)
+    for args, error, rule in (
+            ((x.float(), ids, w), ValueError, r"x\[rank 0\]\.dtype=torch.float32: must be torch.bfloat16"),
+            ((x[:, :32], ids, w), ValueError, r"x\[rank 0\]\.shape=\[4, 32\]: must be \[\*, 64\]"),
+            ((x, torch.cat([ids, ids[:, :1]], 1), torch.cat([w, w[:, :1]], 1)), ValueError,
+             r"weights\[rank 0\]\.shape=\[4, 3\]: must be \[4, 2\]")):
+        with pytest.raises(error, match=rule):
+            ep.run(*args, stage)
+    narrow = lambda d: [y[:, :32].contiguous() for y in stage(d)]  # noqa: E731
+    with pytest.raises(ValueError, match=r"y\[rank 0\]\.shape=\[\d+, 32\]: must be \[\*, 64\]"):
+        ep.run(x, ids, w, narrow)
+    short = lambda d: [y[:1] for y in stage(d)]  # noqa: E731
+    with pytest.raises(ValueError, match=r"y\[rank 0\]\.shape\[0\]=1: fewer rows than the dispatch's expert layout"):
+        ep.run(x, ids, w, short)
+    for bad, got in ((lambda d: stage(d)[:1], "a list of 1"), (lambda d: None, "a NoneType"),
+                     (lambda d: torch.cat(stage(d)), "a Tensor")):
+        with pytest.raises(TypeError, match=rf"layer 2: the experts stage must return a list of 2 tensors .*got {got}"):
+            ep.run(x, ids, w, bad, name="layer 2")
+    with pytest.raises(ValueError, match=r"phase='bogus': must be one of prefill, decode"):
+        ep.run(x, ids, w, stage, phase="bogus")
+    shard = ExpertShard(up=weights.up[:4], up_bias=None, down=weights.down[:4], down_bias=None, gate=weights.gate[:4])
+    rows = torch.zeros(10, H, dtype=torch.bfloat16)
+    for offsets, rule in (([0, 5, 3, 8, 10], r"offsets=\[0, 5, 3, 8, 10\]: must start at 0, never decrease"),
+                          ([0, 5, 6, 8, 20], r"end at most at R=10"), ([0, 5, 10], r"must be \[L \+ 1\] = \[5\]")):
+        with pytest.raises(ValueError, match=rule):
+            expert_rows(shard, rows, torch.tensor(offsets, dtype=torch.int32), activate=lambda h, g: h, grouped=True)
 
 
 def test_closed_calls_and_gradients_without_a_backward_refused():
