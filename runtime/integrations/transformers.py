@@ -492,8 +492,9 @@ class ExpertParallel(layers.ExpertParallel):
         """
         self._check_open(_module_name(experts))
         if hidden_states.dim() != 2 or hidden_states.dtype != torch.bfloat16:
-            raise ValueError(f"{type(experts).__name__}: hidden_states {tuple(hidden_states.shape)} "
-                             f"{hidden_states.dtype} must be [T, H] torch.bfloat16")
+            raise ValueError(f"{_module_name(experts)}: hidden_states {tuple(hidden_states.shape)} "
+                             f"{hidden_states.dtype} must be [T, H] torch.bfloat16 (epgen runs the bf16 model it "
+                             "converted; a model cast to another dtype after expert_parallel cannot run)")
         x = hidden_states.contiguous()
         ids = top_k_index.to(torch.int32).contiguous()
         w = top_k_weights.to(torch.float32).contiguous()

@@ -410,6 +410,10 @@ def test_meta_and_mismatched_weights_refused_naming_the_module(envelopes):
         hf_models.logits(model, PROMPT[:1, :8])
     experts.down_proj = good
     hf_models.logits(model, PROMPT[:1, :8])
+    model.float()  # the whole model cast after the conversion: the first experts module names itself
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts \(Qwen3MoeExperts\): hidden_states \(8, 64\) "
+                                         r"torch.float32 must be \[T, H\] torch.bfloat16 \(epgen runs the bf16 model"):
+        hf_models.logits(model, PROMPT[:1, :8])
 
 
 # --- torch.compile -----------------------------------------------------------------------------------
