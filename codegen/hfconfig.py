@@ -231,6 +231,9 @@ def moe_shape(source) -> tuple[dict, str, str]:
         name, value = found[0], _get(data, found[0])
         if isinstance(value, (list, tuple)) and value and all(v == value[0] for v in value):
             value = value[0]  # one value a layer (hunyuan_v1_moe's moe_topk), all the same
+        elif isinstance(value, (list, tuple)) and not value:
+            raise ValueError(f"{where}: model_type {label!r}: {name}=[] gives no {LABELS[field]} (a per-layer list "
+                             "holds one value a layer)")
         elif isinstance(value, (list, tuple)):
             raise ValueError(f"{where}: model_type {label!r}: {name}={value!r} differs across layers; an EpConfig "
                              f"holds one {LABELS[field]} (build one EpConfig(...) per distinct layer)")

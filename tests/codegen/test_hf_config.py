@@ -225,6 +225,8 @@ def test_per_layer_top_k_must_agree():
     data = dict(RENAMED["hunyuan_v1_moe"][0], moe_topk=[8, 8, 4])
     with pytest.raises(ValueError, match=r"moe_topk=\[8, 8, 4\] differs across layers"):
         EpConfig.from_hf_config(data, world_size=1, max_tokens_per_rank=8)
+    with pytest.raises(ValueError, match=r"moe_topk=\[\] gives no top-k"):
+        EpConfig.from_hf_config(dict(data, moe_topk=[]), world_size=1, max_tokens_per_rank=8)
 
 
 @pytest.mark.parametrize("content,message", [
