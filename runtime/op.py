@@ -413,7 +413,8 @@ class EpDispatchCombine:
 
             if not dist.is_initialized():
                 raise RuntimeError(f"EpConfig.world_size={W}: needs torch.distributed initialized with one process "
-                                   "per GPU, or virtual=True to run every rank in this process")
+                                   f"per {'rank (gloo, on the host emulation)' if host else 'GPU'}, or virtual=True to "
+                                   "run every rank in this process")
             group = group if group is not None else dist.group.WORLD
             if dist.get_world_size(group) != W:
                 raise ValueError(f"EpConfig.world_size={W}: the process group has {dist.get_world_size(group)} ranks")

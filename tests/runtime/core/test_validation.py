@@ -188,6 +188,15 @@ def test_a_layer_across_nodes_is_refused_before_anything_else():
         EpDispatchCombine(cfg)
 
 
+def test_ranks_without_a_process_group_are_refused_naming_the_way_out():
+    from epgen.op import EpDispatchCombine
+
+    cfg = EpConfig(world_size=2, hidden=64, topk=2, num_experts=8, max_tokens_per_rank=8)
+    with pytest.raises(RuntimeError, match=r"^EpConfig.world_size=2: needs torch.distributed initialized with one "
+                                           r"process per rank \(gloo, on the host emulation\), or virtual=True"):
+        EpDispatchCombine(cfg, device="cpu")
+
+
 @pytest.mark.parametrize("virtual,transport,want", [
     (True, "auto", "pull"), (False, "auto", "push"), (False, "pull", "pull"), (True, "push", "push"),
 ])
