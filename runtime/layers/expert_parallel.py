@@ -468,6 +468,25 @@ class ExpertParallel:
                             f"bf16 y per dispatched rank, in order), got {got}")
         return list(ys)
 
+    def _routes(self, ids: torch.Tensor, w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids and w with the config's K routes a row: a call with k < K routes a row (a framework
+        that gives each route its own row: ergo's experts take [T K, 1]) is padded with id -1 (no
+        expert) and weight 0, which the op routes nowhere.
+
+        Raises:
+            ValueError: ids and w not [T, k] alike, or k > K."""
+        K = self.config.topk
+        if ids.dim() != 2 or w.shape != ids.shape:
+            raise ValueError(f"{name}: top-k ids {tuple(ids.shape)} and weights {tuple(w.shape)} must both be [T, k]")
+        k = ids.shape[1]
+        if k > K:
+            raise ValueError(f"{name}: {k} routes a token, more than the config's top-k {K} (EpConfig.topk, read from "
+                             "the model config)")
+        if k == K:
+            return ids, w
+        return (torch.cat([ids, ids.new_full((ids.shape[0], K - k), -1)], 1),
+                torch.cat([w, w.new_zeros(w.shape[0], K - k)], 1))
+
     def _rank_tokens(self, tokens: list[int]) -> None:
         most = max(tokens)
         if most > self.config.max_tokens_per_rank:
@@ -479,8 +498,8 @@ class ExpertParallel:
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: Experts, *, phase: str | None = None,
             name: str = "experts") -> torch.Tensor:
-        """One experts call: x [T, H] bf16, ids [T, K] int32, w [T, K] float32, contiguous; the
-        experts stage ``experts``; ``phase`` the forward's phase as the caller saw it (default
+        """One experts call: x [T, H] bf16, ids [T, k] int32, w [T, k] float32, contiguous, k <= K
+        (fewer routes a row are padded with id -1: ``_routes``); the experts stage ``experts``; ``phase`` the forward's phase as the caller saw it (default
         ``self.phase``; the family of the own_tokens layout); ``name`` names the caller's module in
         errors. Returns [T, H] bf16, the top-k weighted sum of the experts' outputs for this rank's
         tokens (all T in every layout).
@@ -488,12 +507,14 @@ class ExpertParallel:
         Raises:
             RuntimeError: closed.
             TypeError: the experts stage returned other than one tensor per dispatched rank.
-            ValueError: a rank's share above max_tokens_per_rank; in the own_tokens layout with
+            ValueError: ids and w not [T, k] alike, or k above the config's top-k; a rank's share
+                above max_tokens_per_rank; in the own_tokens layout with
                 one process a rank, a decode step above the op's low_latency_tokens; ``phase``
                 not one of ``PHASES``; as the op's dispatch and combine (the stage's y included).
         """
         self._check_open(name)
         _check_phase(phase)
+        ids, w = self._routes(ids, w, name)
         T, W = x.shape[0], self.config.world_size
         if self.virtual:
             parts = token_slices(T, W)
@@ -543,6 +564,7 @@ class ExpertParallel:
                              "pull kernels; convert with expert_parallel(..., dispatch_transport='pull') to train, or "
                              "run inference under torch.no_grad() (this model has dispatch_transport="
                              f"{self.config.dispatch_transport!r})")
+        ids, w = self._routes(ids, w, name)
         T, W = x.shape[0], self.config.world_size
 
         def experts_of(d):

@@ -159,7 +159,8 @@ def test_the_reference_checks_inputs_and_stage_outputs_as_the_op_does():
             ((x.float(), ids, w), ValueError, r"x\[rank 0\]\.dtype=torch.float32: must be torch.bfloat16"),
             ((x[:, :32], ids, w), ValueError, r"x\[rank 0\]\.shape=\[4, 32\]: must be \[\*, 64\]"),
             ((x, torch.cat([ids, ids[:, :1]], 1), torch.cat([w, w[:, :1]], 1)), ValueError,
-             r"weights\[rank 0\]\.shape=\[4, 3\]: must be \[4, 2\]")):
+             r"experts: 3 routes a token, more than the config's top-k 2"),
+            ((x, ids, w[:, :1]), ValueError, r"top-k ids \(8, 2\) and weights \(8, 1\) must both be \[T, k\]")):
         with pytest.raises(error, match=rule):
             ep.run(*args, stage)
     narrow = lambda d: [y[:, :32].contiguous() for y in stage(d)]  # noqa: E731
@@ -180,6 +181,25 @@ def test_the_reference_checks_inputs_and_stage_outputs_as_the_op_does():
                           ([0, 5, 6, 8, 20], r"end at most at R=10"), ([0, 5, 10], r"must be \[L \+ 1\] = \[5\]")):
         with pytest.raises(ValueError, match=rule):
             expert_rows(shard, rows, torch.tensor(offsets, dtype=torch.int32), activate=lambda h, g: h, grouped=True)
+
+
+@pytest.mark.parametrize("backend", ["reference", "epgen"])
+def test_a_call_with_one_route_a_row_equals_the_call_with_k(backend):
+    """A framework that gives each route its own row (ergo: [T K, 1] ids, unit weights, the
+    weighted sum after) calls with fewer routes than the config's top-k: the routes are padded with
+    id -1 and weight 0, and each row comes back as its one expert's output, equal to the dense
+    computation of that route."""
+    weights, x, ids, w = _moe(5, 12)
+    cfg = EpConfig(hidden=H, topk=K, num_experts=E, world_size=2, max_tokens_per_rank=32, layout="expert")
+    op = build_op(cfg, backend, torch.device("cpu"), None, virtual=True, arch="sm_90" if backend == "epgen" else None)
+    ep = ExpertParallel(cfg, op, backend=backend, layout="own_tokens", virtual=True)
+    rows, one_ids = x.repeat_interleave(K, 0), ids.reshape(-1, 1)
+    try:
+        out = ep.run(rows, one_ids, torch.ones(rows.shape[0], 1), _stage(weights, [0, 1], cfg.experts_per_rank))
+    finally:
+        ep.close()
+    assert _error(out, _dense(weights, rows, torch.cat([one_ids, one_ids], 1), torch.tensor([[1.0, 0.0]]).repeat(
+        rows.shape[0], 1))) < 2**-7
 
 
 def test_closed_calls_and_gradients_without_a_backward_refused():
