@@ -350,3 +350,13 @@ class EpConfig:
     def receive_rows(self) -> int:
         """N, the receive rows of each rank: ``max_recv_tokens``, or W x max_tokens_per_rank."""
         return self.max_recv_tokens or self.world_size * self.max_tokens_per_rank
+
+    @property
+    def expert_layout_rows(self) -> int:
+        """R, the expert layout's rows of each rank (``KernelSpec.expert_rows``): N x min(K, L) +
+        L x (A - 1), every receive row expanded to at most min(K, L) rows and each of the L groups
+        padded by fewer than A rows; 0 in the rank layout."""
+        if self.layout != "expert":
+            return 0
+        L = self.experts_per_rank
+        return self.receive_rows * min(self.topk, L) + L * (self.expert_alignment - 1)

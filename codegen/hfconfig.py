@@ -109,6 +109,8 @@ def read_file(source) -> tuple[dict, str]:
         else:
             if os.path.islink(path) and not os.path.exists(path):
                 why = "a symbolic link to nothing (dangling, or a loop of links)"
+            elif os.path.isdir(path):
+                why = "a directory, not a file"
             elif os.path.exists(path):
                 why = "not a regular file (a device, pipe or socket); pass a config.json or its model directory"
             else:

@@ -266,6 +266,23 @@ which torch's element alignment covers), scales one byte at a time, and y is cop
 by torch unless a kernel reads it in place, so those need no more than their dtype's alignment."""
 
 
+def op_inputs(value, name: str, ranks: int, virtual: bool, optional: bool = False) -> list:
+    """An op call's argument per local rank (``epgen.tensors.per_rank``), refusing a tensor that
+    requires grad while grad mode is on: an op records no gradients, so its outputs would be cut
+    from the graph without a word (``epgen.autograd`` differentiates the calls).
+
+    Raises:
+        TypeError: as ``per_rank``.
+        RuntimeError: a tensor requiring grad under grad mode.
+    """
+    values = per_rank(value, name, ranks, virtual, optional)
+    if torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
+        raise RuntimeError(f"{name}: requires grad, and EpDispatchCombine records no gradients (its outputs would "
+                           "not reach the graph); differentiate through epgen.autograd.dispatch / combine, or pass "
+                           f"{name}.detach() or call under torch.no_grad()")
+    return values
+
+
 def check_dispatch_inputs(cfg: EpConfig, payload: DTypeInfo, device: torch.device, x, weights, indices, scales,
                           tag: str = "") -> int:
     """Check one rank's dispatch inputs against ``cfg`` before any launch; returns T.
@@ -1229,15 +1246,7 @@ class EpDispatchCombine:
 
     # ---- launch ------------------------------------------------------------------------------
     def _per_rank(self, value, name: str, optional: bool = False) -> list:
-        """``value`` per local rank (``epgen.tensors.per_rank``); RuntimeError for a tensor that
-        requires grad while grad mode is on: the op records no gradients, so its outputs would be
-        cut from the graph without a word."""
-        values = per_rank(value, name, len(self.local_ranks), self.virtual, optional)
-        if torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
-            raise RuntimeError(f"{name}: requires grad, and EpDispatchCombine records no gradients (its outputs would "
-                               "not reach the graph); differentiate through epgen.autograd.dispatch / combine, or pass "
-                               f"{name}.detach() or call under torch.no_grad()")
-        return values
+        return op_inputs(value, name, len(self.local_ranks), self.virtual, optional)
 
     def variant(self, op: Op, tokens: int, transport: str = "push") -> KernelSpec:
         """The spec ``op`` launches for ``tokens`` (the largest token count of the ranks this

@@ -669,7 +669,8 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
             weights on the host emulation, epgen's real kernels run on the CPU, ``epgen.host``,
             for correctness, not speed) or "reference" (``ReferenceOp``, ``epgen.reference`` on
             the CPU); default: "epgen" for CUDA weights, else "reference".
-        max_tokens_per_rank: the most tokens one rank dispatches in one call (sizes the buffers).
+        max_tokens_per_rank: the most tokens one rank dispatches in one call (sizes the buffers);
+            for experts called with each route as its own row (ergo's: ids [T K, 1]) the rows, T x K.
         grouped_mm: the expert path: None = ``torch._grouped_mm`` where it runs without a host
             synchronization (CPU, CUDA sm_90 / sm_100; H and I multiples of 8), else the
             per-expert loop, with a warning that says why; True = grouped (refused where it

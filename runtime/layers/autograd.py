@@ -429,21 +429,21 @@ class ReferenceEp:
     virtual = True
 
     def __init__(self, config: EpConfig, dtype: torch.dtype = torch.float64):
-        W, K, L = config.world_size, config.topk, config.experts_per_rank
-        N = config.max_recv_tokens or W * config.max_tokens_per_rank
         self.config, self.dtype, self.device = config, dtype, torch.device("cpu")
-        self.local_ranks = list(range(W))
+        self.local_ranks = list(range(config.world_size))
         self.expert_layout = config.layout == "expert"
-        A = config.expert_alignment if self.expert_layout else 1
-        self.arena_layout = _Rows(capacity_rows=N, expert_rows=N * min(K, L) + L * (A - 1) if self.expert_layout else 0)
+        self.arena_layout = _Rows(capacity_rows=config.receive_rows, expert_rows=config.expert_layout_rows)
         self._last = None
 
     def _pad(self, t: torch.Tensor, rows: int, fill=0) -> torch.Tensor:
         return torch.cat([t, torch.full((rows - t.shape[0], *t.shape[1:]), fill, dtype=t.dtype)])
 
     def dispatch(self, x, weights=None, indices=None, family=None, *, layout=None):
-        """As ``EpDispatchCombine.dispatch`` on virtual ranks; ``family`` is taken as the op takes
-        it and changes nothing (the reference has one path)."""
+        """As ``EpDispatchCombine.dispatch`` on virtual ranks; ``family`` (None, "normal" or
+        "low_latency") is taken as the op takes it and changes nothing (the reference has one
+        path)."""
+        if family not in (None, "normal", "low_latency"):
+            raise ValueError(f"family={family!r}: must be None, 'normal' or 'low_latency'")
         L, N = self.config.experts_per_rank, self.arena_layout.capacity_rows
         if layout is None:  # the reference routes with float32 weights; the rows carry the caller's
             recv = ref.dispatch(list(x), [w.float() for w in weights], list(indices), experts_per_rank=L)

@@ -47,8 +47,7 @@ from epgen.codegen.config import EpConfig
 from epgen.codegen.dtypes import dtype_info
 from epgen.layers import autograd
 from epgen.layers.moe import _host_offsets
-from epgen.op import check_combine_inputs, check_dispatch_inputs
-from epgen.tensors import per_rank
+from epgen.op import check_combine_inputs, check_dispatch_inputs, op_inputs
 
 __all__ = ["BACKENDS", "DEPRECATED_TOKEN_LAYOUTS", "PHASES", "TOKEN_LAYOUTS", "ExpertParallel", "ExpertShard", "ReferenceOp",
            "build_op", "check_host_options", "expert_rows", "resolve_backend", "token_layout", "token_slices"]
@@ -171,7 +170,8 @@ class ReferenceOp:
         ValueError: config.layout is not "expert"; a group whose size is not W.
         (dispatch, combine) TypeError, ValueError: this process's inputs as the op checks them
             (``epgen.op.check_dispatch_inputs``, ``check_combine_inputs``: dtype, shape, device,
-            contiguity, max_tokens_per_rank; y with fewer rows than the dispatch's layout); as
+            contiguity, max_tokens_per_rank, the expert layout's rows; y with fewer rows than the
+            dispatch's layout); RuntimeError: a tensor requiring grad under grad mode; as
             ``epgen.reference.dispatch``, ``expand`` and ``combine_weighted``.
     """
 
@@ -218,8 +218,8 @@ class ReferenceOp:
         what runs here runs on the op."""
         cfg = self.config
         n = len(self.local_ranks)
-        mine = zip(*(per_rank(v, name, n, self.virtual) for v, name in ((x, "x"), (weights, "weights"),
-                                                                         (indices, "indices"))))
+        mine = zip(*(op_inputs(v, name, n, self.virtual) for v, name in ((x, "x"), (weights, "weights"),
+                                                                          (indices, "indices"))))
         for i, (xi, wi, ii) in enumerate(mine):
             check_dispatch_inputs(cfg, self.payload, self.device, xi, wi, ii, None, self._tag(i))
         xs, ws, ids = (self._everyone(v) for v in (x, weights, indices))
@@ -236,9 +236,9 @@ class ReferenceOp:
         if self._pending is None:
             raise RuntimeError("combine: needs a dispatch first")
         recv, expert, tokens = self._pending
-        for i, yi in enumerate(per_rank(y, "y", len(self.local_ranks), self.virtual)):
+        for i, yi in enumerate(op_inputs(y, "y", len(self.local_ranks), self.virtual)):
             rows = expert[self.local_ranks[i]].x.shape[0]
-            check_combine_inputs(self.config, self.device, yi, None, 0, rows, self._tag(i))
+            check_combine_inputs(self.config, self.device, yi, None, 0, self.config.expert_layout_rows, self._tag(i))
             if yi.shape[0] < rows:
                 raise ValueError(f"y{self._tag(i)}.shape[0]={yi.shape[0]}: fewer rows than the dispatch's expert "
                                  f"layout, {rows}")
@@ -339,13 +339,14 @@ def expert_rows(shard: ExpertShard, x: torch.Tensor, offsets: torch.Tensor, *,
         y [R, H], x's dtype.
 
     Raises:
-        ValueError: offsets not [L + 1]; (loop path, and the grouped path on the CPU, where reading
+        ValueError: offsets not [L + 1] int32; (loop path, and the grouped path on the CPU, where reading
             them costs no synchronization) offsets not starting at 0, decreasing, or past R. On a
             GPU the grouped path trusts the op's offsets (a check would synchronize the host).
     """
     L = shard.num_experts
-    if offsets.dim() != 1 or offsets.shape[0] != L + 1:
-        raise ValueError(f"offsets: shape {tuple(offsets.shape)} must be [L + 1] = [{L + 1}] (the shard's {L} experts)")
+    if offsets.dim() != 1 or offsets.shape[0] != L + 1 or offsets.dtype != torch.int32:
+        raise ValueError(f"offsets: {tuple(offsets.shape)} {offsets.dtype} must be [L + 1] = [{L + 1}] torch.int32 (the "
+                         f"shard's {L} experts)")
     if grouped and x.device.type == "cpu":
         _host_offsets(offsets, x.shape[0])  # read for free on the CPU: checked as the loop path checks them
     if weights is not None:
@@ -468,16 +469,18 @@ class ExpertParallel:
                             f"bf16 y per dispatched rank, in order), got {got}")
         return list(ys)
 
-    def _routes(self, ids: torch.Tensor, w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _routes(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """ids and w with the config's K routes a row: a call with k < K routes a row (a framework
         that gives each route its own row: ergo's experts take [T K, 1]) is padded with id -1 (no
         expert) and weight 0, which the op routes nowhere.
 
         Raises:
-            ValueError: ids and w not [T, k] alike, or k > K."""
+            ValueError: ids and w not [T, k] alike for x [T, H], or k > K."""
         K = self.config.topk
-        if ids.dim() != 2 or w.shape != ids.shape:
-            raise ValueError(f"{name}: top-k ids {tuple(ids.shape)} and weights {tuple(w.shape)} must both be [T, k]")
+        if ids.dim() != 2 or w.shape != ids.shape or x.dim() != 2 or ids.shape[0] != x.shape[0]:
+            raise ValueError(f"{name}: top-k ids {tuple(ids.shape)} and weights {tuple(w.shape)} must both be [T, k] "
+                             f"for x {tuple(x.shape)} [T, H]")
         k = ids.shape[1]
         if k > K:
             raise ValueError(f"{name}: {k} routes a token, more than the config's top-k {K} (EpConfig.topk, read from "
@@ -494,7 +497,8 @@ class ExpertParallel:
             raise ValueError(f"epgen expert parallel (layout {self.layout}, W={self.config.world_size}): rank "
                              f"{self.ranks[r] if len(tokens) == len(self.ranks) else r} passes {most} tokens to one "
                              f"dispatch, more than max_tokens_per_rank={self.config.max_tokens_per_rank} (raise it in "
-                             "expert_parallel)")
+                             "expert_parallel; a call that gives each route its own row, as ergo's experts do, counts "
+                             "its rows: tokens x top-k)")
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: Experts, *, phase: str | None = None,
             name: str = "experts") -> torch.Tensor:
@@ -507,14 +511,14 @@ class ExpertParallel:
         Raises:
             RuntimeError: closed.
             TypeError: the experts stage returned other than one tensor per dispatched rank.
-            ValueError: ids and w not [T, k] alike, or k above the config's top-k; a rank's share
+            ValueError: ids and w not [T, k] alike for x [T, H], or k above the config's top-k; a rank's share
                 above max_tokens_per_rank; in the own_tokens layout with
                 one process a rank, a decode step above the op's low_latency_tokens; ``phase``
                 not one of ``PHASES``; as the op's dispatch and combine (the stage's y included).
         """
         self._check_open(name)
         _check_phase(phase)
-        ids, w = self._routes(ids, w, name)
+        ids, w = self._routes(x, ids, w, name)
         T, W = x.shape[0], self.config.world_size
         if self.virtual:
             parts = token_slices(T, W)
@@ -564,7 +568,7 @@ class ExpertParallel:
                              "pull kernels; convert with expert_parallel(..., dispatch_transport='pull') to train, or "
                              "run inference under torch.no_grad() (this model has dispatch_transport="
                              f"{self.config.dispatch_transport!r})")
-        ids, w = self._routes(ids, w, name)
+        ids, w = self._routes(x, ids, w, name)
         T, W = x.shape[0], self.config.world_size
 
         def experts_of(d):

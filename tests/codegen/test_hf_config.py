@@ -110,6 +110,10 @@ def test_shape_overrides_and_bad_sources_refused(tmp_path):
     (linked / "config.json").symlink_to(linked / "config.json")
     with pytest.raises(FileNotFoundError, match=r"a directory whose config.json is a symbolic link to nothing"):
         EpConfig.from_hf_config(linked, world_size=8, max_tokens_per_rank=8)
+    nested = tmp_path / "nested"
+    (nested / "config.json").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=r"a directory whose config.json is a directory, not a file"):
+        EpConfig.from_hf_config(nested, world_size=8, max_tokens_per_rank=8)
     (tmp_path / "digits.json").write_text('{"num_experts": ' + "9" * 5000 + "}")
     with pytest.raises(ValueError, match=r"digits.json'\): not a config.json's JSON \(Exceeds the limit"):
         EpConfig.from_hf_config(tmp_path / "digits.json", world_size=8, max_tokens_per_rank=8)

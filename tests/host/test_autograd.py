@@ -72,6 +72,8 @@ def test_gradcheck_through_the_reference(layout, W):
     assert torch.autograd.gradcheck(f, (*xs, *ws))
     for a, b in zip(f(*xs, *ws, family="normal"), f(*xs, *ws)):  # the op's family argument: taken, one path
         assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"family='bogus': must be None, 'normal' or 'low_latency'"):
+        f(*xs, *ws, family="bogus")
 
 
 def _run(op, layout, x0, w0, ids, dtype, weights_grad=True):

@@ -160,12 +160,17 @@ def test_the_reference_checks_inputs_and_stage_outputs_as_the_op_does():
             ((x[:, :32], ids, w), ValueError, r"x\[rank 0\]\.shape=\[4, 32\]: must be \[\*, 64\]"),
             ((x, torch.cat([ids, ids[:, :1]], 1), torch.cat([w, w[:, :1]], 1)), ValueError,
              r"experts: 3 routes a token, more than the config's top-k 2"),
-            ((x, ids, w[:, :1]), ValueError, r"top-k ids \(8, 2\) and weights \(8, 1\) must both be \[T, k\]")):
+            ((x, ids, w[:, :1]), ValueError, r"top-k ids \(8, 2\) and weights \(8, 1\) must both be \[T, k\]"),
+            ((x[:6], ids, w), ValueError, r"must both be \[T, k\] for x \(6, 64\) \[T, H\]"),
+            ((x.clone().requires_grad_(), ids, w), RuntimeError, r"^x: requires grad, and EpDispatchCombine records "
+                                                                 r"no gradients")):
         with pytest.raises(error, match=rule):
             ep.run(*args, stage)
     narrow = lambda d: [y[:, :32].contiguous() for y in stage(d)]  # noqa: E731
     with pytest.raises(ValueError, match=r"y\[rank 0\]\.shape=\[\d+, 32\]: must be \[\*, 64\]"):
         ep.run(x, ids, w, narrow)
+    long = lambda d: [torch.cat([y, y]) for y in stage(d)]  # noqa: E731  (rows past the layout's: taken, as the op)
+    assert torch.equal(ep.run(x, ids, w, long), ep.run(x, ids, w, stage))
     short = lambda d: [y[:1] for y in stage(d)]  # noqa: E731
     with pytest.raises(ValueError, match=r"y\[rank 0\]\.shape\[0\]=1: fewer rows than the dispatch's expert layout"):
         ep.run(x, ids, w, short)
@@ -178,7 +183,7 @@ def test_the_reference_checks_inputs_and_stage_outputs_as_the_op_does():
     shard = ExpertShard(up=weights.up[:4], up_bias=None, down=weights.down[:4], down_bias=None, gate=weights.gate[:4])
     rows = torch.zeros(10, H, dtype=torch.bfloat16)
     for offsets, rule in (([0, 5, 3, 8, 10], r"offsets=\[0, 5, 3, 8, 10\]: must start at 0, never decrease"),
-                          ([0, 5, 6, 8, 20], r"end at most at R=10"), ([0, 5, 10], r"must be \[L \+ 1\] = \[5\]")):
+                          ([0, 5, 6, 8, 20], r"end at most at R=10"), ([0, 5, 10], r"must be \[L \+ 1\] = \[5\] torch.int32")):
         with pytest.raises(ValueError, match=rule):
             expert_rows(shard, rows, torch.tensor(offsets, dtype=torch.int32), activate=lambda h, g: h, grouped=True)
 
