@@ -738,7 +738,6 @@ def expert_parallel(model: torch.nn.Module, *, group=None, virtual: bool = False
         _check_experts(name, experts, cfg)
     device = _attr(first, reader(first).weights(first)[0]).device
     backend = resolve_backend(backend, device)
-    check_host_options(backend, device, arch, schedule)
     grouped_mm = _expert_path(first, device, cfg.hidden, grouped_mm)
     op = build_op(cfg, backend, device, group, virtual, arch, schedule)
     L = cfg.experts_per_rank
@@ -861,7 +860,6 @@ class EpgenEPImplementation(_EPImplementation or object):
         device = (torch.device(ep_mesh.device_type, torch.cuda.current_device()) if ep_mesh.device_type == "cuda"
                   else torch.device(ep_mesh.device_type))
         backend = resolve_backend(backend, device)
-        check_host_options(backend, device, arch, schedule)
         key = (id(experts.config), id(group), layout, backend, grouped_mm, cfg, arch, schedule)
         handle = _LOADED.get(key)
         if handle is None:
